@@ -1,0 +1,23 @@
+"""Validated descriptions of what to train (ModelSpec), where (ClusterSpec), how (TrainingSpec),
+and the decisions a plan fixes (Layout, Choices), with the Plan and Estimate that carry them."""
+
+from .cluster import ClusterSpec
+from .layout import (
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    Choices,
+    Layout,
+    check_layout,
+    layout_violations,
+)
+from .loader import list_presets, load_cluster, load_model, load_plan, load_training
+from .model import ModelSpec
+from .plan import Confidence, Estimate, MemoryBreakdown, Plan, TimeBreakdown
+from .training import PRECISIONS, TrainingSpec
+
+__all__ = [
+    "OFFLOAD_MODULES", "PRECISIONS", "RECOMPUTE_MODULES", "Choices", "ClusterSpec", "Confidence",
+    "Estimate", "Layout", "MemoryBreakdown", "ModelSpec", "Plan", "TimeBreakdown", "TrainingSpec",
+    "check_layout", "layout_violations", "list_presets", "load_cluster", "load_model",
+    "load_plan", "load_training",
+]

@@ -1,0 +1,85 @@
+"""ClusterSpec: per-GPU peaks plus the topology that decides which links a group's ranks use."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PRECISION_PEAK_FIELD = {
+    "bf16": "bf16_tflops",
+    "fp8-delayed": "fp8_tflops",
+    "fp8-tensorwise": "fp8_tflops",
+    "fp8-blockwise": "fp8_tflops",
+    "mxfp8": "fp8_tflops",
+    "nvfp4": "fp4_tflops",
+}
+
+BLACKWELL_ONLY = frozenset({"mxfp8", "nvfp4"})
+
+
+class ClusterSpec(BaseModel):
+    """A homogeneous GPU cluster: datasheet peaks per GPU, links, and where GPUs sit.
+
+    Peaks are datasheet (dense, no sparsity) figures; the fraction of them that real kernels reach
+    lives in the calibration profile, never here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("custom", description="Preset name or file stem.")
+    gpu: str = Field(description="GPU model, e.g. 'H100-SXM'.")
+    architecture: Literal["ampere", "hopper", "blackwell"] = Field(
+        description="GPU generation; decides which low-precision recipes exist (MXFP8 and NVFP4 "
+        "need Blackwell, FP8 needs Hopper or newer)."
+    )
+    num_gpus: int | None = Field(
+        None, gt=0, description="GPUs in the cluster (None: given on the command line by --gpus)."
+    )
+    bf16_tflops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU.")
+    fp8_tflops: float | None = Field(None, gt=0, description="Dense FP8 peak (None: no FP8).")
+    fp4_tflops: float | None = Field(None, gt=0, description="Dense FP4 peak (None: no FP4).")
+    hbm_gb: float = Field(gt=0, description="Usable HBM per GPU, GB (10^9 bytes).")
+    hbm_tb_s: float = Field(gt=0, description="HBM bandwidth per GPU, TB/s.")
+    nvlink_gb_s: float = Field(gt=0, description="NVLink bandwidth per GPU per direction, GB/s.")
+    nvlink_domain_gpus: int = Field(gt=0, description="GPUs sharing one NVLink/NVSwitch domain.")
+    gpus_per_node: int = Field(gt=0, description="GPUs per server (tray for NVL72).")
+    scaleout_gb_s: float = Field(gt=0, description="Scale-out network bandwidth per GPU, GB/s.")
+    scaleout_latency_us: float = Field(5.0, ge=0, description="Scale-out α per message, µs.")
+    nvlink_latency_us: float = Field(2.0, ge=0, description="NVLink α per message, µs.")
+    host_memory_gb: float = Field(gt=0, description="Host (CPU) memory per GPU, GB.")
+    host_link_gb_s: float = Field(
+        gt=0, description="GPU↔host bandwidth per direction, GB/s (PCIe or NVLink-C2C)."
+    )
+    calibration: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Efficiency constants overriding the shipped calibration profile "
+        "(written by `moeplan calibrate`).",
+    )
+    sources: dict[str, str] = Field(default_factory=dict, description="Where each figure is from.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSpec:
+        if self.nvlink_domain_gpus < self.gpus_per_node:
+            raise ValueError(
+                f"nvlink_domain_gpus: {self.nvlink_domain_gpus} is smaller than gpus_per_node "
+                f"({self.gpus_per_node}); a node's GPUs always share its NVLink domain"
+            )
+        if self.nvlink_domain_gpus % self.gpus_per_node:
+            raise ValueError(
+                "nvlink_domain_gpus: must be a multiple of gpus_per_node "
+                f"({self.gpus_per_node}); an NVLink domain is made of whole nodes"
+            )
+        return self
+
+    def peak_tflops(self, precision: str) -> float | None:
+        """Dense peak for a precision recipe's GEMMs, or None when the GPU lacks that format."""
+        if precision in BLACKWELL_ONLY and self.architecture != "blackwell":
+            return None
+        return getattr(self, PRECISION_PEAK_FIELD[precision])
+
+    def supports(self, precision: str) -> bool:
+        return self.peak_tflops(precision) is not None
+
+    def with_gpus(self, n: int) -> ClusterSpec:
+        return self.model_copy(update={"num_gpus": n})

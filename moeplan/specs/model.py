@@ -1,0 +1,325 @@
+"""ModelSpec: one validated description of a decoder-only dense or MoE transformer.
+
+It holds everything the runtime needs to build exactly this model and everything the cost models
+need to price it. Derived quantities (parameter counts, model FLOPs) are methods so that the
+planner, the cost models and the runtime's TFLOPS counter all use one definition.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Activation = Literal["swiglu", "gelu", "squared_relu"]
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer, dense or Mixture-of-Experts, GQA or MLA attention."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("custom", description="Human-readable name (preset name or file stem).")
+    num_layers: int = Field(gt=0, description="Decoder layers, MTP modules not included.")
+    hidden_size: int = Field(gt=0, description="Model width h.")
+    num_attention_heads: int = Field(gt=0, description="Query heads a.")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="KV heads g for GQA (None: equal to the query heads, MHA)."
+    )
+    head_dim: int | None = Field(
+        None, gt=0, description="Per-head dim d for GQA/MHA (None: hidden_size / heads)."
+    )
+    attention: Literal["gqa", "mla"] = Field("gqa", description="GQA/MHA or DeepSeek MLA.")
+    q_lora_rank: int | None = Field(None, gt=0, description="MLA query down-projection rank.")
+    kv_lora_rank: int | None = Field(None, gt=0, description="MLA KV down-projection rank.")
+    qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA non-rotary q/k head dim.")
+    qk_rope_head_dim: int | None = Field(None, gt=0, description="MLA rotary q/k head dim.")
+    v_head_dim: int | None = Field(None, gt=0, description="MLA value head dim.")
+    qkv_bias: bool = Field(False, description="Bias on the Q, K, V projections (Qwen2, gpt-oss).")
+    attn_out_bias: bool = Field(False, description="Bias on the attention output projection.")
+    qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3).")
+    attention_sinks: bool = Field(False, description="Learned per-head attention sink (gpt-oss).")
+    sliding_window: int | None = Field(
+        None, gt=0, description="Sliding-window size in tokens for the layers the pattern marks."
+    )
+    attention_pattern: str | None = Field(
+        None,
+        description="Per-layer attention kind tiled over the layers: 'S' sliding window, 'F' full "
+        "(e.g. 'SF' alternates, starting with sliding). None: all full.",
+    )
+
+    ffn_hidden_size: int = Field(gt=0, description="Dense MLP intermediate size f.")
+    activation: Activation = Field("swiglu", description="MLP activation.")
+    mlp_bias: bool = Field(False, description="Bias on MLP and expert linears (GPT-3, gpt-oss).")
+    vocab_size: int = Field(gt=0, description="Vocabulary size V.")
+    tie_embeddings: bool = Field(False, description="Output layer shares the embedding weights.")
+    position_embedding: Literal["rope", "learned"] = Field("rope", description="Positions.")
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="Rows of the learned position table (learned positions only)."
+    )
+    normalization: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Norm kind.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base θ.")
+    norm_eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
+
+    num_experts: int = Field(0, ge=0, description="Routed experts E per MoE layer (0: dense).")
+    moe_top_k: int = Field(0, ge=0, description="Experts each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(None, gt=0, description="Expert intermediate size.")
+    num_shared_experts: int = Field(0, ge=0, description="Shared experts per MoE layer.")
+    shared_expert_ffn_hidden_size: int | None = Field(
+        None, gt=0, description="Total intermediate size of all shared experts together."
+    )
+    shared_expert_gate: bool = Field(False, description="Sigmoid gate on the shared expert.")
+    first_k_dense: int = Field(0, ge=0, description="Leading layers with a dense MLP.")
+    moe_layer_freq: int = Field(1, gt=0, description="Every n-th layer (after first_k_dense) is MoE.")
+    moe_layer_pattern: list[int] | None = Field(
+        None, description="Explicit 0/1 per layer (1 = MoE); overrides first_k_dense and freq."
+    )
+    router_score: Literal["softmax", "sigmoid"] = Field("softmax", description="Router scores.")
+    router_bias: bool = Field(False, description="Learned bias on router logits (gpt-oss).")
+    router_expert_bias: bool = Field(
+        False, description="Aux-loss-free load-balancing bias on expert selection (DeepSeek-V3)."
+    )
+    router_num_groups: int | None = Field(None, gt=0, description="Group-limited routing groups.")
+    router_groups_per_token: int | None = Field(
+        None, gt=0, description="Groups a token may route into (group-limited routing)."
+    )
+    routed_scaling_factor: float = Field(1.0, gt=0, description="Scale on routed expert output.")
+    norm_topk_prob: bool = Field(True, description="Renormalise the top-k probabilities.")
+    mtp_layers: int = Field(0, ge=0, description="Multi-token-prediction modules (DeepSeek-V3).")
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        def fail(field: str, msg: str) -> None:
+            raise ValueError(f"{field}: {msg}")
+
+        if self.attention == "mla":
+            for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) is None:
+                    fail(f, "MLA attention needs it; set it or use attention: gqa")
+        else:
+            g = self.kv_heads
+            if self.num_attention_heads % g:
+                fail("num_kv_heads", f"{self.num_attention_heads} query heads are not a multiple "
+                     f"of {g} KV heads; pick a divisor of num_attention_heads")
+            if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+                fail("head_dim", f"hidden_size {self.hidden_size} is not divisible by "
+                     f"{self.num_attention_heads} heads; set head_dim explicitly")
+        if self.num_experts:
+            if not 1 <= self.moe_top_k <= self.num_experts:
+                fail("moe_top_k", f"must be between 1 and num_experts ({self.num_experts})")
+            if self.moe_ffn_hidden_size is None:
+                fail("moe_ffn_hidden_size", "an MoE model needs the expert intermediate size")
+            if self.router_num_groups is not None:
+                if self.num_experts % self.router_num_groups:
+                    fail("router_num_groups", f"must divide num_experts ({self.num_experts})")
+                gpt = self.router_groups_per_token or self.router_num_groups
+                if not 1 <= gpt <= self.router_num_groups:
+                    fail("router_groups_per_token", "must be between 1 and router_num_groups")
+                if gpt * (self.num_experts // self.router_num_groups) < self.moe_top_k:
+                    fail("router_groups_per_token", "the allowed groups hold fewer experts "
+                         "than moe_top_k; raise it")
+        elif self.moe_top_k or self.num_shared_experts:
+            fail("num_experts", "moe_top_k/num_shared_experts need num_experts > 0")
+        if self.num_shared_experts and self.shared_expert_ffn_hidden_size is None:
+            fail("shared_expert_ffn_hidden_size", "needed when num_shared_experts > 0")
+        if self.first_k_dense > self.num_layers:
+            fail("first_k_dense", f"exceeds num_layers ({self.num_layers})")
+        if self.moe_layer_pattern is not None:
+            if len(self.moe_layer_pattern) != self.num_layers:
+                fail("moe_layer_pattern", f"needs one 0/1 entry per layer ({self.num_layers})")
+            if any(v not in (0, 1) for v in self.moe_layer_pattern):
+                fail("moe_layer_pattern", "entries must be 0 (dense) or 1 (MoE)")
+        if self.attention_pattern is not None:
+            if not self.attention_pattern or set(self.attention_pattern) - {"S", "F"}:
+                fail("attention_pattern", "use only the letters S (sliding) and F (full)")
+            if "S" in self.attention_pattern and self.sliding_window is None:
+                fail("sliding_window", "the attention pattern has sliding layers; set the window")
+        if self.position_embedding == "learned" and self.max_position_embeddings is None:
+            fail("max_position_embeddings", "learned positions need the table size")
+        return self
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_dim_(self) -> int:
+        """Per-head dim for GQA (MLA has separate q/k and v dims)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    def moe_layers(self) -> list[bool]:
+        """Which decoder layers carry an MoE block (Megatron's --moe-layer-freq semantics)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        if self.moe_layer_pattern is not None:
+            return [bool(v) for v in self.moe_layer_pattern]
+        return [
+            i >= self.first_k_dense and i % self.moe_layer_freq == 0
+            for i in range(self.num_layers)
+        ]
+
+    def sliding_layers(self) -> list[bool]:
+        """Which layers use sliding-window attention (pattern tiled over the layers)."""
+        p = self.attention_pattern
+        if not p or self.sliding_window is None:
+            return [False] * self.num_layers
+        return [p[i % len(p)] == "S" for i in range(self.num_layers)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers())
+
+    # ------------------------------------------------------------------ parameters
+    def _norm_params(self, width: int) -> int:
+        return width * (2 if self.normalization == "layernorm" else 1)
+
+    def attention_params(self) -> int:
+        """Parameters of one attention block (projections, biases, q/k norms, sinks), no norm."""
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
+            if self.q_lora_rank:
+                q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * a * qk
+            else:
+                q = h * a * qk
+            kvr = self.kv_lora_rank
+            kv = h * (kvr + self.qk_rope_head_dim) + kvr  # down-proj + kv norm
+            kv += kvr * a * (self.qk_nope_head_dim + self.v_head_dim)  # up-proj
+            o = a * self.v_head_dim * h  # type: ignore[operator]
+            return q + kv + o + (h if self.attn_out_bias else 0)
+        d, g = self.head_dim_, self.kv_heads
+        n = h * a * d + 2 * h * g * d + a * d * h
+        if self.qkv_bias:
+            n += (a + 2 * g) * d
+        if self.attn_out_bias:
+            n += h
+        if self.qk_norm:
+            n += 2 * d
+        if self.attention_sinks:
+            n += a
+        return n
+
+    def _mlp_params(self, ffn: int) -> int:
+        h = self.hidden_size
+        mats = 3 if self.gated else 2
+        n = mats * h * ffn
+        if self.mlp_bias:
+            n += (2 * ffn if self.gated else ffn) + h
+        return n
+
+    def dense_mlp_params(self) -> int:
+        return self._mlp_params(self.ffn_hidden_size)
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        return self._mlp_params(self.moe_ffn_hidden_size or 0)
+
+    def shared_expert_params(self) -> int:
+        if not self.num_shared_experts:
+            return 0
+        n = self._mlp_params(self.shared_expert_ffn_hidden_size or 0)
+        return n + (self.hidden_size if self.shared_expert_gate else 0)
+
+    def router_params(self) -> int:
+        return self.num_experts * self.hidden_size + (self.num_experts if self.router_bias else 0)
+
+    def layer_params(self, moe: bool, active: bool = False) -> int:
+        """One decoder layer: two norms, attention, and a dense MLP or an MoE block."""
+        n = 2 * self._norm_params(self.hidden_size) + self.attention_params()
+        if not moe:
+            return n + self.dense_mlp_params()
+        experts = self.moe_top_k if active else self.num_experts
+        return n + self.router_params() + experts * self.expert_params() + (
+            self.shared_expert_params()
+        )
+
+    def embedding_params(self) -> int:
+        n = self.vocab_size * self.hidden_size
+        if self.position_embedding == "learned":
+            n += (self.max_position_embeddings or 0) * self.hidden_size
+        return n
+
+    def output_params(self) -> int:
+        """Final norm plus the output layer (zero extra when tied to the embedding)."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        return self._norm_params(self.hidden_size) + head
+
+    def mtp_params(self) -> int:
+        """All MTP modules: two norms, the 2h→h projection, one layer, a final norm each.
+
+        Embedding and output head are shared with the main model (DeepSeek-V3 §2.2).
+        """
+        if not self.mtp_layers:
+            return 0
+        h = self.hidden_size
+        last_moe = self.moe_layers()[-1]
+        per = 3 * self._norm_params(h) + 2 * h * h + self.layer_params(last_moe)
+        return self.mtp_layers * per
+
+    def _params(self, active: bool) -> int:
+        body = sum(self.layer_params(m, active) for m in self.moe_layers())
+        return self.embedding_params() + body + self.output_params()
+
+    def total_params(self) -> int:
+        """All parameters, MTP modules excluded (the convention of published model sizes)."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """Parameters a token touches: routed experts counted top-k times, MTP excluded."""
+        return self._params(active=True)
+
+    # ------------------------------------------------------------------ FLOPs
+    def flops_per_token(self, seq_len: int = 4096) -> float:
+        """Model FLOPs of forward + backward per token, Megatron-LM's current convention.
+
+        Megatron-LM `training.py::num_floating_point_operations`: every GEMM counted 3× (forward,
+        dgrad, wgrad) at 2 FLOPs per multiply-add; causal attention halved; logits included once
+        per output head (1 + MTP); MTP layers counted as extra layers of the last layer's kind plus
+        their norms and 2h→h projection; router and norms not counted; recompute not counted.
+        """
+        h, a, s = self.hidden_size, self.num_attention_heads, seq_len
+        moe = self.moe_layers()
+        n_moe, n_dense = sum(moe), self.num_layers - sum(moe)
+        mtp = self.mtp_layers
+        if mtp:
+            n_moe += mtp * int(moe[-1])
+            n_dense += mtp * int(not moe[-1])
+        n_layers = self.num_layers + mtp
+        glu = 1.5 if self.gated else 1.0
+        mlp = 12 * h * (
+            self.ffn_hidden_size * glu * n_dense
+            + (self.moe_ffn_hidden_size or 0) * self.moe_top_k * glu * n_moe
+            + (self.shared_expert_ffn_hidden_size or 0) * glu * n_moe
+            * (1 if self.num_shared_experts else 0)
+        )
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
+            if self.q_lora_rank:
+                q_term = self.q_lora_rank * (h + a * qk + 1)
+            else:
+                q_term = h * a * qk
+            kvr = self.kv_lora_rank or 0
+            attn = 6 * n_layers * (
+                q_term
+                + kvr * (h + a * (self.qk_nope_head_dim + self.v_head_dim) + 1)
+                + h * self.qk_rope_head_dim
+                + a * self.v_head_dim * h
+                + s * a * qk / 2
+                + s * a * self.v_head_dim / 2
+            )
+        else:
+            qproj = self.head_dim_ * a
+            attn = 12 * n_layers * h * qproj * (1 + self.kv_heads / a + s / h / 2)
+        mtp_extra = 6 * mtp * (3 * h + 2 * h * h)
+        logits = 6 * h * self.vocab_size * (mtp + 1)
+        return float(mlp + attn + mtp_extra + logits)

@@ -1,0 +1,44 @@
+"""TrainingSpec: sequence, batch, precision recipe and optimizer settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
+PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
+
+
+class TrainingSpec(BaseModel):
+    """What one optimizer step trains on and how: the planner keeps it fixed, layouts vary."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq_len: int = Field(4096, gt=0, description="Tokens per sequence s.")
+    global_batch_size: int = Field(gt=0, description="Sequences per optimizer step (gbs).")
+    precision: Precision = Field("bf16", description="GEMM precision recipe.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(3e-5, ge=0, description="Final learning rate of the cosine decay.")
+    warmup_steps: int = Field(2, ge=0, description="Linear warm-up steps.")
+    decay_steps: int = Field(1000, gt=0, description="Cosine decay length in steps.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam β1.")
+    adam_beta2: float = Field(0.95, gt=0, lt=1, description="Adam β2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam ε.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0: off).")
+    optimizer_moments_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Adam moment storage (bf16 saves 4 bytes/param, Megatron option)."
+    )
+    moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
+    mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} is above lr ({self.lr}); lower it")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch_size
