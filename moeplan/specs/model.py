@@ -304,10 +304,7 @@ class ModelSpec(BaseModel):
         )
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
-            if self.q_lora_rank:
-                q_term = self.q_lora_rank * (h + a * qk + 1)
-            else:
-                q_term = h * a * qk
+            q_term = self.q_lora_rank * (h + a * qk + 1) if self.q_lora_rank else h * a * qk
             kvr = self.kv_lora_rank or 0
             attn = 6 * n_layers * (
                 q_term

@@ -1,0 +1,115 @@
+"""The CLI surface of `moeplan specs` and the error contract (exit 2, one paragraph, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeplan.specs import list_presets
+
+from .conftest import DATA
+
+MODEL_PRESETS = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen2-57b-a14b",
+                 "mixtral-8x7b", "mixtral-8x22b", "llama3-8b", "llama3-70b", "llama3-405b",
+                 "gpt3-175b", "gpt-oss-120b"]
+CLUSTER_PRESETS = ["a100-80g", "h100", "h200", "h800", "b200", "b300", "gb200-nvl72",
+                   "gb300-nvl72"]
+
+
+def test_specs_list_json_lists_every_preset(cli):
+    r = cli("specs", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(MODEL_PRESETS) <= set(doc["models"])
+    assert set(CLUSTER_PRESETS) <= set(doc["clusters"])
+
+
+def test_specs_show_deepseek_derived_counts(cli):
+    r = cli("specs", "show", "deepseek-v3", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["kind"] == "model" and doc["name"] == "deepseek-v3"
+    assert isinstance(doc["derived"]["total_params"], int)
+    assert abs(doc["derived"]["total_params"] / 671e9 - 1) <= 0.015
+    assert abs(doc["derived"]["active_params"] / 37e9 - 1) <= 0.04
+
+
+def test_specs_show_cluster_and_hf_config(cli):
+    from moeplan.cli import main
+
+    assert main(["specs", "show", "gb200-nvl72", "--json"]) == 0
+    assert main(["specs", "show", str(DATA / "hf" / "qwen3-30b-a3b.json"), "--json"]) == 0
+
+
+def test_every_cluster_preset_keeps_its_sources():
+    from moeplan import load_cluster
+
+    for name in list_presets()["clusters"]:
+        c = load_cluster(name)
+        assert c.sources, name
+        assert c.name == name
+
+
+def _assert_clean_error(r, *words):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_unknown_preset_exits_2(cli):
+    _assert_clean_error(cli("specs", "show", "nope-7b"), "nope-7b", "Presets")
+
+
+def test_bad_yaml_exits_2(cli, tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("num_layers: [1,\n")
+    _assert_clean_error(cli("specs", "validate", str(p)), "not valid YAML")
+
+
+@pytest.mark.parametrize("field,value,word", [
+    ("hidden_size", -5, "hidden_size"),
+    ("num_layers", 2.5, "num_layers"),
+    ("num_kv_heads", 3, "num_kv_heads"),
+    ("hidden_sise", 64, "hidden_sise"),
+])
+def test_invalid_model_file_names_the_field(cli, tmp_path, field, value, word):
+    import yaml
+
+    spec = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                vocab_size=100)
+    spec[field] = value
+    p = tmp_path / "m.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    _assert_clean_error(cli("specs", "validate", str(p)), word)
+
+
+def test_unknown_flag_value_exits_2(cli):
+    r = cli("specs", "show", "deepseek-v3", "--seq", "abc")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_unsupported_hf_architecture_exits_2(cli):
+    _assert_clean_error(cli("specs", "show", str(DATA / "unsupported-arch.json")),
+                        "not supported")
+
+
+def test_debug_flag_shows_traceback(cli):
+    r = cli("--debug", "specs", "show", "nope-7b")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_specs_validate_accepts_a_good_file(cli):
+    r = cli("specs", "validate", str(DATA / "hf" / "mixtral-8x7b.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["valid"] is True
+
+
+def test_cli_starts_fast_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, moeplan.cli; "
+            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,89 @@
+"""Megatron Core's validity rules, each reported by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplan import LayoutError, load_cluster, load_model
+from moeplan.specs import Choices, Layout, TrainingSpec, layout_violations
+
+DSV3 = load_model("deepseek-v3")
+QWEN = load_model("qwen3-235b-a22b")
+LLAMA = load_model("llama3-8b")
+TRAIN = TrainingSpec(seq_len=4096, global_batch_size=1024)
+
+
+def rules(model, layout, world=None, choices=None, cluster=None, training=TRAIN):
+    return {r for r, _ in layout_violations(model, training, layout, world, choices, cluster)}
+
+
+def test_published_deepseek_layout_is_valid():
+    lay = Layout.build(256, 1024, tp=1, pp=4, vpp=4, ep=64)
+    assert lay.dp == 64 and lay.edp == 1 and lay.num_microbatches == 16
+    assert rules(DSV3, lay) == set()
+
+
+def test_folding_allows_ep_larger_than_dp():
+    lay = Layout.build(64, 1024, tp=4, pp=2, ep=32)
+    assert lay.dp == 8 and lay.ep > lay.dp and lay.edp == 1
+    assert rules(QWEN, lay) == set()
+
+
+@pytest.mark.parametrize("axes,world,rule", [
+    (dict(tp=1, pp=1, ep=3), 24, "experts_divisible_by_ep"),
+    (dict(tp=8, pp=1, ep=1), 64, "kv_heads_divisible_by_tp"),
+    (dict(tp=1, pp=1, ep=128, etp=2), 64, "expert_world_size"),
+    (dict(tp=1, pp=1, vpp=2), 64, "vpp_needs_pp"),
+])
+def test_each_broken_rule_is_named(axes, world, rule):
+    lay = Layout.build(world, 1024 * 3, **axes)
+    assert rule in rules(QWEN, lay)
+
+
+def test_heads_not_divisible_by_tp():
+    lay = Layout(tp=3, dp=1)
+    assert "heads_divisible_by_tp" in rules(LLAMA, lay, training=TrainingSpec(
+        seq_len=4095, global_batch_size=3))
+
+
+def test_world_size_mismatch_is_reported():
+    lay = Layout(tp=2, dp=2)
+    assert "world_size" in rules(LLAMA, lay, world=8)
+
+
+def test_build_refuses_non_dividing_sizes():
+    with pytest.raises(LayoutError) as e:
+        Layout.build(10, 64, tp=4)
+    assert "world_size" in str(e.value)
+    with pytest.raises(LayoutError) as e:
+        Layout.build(8, 10, tp=1, mbs=4)
+    assert "gbs_divisible" in str(e.value)
+
+
+def test_ep_overlap_rules_follow_megatron():
+    lay = Layout.build(256, 1024, pp=4, ep=64, ep_overlap=True)
+    assert "ep_overlap_needs_vpp" in rules(DSV3, lay)
+    lay = Layout.build(256, 1024, pp=4, vpp=4, ep=64, ep_overlap=True)
+    assert rules(DSV3, lay) == set()
+    assert "ep_overlap_recompute" in rules(DSV3, lay, choices=Choices(recompute=["moe"]))
+
+
+def test_dense_model_refuses_expert_parallelism():
+    lay = Layout.build(8, 64, ep=2)
+    assert "ep_needs_experts" in rules(LLAMA, lay)
+
+
+def test_precision_must_exist_on_the_gpu():
+    lay = Layout.build(8, 64)
+    h100 = load_cluster("h100")
+    train = TrainingSpec(global_batch_size=64, precision="mxfp8")
+    assert "precision_supported" in rules(LLAMA, lay, cluster=h100, training=train)
+    train = TrainingSpec(global_batch_size=64, precision="fp8-blockwise")
+    assert rules(LLAMA, lay, cluster=h100, training=train) == set()
+    assert "precision_supported" in rules(LLAMA, lay, cluster=load_cluster("a100-80g"),
+                                          training=train)
+
+
+def test_full_recompute_is_exclusive():
+    with pytest.raises(ValueError):
+        Choices(recompute=["full", "mlp"])
