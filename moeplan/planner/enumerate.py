@@ -1,0 +1,157 @@
+"""Enumerate every folded layout as rows of a numpy array, pruning by named rules.
+
+A search over DeepSeek-V3 on 1,024 GPUs meets ~10⁶ axis combinations; building a pydantic Layout
+for each costs seconds, so candidates stay integer rows until they survive the bounds. Each rule
+that removes a branch is counted by name: the explanation of a search reports these counts.
+
+The rules mirror `moeplan.specs.layout.layout_violations` (Megatron Core's validity rules) plus
+the planner's placement rules; `tests/test_planner_enumerate.py` checks that every surviving row
+is a valid Layout and every pruned row breaks the rule it was counted under.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..specs import ClusterSpec, ModelSpec, TrainingSpec
+
+DISPATCHERS = ("alltoall", "allgather", "flex")
+# Columns of a candidate row, in order.
+COLUMNS = ("tp", "cp", "dp", "pp", "vpp", "ep", "etp", "edp", "mbs", "nmb", "dispatcher",
+           "ep_overlap", "dist_opt", "precision")
+COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values each axis may take; `target` restricts to what a backend can execute."""
+
+    precisions: tuple[str, ...]
+    dispatchers: tuple[str, ...] = DISPATCHERS
+    max_mbs: int = 4
+    max_vpp: int = 8
+    allow_ep_overlap: bool = True
+    allow_no_dist_opt: bool = True
+    max_pp: int | None = None
+    max_cp: int | None = None
+    max_tp: int | None = None
+
+
+@dataclass
+class Enumeration:
+    """Candidate rows (int64 array, columns COLUMNS) and per-rule prune counts."""
+
+    rows: np.ndarray
+    precisions: tuple[str, ...]
+    pruned: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return len(self.rows) + sum(self.pruned.values())
+
+
+def _vpp_options(model: ModelSpec, pp: int, space: SearchSpace) -> list[int]:
+    """vpp values that split the layers evenly over pp·vpp, or evenly once the embedding, loss
+    and MTP layers are counted as layers (Megatron's uneven --pipeline-model-parallel-layout)."""
+    if pp == 1:
+        return [1]
+    L, extra = model.num_layers, 2 + model.mtp_layers
+    out = []
+    for v in range(1, space.max_vpp + 1):
+        stages = pp * v
+        if stages > L:
+            break
+        if L % stages == 0 or (L + extra) % stages == 0 or v == 1:
+            out.append(v)
+    return out
+
+
+def enumerate_layouts(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
+    space: SearchSpace,
+) -> Enumeration:
+    """All valid (tp, cp, dp, pp, vpp, ep, etp, edp, mbs, nmb, dispatcher, ep_overlap, dist_opt,
+    precision) rows, with prune counts per rule name."""
+    pruned: Counter[str] = Counter()
+    rows: list[tuple[int, ...]] = []
+    a, g = model.num_attention_heads, model.kv_heads
+    s, gbs = training.seq_len, training.global_batch_size
+    nvl = cluster.nvlink_domain_gpus
+    experts = model.num_experts
+    moe_ffn = model.moe_ffn_hidden_size or 0
+    ep_opts = divisors(experts) if experts else [1]
+    etp_opts = [d for d in divisors(moe_ffn) if d <= nvl] if experts else [1]
+    dispatchers = space.dispatchers if experts else ("alltoall",)
+    for tp in divisors(world):
+        if space.max_tp and tp > space.max_tp:
+            pruned["target_max_tp"] += 1
+            continue
+        if a % tp or (model.attention == "gqa" and g % tp):
+            pruned["heads_divisible_by_tp"] += 1
+            continue
+        if model.ffn_hidden_size % tp:
+            pruned["ffn_divisible_by_tp"] += 1
+            continue
+        for cp in divisors(world // tp):
+            if space.max_cp and cp > space.max_cp:
+                pruned["target_max_cp"] += 1
+                continue
+            if cp > 1 and s % (2 * cp):
+                pruned["seq_divisible_by_2cp"] += 1
+                continue
+            if tp > 1 and (s // cp) % tp:
+                pruned["seq_divisible_by_tp"] += 1
+                continue
+            if tp * cp > nvl:
+                pruned["tp_cp_within_nvlink"] += 1
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if space.max_pp and pp > space.max_pp:
+                    pruned["target_max_pp"] += 1
+                    continue
+                if pp > model.num_layers:
+                    pruned["too_many_stages"] += 1
+                    continue
+                dp = world // (tp * cp * pp)
+                for mbs in (m for m in (1, 2, 4, 8, 16) if m <= space.max_mbs):
+                    if gbs % (mbs * dp):
+                        pruned["gbs_divisible"] += 1
+                        continue
+                    nmb = gbs // (mbs * dp)
+                    for vpp in _vpp_options(model, pp, space):
+                        if vpp > 1 and nmb % pp:
+                            pruned["interleaved_microbatches"] += 1
+                            continue
+                        for ep, etp in itertools.product(ep_opts, etp_opts):
+                            n = etp * ep * pp
+                            if world % n:
+                                pruned["expert_world_size"] += 1
+                                continue
+                            edp = world // n
+                            for disp in dispatchers:
+                                for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
+                                    if ovl:
+                                        if ep == 1:
+                                            pruned["ep_overlap_needs_ep"] += 1
+                                            continue
+                                        if pp > 1 and vpp == 1:
+                                            pruned["ep_overlap_needs_vpp"] += 1
+                                            continue
+                                        if disp == "allgather":
+                                            pruned["ep_overlap_dispatcher"] += 1
+                                            continue
+                                    for dopt in (1, 0) if space.allow_no_dist_opt else (1,):
+                                        for pi in range(len(space.precisions)):
+                                            rows.append((tp, cp, dp, pp, vpp, ep, etp, edp, mbs,
+                                                         nmb, DISPATCHERS.index(disp), ovl, dopt,
+                                                         pi))
+    arr = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return Enumeration(arr, space.precisions, pruned)
