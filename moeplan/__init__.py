@@ -27,3 +27,68 @@ __all__ = [
     "ModelSpec", "MoeplanError", "NotYetAvailable", "Plan", "SpecError", "TrainingSpec",
     "list_presets", "load_cluster", "load_model", "load_plan", "load_training",
 ]
+__all__ += ["export"]
+
+
+def export(
+    plan: Plan | str,
+    format: str = "megatron",  # noqa: A002 (the CLI option's name)
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+) -> dict:
+    """Export a Plan (or plan file) as Megatron-LM flags, a torchrun line or a Slurm script.
+
+    Returns the `moeplan export --json` document. Imported lazily so that `import moeplan`
+    stays light; see `moeplan.planner.export` for the flag mapping.
+    """
+    from .planner.export import export as _export
+
+    return _export(plan, format, nnodes=nnodes, nproc_per_node=nproc_per_node)
+__all__ += ["groups", "run"]
+
+
+def run(plan: Plan | str, **options: object) -> dict:
+    """Train under a plan with torchrun workers; returns the run summary (SPEC "Run outputs").
+
+    Options are those of `moeplan run` (steps, data, seed, dtype, out, scale_down,
+    nproc_per_node, nnodes, ...). Raises NotYetAvailable naming any plan feature the runtime
+    does not execute yet, before any worker starts. Imported lazily: torch loads only here.
+    """
+    from .runtime.launch import run as _run
+
+    return _run(plan, **options)
+
+
+def groups(
+    plan: Plan | str | None = None,
+    *,
+    gpus: int | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+) -> dict[str, list[list[int]]]:
+    """Process-group membership of a layout, identical to Megatron Core's (no torch needed).
+
+    Returns {"tp", "cp", "dp", "pp", "tp_cp", "ep", "etp", "edp"} → lists of global ranks.
+    """
+    from .runtime.grid import PRINTED_AXES, RankGrid
+
+    if plan is not None:
+        layout = (plan if isinstance(plan, Plan) else load_plan(plan)).layout
+        grid = RankGrid.from_layout(layout)
+    else:
+        if gpus is None:
+            raise SpecError("moeplan groups needs a plan file or --gpus N with the sizes.")
+        if order not in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"):
+            raise SpecError(f"--order takes tp-cp-ep-dp-pp or tp-cp-ep-pp-dp, got {order!r}.")
+        if gpus % (tp * cp * pp):
+            raise SpecError(f"{gpus} GPUs are not divisible by tp·cp·pp = {tp}·{cp}·{pp}.")
+        if gpus % (etp * ep * pp):
+            raise SpecError(f"{gpus} GPUs are not divisible by etp·ep·pp = {etp}·{ep}·{pp}, "
+                            "so edp is not whole.")
+        grid = RankGrid(tp=tp, cp=cp, dp=gpus // (tp * cp * pp), pp=pp, ep=ep, etp=etp,
+                        order=order)
+    return grid.all_groups(PRINTED_AXES)

@@ -203,22 +203,120 @@ def whatif(ctx: typer.Context) -> None:
     _not_yet("whatif")
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def run(ctx: typer.Context) -> None:
-    """Train under a plan with torchrun workers."""
-    _not_yet("run")
+@app.command()
+def run(
+    plan: Annotated[str, typer.Argument(help="Plan JSON (from search/estimate -o).")],
+    steps: Annotated[int, typer.Option("--steps", help="Step to reach.")] = 10,
+    data: Annotated[str, typer.Option("--data", help="'synthetic' (seeded Markov chain).")] = (
+        "synthetic"),
+    seed: Annotated[int, typer.Option("--seed", help="Same seed: same data and weights.")] = 0,
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="fp32|bf16 (default: bf16 on GPU, fp32 on CPU).")] = None,
+    out_dir: Annotated[str | None, typer.Option(
+        "--out", help="Output directory (default runs/PLAN-STEM).")] = None,
+    scale_down: Annotated[bool, typer.Option(
+        "--scale-down", help="Shrink the model and batch, keeping every parallel degree.")] = False,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", help="Workers on this node (default: the plan's world size).")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes taking part.")] = 1,
+    node_rank: Annotated[int | None, typer.Option("--node-rank")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT.")] = None,
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend")] = "c10d",
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id")] = None,
+    ckpt_dir: Annotated[str | None, typer.Option("--ckpt-dir")] = None,
+    ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 0,
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+) -> None:
+    """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
+    from .runtime.launch import RunFailed
+    from .runtime.launch import run as run_plan
+
+    try:
+        summary = run_plan(
+            plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
+            scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
+            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+            rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+            max_restarts=max_restarts)
+    except RunFailed as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
+    if not summary:
+        return
+    t = Table("", "measured", "predicted", title=f"moeplan run: {summary['model']}")
+    meas, pred = summary["measured"], summary["predicted"] or {}
+    for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
+                            ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
+                            ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
+                            ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
+        t.add_row(label, fmt.format(meas[key]), fmt.format(pred[key]) if key in pred else "—")
+    t.add_row("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}", "")
+    err.print(t)
+    for note in summary.get("notes", []):
+        err.print(f"note: {note}", highlight=False)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def groups(ctx: typer.Context) -> None:
+@app.command()
+def groups(
+    plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="World size.")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
+    order: Annotated[str, typer.Option("--order", help="tp-cp-ep-dp-pp or tp-cp-ep-pp-dp.")] = (
+        "tp-cp-ep-dp-pp"),
+    as_json: JsonOpt = False,
+) -> None:
     """Print the process groups of a layout (identical to Megatron Core's)."""
-    _not_yet("groups")
+    from . import groups as layout_groups
+
+    doc = layout_groups(plan, gpus=gpus, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+
+    def render() -> None:
+        t = Table("axis", "groups", title="process groups (global ranks)")
+        for axis, members in doc.items():
+            shown = " ".join(str(g) for g in members[:16])
+            more = f" … ({len(members)} groups)" if len(members) > 16 else ""
+            t.add_row(axis, shown.replace(", ", ",") + more)
+        out.print(t)
+
+    emit(doc, as_json, render)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def export(ctx: typer.Context) -> None:
-    """Export a plan as Megatron-LM flags, a torchrun line or a Slurm script."""
-    _not_yet("export")
+@app.command()
+def export(
+    plan: Annotated[str, typer.Argument(help="Plan JSON written by `search -o` or `estimate -o`.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="megatron (pretrain_gpt.py flags), torchrun (launch line for "
+        "`moeplan run`) or slurm (sbatch script).")] = "megatron",
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Nodes to launch on.")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", help="Processes (GPUs) per node; default: the cluster's GPUs per "
+        "node.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export a plan as Megatron-LM flags, a torchrun line or a Slurm script.
+
+    Warnings (plan choices Megatron cannot express exactly) go to stderr.
+    """
+    from . import export as export_plan
+
+    doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node)
+    for w in doc.get("warnings", []):
+        err.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
+
+    def render() -> None:
+        if doc["format"] == "megatron":
+            from .planner.export import format_megatron
+
+            sys.stdout.write(format_megatron(doc["args"]) + "\n")
+        else:
+            sys.stdout.write(doc["script"])
+
+    emit(doc, as_json, render)
 
 
 @app.command(context_settings=_STUB_SETTINGS)

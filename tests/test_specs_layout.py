@@ -87,3 +87,20 @@ def test_precision_must_exist_on_the_gpu():
 def test_full_recompute_is_exclusive():
     with pytest.raises(ValueError):
         Choices(recompute=["full", "mlp"])
+
+
+def test_plan_json_round_trips_with_derived_fields(tmp_path):
+    from moeplan import load_plan
+    from moeplan.specs import Plan
+
+    lay = Layout.build(256, 1024, pp=4, vpp=4, ep=64)
+    plan = Plan(model=DSV3, cluster=load_cluster("h100", gpus=256), training=TRAIN, layout=lay)
+    p = tmp_path / "plan.json"
+    p.write_text(plan.model_dump_json())
+    assert load_plan(p) == plan
+    assert '"edp":1' in plan.model_dump_json()
+
+
+def test_contradicting_derived_field_is_refused():
+    with pytest.raises(ValueError, match="edp"):
+        Layout.model_validate({"tp": 1, "dp": 4, "ep": 2, "edp": 4})

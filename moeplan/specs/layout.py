@@ -51,6 +51,23 @@ class Layout(BaseModel):
     distributed_optimizer: bool = Field(True, description="Shard optimizer states over DP.")
     ep_overlap: bool = Field(False, description="Hide EP all-to-all by merged fwd/bwd (Megatron).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_inputs(cls, data: object) -> object:
+        """A dumped Layout carries its derived fields (SPEC lists `edp`); accept them back only
+        when they agree with the axes, so a hand-edited plan cannot say two things at once."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        given = {k: data.pop(k) for k in ("world_size", "edp", "sequence_parallel") if k in data}
+        if given:
+            derived = cls.model_construct(**data)
+            for k, v in given.items():
+                if v != getattr(derived, k):
+                    raise ValueError(f"{k}: given {v} but the axes imply {getattr(derived, k)}; "
+                                     f"drop `{k}` (it is derived) or fix the axes")
+        return data
+
     @computed_field  # type: ignore[prop-decorator]
     @property
     def world_size(self) -> int:

@@ -1,0 +1,468 @@
+"""`moeplan export`: Megatron-LM flags, torchrun line, Slurm script.
+
+The Megatron output is parsed back with an argparse built from the verified flag table, the way
+Megatron's own parser would read it: a misspelt flag, a value after a store_true flag, a value
+outside the choices or an unparseable pattern fails the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+from collections.abc import Sequence
+
+import pytest
+
+import moeplan
+from moeplan import Choices, Layout, Plan, TrainingSpec, load_cluster, load_model
+from moeplan.errors import LayoutError, SpecError
+from moeplan.planner.export import (
+    MEGATRON_FLAGS,
+    format_megatron,
+    to_megatron_args,
+    to_slurm,
+    to_torchrun,
+    torchrun_argv,
+)
+from moeplan.specs.stage_layout import parse_stage_layout
+
+from .conftest import REPO
+
+
+# ------------------------------------------------------------------ Megatron's parsing rules
+def _eval_pattern(x: str) -> list[int]:
+    """arguments.py::_eval_pattern: only digits and `,[]()+*`, then a Python list expression."""
+    if re.search(r"[^,\d\[\]\(\)\+\*]", x):
+        raise argparse.ArgumentTypeError(f"invalid pattern {x!r}")
+    return eval(x)  # noqa: S307 (the same evaluation Megatron performs)
+
+
+def _freq_type(x: str) -> int | list[int]:
+    """arguments.py::moe_freq_type."""
+    return _eval_pattern(x) if "[" in x else int(x)
+
+
+def _tuple_type(x: str) -> tuple[int, ...]:
+    """arguments.py::tuple_type."""
+    return tuple(int(i) for i in x.strip("()").split(","))
+
+
+_CUSTOM_TYPES = {"--moe-layer-freq": _freq_type, "--window-attn-skip-freq": _freq_type,
+                 "--window-size": _tuple_type}
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """argparse with exactly the table's flags, arities, types and choices (allow_abbrev off,
+    as in Megatron's parse_args)."""
+    p = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    for name, f in MEGATRON_FLAGS.items():
+        if f.nargs == 0:
+            p.add_argument(name, action="store_true")
+            continue
+        kw: dict = {"type": _CUSTOM_TYPES.get(name, f.type or str)}
+        if f.choices:
+            kw["choices"] = list(f.choices)
+        if f.nargs == "+":
+            kw["nargs"] = "+"
+        p.add_argument(name, **kw)
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return megatron_parser().parse_args(list(argv))
+
+
+def flags(argv: Sequence[str]) -> dict[str, list[str]]:
+    """{flag: [values]} from argv tokens."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for tok in argv:
+        if tok.startswith("--"):
+            assert tok not in out, f"{tok} emitted twice"
+            out[tok], cur = [], tok
+        else:
+            out[cur].append(tok)  # type: ignore[index]
+    return out
+
+
+# ------------------------------------------------------------------ plans
+def deepseek_plan(**choices: object) -> Plan:
+    return Plan(
+        model=load_model("deepseek-v3"),
+        cluster=load_cluster("h100", gpus=256),
+        training=TrainingSpec(seq_len=4096, global_batch_size=1024),
+        layout=Layout.build(256, 1024, pp=4, vpp=4, ep=64, ep_overlap=True),
+        choices=Choices(**choices),  # type: ignore[arg-type]
+    )
+
+
+def qwen3_plan() -> Plan:
+    return Plan(
+        model=load_model("qwen3-235b-a22b"),
+        cluster=load_cluster("h100", gpus=64),
+        training=TrainingSpec(seq_len=4096, global_batch_size=256),
+        layout=Layout.build(64, 256, tp=4, pp=2, ep=16, etp=1),
+    )
+
+
+def mixtral_plan(**layout: object) -> Plan:
+    axes = {"tp": 2, "ep": 8, **layout}
+    return Plan(
+        model=load_model("mixtral-8x7b"),
+        cluster=load_cluster("h100", gpus=16),
+        training=TrainingSpec(seq_len=4096, global_batch_size=256, precision="fp8-delayed"),
+        layout=Layout.build(16, 256, **axes),
+    )
+
+
+# ------------------------------------------------------------------ the flag table itself
+def test_parser_rejects_what_megatron_rejects():
+    """The harness would catch the mistakes it exists for."""
+    parse(["--num-layers", "4", "--swiglu"])
+    for bad in (["--num-layer", "4"], ["--swiglu", "yes"], ["--fp8-format", "nvfp4"],
+                ["--moe-layer-freq", "([0] * 3)"], ["--fp4-format", "nvfp4"]):
+        with pytest.raises((argparse.ArgumentError, SystemExit)):
+            parse(bad)
+
+
+def test_every_flag_says_where_it_is_defined_and_is_documented():
+    doc = (REPO / "docs" / "EXPORT.md").read_text()
+    for name, f in MEGATRON_FLAGS.items():
+        assert f.where, name
+        assert f"`{name}`" in doc, f"{name} missing from docs/EXPORT.md"
+
+
+# ------------------------------------------------------------------ DeepSeek-V3
+def test_deepseek_v3_flags_are_exact():
+    argv, warnings = to_megatron_args(deepseek_plan(recompute=["mla_up_proj", "moe_act"]))
+    ns = parse(argv)
+    f = flags(argv)
+    assert warnings == []
+    # MLA shape
+    assert ns.multi_latent_attention and ns.qk_layernorm
+    assert (ns.q_lora_rank, ns.kv_lora_rank, ns.qk_head_dim, ns.qk_pos_emb_head_dim,
+            ns.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert ns.rope_type == "rope"
+    assert "--group-query-attention" not in f and "--kv-channels" not in f
+    assert (ns.num_layers, ns.hidden_size, ns.ffn_hidden_size, ns.num_attention_heads) == (
+        61, 7168, 18432, 128)
+    # MoE: first 3 dense layers as a --moe-layer-freq pattern, router groups, MTP
+    assert f["--moe-layer-freq"] == ["([0]*3+[1]*58)"]
+    assert ns.moe_layer_freq == [0] * 3 + [1] * 58
+    assert (ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size,
+            ns.moe_shared_expert_intermediate_size) == (256, 8, 2048, 2048)
+    assert ns.moe_router_score_function == "sigmoid"
+    assert (ns.moe_router_num_groups, ns.moe_router_group_topk) == (8, 4)
+    assert ns.moe_router_topk_scaling_factor == 2.5
+    assert ns.moe_router_enable_expert_bias and not ns.moe_router_pre_softmax
+    assert not ns.moe_shared_expert_gate
+    assert (ns.mtp_num_layers, ns.mtp_loss_scaling_factor) == (1, 0.1)
+    # parallelism: 61 layers + E + m + L over pp4·vpp4 is uneven → a layout, never also vpp
+    assert (ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
+            ns.expert_model_parallel_size, ns.expert_tensor_parallel_size,
+            ns.context_parallel_size) == (1, 4, 64, 1, 1)
+    assert "--num-virtual-stages-per-pipeline-rank" not in f
+    stages = parse_stage_layout(ns.pipeline_model_parallel_layout, pp=4, num_layers=61,
+                                mtp_layers=1)
+    assert len(stages) == 16 and all(len(s) == 4 for s in stages)
+    assert not ns.sequence_parallel  # tp = 1
+    assert ns.use_distributed_optimizer and ns.overlap_moe_expert_parallel_comm
+    assert ns.moe_token_dispatcher_type == "alltoall"
+    # batch, memory, precision, vocab
+    assert (ns.seq_length, ns.micro_batch_size, ns.global_batch_size) == (4096, 1, 1024)
+    assert ns.recompute_granularity == "selective"
+    assert ns.recompute_modules == ["moe_act", "mla_up_proj"]
+    assert "--recompute-method" not in f  # Megatron refuses a method with selective
+    assert ns.bf16 and "--fp8-format" not in f
+    assert ns.vocab_size == 129280 and 129280 % ns.make_vocab_size_divisible_by == 0
+    assert ns.disable_bias_linear and ns.untie_embeddings_and_output_weights
+    assert (ns.rotary_base, ns.norm_epsilon, ns.normalization) == (10000, 1e-6, "RMSNorm")
+
+
+def test_explicit_uneven_stage_layout_is_passed_through():
+    plan = Plan(
+        model=load_model("deepseek-v3"),
+        cluster=load_cluster("h100", gpus=256),
+        training=TrainingSpec(seq_len=4096, global_batch_size=1024),
+        layout=Layout.build(256, 1024, pp=16, vpp=2, ep=16),
+        choices=Choices(stage_layout="Et*3|(tt|)*29,m|L"),
+    )
+    f = flags(to_megatron_args(plan)[0])
+    assert f["--pipeline-model-parallel-layout"] == ["Et*3|(tt|)*29,m|L"]
+    assert "--num-virtual-stages-per-pipeline-rank" not in f
+    assert "'Et*3|(tt|)*29,m|L'" in format_megatron(to_megatron_args(plan)[0])
+
+
+def test_stage_layout_that_does_not_match_the_model_is_refused():
+    plan = deepseek_plan(stage_layout="Et*3|(tt|)*6,t|mL")  # 16 stages, 16 layers, not 61
+    with pytest.raises(SpecError):
+        to_megatron_args(plan)
+
+
+def test_uneven_stage_layers_become_a_layout():
+    plan = mixtral_plan(pp=4, tp=1, ep=4)
+    plan = plan.model_copy(update={"choices": Choices(stage_layers=[7, 9, 9, 7])})
+    ns = parse(to_megatron_args(plan)[0])
+    stages = parse_stage_layout(ns.pipeline_model_parallel_layout, pp=4, num_layers=32)
+    assert [s.count("t") for s in stages] == [7, 9, 9, 7]
+    assert stages[0][0] == "E" and stages[-1][-1] == "L"
+
+
+def test_even_split_uses_virtual_stage_count():
+    plan = mixtral_plan(pp=2, vpp=4, tp=1, ep=8)
+    f = flags(to_megatron_args(plan)[0])
+    assert f["--num-virtual-stages-per-pipeline-rank"] == ["4"]
+    assert "--pipeline-model-parallel-layout" not in f
+
+
+# ------------------------------------------------------------------ Qwen3, Mixtral, others
+def test_qwen3_gqa_and_qk_layernorm():
+    argv, warnings = to_megatron_args(qwen3_plan())
+    ns, f = parse(argv), flags(argv)
+    assert warnings == []
+    assert ns.group_query_attention and ns.num_query_groups == 4 and ns.kv_channels == 128
+    assert ns.qk_layernorm and not ns.multi_latent_attention
+    assert f["--moe-layer-freq"] == ["1"] and ns.moe_layer_freq == 1
+    assert (ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size) == (128, 8, 1536)
+    assert "--moe-shared-expert-intermediate-size" not in f
+    assert ns.moe_router_score_function == "softmax" and not ns.moe_router_pre_softmax
+    assert ns.sequence_parallel and ns.tensor_model_parallel_size == 4
+    assert ns.expert_tensor_parallel_size == 1  # written although Megatron would default to tp
+    assert ns.rotary_base == 1_000_000
+    # padding-free vocabulary: 151936 is a multiple of divisor·tp
+    assert 151936 % (ns.make_vocab_size_divisible_by * 4) == 0
+
+
+def test_mixtral_fp8_and_softmax_router():
+    argv, warnings = to_megatron_args(mixtral_plan())
+    ns = parse(argv)
+    assert warnings == []
+    assert (ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size) == (8, 2, 14336)
+    assert ns.num_query_groups == 8 and ns.swiglu and ns.norm_epsilon == 1e-5
+    assert (ns.fp8_format, ns.fp8_recipe) == ("hybrid", "delayed") and ns.bf16
+
+
+@pytest.mark.parametrize("precision,expect", [
+    ("fp8-tensorwise", {"--fp8-format": ["hybrid"], "--fp8-recipe": ["tensorwise"]}),
+    ("fp8-blockwise", {"--fp8-format": ["e4m3"], "--fp8-recipe": ["blockwise"]}),
+    ("mxfp8", {"--fp8-format": ["e4m3"], "--fp8-recipe": ["mxfp8"]}),
+    ("nvfp4", {"--fp4-format": ["e2m1"], "--fp4-recipe": ["nvfp4"]}),
+])
+def test_precision_recipes(precision, expect):
+    plan = mixtral_plan()
+    plan = plan.model_copy(update={
+        "cluster": load_cluster("b200", gpus=16),
+        "training": plan.training.model_copy(update={"precision": precision})})
+    argv = to_megatron_args(plan)[0]
+    parse(argv)
+    f = flags(argv)
+    for k, v in expect.items():
+        assert f[k] == v
+
+
+def test_gpt_oss_sliding_window_sinks_and_biases():
+    plan = Plan(model=load_model("gpt-oss-120b"), cluster=load_cluster("h100", gpus=16),
+                training=TrainingSpec(seq_len=4096, global_batch_size=256),
+                layout=Layout.build(16, 256, tp=2, ep=8, dispatcher="flex"))
+    argv, warnings = to_megatron_args(plan)
+    ns, f = parse(argv), flags(argv)
+    assert ns.softmax_type == "learnable"
+    assert ns.window_size == (127, 0)
+    assert ns.window_attn_skip_freq == [1, 0] * 18  # sliding first, alternating
+    assert "--disable-bias-linear" not in f  # every linear has a bias
+    assert ns.kv_channels == 64
+    assert (ns.moe_token_dispatcher_type, ns.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert any("router" in w for w in warnings)  # learned router bias has no Megatron flag
+
+
+def test_qwen2_qkv_bias_shared_gate_and_unnormalised_softmax():
+    plan = Plan(model=load_model("qwen2-57b-a14b"), cluster=load_cluster("h100", gpus=8),
+                training=TrainingSpec(seq_len=4096, global_batch_size=64),
+                layout=Layout.build(8, 64, ep=8, order="tp-cp-ep-pp-dp"))
+    ns = parse(to_megatron_args(plan)[0])
+    assert ns.disable_bias_linear and ns.add_qkv_bias
+    assert ns.moe_shared_expert_gate and ns.moe_shared_expert_intermediate_size == 20480
+    assert ns.moe_router_pre_softmax  # norm_topk_prob false: softmax over all experts
+    assert ns.use_tp_pp_dp_mapping
+
+
+def test_dense_gpt3_has_no_moe_flags():
+    plan = Plan(model=load_model("gpt3-175b"), cluster=load_cluster("h100", gpus=64),
+                training=TrainingSpec(seq_len=2048, global_batch_size=256),
+                layout=Layout.build(64, 256, tp=8, pp=8))
+    argv, warnings = to_megatron_args(plan)
+    ns, f = parse(argv), flags(argv)
+    assert warnings == []
+    assert not [k for k in f if k.startswith("--moe") or k == "--num-experts"]
+    assert ns.position_embedding_type == "learned_absolute"
+    assert ns.max_position_embeddings == 2048 and ns.normalization == "LayerNorm"
+    assert "--untie-embeddings-and-output-weights" not in f  # tied
+    assert "--swiglu" not in f and "--disable-bias-linear" not in f  # gelu with biases
+
+
+# ------------------------------------------------------------------ what Megatron cannot say
+def test_per_stage_recompute_exports_the_union_with_a_warning():
+    argv, warnings = to_megatron_args(deepseek_plan(
+        stage_recompute=[["core_attn", "moe_act"], ["core_attn"], ["core_attn"], ["layernorm"]]))
+    ns = parse(argv)
+    assert ns.recompute_granularity == "selective"
+    assert ns.recompute_modules == ["core_attn", "moe_act", "layernorm"]
+    assert len(warnings) == 1
+    assert "union" in warnings[0] and "stage 0: core_attn, moe_act" in warnings[0]
+    assert "stages 1-2: core_attn" in warnings[0]
+
+
+def test_mixed_full_and_selective_recompute_becomes_full():
+    plan = mixtral_plan(pp=2, tp=1, ep=8)
+    plan = plan.model_copy(update={"choices": Choices(stage_recompute=[["full"], ["moe_act"]])})
+    argv, warnings = to_megatron_args(plan)
+    ns = parse(argv)
+    assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == (
+        "full", "uniform", 1)
+    assert "--recompute-modules" not in flags(argv)
+    assert len(warnings) == 1 and "whole layers" in warnings[0]
+
+
+def test_per_stage_offload_union_and_optimizer_offload():
+    plan = deepseek_plan(stage_offload=[["expert_fc1", "moe_act"], ["moe_act"], [], []],
+                         optimizer_offload_fraction=0.5)
+    plan = plan.model_copy(update={
+        "training": plan.training.model_copy(update={"optimizer_moments_dtype": "bf16"})})
+    argv, warnings = to_megatron_args(plan)
+    ns = parse(argv)
+    assert ns.fine_grained_activation_offloading
+    assert ns.offload_modules == ["expert_fc1", "moe_act"]
+    assert ns.optimizer_cpu_offload and ns.optimizer_offload_fraction == 0.5
+    assert ns.use_precision_aware_optimizer  # Megatron asserts it with CPU offload
+    assert (ns.exp_avg_dtype, ns.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert len(warnings) == 1 and "offload" in warnings[0]
+
+
+def test_partial_biases_and_unnormalised_sigmoid_warn():
+    m = load_model("deepseek-v3").model_copy(update={"attn_out_bias": True,
+                                                      "norm_topk_prob": False})
+    plan = deepseek_plan().model_copy(update={"model": m})
+    argv, warnings = to_megatron_args(plan)
+    f = flags(argv)
+    assert "--disable-bias-linear" not in f  # superset: every linear gets a bias
+    assert any("QKV or MLP/expert bias" in w for w in warnings)
+    assert any("sigmoid" in w for w in warnings)
+
+
+def test_capacity_factor_is_exported_when_set():
+    if "moe_capacity_factor" not in TrainingSpec.model_fields:
+        pytest.skip("TrainingSpec has no capacity factor")
+    plan = mixtral_plan()
+    assert "--moe-expert-capacity-factor" not in flags(to_megatron_args(plan)[0])  # dropless
+    plan = plan.model_copy(update={
+        "training": plan.training.model_copy(update={"moe_capacity_factor": 1.25})})
+    assert parse(to_megatron_args(plan)[0]).moe_expert_capacity_factor == 1.25
+
+
+def test_invalid_layout_is_refused():
+    plan = mixtral_plan()
+    bad = plan.layout.model_copy(update={"ep": 3})
+    with pytest.raises(LayoutError, match="experts_divisible_by_ep"):
+        to_megatron_args(plan.model_copy(update={"layout": bad}))
+
+
+# ------------------------------------------------------------------ torchrun and slurm
+def test_torchrun_line_is_a_valid_torchrun_command():
+    plan = deepseek_plan()
+    argv = torchrun_argv(plan, nnodes=32, plan_path="ds.json")
+    assert argv[0] == "torchrun"
+    assert argv[-4:] == ["-m", "moeplan", "run", "ds.json"]
+    run = pytest.importorskip("torch.distributed.run")
+    ns = run.get_args_parser().parse_args(argv[1:])
+    assert (ns.nnodes, ns.nproc_per_node, ns.rdzv_backend) == ("32", "8", "c10d")
+    assert ns.module and ns.training_script == "moeplan"
+    assert ns.training_script_args == ["run", "ds.json"]
+    text = to_torchrun(plan, nnodes=32, plan_path="ds.json")
+    assert '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in text
+    assert text.rstrip().endswith("-m moeplan run ds.json")
+
+
+def test_torchrun_defaults_and_errors():
+    plan = mixtral_plan()  # 16 GPUs, 8 per node
+    argv = torchrun_argv(plan)
+    assert argv[1:5] == ["--nnodes", "2", "--nproc-per-node", "8"]
+    one = torchrun_argv(plan, nnodes=1)
+    assert "--standalone" in one and "--rdzv-backend" not in one
+    with pytest.raises(SpecError, match="product"):
+        torchrun_argv(plan, nnodes=3, nproc_per_node=8)
+    with pytest.raises(SpecError):
+        torchrun_argv(plan, nnodes=3)
+
+
+def test_slurm_script_contents():
+    script = to_slurm(deepseek_plan(), nnodes=32, plan_path="ds.json")
+    assert script.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=32", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --ntasks-per-node=1", "srun --kill-on-bad-exit=1 torchrun",
+                 '--rdzv-id "$SLURM_JOB_ID"', "-m moeplan run ds.json", "scontrol show hostnames"):
+        assert line in script
+    assert "tp=1 cp=1 dp=64 pp=4 vpp=4 ep=64" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+# ------------------------------------------------------------------ API and CLI
+def test_public_api_returns_the_json_document():
+    doc = moeplan.export(qwen3_plan())
+    assert doc["format"] == "megatron" and doc["warnings"] == []
+    parse(doc["args"])
+    assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script"}
+    with pytest.raises(SpecError):
+        moeplan.export(qwen3_plan(), "deepspeed")
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    doc = deepseek_plan(stage_recompute=[["core_attn"], ["moe_act"], [], []]).model_dump(
+        mode="json")
+    for derived in ("world_size", "edp", "sequence_parallel"):  # computed, not input fields
+        doc["layout"].pop(derived)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_cli_megatron_text_and_json(cli, plan_file):
+    r = cli("export", str(plan_file), "--format", "megatron")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.rstrip("\n").split("\n")
+    assert all(line.endswith(" \\") for line in lines[:-1]) and not lines[-1].endswith("\\")
+    assert all(line.startswith("--") for line in lines)
+    assert "warning:" in r.stderr and "union" in r.stderr
+    assert "--moe-layer-freq '([0]*3+[1]*58)' \\" in lines
+    r = cli("export", str(plan_file), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "megatron" and len(doc["warnings"]) == 1
+    parse(doc["args"])
+
+
+def test_cli_torchrun_and_slurm(cli, plan_file):
+    r = cli("export", str(plan_file), "--format", "torchrun", "--nnodes", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "torchrun" and str(plan_file) in doc["script"]
+    r = cli("export", str(plan_file), "--format", "slurm", "--nproc-per-node", "8")
+    assert r.returncode == 0 and "#SBATCH --nodes=32" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("export", "missing-plan.json"), "does not exist"),
+    (("export", "{plan}", "--format", "deepspeed"), "--format"),
+    (("export", "{plan}", "--format", "torchrun", "--nnodes", "3"), "--nnodes"),
+    (("export", "{bad}"), "invalid plan"),
+])
+def test_cli_errors_exit_2(cli, plan_file, tmp_path, args, needle):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": {}, "cluster": {}, "layout": {}}))
+    argv = [a.format(plan=plan_file, bad=bad) for a in args]
+    r = cli(*argv)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
