@@ -32,6 +32,10 @@ class TrainingSpec(BaseModel):
     )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
+    moe_capacity_factor: float | None = Field(
+        None, gt=0, description="Expert capacity as a multiple of the even share T·k/E; copies "
+        "over capacity are dropped (Megatron --moe-expert-capacity-factor). None: dropless."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:

@@ -1,0 +1,156 @@
+"""RankGrid: which global ranks form each parallel group, as a pure function of the sizes.
+
+Megatron Core's Parallel Folding: the attention grid tp×cp×dp×pp and the expert grid
+etp×ep×edp×pp cover the same ranks, each laid out in the plan's order (fastest-varying first).
+This reproduces Megatron Core's `RankGenerator` and `generate_masked_orthogonal_rank_groups`
+(megatron/core/parallel_state.py) so that a plan maps 1:1 onto a Megatron run: the attention
+generator has ep = 1, the expert generator has tp → etp, cp = 1, dp → edp, same order string.
+No processes here: the groups are tested against golden tables and the rank formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+# Groups `moeplan groups` prints (SPEC §4) and the extra ones the runtime builds.
+ATTENTION_AXES: dict[str, str] = {
+    "tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "tp_cp": "tp-cp", "dp_cp": "dp-cp",
+    "tp_cp_dp": "tp-cp-dp", "tp_pp": "tp-pp",
+}
+EXPERT_AXES: dict[str, str] = {
+    "ep": "ep", "etp": "tp", "edp": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp",
+}
+PRINTED_AXES = ("tp", "cp", "dp", "pp", "tp_cp", "ep", "etp", "edp")
+
+
+def _prefix_product(a: list[int], init: int = 1) -> list[int]:
+    out = [init]
+    for v in a:
+        init *= v
+        out.append(init)
+    return out
+
+
+def _decompose(index: int, shape: list[int]) -> list[int]:
+    stride = _prefix_product(shape)
+    return [(index // d) % s for s, d in zip(shape, stride, strict=False)]
+
+
+def masked_orthogonal_groups(world: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Megatron's `generate_masked_orthogonal_rank_groups`: groups varying the masked axes.
+
+    Rank = Σ index_i · stride_i over all axes (strides are prefix products of `sizes`); one group
+    per setting of the unmasked axes, its ranks enumerated over the masked axes.
+    """
+    masked_shape = [s for s, m in zip(sizes, mask, strict=True) if m]
+    unmasked_shape = [s for s, m in zip(sizes, mask, strict=True) if not m]
+    stride = _prefix_product(sizes)
+    masked_stride = [d for d, m in zip(stride, mask, strict=False) if m]
+    unmasked_stride = [d for d, m in zip(stride, mask, strict=False) if not m]
+    group_size = _prefix_product(masked_shape)[-1]
+    groups = []
+    for g in range(world // group_size):
+        gi = _decompose(g, unmasked_shape)
+        base = sum(i * d for i, d in zip(gi, unmasked_stride, strict=True))
+        groups.append([
+            base + sum(i * d for i, d in zip(_decompose(r, masked_shape), masked_stride,
+                                             strict=True))
+            for r in range(group_size)
+        ])
+    return groups
+
+
+@dataclass(frozen=True)
+class RankGenerator:
+    """Megatron Core's RankGenerator: axis sizes plus an order string like 'tp-cp-ep-dp-pp'."""
+
+    tp: int
+    ep: int
+    dp: int
+    pp: int
+    cp: int
+    order: str
+
+    @cached_property
+    def _axes(self) -> tuple[list[str], list[int]]:
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp}
+        names = self.order.lower().split("-")
+        for name, size in sizes.items():
+            if name not in names:
+                if size != 1:
+                    raise ValueError(f"order {self.order!r} lacks {name} of size {size}")
+                names.append(name)
+        return names, [sizes[n] for n in names]
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.ep * self.dp * self.pp * self.cp
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Groups of the axes named in `token` (e.g. 'tp-cp'), in Megatron's enumeration order."""
+        names, sizes = self._axes
+        wanted = token.split("-")
+        mask = [n in wanted for n in names]
+        return masked_orthogonal_groups(self.world_size, sizes, mask)
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Both grids of one layout over `world` ranks; `groups(axis)` lists every group of an axis."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+
+    def __post_init__(self) -> None:
+        if self.world % (self.etp * self.ep * self.pp):
+            raise ValueError(f"etp·ep·pp = {self.etp}·{self.ep}·{self.pp} does not divide the "
+                             f"world of {self.world} ranks")
+
+    @classmethod
+    def from_layout(cls, layout: object) -> RankGrid:
+        return cls(**{k: getattr(layout, k) for k in ("tp", "cp", "dp", "pp", "ep", "etp",
+                                                       "order")})
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        return self.world // (self.etp * self.ep * self.pp)
+
+    @cached_property
+    def attention(self) -> RankGenerator:
+        return RankGenerator(self.tp, 1, self.dp, self.pp, self.cp, self.order)
+
+    @cached_property
+    def expert(self) -> RankGenerator:
+        return RankGenerator(self.etp, self.ep, self.edp, self.pp, 1, self.order)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of `axis` (a key of ATTENTION_AXES or EXPERT_AXES)."""
+        if axis in ATTENTION_AXES:
+            return self.attention.get_ranks(ATTENTION_AXES[axis])
+        if axis in EXPERT_AXES:
+            return self.expert.get_ranks(EXPERT_AXES[axis])
+        raise KeyError(f"unknown axis {axis!r}")
+
+    def all_groups(self, axes: tuple[str, ...] = PRINTED_AXES) -> dict[str, list[list[int]]]:
+        return {a: self.groups(a) for a in axes}
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The group of `axis` that holds `rank`."""
+        for g in self.groups(axis):
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} is outside the world of {self.world}")
+
+    def coord(self, axis: str, rank: int) -> int:
+        """`rank`'s index inside its `axis` group (its tp rank, ep rank, ...)."""
+        return self.group_of(axis, rank).index(rank)

@@ -1,0 +1,167 @@
+"""`moeplan run`: check the plan, then launch torchrun workers (or join an existing launch).
+
+Everything that can be refused is refused here, in the launching process, before any worker
+starts: an invalid layout, a world size that does not match the processes, a plan feature the
+runtime does not execute yet. This module imports no torch, so those errors are instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import MoeplanError, NotYetAvailable, SpecError
+from ..specs import Plan, check_layout, load_plan
+from .support import features_not_executed
+
+
+@dataclass
+class RunOptions:
+    """The options of `moeplan run` (SPEC §4 and "Run outputs")."""
+
+    steps: int = 10
+    data: str = "synthetic"
+    seed: int = 0
+    dtype: str | None = None  # fp32 | bf16; None: bf16 on GPU, fp32 on CPU
+    out: str | None = None
+    scale_down: bool = False
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: bool = False
+    max_restarts: int = 0
+
+
+class RunFailed(Exception):
+    """Workers exited with an error (their output says why)."""
+
+    def __init__(self, code: int):
+        super().__init__(f"training workers exited with code {code}")
+        self.exit_code = code
+
+
+def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]:
+    """(plan as given, plan as it will run): validated, refused features named, scaled down."""
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    if opts.steps < 1:
+        raise SpecError(f"--steps must be at least 1, got {opts.steps}.")
+    if opts.dtype not in (None, "fp32", "bf16"):
+        raise SpecError(f"--dtype takes fp32 or bf16, got {opts.dtype!r}.")
+    if opts.data != "synthetic":
+        raise NotYetAvailable("--data PATH (real token data) is not executed yet; use "
+                              "--data synthetic. Nothing was run.")
+    if opts.ckpt_dir or opts.resume or opts.ckpt_every:
+        raise NotYetAvailable("checkpointing (--ckpt-dir/--ckpt-every/--resume) is not "
+                              "executed yet. Nothing was run.")
+    if opts.max_restarts:
+        raise NotYetAvailable("--max-restarts needs checkpoints to resume from, which are not "
+                              "executed yet. Nothing was run.")
+    check_layout(plan.model, plan.training, plan.layout, choices=plan.choices)
+    missing = features_not_executed(plan)
+    if missing:
+        raise NotYetAvailable("this plan uses " + "; ".join(missing) + ", which the runtime "
+                              "does not execute yet. Nothing was run; pick a plan without it.")
+    running = plan
+    if opts.scale_down:
+        from .scale import scale_down_model, scale_down_training
+
+        training, layout = scale_down_training(plan.training, plan.layout)
+        running = plan.model_copy(update={"model": scale_down_model(plan.model, plan.layout),
+                                          "training": training, "layout": layout})
+        check_layout(running.model, running.training, running.layout, choices=running.choices)
+    return plan, running
+
+
+def _joined_environment() -> dict[str, str] | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK of an enclosing torchrun or SLURM launch, else None."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= env.keys():
+        return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env}
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if "MASTER_ADDR" not in env:
+            raise SpecError("inside a SLURM job with several tasks, set MASTER_ADDR (the first "
+                            "node's address) and MASTER_PORT, or launch through torchrun.")
+        return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+                "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    return None
+
+
+def default_out(plan: Plan | str | Path) -> Path:
+    stem = Path(plan).stem if not isinstance(plan, Plan) else plan.model.name
+    return Path("runs") / stem
+
+
+def run(plan: Plan | str | Path, **options: object) -> dict:
+    """Train under `plan` and return the run summary (also written to OUT/summary.json).
+
+    Launches `torchrun` with the plan's world size on this node unless told otherwise, or runs
+    this process as one worker when already inside a torchrun/SLURM launch.
+    """
+    opts = RunOptions(**options)  # type: ignore[arg-type]
+    given, running = prepare_plan(plan, opts)
+    world = running.layout.world_size
+    out = Path(opts.out) if opts.out else default_out(plan)
+    joined = _joined_environment()
+    if joined is not None:
+        if int(joined["WORLD_SIZE"]) != world:
+            raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
+                            f"has WORLD_SIZE={joined['WORLD_SIZE']}; launch {world} processes.")
+        os.environ.update(joined)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        from .worker import run_worker
+
+        run_worker(plan, opts, out)
+        if joined.get("RANK", "0") != "0":
+            return {}  # rank 0 reports for the run
+    else:
+        nproc = opts.nproc_per_node or world // max(1, opts.nnodes)
+        if nproc * opts.nnodes != world:
+            raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but --nnodes "
+                            f"{opts.nnodes} × --nproc-per-node {nproc} = {nproc * opts.nnodes}; "
+                            f"make their product {world}.")
+        if opts.nnodes > 1 and not opts.rdzv_endpoint:
+            raise SpecError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on "
+                            "every node).")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        code = subprocess.call(torchrun_command(plan, opts, out, nproc), env=env)
+        if code:
+            raise RunFailed(code)
+    summary_path = out / "summary.json"
+    return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+
+
+def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
+                     nproc: int) -> list[str]:
+    """The torchrun line that starts `nproc` workers on this node."""
+    if isinstance(plan, Plan):
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "plan.json"
+        path.write_text(plan.model_dump_json(indent=2))
+        plan = path
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--nnodes={opts.nnodes}"]
+    if opts.nnodes == 1 and not opts.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                f"--rdzv-id={opts.rdzv_id or 'moeplan'}"]
+        if opts.node_rank is not None:
+            cmd.append(f"--node-rank={opts.node_rank}")
+    worker_opts = {k: v for k, v in asdict(opts).items() if k in ("steps", "data", "seed",
+                                                                    "dtype", "scale_down")}
+    return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
+            "--options", json.dumps(worker_opts)]
+
+
+__all__ = ["MoeplanError", "RunFailed", "RunOptions", "prepare_plan", "run", "torchrun_command"]

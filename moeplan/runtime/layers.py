@@ -1,0 +1,225 @@
+"""Building blocks whose parallel behaviour is switched on by `parallelize`, not rewritten.
+
+Every block holds the full-size weights until `parallelize` slices them and hands it the one
+`Axis` it needs; with every axis trivial the blocks are the single-process reference model.
+Tensors are sequence-first, (s, b, h), as in Megatron, so sequence parallelism shards dim 0.
+Under sequence parallelism (tp > 1) block inputs and outputs are (s/t, b, h); a block gathers
+the sequence once before its column-parallel GEMMs and reduce-scatters after its row-parallel
+one. Weights replicated over tp that see only this rank's tokens or heads get partial gradients,
+summed over tp after backward (the optimizer does it for every `ShardInfo.tp_dim is None` param).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import KernelBackend
+from .comm import SINGLE, Axis, gather_seq, scatter_seq
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How a parameter is split: along `tp_dim` over tp, along dim 0 over ep (experts), along
+    `etp_dim` over etp. A parameter with none of these is replicated (within its grid)."""
+
+    tp_dim: int | None = None
+    expert: bool = False
+    etp_dim: int | None = None
+
+
+def shard_info(p: torch.Tensor) -> ShardInfo:
+    return getattr(p, "moeplan_shard", ShardInfo())
+
+
+def set_shard_info(p: torch.Tensor, info: ShardInfo) -> None:
+    p.moeplan_shard = info  # type: ignore[attr-defined]
+
+
+def shard_(p: nn.Parameter, dim: int, axis: Axis) -> None:
+    """Keep this rank's contiguous slice of `p` along `dim` (the full tensor is dropped)."""
+    if axis.trivial:
+        return
+    n = p.shape[dim]
+    if n % axis.size:
+        raise ValueError(f"dim {dim} of size {n} does not split over {axis.size} ranks")
+    p.data = p.data.narrow(dim, axis.rank * (n // axis.size), n // axis.size).clone()
+
+
+def normal_init(w: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """N(0, std²) from the model's one generator, in construction order, on the CPU: the same
+    full weights for every plan and device."""
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=gen) * std)
+
+
+class Norm(nn.Module):
+    """RMSNorm (or LayerNorm with bias) over the last dim."""
+
+    def __init__(self, dim: int, eps: float, kind: str = "rmsnorm"):
+        super().__init__()
+        self.eps, self.kind = eps, kind
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ + b through the kernel backend; W (out, in) as in nn.Linear."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, std: float, gen: torch.Generator,
+                 backend: KernelBackend):
+        super().__init__()
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        normal_init(self.weight, std, gen)
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias if bias else None)
+
+
+def rope_tables(seq: int, dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (s, 1, 1, dim) for rotate-half RoPE (Su et al. 2021)."""
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # (s, dim/2)
+    emb = torch.cat([ang, ang], dim=-1)[:, None, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (s, b, heads, d)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q (s, b, a, d), k (s, b, g, d), v (s, b, g, dv) → (s, b, a·dv), causal
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (b, heads, s, d)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    s, b = o.shape[2], o.shape[0]
+    return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class Attention(nn.Module):
+    """GQA/MHA attention: column-parallel q, k, v (heads split over tp), row-parallel output."""
+
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+                 backend: KernelBackend):
+        super().__init__()
+        h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_dim_
+        self.head_dim, self.tp = d, SINGLE
+        self.q_proj = Linear(h, a * d, spec.qkv_bias, std, gen, backend)
+        self.k_proj = Linear(h, g * d, spec.qkv_bias, std, gen, backend)
+        self.v_proj = Linear(h, g * d, spec.qkv_bias, std, gen, backend)
+        self.o_proj = Linear(a * d, h, spec.attn_out_bias, out_std, gen, backend)
+        self.q_norm = Norm(d, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = Norm(d, spec.norm_eps) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = gather_seq(x, self.tp)  # (s, b, h)
+        s, b, d = x.shape[0], x.shape[1], self.head_dim
+        q = self.q_proj(x).view(s, b, -1, d)  # (s, b, a/t, d)
+        k = self.k_proj(x).view(s, b, -1, d)  # (s, b, g/t, d)
+        v = self.v_proj(x).view(s, b, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = self.o_proj(_attend(q, k, v, 1.0 / math.sqrt(d)), bias=False)  # (s, b, h) partial
+        o = scatter_seq(o, self.tp)  # (s/t, b, h)
+        return o if self.o_proj.bias is None else o + self.o_proj.bias
+
+
+class MLAttention(nn.Module):
+    """DeepSeek Multi-head Latent Attention (DeepSeek-V2 §2.1; Megatron `multi_latent_attention`).
+
+    The down-projections and their norms run on this rank's sequence shard with replicated
+    weights (partial gradients, summed over tp); the latents are gathered once, then the
+    up-projections are column-parallel over heads and the output projection row-parallel.
+    """
+
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+                 backend: KernelBackend):
+        super().__init__()
+        h, a = spec.hidden_size, spec.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = (spec.qk_nope_head_dim, spec.qk_rope_head_dim,
+                                                spec.v_head_dim)
+        self.kv_rank, self.q_rank, self.tp = spec.kv_lora_rank, spec.q_lora_rank, SINGLE
+        qk = self.nope + self.rope_dim
+        if self.q_rank:
+            self.q_down = Linear(h, self.q_rank, False, std, gen, backend)
+            self.q_down_norm = Norm(self.q_rank, spec.norm_eps)
+            self.q_up = Linear(self.q_rank, a * qk, False, std, gen, backend)
+        else:
+            self.q_proj = Linear(h, a * qk, False, std, gen, backend)
+        self.kv_down = Linear(h, self.kv_rank + self.rope_dim, False, std, gen, backend)
+        self.kv_down_norm = Norm(self.kv_rank, spec.norm_eps)
+        self.kv_up = Linear(self.kv_rank, a * (self.nope + self.v_dim), False, std, gen, backend)
+        self.o_proj = Linear(a * self.v_dim, h, spec.attn_out_bias, out_std, gen, backend)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x (s/t, b, h)
+        q_in = self.q_down_norm(self.q_down(x)) if self.q_rank else x  # (s/t, b, r_q or h)
+        c_kv, k_pe = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent = torch.cat([q_in, self.kv_down_norm(c_kv), k_pe], dim=-1)
+        latent = gather_seq(latent, self.tp)  # (s, b, ·): one gather for all latents
+        q_in, c_kv, k_pe = latent.split([q_in.shape[-1], self.kv_rank, self.rope_dim], dim=-1)
+        s, b = latent.shape[0], latent.shape[1]
+        q = (self.q_up(q_in) if self.q_rank else self.q_proj(q_in)).view(
+            s, b, -1, self.nope + self.rope_dim)  # (s, b, a/t, qk)
+        kv = self.kv_up(c_kv).view(s, b, -1, self.nope + self.v_dim)  # (s, b, a/t, nope+v)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, *rope)
+        k_pe = apply_rope(k_pe.unsqueeze(2), *rope).expand(-1, -1, q.shape[2], -1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        o = _attend(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim))  # (s, b, a/t·v)
+        o = scatter_seq(self.o_proj(o, bias=False), self.tp)  # (s/t, b, h)
+        return o if self.o_proj.bias is None else o + self.o_proj.bias
+
+
+def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "squared_relu":
+        return F.relu(x).square()
+    return F.silu(x)
+
+
+class MLP(nn.Module):
+    """Dense MLP or shared expert: column-parallel gate/up, row-parallel down (Megatron TP)."""
+
+    def __init__(self, spec, ffn: int, std: float, out_std: float, gen: torch.Generator,
+                 backend: KernelBackend, gate: bool = False):
+        super().__init__()
+        h, bias = spec.hidden_size, spec.mlp_bias
+        self.kind, self.tp = spec.activation, SINGLE
+        self.gate_proj = Linear(h, ffn, bias, std, gen, backend) if spec.gated else None
+        self.up_proj = Linear(h, ffn, bias, std, gen, backend)
+        self.down_proj = Linear(ffn, h, bias, out_std, gen, backend)
+        # Qwen2-MoE shared-expert gate: sigmoid(x·w) scales the shared expert's output.
+        self.out_gate = Linear(h, 1, False, std, gen, backend) if gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xg = gather_seq(x, self.tp)  # (s, b, h)
+        up = self.up_proj(xg)  # (s, b, f/t)
+        act = activation(self.kind, self.gate_proj(xg)) * up if self.gate_proj else activation(
+            self.kind, up)
+        y = scatter_seq(self.down_proj(act, bias=False), self.tp)  # (s/t, b, h)
+        if self.down_proj.bias is not None:
+            y = y + self.down_proj.bias
+        if self.out_gate is not None:
+            y = y * torch.sigmoid(self.out_gate(x))
+        return y

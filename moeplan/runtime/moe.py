@@ -1,0 +1,276 @@
+"""The MoE layer: router → token dispatcher → grouped expert GEMMs → combine, plus shared experts.
+
+One dispatcher interface (`dispatch` / `combine`), two implementations sharing it:
+`AllToAllDispatcher` (permute → all-to-all over EP → all-gather over ETP → sort by local
+expert, and the reverse) and `AllGatherDispatcher` (all-gather tokens over the tp×ep group, keep
+those of local experts, reduce-scatter back). With ep = etp = 1 the all-to-all dispatcher does no
+communication at all: it is the reference every parallel layout is tested against. Dropless by
+default; with a capacity factor, copies beyond an expert's capacity are dropped (lowest
+probability first, Megatron's "probs" policy) before dispatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import KernelBackend
+from .comm import (
+    SINGLE,
+    Axis,
+    all_gather_sizes,
+    all_reduce_,
+    all_to_all,
+    gather_seq,
+    gather_v,
+    scatter_seq,
+    scatter_v,
+)
+from .layers import MLP, activation, normal_init
+
+
+@dataclass
+class Routing:
+    """Router output for T local tokens: global expert ids (T, k) (E marks a dropped copy),
+    probabilities (T, k) with gradient, the aux loss piece and token counts (E,) of this rank."""
+
+    experts: torch.Tensor
+    probs: torch.Tensor
+    aux_loss: torch.Tensor
+    counts: torch.Tensor
+    may_drop: bool = False  # capacity dropping on: some ids may be E
+
+
+class Router(nn.Module):
+    """Top-k router: softmax or sigmoid scores, optional group-limited routing, normalised top-k
+    probabilities, switch aux loss (Fedus et al. 2021, eq. 4; Megatron's per-sequence-group form)
+    and DeepSeek-V3's aux-loss-free expert bias (§2.1.2, a buffer updated after each step)."""
+
+    def __init__(self, spec, std: float, gen: torch.Generator, aux_coeff: float,
+                 capacity_factor: float | None):
+        super().__init__()
+        self.E, self.k = spec.num_experts, spec.moe_top_k
+        self.score, self.norm_topk = spec.router_score, spec.norm_topk_prob
+        self.groups, self.groups_per_token = spec.router_num_groups, spec.router_groups_per_token
+        self.scale, self.aux_coeff, self.capacity_factor = (spec.routed_scaling_factor, aux_coeff,
+                                                            capacity_factor)
+        self.weight = nn.Parameter(torch.empty(self.E, spec.hidden_size))
+        normal_init(self.weight, std, gen)
+        self.bias = nn.Parameter(torch.zeros(self.E)) if spec.router_bias else None
+        self.register_buffer("expert_bias", torch.zeros(self.E) if spec.router_expert_bias
+                             else None)
+        self.seq_axis: Axis = SINGLE  # the tp(-cp) group sharing one micro-batch's tokens
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        # x (T, h) → logits (T, E) in fp32
+        logits = F.linear(x.float(), self.weight.float(),
+                          None if self.bias is None else self.bias.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        select = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+        if self.groups and self.groups > 1:
+            select = self._limit_groups(select)
+        idx = select.topk(self.k, dim=-1).indices  # (T, k)
+        probs = scores.gather(-1, idx)  # (T, k)
+        if self.norm_topk and self.k > 1:
+            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+        probs = probs * self.scale
+        counts = torch.bincount(idx.reshape(-1), minlength=self.E)  # (E,)
+        aux = self._aux_loss(scores, counts)
+        if self.capacity_factor is not None:
+            idx, probs = self._drop_over_capacity(idx, probs)
+            counts = torch.bincount(idx.reshape(-1), minlength=self.E + 1)[: self.E]
+        return Routing(idx, probs, aux, counts, self.capacity_factor is not None)
+
+    def _limit_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 node-limited routing: keep the best `groups_per_token` expert groups."""
+        T = select.shape[0]
+        grouped = select.view(T, self.groups, -1)  # (T, G, E/G)
+        if self.score == "sigmoid":
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            group_score = grouped.max(dim=-1).values  # (T, G)
+        keep = group_score.topk(self.groups_per_token or self.groups, dim=-1).indices
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
+
+    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of coeff·E/(k·T²)·Σ_e P_e·f_e over the micro-batch's T tokens.
+
+        Token counts are summed over the ranks sharing the micro-batch (no gradient); each rank
+        differentiates only its own tokens' probabilities, so the pieces add up exactly.
+        """
+        if self.aux_coeff == 0 or not self.training:
+            return scores.new_zeros(())
+        total = counts.float().clone()
+        all_reduce_(total, self.seq_axis)
+        T = scores.shape[0] * self.seq_axis.size
+        p = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        coeff = self.aux_coeff * self.E / (self.k * T * T)
+        return (p.sum(0) * total).sum() * coeff
+
+    def _drop_over_capacity(self, idx: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # capacity per expert = ⌈T·k/E·cf⌉ over this rank's tokens; overflow copies → id E
+        T = idx.shape[0]
+        cap = min(T, math.ceil(T * self.k / self.E * self.capacity_factor))
+        dense = torch.full((T, self.E), -1.0, device=idx.device).scatter(
+            1, idx, probs.detach().float())  # (T, E), -1 where not routed
+        keep_rows = dense.topk(cap, dim=0).indices  # (cap, E)
+        keep = torch.zeros_like(dense, dtype=torch.bool).scatter_(0, keep_rows, True)
+        keep &= dense >= 0
+        kept = keep.gather(1, idx)  # (T, k)
+        return idx.masked_fill(~kept, self.E), probs * kept
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts as stacked weights: gate/up (E, h, f), down (E, f, h).
+
+    After `parallelize`: dim 0 holds this rank's E/ep experts, the f dims its 1/etp slice.
+    """
+
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+                 backend: KernelBackend):
+        super().__init__()
+        E, h, f = spec.num_experts, spec.hidden_size, spec.moe_ffn_hidden_size
+        self.kind, self.backend = spec.activation, backend
+        self.w_gate = nn.Parameter(torch.empty(E, h, f)) if spec.gated else None
+        self.w_up = nn.Parameter(torch.empty(E, h, f))
+        self.w_down = nn.Parameter(torch.empty(E, f, h))
+        for w, s in ((self.w_gate, std), (self.w_up, std), (self.w_down, out_std)):
+            if w is not None:
+                normal_init(w, s, gen)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # x (N, h) grouped by local expert, counts (E_local,) → (N, h) (partial over etp)
+        mm = self.backend.grouped_mm
+        up = mm(x, self.w_up, counts)  # (N, f/etp)
+        if self.w_gate is not None:
+            act = activation(self.kind, mm(x, self.w_gate, counts)) * up
+        else:
+            act = activation(self.kind, up)
+        return mm(act, self.w_down, counts)
+
+
+class AllToAllDispatcher:
+    """Megatron's MoEAlltoAllTokenDispatcher over explicit ep and etp groups.
+
+    `tp_ep` is the etp×ep group (etp fastest), over which token counts are exchanged once.
+    """
+
+    def __init__(self, num_experts: int, backend: KernelBackend, ep: Axis = SINGLE,
+                 etp: Axis = SINGLE, tp_ep: Axis = SINGLE):
+        self.E, self.backend, self.ep, self.etp, self.tp_ep = num_experts, backend, ep, etp, tp_ep
+        self.E_local = num_experts // ep.size
+        self.first = ep.rank * self.E_local
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
+        copies, order, counts = self.backend.permute(x, routing.experts, self.E + 1)
+        # dropped copies sort last (id E); only then is a host sync needed to cut them off
+        kept = int(counts[: self.E].sum()) if routing.may_drop else copies.shape[0]
+        ctx = {"order": order, "T": x.shape[0], "dropped": copies.shape[0] - kept,
+               "probs": routing.probs}
+        copies = copies[:kept]  # (T·k − dropped, h) sorted by global expert
+        if self.ep.trivial and self.etp.trivial:
+            return copies, counts[: self.E], ctx
+        # every rank's per-expert counts, arranged [ep peer j][etp peer q][expert]
+        all_counts = all_gather_sizes(counts[: self.E], self.tp_ep)
+        all_counts = all_counts.view(self.ep.size, self.etp.size, self.E)
+        mine = all_counts[:, :, self.first: self.first + self.E_local]  # (ep, etp, E_local)
+        host = mine.tolist()
+        send = counts[: self.E].view(self.ep.size, self.E_local).sum(-1).tolist()
+        recv = [sum(host[j][self.etp.rank]) for j in range(self.ep.size)]
+        y = all_to_all(copies, self.ep, recv, send)  # (Σ recv, h): [ep peer j][local expert l]
+        etp_sizes = [sum(sum(host[j][q]) for j in range(self.ep.size))
+                     for q in range(self.etp.size)]
+        y = gather_v(y, self.etp, etp_sizes)  # (Σ, h): [etp peer q][ep peer j][local expert l]
+        # chunks in arrival order, then a stable sort by local expert: rows → [l][q][j]
+        chunk_sizes = mine.permute(1, 0, 2).reshape(-1)  # (etp·ep·E_local,) in [q][j][l] order
+        chunk_expert = torch.arange(self.E_local, device=x.device).repeat(
+            self.etp.size * self.ep.size)
+        row_expert = torch.repeat_interleave(chunk_expert, chunk_sizes)
+        sort = torch.argsort(row_expert, stable=True)
+        ctx.update(send=send, recv=recv, etp_sizes=etp_sizes, sort=sort)
+        local_counts = mine.sum(dim=(0, 1))  # (E_local,)
+        return y.index_select(0, sort), local_counts, ctx
+
+    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # y (N, h) expert outputs grouped by local expert → (T, h) weighted by the probabilities
+        if "sort" in ctx:
+            y = _unsort(y, ctx["sort"])
+            y = scatter_v(y, self.etp, ctx["etp_sizes"])
+            y = all_to_all(y, self.ep, ctx["send"], ctx["recv"])
+        if ctx["dropped"]:
+            y = torch.cat([y, y.new_zeros(ctx["dropped"], y.shape[1])])
+        return self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])
+
+
+def _unsort(y: torch.Tensor, sort: torch.Tensor) -> torch.Tensor:
+    """Inverse of `y_sorted = y.index_select(0, sort)`, differentiable."""
+    inverse = torch.empty_like(sort)
+    inverse[sort] = torch.arange(sort.numel(), device=sort.device)
+    return y.index_select(0, inverse)
+
+
+class AllGatherDispatcher:
+    """Megatron's MoEAllGatherTokenDispatcher: every rank of the etp×ep group sees all its
+    tokens, computes its local experts' share and the partial outputs are reduce-scattered."""
+
+    def __init__(self, num_experts: int, backend: KernelBackend, ep: Axis = SINGLE,
+                 tp_ep: Axis = SINGLE):
+        self.E, self.backend, self.tp_ep = num_experts, backend, tp_ep
+        self.E_local = num_experts // ep.size
+        self.first = ep.rank * self.E_local
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        xs = gather_seq(x, self.tp_ep)  # (T·n, h), every rank's tokens in group order
+        experts = gather_seq(routing.experts, self.tp_ep) if not self.tp_ep.trivial else (
+            routing.experts)
+        probs = gather_seq(routing.probs, self.tp_ep)  # (T·n, k), gradient flows back
+        local = experts - self.first
+        mine = (local >= 0) & (local < self.E_local)
+        local = local.masked_fill(~mine, self.E_local)  # other ranks' experts → drop bin
+        copies, order, counts = self.backend.permute(xs, local, self.E_local + 1)
+        kept = int(counts[: self.E_local].sum())
+        ctx = {"order": order, "T": xs.shape[0], "dropped": copies.shape[0] - kept,
+               "probs": probs}
+        return copies[:kept], counts[: self.E_local], ctx
+
+    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if ctx["dropped"]:
+            y = torch.cat([y, y.new_zeros(ctx["dropped"], y.shape[1])])
+        out = self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])  # (T·n, h) partial
+        return scatter_seq(out, self.tp_ep)  # (T, h)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (through the dispatcher) + optional shared experts."""
+
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+                 backend: KernelBackend, aux_coeff: float, capacity_factor: float | None):
+        super().__init__()
+        self.router = Router(spec, std, gen, aux_coeff, capacity_factor)
+        self.experts = GroupedExperts(spec, std, out_std, gen, backend)
+        self.shared = (MLP(spec, spec.shared_expert_ffn_hidden_size, std, out_std, gen, backend,
+                           gate=spec.shared_expert_gate) if spec.num_shared_experts else None)
+        self.dispatcher: AllToAllDispatcher | AllGatherDispatcher = AllToAllDispatcher(
+            spec.num_experts, backend)
+        self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts,
+                                                              dtype=torch.long), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x (s/t, b, h)
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)  # (T, h)
+        routing = self.router(tokens)
+        self.aux_loss = routing.aux_loss
+        self.tokens_per_expert += routing.counts.detach()
+        expert_in, counts, ctx = self.dispatcher.dispatch(tokens, routing)
+        expert_out = self.experts(expert_in, counts)
+        y = self.dispatcher.combine(expert_out, ctx).view(s, b, h).to(x.dtype)
+        return y if self.shared is None else y + self.shared(x)

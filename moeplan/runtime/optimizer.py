@@ -1,0 +1,202 @@
+"""Gradient reduction and the (distributed) Adam optimizer over flat buffers.
+
+Megatron's distributed optimizer (Megatron Core `distributed/param_and_grad_buffer.py`,
+`optimizer/distrib_optimizer.py`): parameters of one family live as views into one flat buffer;
+gradients accumulate into a flat buffer; after backward the buffer is reduce-scattered over the
+family's data-parallel group, each rank runs Adam on its shard with fp32 master weights and
+moments, and the updated parameters are all-gathered back. Dense parameters reduce over dp
+(×cp), expert parameters over edp, so expert gradients are averaged exactly like dense ones.
+
+The loss each rank differentiates is already normalised by the global token count, so every
+reduction is a plain sum. Parameters replicated over tp (norms, routers, MLA down-projections)
+see only this rank's sequence shard or heads, so their gradients are first summed over tp; they
+sit at the front of the dense buffer so that is one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..specs import TrainingSpec
+from .comm import Axis, all_reduce_
+from .layers import shard_info
+from .parallelize import ParallelGroups
+
+
+def lr_at(step: int, t: TrainingSpec) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr` at `decay_steps`
+    (Megatron's `OptimizerParamScheduler`); `step` counts from 0."""
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.decay_steps - t.warmup_steps)
+    ratio = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * ratio))
+
+
+@dataclass
+class _Family:
+    """Parameters sharing one data-parallel group, flattened into one buffer."""
+
+    axis: Axis
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    replicated_end: int  # [0, replicated_end): tp-replicated dense params
+    numel: int
+    param_buf: torch.Tensor = field(init=False)
+    grad_buf: torch.Tensor = field(init=False)
+    shard: slice = field(init=False)
+    master: torch.Tensor = field(init=False)
+    exp_avg: torch.Tensor = field(init=False)
+    exp_avg_sq: torch.Tensor = field(init=False)
+    decay: torch.Tensor = field(init=False)
+    grad_shard: torch.Tensor | None = None
+
+
+class DistributedOptimizer:
+    """AdamW with fp32 master weights, states sharded over each family's data-parallel group
+    (`distributed=True`) or replicated (`distributed=False`, gradients all-reduced)."""
+
+    def __init__(self, model: nn.Module, training: TrainingSpec, groups: ParallelGroups,
+                 distributed: bool = True):
+        self.training, self.groups, self.distributed = training, groups, distributed
+        named = list(model.named_parameters())
+        dense = [(n, p) for n, p in named if not shard_info(p).expert]
+        # tp-replicated first: their tp all-reduce is one contiguous slice
+        dense.sort(key=lambda np_: shard_info(np_[1]).tp_dim is not None)
+        experts = [(n, p) for n, p in named if shard_info(p).expert]
+        self.families = [self._flatten(dense, groups.dp_cp, tp_replicated=True)]
+        if experts:
+            self.families.append(self._flatten(experts, groups.edp, tp_replicated=False))
+        self.step_count = 0
+        moments = torch.bfloat16 if training.optimizer_moments_dtype == "bf16" else torch.float32
+        for f in self.families:
+            f.master = f.param_buf[f.shard].float().clone()
+            f.exp_avg = torch.zeros_like(f.master, dtype=moments)
+            f.exp_avg_sq = torch.zeros_like(f.master, dtype=moments)
+
+    # ------------------------------------------------------------------------------ buffers
+    def _flatten(self, named: list[tuple[str, nn.Parameter]], axis: Axis,
+                 tp_replicated: bool) -> _Family:
+        offsets, n, rep_end = [], 0, 0
+        for _, p in named:
+            offsets.append(n)
+            n += p.numel()
+            if tp_replicated and shard_info(p).tp_dim is None:
+                rep_end = n
+        size = axis.size if self.distributed else 1
+        padded = -(-n // size) * size
+        ref = named[0][1]
+        fam = _Family(axis, [nm for nm, _ in named], [p for _, p in named], offsets, rep_end, n)
+        fam.param_buf = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
+        # fp32 gradient accumulation whatever the weights' dtype (Megatron's main_grad)
+        fam.grad_buf = torch.zeros(padded, dtype=torch.float32, device=ref.device)
+        decay = torch.zeros(padded, dtype=torch.bool, device=ref.device)
+        for (_, p), off in zip(named, offsets, strict=True):
+            view = fam.param_buf[off: off + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            gview = fam.grad_buf[off: off + p.numel()].view_as(p)
+            if p.dtype == torch.float32:
+                p.grad = gview  # autograd accumulates in place into the flat buffer
+            else:
+                p.register_post_accumulate_grad_hook(_accumulate_into(gview))
+            decay[off: off + p.numel()] = p.dim() >= 2  # no decay on norms and biases
+        per = padded // size
+        rank = axis.rank if self.distributed else 0
+        fam.shard = slice(rank * per, (rank + 1) * per)
+        fam.decay = decay[fam.shard].clone()
+        return fam
+
+    def zero_grad(self) -> None:
+        for f in self.families:
+            f.grad_buf.zero_()
+            f.grad_shard = None
+
+    # --------------------------------------------------------------------------------- step
+    def reduce_grads(self) -> None:
+        """Sum tp partials of replicated params, then reduce over each family's dp group."""
+        tp = self.groups.tp
+        for f in self.families:
+            if f.replicated_end and not tp.trivial:
+                all_reduce_(f.grad_buf[: f.replicated_end], tp)
+            if f.axis.trivial:
+                f.grad_shard = f.grad_buf[f.shard]
+            elif self.distributed:
+                f.grad_shard = torch.empty_like(f.grad_buf[f.shard])
+                dist.reduce_scatter_tensor(f.grad_shard, f.grad_buf, group=f.axis.group)
+            else:
+                dist.all_reduce(f.grad_buf, group=f.axis.group)
+                f.grad_shard = f.grad_buf
+
+    def grad_norm(self) -> float:
+        """Global L2 norm over every parameter of the model, each element counted once.
+
+        Each rank adds the squares of its shard; tp-replicated elements are weighted 1/tp and
+        replicated (non-distributed) buffers 1/dp, so the world sum counts every element once.
+        """
+        total = torch.zeros((), dtype=torch.float32, device=self.families[0].grad_buf.device)
+        tp = self.groups.tp.size
+        for f in self.families:
+            g = f.grad_shard
+            rep = max(0, min(f.replicated_end - f.shard.start, g.numel()))
+            part = torch.dot(g[:rep], g[:rep]) / tp + torch.dot(g[rep:], g[rep:])  # fp32, no copy
+            if not self.distributed:
+                part = part / f.axis.size
+            total += part
+        all_reduce_(total, self.groups.world)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        """Clip by the global norm, AdamW on this rank's shard, all-gather the parameters.
+
+        Returns the unclipped gradient norm.
+        """
+        t = self.training
+        norm = self.grad_norm()
+        clip = min(1.0, t.grad_clip / (norm + 1e-6)) if t.grad_clip > 0 else 1.0
+        self.step_count += 1
+        b1, b2 = t.adam_beta1, t.adam_beta2
+        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for f in self.families:
+            g = f.grad_shard * clip
+            f.exp_avg.mul_(b1).add_(g.to(f.exp_avg.dtype), alpha=1 - b1)
+            f.exp_avg_sq.mul_(b2).addcmul_(g.to(f.exp_avg.dtype), g.to(f.exp_avg.dtype),
+                                           value=1 - b2)
+            f.master.sub_(f.master * f.decay * (lr * t.weight_decay))  # decoupled decay
+            denom = (f.exp_avg_sq.float() / bc2).sqrt_().add_(t.adam_eps)
+            f.master.addcdiv_(f.exp_avg.float(), denom, value=-lr / bc1)
+            f.param_buf[f.shard].copy_(f.master)
+            if self.distributed and not f.axis.trivial:
+                dist.all_gather_into_tensor(f.param_buf, f.param_buf[f.shard].clone(),
+                                            group=f.axis.group)
+        return norm
+
+    # ------------------------------------------------------------------------------ debug
+    def reduced_grads(self) -> dict[str, torch.Tensor]:
+        """Each parameter's reduced (unclipped) gradient in its local tp/ep shape.
+
+        Collective: all-gathers distributed shards. For tests and checkpoint tooling.
+        """
+        out = {}
+        for f in self.families:
+            full = f.grad_shard
+            if self.distributed and not f.axis.trivial:
+                full = torch.empty_like(f.grad_buf)
+                dist.all_gather_into_tensor(full, f.grad_shard.contiguous(), group=f.axis.group)
+            for name, p, off in zip(f.names, f.params, f.offsets, strict=True):
+                out[name] = full[off: off + p.numel()].view(p.shape).clone()
+        return out
+
+
+def _accumulate_into(main_grad: torch.Tensor):
+    def hook(p: torch.Tensor) -> None:
+        main_grad.add_(p.grad)
+        p.grad = None
+    return hook

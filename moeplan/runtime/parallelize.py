@@ -1,0 +1,183 @@
+"""Apply a plan's parallelism to a full-size model, one axis at a time (torchtitan style).
+
+Order: dense TP/SP → EP/ETP (+ dispatcher) → DP (gradient reduction and the distributed
+optimizer, in `optimizer.py`). Each `apply_*` receives only the groups it needs; the model
+blocks read those groups at forward time and never look anything up globally. CP, pipeline
+splitting, recompute and offload will slot in between EP and DP as further `apply_*` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..specs import Layout
+from .comm import SINGLE, Axis, all_gather_dim0
+from .grid import RankGrid
+from .layers import (
+    MLP,
+    Attention,
+    Linear,
+    MLAttention,
+    ShardInfo,
+    set_shard_info,
+    shard_,
+    shard_info,
+)
+from .model import Transformer
+from .moe import AllGatherDispatcher, AllToAllDispatcher, GroupedExperts
+
+# Axes the runtime builds groups for: the printed ones plus those the optimizer and loss need.
+RUNTIME_AXES = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "tp_cp_dp", "ep", "etp", "edp",
+                "tp_ep")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The frozen bundle of this rank's groups for one layout (built once, passed down)."""
+
+    tp: Axis = SINGLE
+    cp: Axis = SINGLE
+    dp: Axis = SINGLE
+    pp: Axis = SINGLE
+    tp_cp: Axis = SINGLE
+    dp_cp: Axis = SINGLE
+    tp_cp_dp: Axis = SINGLE
+    ep: Axis = SINGLE
+    etp: Axis = SINGLE
+    edp: Axis = SINGLE
+    tp_ep: Axis = SINGLE
+    world: Axis = SINGLE
+
+
+def build_groups(grid: RankGrid, offset: int = 0) -> ParallelGroups | None:
+    """Create the torch.distributed groups of `grid` placed on global ranks offset..offset+world.
+
+    Collective over the default process group: every process calls it with the same arguments
+    (even those outside the grid, which get None), so several layouts can be carved out of one
+    spawned world. Size-1 groups are not created.
+    """
+    me = dist.get_rank()
+    found: dict[str, Axis] = {}
+    for axis in (*RUNTIME_AXES, "world"):
+        groups = [list(range(grid.world))] if axis == "world" else grid.groups(axis)
+        for ranks in groups:
+            ranks = [r + offset for r in ranks]
+            if len(ranks) == 1:
+                if me in ranks:
+                    found[axis] = Axis(None, 1, 0, tuple(ranks))
+                continue
+            pg = dist.new_group(ranks)
+            if me in ranks:
+                found[axis] = Axis(pg, len(ranks), ranks.index(me), tuple(ranks))
+    if not offset <= me < offset + grid.world:
+        return None
+    return ParallelGroups(**found)
+
+
+def local_groups() -> ParallelGroups:
+    """The bundle of a single-process run: every axis trivial."""
+    return ParallelGroups()
+
+
+# ---------------------------------------------------------------------------------- apply_*
+def _column(lin: Linear, tp: Axis) -> None:
+    for p in (lin.weight, lin.bias):
+        if p is not None:
+            shard_(p, 0, tp)
+            set_shard_info(p, ShardInfo(tp_dim=0))
+
+
+def _row(lin: Linear, tp: Axis) -> None:
+    shard_(lin.weight, 1, tp)
+    set_shard_info(lin.weight, ShardInfo(tp_dim=1))
+
+
+def apply_tp(model: Transformer, tp: Axis) -> None:
+    """Megatron TP with sequence parallelism: heads and FFN columns split over tp, vocab-parallel
+    embedding and output. Everything else stays replicated (its gradients are summed over tp)."""
+    if tp.trivial:
+        return
+    for p in (model.embedding.weight, model.output):
+        if p is not None:
+            shard_(p, 0, tp)
+            set_shard_info(p, ShardInfo(tp_dim=0))
+    model.embedding.tp, model.embedding.start = tp, tp.rank * model.embedding.weight.shape[0]
+    model.tp = tp
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for lin in (m.q_proj, m.k_proj, m.v_proj):
+                _column(lin, tp)
+            _row(m.o_proj, tp)
+        elif isinstance(m, MLAttention):
+            for lin in (m.q_up if m.q_rank else m.q_proj, m.kv_up):
+                _column(lin, tp)
+            _row(m.o_proj, tp)
+        elif isinstance(m, MLP):
+            for lin in (m.gate_proj, m.up_proj):
+                if lin is not None:
+                    _column(lin, tp)
+            _row(m.down_proj, tp)
+        else:
+            continue
+        m.tp = tp
+
+
+def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
+             dispatcher: str) -> None:
+    """Experts split over ep (dim 0) and their FFN over etp; the dispatcher gets ep/etp/tp_ep;
+    the router's aux loss counts tokens over `seq` (the tp-cp group sharing a micro-batch)."""
+    for moe in model.moe_layers():
+        ex: GroupedExperts = moe.experts
+        for name in ("w_gate", "w_up", "w_down"):
+            p = getattr(ex, name)
+            if p is None:
+                continue
+            etp_dim = 1 if name == "w_down" else 2
+            shard_(p, 0, ep)
+            shard_(p, etp_dim, etp)
+            set_shard_info(p, ShardInfo(expert=True, etp_dim=etp_dim))
+        E = moe.router.E
+        if dispatcher == "allgather":
+            moe.dispatcher = AllGatherDispatcher(E, ex.backend, ep, tp_ep)
+        else:
+            moe.dispatcher = AllToAllDispatcher(E, ex.backend, ep, etp, tp_ep)
+        moe.router.seq_axis = seq
+
+
+def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout) -> Transformer:
+    """Shard `model` in place for this rank of `layout`; the DP step is the optimizer's."""
+    apply_tp(model, groups.tp)
+    apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher)
+    return model
+
+
+# ----------------------------------------------------------------------- gathering shards back
+def _gather_dim(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    if axis.trivial:
+        return t
+    return all_gather_dim0(t.movedim(dim, 0), axis).movedim(0, dim)  # rank order along `dim`
+
+
+def gather_full(model: nn.Module, groups: ParallelGroups,
+                tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full-size copies of per-parameter tensors (weights or gradients) from their shards.
+
+    Collective over the layout's ranks; every rank returns the full tensors.
+    """
+    out = {}
+    params = dict(model.named_parameters())
+    for name, t in tensors.items():
+        info = shard_info(params[name])
+        if info.expert:
+            if info.etp_dim is not None:
+                t = _gather_dim(t, groups.etp, info.etp_dim)
+            t = _gather_dim(t, groups.ep, 0)
+        elif info.tp_dim is not None:
+            t = _gather_dim(t, groups.tp, info.tp_dim)
+        out[name] = t
+    return out
+

@@ -1,0 +1,53 @@
+"""What this runtime version executes: every plan feature outside it is refused by name.
+
+A plan asking for something not executed yet is never run differently (e.g. pipeline stages
+silently collapsed); `features_not_executed` lists each such feature so `moeplan run` exits 2
+before any worker starts. Pure function of the plan: no torch.
+"""
+
+from __future__ import annotations
+
+from ..specs import Plan
+
+
+def model_features_not_executed(model) -> list[str]:
+    """Model features the runtime does not build yet."""
+    out = []
+    if any(model.sliding_layers()):
+        out.append("sliding-window attention")
+    if model.attention_sinks:
+        out.append("attention sinks")
+    if model.position_embedding != "rope":
+        out.append("learned position embeddings")
+    if model.is_moe and model.mlp_bias:
+        out.append("biases on expert linears (mlp_bias with experts)")
+    return out
+
+
+def features_not_executed(plan: Plan) -> list[str]:
+    """Each plan feature this runtime does not execute yet, named for the error message."""
+    L, c, t = plan.layout, plan.choices, plan.training
+    out = []
+    if L.pp > 1:
+        out.append(f"pipeline parallelism (pp={L.pp})")
+    if L.vpp > 1:
+        out.append(f"virtual pipeline stages (vpp={L.vpp})")
+    if L.cp > 1:
+        out.append(f"context parallelism (cp={L.cp})")
+    if L.ep_overlap:
+        out.append("EP communication overlap (ep_overlap)")
+    if L.dispatcher == "flex":
+        out.append("the flex (DeepEP/HybridEP) dispatcher")
+    if c.recompute or any(c.stage_recompute or []):
+        out.append("activation recompute")
+    if c.offload or any(c.stage_offload or []):
+        out.append("activation offload")
+    if c.optimizer_offload_fraction > 0:
+        out.append("optimizer offload")
+    if t.precision != "bf16":
+        out.append(f"the {t.precision} precision recipe")
+    out += model_features_not_executed(plan.model)
+    if plan.model.vocab_size % L.tp:
+        out.append(f"vocabulary padding (vocab {plan.model.vocab_size} is not divisible by "
+                   f"tp={L.tp})")
+    return out

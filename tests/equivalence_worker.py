@@ -1,0 +1,93 @@
+"""Train every equivalence layout of both tiny models inside one spawned gloo world.
+
+Run as `python tests/equivalence_worker.py OUT.pt`: spawns WORLD processes once, carves each
+layout's groups out of that world (`build_groups`, collective on every rank), trains STEPS steps
+per layout and model, and rank 0 saves per-step losses, step times and the full reduced
+gradients of the first step to OUT.pt. The single-process reference is the world-1 layout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 4
+STEPS = 3
+MODELS = ("tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_dense_tied")
+DENSE = {"tiny_dense_tied"}  # trained only under layouts without experts
+DATA = Path(__file__).parent / "data"
+# name → (world, layout axes); the claims the tests make about each are in test_equivalence.py
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "reference": (1, {}),
+    "tp2_sp": (2, {"tp": 2}),
+    "ep2": (2, {"ep": 2}),
+    "tp2_ep4_dp2": (4, {"tp": 2, "ep": 4}),
+    "ep2_etp2": (4, {"ep": 2, "etp": 2}),
+    "dp4_distopt": (4, {}),
+    "dp2_ep2_no_distopt": (2, {"ep": 2, "distributed_optimizer": False}),
+    "tp2_ep4_allgather": (4, {"tp": 2, "ep": 4, "dispatcher": "allgather"}),
+    "tp2_ep2_etp2_order_pp_dp": (4, {"tp": 2, "ep": 2, "etp": 2, "order": "tp-cp-ep-pp-dp"}),
+    "tp2_dp2": (4, {"tp": 2}),
+    # capacity dropping is decided on each rank's own tokens: EP must not change it
+    "dp2_capacity": (2, {"capacity": 1.0}),
+    "dp2_ep2_capacity": (2, {"ep": 2, "capacity": 1.0}),
+}
+
+
+def make_plan(model: str, world: int, axes: dict):
+    from moeplan.specs import Layout, Plan, TrainingSpec, load_cluster, load_model
+
+    axes = dict(axes)
+    training = TrainingSpec(seq_len=32, global_batch_size=8, lr=1e-2, warmup_steps=1,
+                            moe_capacity_factor=axes.pop("capacity", None))
+    return Plan(model=load_model(DATA / f"{model}.yaml"),
+                cluster=load_cluster("h100", gpus=world), training=training,
+                layout=Layout.build(world, 8, **axes))
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    from moeplan.runtime.grid import RankGrid
+    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.train import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict = {}
+    for name, (world, axes) in LAYOUTS.items():
+        moe_axes = axes.get("ep", 1) > 1 or axes.get("etp", 1) > 1
+        models = [m for m in MODELS if not (moe_axes and m in DENSE)]
+        plans = {m: make_plan(m, world, axes) for m in models}
+        groups = build_groups(RankGrid.from_layout(plans[models[0]].layout))
+        for m in models:
+            if groups is None:
+                continue
+            trainer = Trainer(plans[m], groups, seed=1234)
+            losses, times, grads = [], [], None
+            for step in range(STEPS):
+                metrics, g = trainer.step(step, capture_grads=step == 0)
+                losses.append(metrics.loss)
+                times.append(metrics.step_time_s)
+                grads = grads if g is None else g
+            results[(name, m)] = {"losses": losses, "step_time_s": times, "grads": grads,
+                                  "grad_norm": metrics.grad_norm}
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(free_port(), sys.argv[1]), nprocs=WORLD)

@@ -1,0 +1,135 @@
+"""`moeplan run` end to end: real torchrun launches, the output files, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moeplan.specs import (
+    Estimate,
+    Layout,
+    MemoryBreakdown,
+    Plan,
+    TimeBreakdown,
+    TrainingSpec,
+    load_cluster,
+    load_model,
+)
+
+from .conftest import DATA
+
+SPEC_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_gpu",
+             "peak_mem_gb"}
+
+
+ESTIMATE = Estimate(step_time_s=0.5, tokens_per_s_per_gpu=128.0, tflops_per_gpu=1.0, mfu=0.1,
+                    memory=MemoryBreakdown(peak_gb=1.0, weights_gb=0.1, grads_gb=0.1,
+                                           optimizer_gb=0.2, activations_gb=0.5, buffers_gb=0.1),
+                    time=TimeBreakdown(compute_s=0.4), bottleneck="compute", fits=True)
+
+
+def write_plan(path, world: int, model: str = "tiny_qwen3_moe", estimate: Estimate | None = None,
+               **axes) -> str:
+    training = TrainingSpec(seq_len=32, global_batch_size=4, lr=1e-2, warmup_steps=1)
+    plan = Plan(model=load_model(DATA / f"{model}.yaml"), cluster=load_cluster("h100", gpus=world),
+                training=training, layout=Layout.build(world, 4, **axes), estimate=estimate)
+    path.write_text(plan.model_dump_json())
+    return str(path)
+
+
+@pytest.mark.slow
+def test_run_writes_spec_outputs_and_appends_metrics(cli, tmp_path):
+    out = tmp_path / "run"
+    plan = write_plan(tmp_path / "tp2ep2.json", 2, estimate=ESTIMATE, tp=2, ep=2)
+    r = cli("run", plan, "--steps", "5", "--out", str(out), "--seed", "7", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert all(row.keys() >= SPEC_KEYS for row in rows)
+    assert all(isinstance(row["peak_mem_gb"], float) and row["peak_mem_gb"] > 0 for row in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # the synthetic stream is learnable at once
+    spec = load_model(DATA / "tiny_qwen3_moe.yaml")
+    routing = json.loads((out / "routing.json").read_text())
+    moe_layers = [i for i, m in enumerate(spec.moe_layers()) if m]
+    assert [layer["layer"] for layer in routing["layers"]] == moe_layers
+    for layer in routing["layers"]:
+        assert len(layer["tokens_per_expert"]) == spec.num_experts
+        assert sum(layer["tokens_per_expert"]) == 5 * 4 * 32 * spec.moe_top_k
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["measured"]["step_time_s"] > 0
+    assert summary["predicted"]["step_time_s"] == 0.5  # measured next to the plan's forecast
+    assert "step time" in r.stderr and "loss" in r.stderr  # progress and the summary table
+
+    # a second run into the same directory appends; the world-1 plan gives the same losses
+    single = write_plan(tmp_path / "single.json", 1)
+    r2 = cli("run", single, "--steps", "2", "--out", str(out), "--seed", "7", timeout=300)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    rows2 = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows2) == 7
+    for a, b in zip(rows2[5:], rows[:2], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_run_joins_an_enclosing_torchrun_launch(tmp_path):
+    """Started by torchrun (as a Slurm/torchrun job script would), each process becomes a rank."""
+    out = tmp_path / "joined"
+    plan = write_plan(tmp_path / "ep2.json", 2, ep=2)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node=2", "-m", "moeplan", "run", plan, "--steps", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2  # written once, by rank 0
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_path):
+    """A Qwen3-235B-A22B plan (tp2, ep2 on 2 ranks) runs locally once shrunk."""
+    plan = Plan(model=load_model("qwen3-235b-a22b"), cluster=load_cluster("h100", gpus=2),
+                training=TrainingSpec(seq_len=4096, global_batch_size=64),
+                layout=Layout.build(2, 64, tp=2, ep=2))
+    path = tmp_path / "q235.json"
+    path.write_text(plan.model_dump_json())
+    out = tmp_path / "scaled"
+    r = cli("run", str(path), "--scale-down", "--steps", "2", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scaled_down"] and summary["world_size"] == 2
+    assert "tp2" in summary["layout"] and "ep2" in summary["layout"]
+
+
+@pytest.mark.parametrize("case,axes,extra,needle", [
+    ("pipeline", {"pp": 2}, [], "pipeline parallelism"),
+    ("context", {"cp": 2}, [], "context parallelism"),
+    ("world", {"ep": 2}, ["--nproc-per-node", "3"], "needs 2 processes"),
+    ("data", {}, ["--data", "tokens.bin"], "--data PATH"),
+    ("resume", {}, ["--resume"], "checkpointing"),
+])
+def test_run_refuses_before_any_worker_starts(cli, tmp_path, case, axes, extra, needle):
+    world = 2 if axes else 1
+    plan = write_plan(tmp_path / f"{case}.json", world, **axes)
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    r = cli("run", plan, "--steps", "2", "--out", str(out), *extra)
+    assert r.returncode == 2, r.stderr
+    assert needle in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+    assert not out.exists()  # nothing ran, nothing was written
+    assert time.perf_counter() - start < 20
+
+
+def test_run_rejects_an_invalid_layout(cli, tmp_path):
+    path = tmp_path / "bad.json"
+    write_plan(path, 2, ep=2)
+    doc = json.loads(path.read_text())
+    doc["layout"]["ep"] = 3  # 8 experts are not divisible by 3, nor is the world
+    for derived in ("edp", "world_size", "sequence_parallel"):
+        doc["layout"].pop(derived, None)
+    path.write_text(json.dumps(doc))
+    r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not divisible by ep=3" in " ".join(r.stderr.split())
