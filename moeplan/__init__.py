@@ -4,6 +4,7 @@ The public Python API; the `moeplan` command is a thin layer over these function
 and scripts behave exactly like the CLI. Importing moeplan never imports torch.
 """
 
+from .api import estimate
 from .errors import InfeasibleError, LayoutError, MoeplanError, NotYetAvailable, SpecError
 from .specs import (
     Choices,
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Choices", "ClusterSpec", "Estimate", "InfeasibleError", "Layout", "LayoutError",
     "ModelSpec", "MoeplanError", "NotYetAvailable", "Plan", "SpecError", "TrainingSpec",
-    "list_presets", "load_cluster", "load_model", "load_plan", "load_training",
+    "estimate", "list_presets", "load_cluster", "load_model", "load_plan", "load_training",
 ]
 __all__ += ["export"]
 
@@ -44,6 +45,8 @@ def export(
     from .planner.export import export as _export
 
     return _export(plan, format, nnodes=nnodes, nproc_per_node=nproc_per_node)
+
+
 __all__ += ["groups", "run"]
 
 

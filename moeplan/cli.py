@@ -179,16 +179,135 @@ def _not_yet(command: str) -> None:
 _STUB_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def estimate(ctx: typer.Context) -> None:
+@app.command()
+def estimate(
+    plan_file: Annotated[str | None, typer.Argument(
+        metavar="[PLAN.json]", help="A plan written by `search -o` or `estimate -o`.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Preset, spec file or HF config.")
+                     ] = None,
+    cluster: Annotated[str | None, typer.Option("--cluster", help="Cluster preset or file.")
+                       ] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPU count.")] = None,
+    seq: Annotated[int | None, typer.Option("--seq", min=1, help="Sequence length.")] = None,
+    gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences).")
+                   ] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
+    vpp: Annotated[int, typer.Option("--vpp", min=1)] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
+    mbs: Annotated[int, typer.Option("--mbs", min=1)] = 1,
+    recompute: Annotated[str | None, typer.Option("--recompute", help="e.g. core_attn,moe_act "
+                                                  "or full.")] = None,
+    offload: Annotated[str | None, typer.Option("--offload", help="e.g. expert_fc1,moe_act.")
+                       ] = None,
+    precision: Annotated[str | None, typer.Option("--precision", help="bf16, fp8-delayed, "
+                         "fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4.")] = None,
+    dispatcher: Annotated[str, typer.Option("--dispatcher", help="alltoall, allgather, flex.")
+                          ] = "alltoall",
+    ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Merged fwd/bwd EP overlap.")
+                          ] = False,
+    stage_layout: Annotated[str | None, typer.Option(
+        "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
+        "'Et*3|(tt|)*29,m|L'.")] = None,
+    imbalance: Annotated[float, typer.Option("--imbalance", help="Tokens on the busiest EP rank "
+                                             "over the mean (1.0: forced balance).")] = 1.0,
+    routing_histogram: Annotated[str | None, typer.Option(
+        "--routing-histogram", help="routing.json: per-layer tokens per expert.")] = None,
+    calibration: Annotated[str | None, typer.Option(
+        "--calibration", help="Overlay measured efficiency constants (moeplan calibrate -o).")
+                           ] = None,
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
+                      ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Predict step time, throughput and memory of one layout."""
-    _not_yet("estimate")
+    from .api import estimate as api_estimate
+    from .api import plan_from_options
+
+    if routing_histogram and imbalance != 1.0:
+        raise SpecError("give either --imbalance or --routing-histogram, not both.")
+    if plan_file:
+        if model or cluster:
+            raise SpecError("give either PLAN.json or --model/--cluster, not both.")
+        plan = S.load_plan(plan_file)
+        if calibration:
+            plan = plan.model_copy(update={"cluster": S.load_cluster(plan.cluster, None,
+                                                                     calibration)})
+    else:
+        if not model or not cluster:
+            raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
+                            "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
+        axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
+                "dispatcher": dispatcher, "ep_overlap": ep_overlap}
+        plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
+                                 csv_names(recompute), csv_names(offload), stage_layout,
+                                 calibration)
+    est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
+    plan = plan.model_copy(update={"estimate": est})
+    if output:
+        Path(output).write_text(plan.model_dump_json(indent=2) + "\n")
+        err.print(f"wrote {output}")
+
+    def render() -> None:
+        L = plan.layout
+        t = Table(title=f"{plan.model.name} on {L.world_size}× {plan.cluster.gpu}: "
+                  f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp} vpp{L.vpp} ep{L.ep} etp{L.etp} "
+                  f"mbs{L.mbs} × {L.num_microbatches}", show_header=False)
+        t.add_row("step time", f"{est.step_time_s:.3f} s")
+        t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
+        t.add_row("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f}  (MFU {est.mfu:.1%})")
+        mem = est.memory
+        t.add_row("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} "
+                  f"({'fits' if est.fits else 'does NOT fit'})")
+        t.add_row("  weights / grads / optimizer",
+                  f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB")
+        t.add_row("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")
+        for k, v in est.time.model_dump().items():
+            if v:
+                t.add_row(f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s")
+        t.add_row("bottleneck", est.bottleneck)
+        if est.confidence:
+            t.add_row("confidence", f"{est.confidence.label}: {est.confidence.reason}")
+        out.print(t)
+        for w in est.warnings:
+            err.print(f"[yellow]warning:[/] {w}")
+
+    emit(est, as_json, render)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def validate(ctx: typer.Context) -> None:
-    """Predict published runs and report the error per row."""
-    _not_yet("validate")
+@app.command()
+def validate(
+    runs_csv: Annotated[str, typer.Argument(metavar="RUNS.csv",
+                                            help="A CSV shaped like published_runs.csv.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict published runs and report the error per row (fit and held-out rows apart)."""
+    from .validation import read_rows, validate_rows
+
+    res = validate_rows(read_rows(runs_csv))
+    doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
+                               "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb")}
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def render() -> None:
+        t = Table("id", "split", "model", "gpu", "precision", "tok/s/GPU pred", "published",
+                  "error", title=f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
+                  "skipped")
+        for r in res["rows"]:
+            pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
+            e = f"{pred / pub - 1:+.1%}" if pub else "-"
+            t.add_row(r["id"], r["split"], r["model"], r["gpu"], r["precision"], f"{pred:,.0f}",
+                      f"{pub:,.0f}" if pub else "-", e)
+        out.print(t)
+        out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
+                  f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
+                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+
+    emit(doc, as_json, render)
 
 
 @app.command(context_settings=_STUB_SETTINGS)
@@ -219,14 +338,19 @@ def run(
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", help="Workers on this node (default: the plan's world size).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes taking part.")] = 1,
-    node_rank: Annotated[int | None, typer.Option("--node-rank")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT.")] = None,
-    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend")] = "c10d",
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id")] = None,
-    ckpt_dir: Annotated[str | None, typer.Option("--ckpt-dir")] = None,
-    ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 0,
-    resume: Annotated[bool, typer.Option("--resume")] = False,
-    max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This node's rank.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(
+        "--rdzv-endpoint", help="HOST:PORT, the same on every node (multi-node).")] = None,
+    rdzv_backend: Annotated[str, typer.Option("--rdzv-backend", help="torchrun rendezvous.")] = (
+        "c10d"),
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="Job id for rendezvous.")] = None,
+    ckpt_dir: Annotated[str | None, typer.Option(
+        "--ckpt-dir", help="Checkpoint directory (checkpointing is not executed yet).")] = None,
+    ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Steps between checkpoints.")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")] = (
+        False),
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", help="torchrun restarts of failed workers.")] = 0,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     from .runtime.launch import RunFailed

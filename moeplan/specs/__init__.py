@@ -13,11 +13,18 @@ from .layout import (
 from .loader import list_presets, load_cluster, load_model, load_plan, load_training
 from .model import ModelSpec
 from .plan import Confidence, Estimate, MemoryBreakdown, Plan, TimeBreakdown
+from .stage_layout import (
+    balanced_stage_layout,
+    format_stage_layout,
+    parse_stage_layout,
+    stage_layout_for,
+)
 from .training import PRECISIONS, TrainingSpec
 
 __all__ = [
     "OFFLOAD_MODULES", "PRECISIONS", "RECOMPUTE_MODULES", "Choices", "ClusterSpec", "Confidence",
     "Estimate", "Layout", "MemoryBreakdown", "ModelSpec", "Plan", "TimeBreakdown", "TrainingSpec",
-    "check_layout", "layout_violations", "list_presets", "load_cluster", "load_model",
-    "load_plan", "load_training",
+    "balanced_stage_layout", "check_layout", "format_stage_layout", "layout_violations",
+    "list_presets", "load_cluster", "load_model", "load_plan", "load_training",
+    "parse_stage_layout", "stage_layout_for",
 ]

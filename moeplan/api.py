@@ -1,0 +1,125 @@
+"""Public entry points shared by the Python API and the CLI: one layout in, one Estimate out.
+
+`estimate` accepts specs or names (preset, file), a Plan, or a Plan file, so a notebook and the
+`moeplan estimate` command take the same path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import SpecError
+from .specs import (
+    Choices,
+    ClusterSpec,
+    Estimate,
+    Layout,
+    ModelSpec,
+    Plan,
+    TrainingSpec,
+    load_cluster,
+    load_model,
+    load_plan,
+    load_training,
+)
+from .specs.loader import build, format_validation_error
+
+
+def load_routing_histogram(path: str | Path) -> dict[str, Any]:
+    """Read `{"layers": [{"layer": i, "tokens_per_expert": [...]}, ...]}` (as `moeplan run`
+    writes routing.json), with a clear error when the shape is wrong."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as err:
+        raise SpecError(f"--routing-histogram {path}: cannot read it ({err.strerror}).") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"--routing-histogram {path}: not valid JSON ({err.msg}).") from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    ok = isinstance(layers, list) and all(
+        isinstance(e, dict) and isinstance(e.get("layer"), int)
+        and isinstance(e.get("tokens_per_expert"), list) for e in layers)
+    if not ok:
+        raise SpecError(f"--routing-histogram {path}: expected {{\"layers\": [{{\"layer\": i, "
+                        "\"tokens_per_expert\": [...]}, ...]}} (the routing.json `moeplan run` "
+                        "writes).")
+    return data
+
+
+def plan_from_options(
+    model: str | ModelSpec,
+    cluster: str | ClusterSpec,
+    gpus: int | None,
+    seq: int | None,
+    gbs: int | None,
+    precision: str | None = None,
+    axes: dict[str, Any] | None = None,
+    recompute: list[str] | None = None,
+    offload: list[str] | None = None,
+    stage_layout: str | None = None,
+    calibration: str | Path | None = None,
+    optimizer_offload_fraction: float = 0.0,
+) -> Plan:
+    """A Plan (no estimate yet) from command-line style values; dp and micro-batches derived."""
+    missing = [f for f, v in (("--gbs", gbs),) if v is None]
+    c = load_cluster(cluster, gpus, calibration)
+    if c.num_gpus is None:
+        missing.append("--gpus")
+    if missing:
+        raise SpecError(f"moeplan estimate needs {', '.join(missing)} (or a PLAN.json).")
+    m = load_model(model)
+    t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision)
+    try:
+        layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, "layout", "command line")) from None
+    choices = build(Choices, {"recompute": recompute or [], "offload": offload or [],
+                              "stage_layout": stage_layout,
+                              "optimizer_offload_fraction": optimizer_offload_fraction},
+                    "choices", "command line")
+    return Plan(model=m, cluster=c, training=t, layout=layout, choices=choices)
+
+
+def estimate(
+    model: str | ModelSpec | Plan | Path,
+    cluster: str | ClusterSpec | None = None,
+    training: TrainingSpec | None = None,
+    layout: Layout | None = None,
+    choices: Choices | None = None,
+    *,
+    imbalance: float = 1.0,
+    routing_histogram: dict[str, Any] | str | Path | None = None,
+    calibration: dict[str, Any] | None = None,
+) -> Estimate:
+    """Predict step time, throughput and memory of one layout.
+
+    `model` may be a Plan or a plan file (then the other specs come from it), or a ModelSpec /
+    preset name with `cluster`, `training` and `layout`. Raises LayoutError naming each broken
+    Megatron rule; a valid layout that does not fit returns `fits=False`.
+    """
+    from .cost_models import estimate as _estimate
+
+    if isinstance(model, (str, Path)) and str(model).endswith(".json") and Path(model).is_file():
+        data = json.loads(Path(model).read_text())
+        if isinstance(data, dict) and {"model", "cluster", "layout"} <= data.keys():
+            model = load_plan(model)
+    if isinstance(model, Plan):
+        plan = model
+        m, c, t, lay, ch = plan.model, plan.cluster, plan.training, plan.layout, plan.choices
+    else:
+        if cluster is None or training is None or layout is None:
+            raise SpecError("estimate needs a Plan, or a model with cluster, training and layout.")
+        m, c, t, lay, ch = load_model(model), load_cluster(cluster), training, layout, choices
+        if c.num_gpus is None:
+            c = c.with_gpus(lay.world_size)
+    if imbalance < 1.0:
+        raise SpecError(f"--imbalance {imbalance}: the busiest rank gets at least the mean, so "
+                        "the factor must be ≥ 1.0.")
+    hist = (load_routing_histogram(routing_histogram)
+            if isinstance(routing_histogram, (str, Path)) else routing_histogram)
+    return _estimate(m, c, t, lay, ch, imbalance=imbalance, routing_histogram=hist,
+                     calibration=calibration)

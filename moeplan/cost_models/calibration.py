@@ -1,0 +1,98 @@
+"""The calibration profile: every efficiency constant the cost models use, in one place.
+
+Shipped defaults live in `calibration.json` next to this file (written by
+`bench/fit_calibration.py` from the fit rows of the published runs; the held-out rows never touch
+it). A ClusterSpec's `calibration` dict (from `moeplan calibrate` or `--calibration FILE`)
+overrides any key. Keys that are dicts are keyed by GPU architecture or precision.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiency constants (dimensionless unless suffixed). See calibration.json for values."""
+
+    # GEMMs: eff = gemm_eff_max[gpu or arch] · shape factor (compute.gemm_efficiency). Keyed by
+    # GPU model where the fit saw it (products of one architecture sustain different clocks
+    # under their power limits: GB300 at 1400 W vs B200 at 1000 W), else by architecture.
+    gemm_eff_max: dict[str, float]
+    gemm_half_dim: float
+    # low precision: speed-up over BF16 = 1 + (peak_p/peak_bf16 − 1) · lowp_gain[precision]
+    lowp_gain: dict[str, float]
+    # attention core (flash/cuDNN) forward and backward fraction of the BF16 peak, per arch
+    attn_fwd_eff: dict[str, float]
+    attn_bwd_eff: dict[str, float]
+    # memory-bound work: achieved fraction of HBM bandwidth, and a multiplier on our byte count
+    hbm_eff: float
+    membound_scale: float
+    # links: achieved fraction of datasheet bandwidth
+    nvlink_eff: float
+    scaleout_eff: float
+    a2a_nvlink_eff: float
+    a2a_scaleout_eff: float
+    # overlap: fraction of TP comm that stays exposed (TP comm overlap hides the rest)
+    tp_exposed: float
+    # fraction of EP all-to-all hidden when EP overlap (merged fwd/bwd) is on
+    ep_overlap_hidden: float
+    # fraction of EP all-to-all hidden without it (shared-expert overlap and the like)
+    ep_base_hidden: float
+    # fixed per-step overhead (optimizer launch, grad-norm, logging), seconds
+    step_overhead_s: float
+    # per-micro-batch per-layer launch overhead (kernel launches, host sync), seconds
+    layer_overhead_s: float
+    # memory: allocator fragmentation fraction, fixed workspace GB, HBM reserve GB
+    frag_frac: float
+    workspace_gb: float
+    reserve_gb: float
+    # which (architecture, precision) pairs the fit saw, for the confidence label
+    calibrated: list[str]
+
+    def gemm_eff_max_for(self, cluster: Any) -> float:
+        """Peak GEMM efficiency for a cluster: its GPU model's entry, else its architecture's."""
+        return self.gemm_eff_max.get(cluster.gpu, self.gemm_eff_max[cluster.architecture])
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Calibration:
+        """A copy with `overrides` applied (dict-valued keys merge entry by entry)."""
+        known = {f.name for f in fields(self)}
+        upd: dict[str, Any] = {}
+        for k, v in overrides.items():
+            if k not in known:
+                continue
+            cur = getattr(self, k)
+            upd[k] = {**cur, **v} if isinstance(cur, dict) and isinstance(v, dict) else v
+        return replace(self, **upd) if upd else self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@lru_cache(maxsize=1)
+def default_calibration() -> Calibration:
+    """The shipped profile (read once per process)."""
+    text = (resources.files("moeplan.cost_models") / "calibration.json").read_text()
+    data = json.loads(text)
+    data.pop("_about", None)
+    return Calibration(**data)
+
+
+def _freeze(d: dict[str, Any]) -> str:
+    return json.dumps(d, sort_keys=True)
+
+
+@lru_cache(maxsize=64)
+def _overlaid(frozen: str) -> Calibration:
+    return default_calibration().with_overrides(json.loads(frozen))
+
+
+def calibration_for(overrides: dict[str, Any] | None) -> Calibration:
+    """The shipped profile with a cluster's overrides applied (cached per distinct overrides)."""
+    if not overrides:
+        return default_calibration()
+    return _overlaid(_freeze(overrides))

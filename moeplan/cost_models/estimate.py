@@ -1,0 +1,368 @@
+"""Whole-step estimate: stage layout → per-rank chunk costs → pipeline, DP, memory peak.
+
+The step's critical path is the pipeline schedule over the slowest pp rank (every DP/TP/EP
+replica of a stage does the same work, at the most loaded EP rank's routing), plus the DP
+gradient reduce-scatter and parameter all-gather that overlap could not hide, plus the
+optimizer step. Memory is the peak over pp ranks of static memory + in-flight activations +
+buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..specs.cluster import ClusterSpec
+from ..specs.layout import Choices, Layout, check_layout
+from ..specs.model import ModelSpec
+from ..specs.plan import Confidence, Estimate, MemoryBreakdown, TimeBreakdown
+from ..specs.stage_layout import format_stage_layout, stage_layout_for
+from ..specs.training import TrainingSpec
+from . import comm as C
+from .calibration import Calibration, calibration_for
+from .compute import adam_step_bytes, lowp_speedup, membound_time
+from .layers import (
+    BF16,
+    Context,
+    LayerCost,
+    dense_layer,
+    embedding_layer,
+    loss_layer,
+    make_context,
+    moe_layer,
+    mtp_layer,
+)
+from .memory import GB, StaticMemory, static_memory
+from .pipeline import in_flight_chunks, pipeline_time
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One model chunk (virtual stage) for one micro-batch after the stage's choices."""
+
+    layers: tuple[str, ...]
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    exposed_comm_s: float
+    offload_s: float
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    activation_bytes: float
+    offload_bytes: float
+    dense_params: float
+    expert_params: float
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.recompute_s + self.exposed_comm_s + self.offload_s
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank: its chunks, per-micro-batch time, static memory and peak."""
+
+    rank: int
+    chunks: tuple[ChunkCost, ...]
+    time_s: float
+    static: StaticMemory
+    activation_bytes: float
+    buffer_bytes: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.static.total + self.activation_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Everything `estimate` computed, for callers that want more than the Estimate."""
+
+    estimate: Estimate
+    ranks: tuple[RankCost, ...]
+    stage_layout: str
+    layer_costs: dict[str, LayerCost]
+
+
+# ----------------------------------------------------------------------------- routing
+def imbalance_from_histogram(tokens_per_expert: Sequence[float], ep: int) -> float:
+    """Tokens on the most loaded EP rank over the mean, experts dealt to ranks in contiguous
+    blocks of E/ep (Megatron's expert placement)."""
+    n = len(tokens_per_expert)
+    if n == 0 or n % ep:
+        return 1.0
+    per = n // ep
+    sums = [sum(tokens_per_expert[i * per:(i + 1) * per]) for i in range(ep)]
+    mean = sum(sums) / ep
+    return max(sums) / mean if mean > 0 else 1.0
+
+
+def layer_imbalances(model: ModelSpec, ep: int, imbalance: float,
+                     histogram: dict[str, Any] | None) -> list[float]:
+    """Imbalance per decoder layer: from a routing histogram when given, else `imbalance`.
+
+    Histogram entries name a decoder layer index; when those are not MoE layers (a histogram
+    counted over MoE layers only), entries are matched to MoE layers in order. Layers the
+    histogram does not cover get the mean of those it does.
+    """
+    moe = model.moe_layers()
+    out = [imbalance] * model.num_layers
+    if not histogram:
+        return out
+    entries = histogram.get("layers", [])
+    moe_idx = [i for i, is_moe in enumerate(moe) if is_moe]
+    vals: dict[int, float] = {}
+    by_layer = all(0 <= int(e.get("layer", -1)) < len(moe) and moe[int(e["layer"])]
+                   for e in entries)
+    for j, e in enumerate(entries):
+        idx = int(e["layer"]) if by_layer else (moe_idx[j] if j < len(moe_idx) else None)
+        if idx is not None:
+            vals[idx] = imbalance_from_histogram(e.get("tokens_per_expert", []), ep)
+    if vals:
+        mean = sum(vals.values()) / len(vals)
+        out = [vals.get(i, mean) for i in range(model.num_layers)]
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+def _layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost],
+                                                                    list[str]]:
+    """Cost of every distinct layer kind, and the key of each decoder layer."""
+    m = ctx.model
+    moe, sliding = m.moe_layers(), m.sliding_layers()
+    cache: dict[str, LayerCost] = {}
+    keys = []
+    for i in range(m.num_layers):
+        imb = round(imbalances[i], 4)
+        key = f"{'moe' if moe[i] else 'dense'}{'-swa' if sliding[i] else ''}" + (
+            f"@{imb}" if moe[i] and imb != 1.0 else "")
+        if key not in cache:
+            cache[key] = (moe_layer(ctx, sliding[i], imb) if moe[i]
+                          else dense_layer(ctx, sliding[i]))
+        keys.append(key)
+    cache["E"] = embedding_layer(ctx)
+    cache["L"] = loss_layer(ctx)
+    if m.mtp_layers:
+        cache["m"] = mtp_layer(ctx, imbalances[-1])
+    return cache, keys
+
+
+def layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost], list[str]]:
+    """Cost of every distinct layer kind ("dense", "moe", "moe@1.3", "E", "L", "m", ...) and the
+    key of each decoder layer in model order: the per-layout table the planner builds once."""
+    return _layer_costs(ctx, imbalances)
+
+
+def _chunk(items: list[tuple[str, LayerCost]], recompute: list[str], offload: list[str],
+           ctx: Context) -> ChunkCost:
+    fwd = bwd = rec = exp = tp = cp = ep = act = off = dense = expert = 0.0
+    for _, lc in items:
+        fwd += lc.fwd_s + ctx.cal.layer_overhead_s
+        bwd += lc.bwd_s + ctx.cal.layer_overhead_s
+        rec += lc.recompute_s(recompute)
+        exp += lc.exposed_fwd_s + lc.exposed_bwd_s
+        tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
+        act += lc.activation_bytes(recompute, offload)
+        off += lc.offload_bytes(recompute, offload)
+        dense, expert = dense + lc.dense_params, expert + lc.expert_params
+    copy = C.host_copy_time(off, ctx.cluster)
+    off_s = max(0.0, copy - fwd) + max(0.0, copy - bwd)   # D2H behind forward, H2D behind bwd
+    return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, off_s, tp, cp, ep, act, off,
+                     dense, expert)
+
+
+def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
+                model: ModelSpec) -> Confidence:
+    key = f"{cluster.gpu}/{training.precision}/{'moe' if model.is_moe else 'dense'}"
+    if cluster.calibration:
+        return Confidence(label="calibrated", reason="cluster carries measured calibration "
+                          "constants")
+    if key in cal.calibrated:
+        return Confidence(label="calibrated", reason=f"fit data covers {key}")
+    return Confidence(label="extrapolated", reason=f"no fit rows for {key}; constants carried "
+                      "over from other GPUs, precisions or model kinds")
+
+
+# ----------------------------------------------------------------------------- estimate
+def estimate_breakdown(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    layout: Layout,
+    choices: Choices | None = None,
+    imbalance: float = 1.0,
+    routing_histogram: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None,
+    check: bool = True,
+) -> Breakdown:
+    """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs)."""
+    choices = choices or Choices()
+    world = layout.world_size
+    if check:
+        check_layout(model, training, layout, cluster.num_gpus or world, choices, cluster)
+    cal = calibration_for({**cluster.calibration, **(calibration or {})})
+    L = layout
+    ctx = make_context(model, cluster, training, L, cal)
+    imbs = layer_imbalances(model, L.ep, imbalance, routing_histogram)
+    costs, keys = _layer_costs(ctx, imbs)
+    stages = stage_layout_for(model.num_layers, L.pp, L.vpp, model.mtp_layers,
+                              choices.stage_layout, choices.stage_layers)
+    warnings: list[str] = []
+    if model.num_layers % (L.pp * L.vpp) and not (choices.stage_layout or choices.stage_layers):
+        warnings.append(f"{model.num_layers} layers do not split evenly over pp·vpp = "
+                        f"{L.pp * L.vpp}; using the balanced layout {format_stage_layout(stages)}")
+    if max(imbs, default=1.0) > 1.0:
+        warnings.append(f"routing imbalance up to {max(imbs):.2f}× priced at the busiest EP rank")
+    # decoder layer index per 't' in model order
+    layer_iter = iter(keys)
+    stage_items: list[list[tuple[str, LayerCost]]] = []
+    for st in stages:
+        items = []
+        for ch in st:
+            key = next(layer_iter) if ch == "t" else ch
+            items.append((key, costs[key]))
+        stage_items.append(items)
+
+    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
+    ranks: list[RankCost] = []
+    for r in range(L.pp):
+        rc, off = choices.recompute_for_stage(r), choices.offload_for_stage(r)
+        chunks = tuple(_chunk(stage_items[v * L.pp + r], rc, off, ctx) for v in range(L.vpp))
+        dense = sum(c.dense_params for c in chunks)
+        expert = sum(c.expert_params for c in chunks)
+        static = static_memory(dense, expert, dense_shards, expert_shards, moments,
+                               L.distributed_optimizer, choices.optimizer_offload_fraction)
+        act = sum(chunks[v].activation_bytes
+                  for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
+        # dispatcher send/recv buffers of one MoE layer, TP all-gather buffer, workspace
+        disp = (2 * BF16 * ctx.n_sp * model.moe_top_k * L.etp * model.hidden_size * max(imbs)
+                if model.is_moe and any("moe" in k for c in chunks for k in c.layers) else 0.0)
+        tp_buf = BF16 * ctx.n_tok * model.hidden_size if L.tp > 1 else 0.0
+        buffers = disp + tp_buf + cal.workspace_gb * GB + cal.frag_frac * (static.total + act)
+        ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers))
+
+    m_ = L.num_microbatches
+    rank_times = [r.time_s for r in ranks]
+    pipe_s, bubble = pipeline_time(rank_times, m_, L.vpp)
+    crit = max(ranks, key=lambda r: r.time_s)
+    # PP point-to-point: activations (SP-sharded) between consecutive virtual stages; steady
+    # state overlaps them, warm-up and cool-down do not
+    pp_place = C.placement(L, "pp", cluster)
+    p2p = C.p2p_time(BF16 * ctx.n_sp * model.hidden_size, not pp_place.inside_nvlink, cluster, cal)
+    pp_exposed = 2 * (L.pp * L.vpp - 1) * p2p if L.pp > 1 else 0.0
+    # DP: grads reduce-scatter (fp32) and params all-gather (bf16), overlapped with the last
+    # micro-batch's backward and the first micro-batch's forward (Megatron overlap_grad_reduce,
+    # overlap_param_gather)
+    dp_place = C.placement(L, "dp", cluster)
+    dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain, max(dp_place.domains,
+                                                                     C.placement(L, "cp", cluster).domains))
+    edp_place = C.placement(L, "edp", cluster)
+    dense_p = sum(c.dense_params for c in crit.chunks)
+    expert_p = sum(c.expert_params for c in crit.chunks)
+    if L.distributed_optimizer:
+        rs = C.ring_time(4 * dense_p, dense_dp, cluster, cal) + C.ring_time(4 * expert_p,
+                                                                          edp_place, cluster, cal)
+        ag = C.ring_time(2 * dense_p, dense_dp, cluster, cal) + C.ring_time(2 * expert_p,
+                                                                          edp_place, cluster, cal)
+    else:
+        rs = C.all_reduce_time(4 * dense_p, dense_dp, cluster, cal) + C.all_reduce_time(
+            4 * expert_p, edp_place, cluster, cal)
+        ag = 0.0
+    bwd_window = sum(c.bwd_s for c in crit.chunks)
+    fwd_window = sum(c.fwd_s for c in crit.chunks)
+    dp_exposed = max(0.0, rs - bwd_window) + max(0.0, ag - fwd_window)
+    # optimizer step: Adam over this rank's shard in HBM; the offloaded share crosses the host
+    # link (grads down, params up)
+    shard = dense_p / (dense_shards if L.distributed_optimizer else 1) + expert_p / (
+        expert_shards if L.distributed_optimizer else 1)
+    frac = choices.optimizer_offload_fraction
+    opt_s = membound_time(adam_step_bytes(shard * (1 - frac), moments), cluster.hbm_tb_s, cal)
+    opt_s += C.host_copy_time(shard * frac * 6, cluster)
+    step = pipe_s + pp_exposed + dp_exposed + opt_s + cal.step_overhead_s
+
+    tokens = training.global_batch_size * training.seq_len
+    flops = model.flops_per_token(training.seq_len) * tokens
+    tflops = flops / step / world / 1e12
+    compute = m_ * sum(c.fwd_s + c.bwd_s for c in crit.chunks)
+    recompute = m_ * sum(c.recompute_s for c in crit.chunks)
+    offload = m_ * sum(c.offload_s for c in crit.chunks)
+    exposed = m_ * sum(c.exposed_comm_s for c in crit.chunks) + dp_exposed + pp_exposed
+    time = TimeBreakdown(
+        compute_s=compute + opt_s, tp_comm_s=m_ * sum(c.tp_s for c in crit.chunks),
+        cp_comm_s=m_ * sum(c.cp_s for c in crit.chunks),
+        ep_comm_s=m_ * sum(c.ep_s for c in crit.chunks), dp_comm_s=rs + ag,
+        pp_bubble_s=bubble, recompute_s=recompute, offload_s=offload, exposed_comm_s=exposed)
+    peak_rank = max(ranks, key=lambda r: r.peak_bytes)
+    budget = cluster.hbm_gb - cal.reserve_gb
+    fits = peak_rank.peak_bytes / GB <= budget
+    memory = MemoryBreakdown(
+        peak_gb=peak_rank.peak_bytes / GB, weights_gb=peak_rank.static.weights / GB,
+        grads_gb=peak_rank.static.grads / GB, optimizer_gb=peak_rank.static.optimizer / GB,
+        activations_gb=peak_rank.activation_bytes / GB, buffers_gb=peak_rank.buffer_bytes / GB)
+    if not fits:
+        warnings.append(f"peak {memory.peak_gb:.1f} GB on pp rank {peak_rank.rank} exceeds the "
+                        f"{budget:.1f} GB budget ({cluster.hbm_gb:g} GB HBM less "
+                        f"{cal.reserve_gb:g} GB reserve)")
+    parts = {"compute": compute, "pipeline bubble": bubble, "recompute": recompute,
+             "offload": offload, "tp communication": m_ * sum(
+                 c.tp_s for c in crit.chunks) * cal.tp_exposed,
+             "ep communication": m_ * sum(c.ep_s for c in crit.chunks) * (
+                 1 - (cal.ep_overlap_hidden if L.ep_overlap else cal.ep_base_hidden)),
+             "dp communication": dp_exposed, "cp communication": m_ * sum(
+                 c.cp_s for c in crit.chunks)}
+    bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
+    est = Estimate(
+        step_time_s=step, tokens_per_s_per_gpu=tokens / step / world, tflops_per_gpu=tflops,
+        mfu=tflops / cluster.bf16_tflops, memory=memory, time=time, bottleneck=bottleneck,
+        fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model))
+    return Breakdown(est, tuple(ranks), format_stage_layout(stages), costs)
+
+
+def estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    layout: Layout,
+    choices: Choices | None = None,
+    imbalance: float = 1.0,
+    routing_histogram: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None,
+) -> Estimate:
+    """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4).
+
+    Raises LayoutError naming every broken Megatron rule; a valid layout that does not fit
+    returns `fits=False`.
+    """
+    return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
+                              routing_histogram, calibration).estimate
+
+
+# ----------------------------------------------------------------------------- lower bound
+def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int = 1,
+                calibration: Calibration | None = None) -> tuple[float, float]:
+    """(step seconds, peak bytes) that no choice of vpp, mbs, recompute, offload or stage layout
+    can beat: all model FLOPs at the best efficiency any GEMM or attention kernel reaches and the
+    recipe's speed-up applied to all of them, spread perfectly over the GPUs; memory = static
+    weights/grads/optimizer of a perfectly balanced stage, activations all offloaded/recomputed.
+    Cheap: plain integers in, no layer walk.
+    """
+    cal = calibration or calibration_for(cluster.calibration)
+    world = tp * cp * dp * pp
+    peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
+    speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
+    eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[cluster.architecture],
+              cal.attn_bwd_eff[cluster.architecture])
+    tokens = training.global_batch_size * training.seq_len
+    flops = model.flops_per_token(training.seq_len) * tokens
+    t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)
+    experts = model.num_moe_layers * model.num_experts * model.expert_params()
+    dense = model.total_params() - experts + model.mtp_params()
+    edp = max(1, world // (etp * ep * pp))
+    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True)
+    return t, st.weights + st.grads
+

@@ -1,0 +1,437 @@
+"""Per-layer costs of one micro-batch on one GPU, split per recompute-able / offload-able module.
+
+This is the unit the planner's MILP works in: for every layer kind (dense layer, MoE layer,
+embedding, loss/logits, MTP layer) a `LayerCost` holds compute time forward and backward,
+communication before and after overlap, the activation tensors it keeps for backward (each
+tagged with the recompute options that discard it and the offload option that moves it to host),
+the forward time each recompute option re-runs, and the parameters it puts on this GPU.
+
+Shapes, per micro-batch on one GPU (b micro-batch, s sequence, t/c tensor/context parallel):
+  N   = b·s/c        tokens a CP rank processes (GEMM rows inside tensor-parallel regions)
+  Nsp = N/t          tokens a rank holds between TP regions (sequence parallelism)
+  R   = Nsp·k·etp·ι  routed token copies the most loaded expert rank receives (ι: imbalance)
+Activation sizes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2) re-derived per tensor for SwiGLU, GQA, MLA and flash attention
+(which stores q, k, v, the output and the softmax statistics instead of the s² scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..specs.cluster import ClusterSpec
+from ..specs.layout import Layout
+from ..specs.model import ModelSpec
+from ..specs.training import TrainingSpec
+from . import comm as C
+from .calibration import Calibration
+from .compute import attention_time, gemm_time, lowp_speedup, membound_time
+
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class ActTensor:
+    """One activation kept for backward: bytes per micro-batch on this GPU, which recompute
+    options discard it (`full` discards everything but the layer input), which offload option
+    moves it to host memory."""
+
+    name: str
+    bytes: float
+    recompute_by: frozenset[str] = frozenset()
+    offload_by: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Time and memory of one layer for one micro-batch on one GPU (the most loaded EP rank)."""
+
+    kind: str
+    fwd_s: float
+    bwd_s: float
+    tp_s: float = 0.0
+    cp_s: float = 0.0
+    ep_s: float = 0.0
+    exposed_fwd_s: float = 0.0
+    exposed_bwd_s: float = 0.0
+    tensors: tuple[ActTensor, ...] = ()
+    recompute_fwd_s: Mapping[str, float] = field(default_factory=dict)
+    dense_params: float = 0.0
+    expert_params: float = 0.0
+    gemm_fwd_s: float = 0.0
+    host_link_gb_s: float = 0.0  # GPU↔host bandwidth per direction, for offload times
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward + exposed communication, no recompute or offload."""
+        return self.fwd_s + self.bwd_s + self.exposed_fwd_s + self.exposed_bwd_s
+
+    def _kept(self, recompute: Iterable[str], offload: Iterable[str]) -> list[ActTensor]:
+        rc, off = set(recompute), set(offload)
+        if "full" in rc:
+            return [t for t in self.tensors if t.name == "layer_input" and t.offload_by not in off]
+        return [t for t in self.tensors if not (t.recompute_by & rc) and t.offload_by not in off]
+
+    def activation_bytes(self, recompute: Iterable[str] = (), offload: Iterable[str] = ()
+                         ) -> float:
+        """Bytes kept on the GPU for backward after the given recompute and offload choices."""
+        return sum(t.bytes for t in self._kept(recompute, offload))
+
+    def offload_bytes(self, recompute: Iterable[str] = (), offload: Iterable[str] = ()) -> float:
+        """Bytes moved to host (a tensor both recomputed and offloaded is only recomputed)."""
+        rc, off = set(recompute), set(offload)
+        if "full" in rc:
+            return sum(t.bytes for t in self.tensors
+                       if t.name == "layer_input" and t.offload_by in off)
+        return sum(t.bytes for t in self.tensors if t.offload_by in off and not t.recompute_by & rc)
+
+    def recompute_s(self, recompute: Iterable[str] = ()) -> float:
+        """Extra forward time the backward pass spends re-running the chosen modules."""
+        rc = set(recompute)
+        if "full" in rc:
+            return self.recompute_fwd_s.get("full", 0.0)
+        return sum(self.recompute_fwd_s.get(r, 0.0) for r in rc)
+
+    def options(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """For the MILP: {"recompute": {name: (bytes saved, seconds added)},
+        "offload": {name: (bytes moved, host-link seconds both ways)}}, each taken alone.
+
+        Offload seconds are the copy time out and back; how much of it hides behind the chunk's
+        compute is the caller's (estimate: max(0, copy − forward) + max(0, copy − backward))."""
+        base = self.activation_bytes()
+        rec = {r: (base - self.activation_bytes([r]), self.recompute_fwd_s[r])
+               for r in self.recompute_fwd_s}
+        moved: dict[str, float] = {}
+        for t in self.tensors:
+            if t.offload_by:
+                moved[t.offload_by] = moved.get(t.offload_by, 0.0) + t.bytes
+        bw = self.host_link_gb_s * 1e9
+        offl = {k: (b, 2 * b / bw if bw else 0.0) for k, b in moved.items()}
+        return {"recompute": rec, "offload": offl}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything the per-layer functions need, derived once per estimate."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    layout: Layout
+    cal: Calibration
+    arch: str
+    peak: float            # dense BF16 TFLOPS
+    speedup: float         # low-precision GEMM speed-up for the GEMMs the recipe covers
+    eff_max: float         # the GPU's peak GEMM efficiency
+    tp_place: C.GroupPlacement
+    cp_place: C.GroupPlacement
+    ep_place: C.GroupPlacement
+    etp_place: C.GroupPlacement
+
+    @property
+    def n_tok(self) -> float:  # N: tokens per CP rank per micro-batch
+        return self.layout.mbs * self.training.seq_len / self.layout.cp
+
+    @property
+    def n_sp(self) -> float:  # Nsp: tokens held between TP regions
+        return self.n_tok / self.layout.tp
+
+    @property
+    def lowp(self) -> bool:
+        return self.training.precision != "bf16"
+
+
+def make_context(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                 cal: Calibration) -> Context:
+    peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
+    speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
+    return Context(
+        model, cluster, training, layout, cal, cluster.architecture, cluster.bf16_tflops, speed,
+        cal.gemm_eff_max_for(cluster), C.placement(layout, "tp", cluster), C.placement(layout, "cp", cluster),
+        C.placement(layout, "ep", cluster), C.placement(layout, "etp", cluster),
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+def _gemm(ctx: Context, m: float, k: float, n: float, covered: bool = True, count: float = 1
+          ) -> float:
+    """Forward seconds of a GEMM; `covered` GEMMs run at the precision recipe's speed-up."""
+    return gemm_time(m, k, n, ctx.peak, ctx.cal, ctx.eff_max, ctx.speedup if covered else 1.0,
+                     count)
+
+
+def _layer(ctx: Context, *fields: object) -> LayerCost:
+    """A LayerCost carrying the cluster's host-link bandwidth (for offload option times)."""
+    return LayerCost(*fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
+
+
+def _mem(ctx: Context, nbytes: float) -> float:
+    return membound_time(nbytes, ctx.cluster.hbm_tb_s, ctx.cal)
+
+
+def _cast_bytes(ctx: Context, elems: float) -> float:
+    """HBM bytes of quantising `elems` GEMM-input elements (read 2, write 1) under FP8/FP4."""
+    return 3.0 * elems if ctx.lowp else 0.0
+
+
+def _tp_ring(ctx: Context, nbytes: float) -> float:
+    return C.ring_time(nbytes, ctx.tp_place, ctx.cluster, ctx.cal)
+
+
+# ----------------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class _Attn:
+    fwd: float
+    bwd: float
+    core_fwd: float
+    up_fwd: float
+    norm_fwd: float
+    tp: float
+    cp: float
+    cp_exposed_fwd: float
+    cp_exposed_bwd: float
+    tensors: tuple[ActTensor, ...]
+    params: float
+    gemm_fwd: float
+
+
+def attention_block(ctx: Context, sliding: bool) -> _Attn:
+    """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
+    m, L, t = ctx.model, ctx.layout, ctx.layout.tp
+    h, a, N, Nsp = m.hidden_size, m.num_attention_heads, ctx.n_tok, ctx.n_sp
+    s_kv = float(ctx.training.seq_len)
+    if sliding and m.sliding_window:
+        s_kv = float(min(m.sliding_window, s_kv))
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim  # type: ignore[operator]
+        dv, kvr, qr = m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
+        down = (_gemm(ctx, N, h, qr) if qr else 0.0) + _gemm(ctx, N, h, kvr + m.qk_rope_head_dim)
+        up = (_gemm(ctx, N, qr, a * qk / t) if qr else _gemm(ctx, N, h, a * qk / t))
+        up += _gemm(ctx, N, kvr, a * (m.qk_nope_head_dim + dv) / t)
+        proj = _gemm(ctx, N, a * dv / t, h)
+        d_qk, d_v, kv_heads = qk, dv, a
+        # q and the k/v up-projection outputs; RoPE is applied in place (TE fused RoPE)
+        qkv_w = a * (qk + m.qk_nope_head_dim + dv) / t
+        down_w = (qr or 0) + kvr + m.qk_rope_head_dim
+        gemm_in = N * (h + (qr or 0) + kvr) + N * a * dv / t
+    else:
+        d = m.head_dim_
+        g = m.kv_heads
+        down, up = 0.0, _gemm(ctx, N, h, (a + 2 * g) * d / t)
+        proj = _gemm(ctx, N, a * d / t, h)
+        d_qk = d_v = d
+        kv_heads = g
+        qkv_w = (a + 2 * g) * d / t
+        down_w = 0
+        gemm_in = N * h + N * a * d / t
+    # core attention: N queries (this CP rank's share) over s_kv keys, causal
+    causal_full = s_kv >= ctx.training.seq_len
+    flops = N * s_kv * (a / t) * 2 * (d_qk + d_v) / (2 if causal_full else 1)
+    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch)
+    norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
+    elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
+    gemm_f = down + up + proj
+    fwd = norm + gemm_f + core_f + elementwise
+    bwd = 2 * (norm + gemm_f + elementwise) + core_b
+    # TP with sequence parallelism: all-gather before QKV, reduce-scatter after the projection,
+    # the reverse in backward (Korthikanti et al. 2022 §4.2.2)
+    tp = 4 * _tp_ring(ctx, N * h * BF16) if t > 1 else 0.0
+    # CP ring: (c−1) K/V chunk exchanges forward, K/V plus their gradients backward
+    # (the ring overlaps each exchange with the previous block's attention)
+    cp = cp_f = cp_b = 0.0
+    if L.cp > 1:
+        kv_bytes = N * kv_heads / t * (d_qk + d_v) * BF16
+        step = C.p2p_time(kv_bytes, not ctx.cp_place.inside_nvlink, ctx.cluster, ctx.cal)
+        cp = 3 * (L.cp - 1) * step
+        cp_f = max(0.0, (L.cp - 1) * step - core_f)
+        cp_b = max(0.0, 2 * (L.cp - 1) * step - core_b)
+    act = BF16 * Nsp * h
+    tensors = [
+        ActTensor("layer_input", act, frozenset(), "attn_norm"),
+        ActTensor("attn_norm_out", act, frozenset({"layernorm"}), "qkv_linear"),
+        ActTensor("qkv", BF16 * N * qkv_w, frozenset({"mla_up_proj"}) if down_w else frozenset(),
+                  "core_attn"),
+        ActTensor("attn_stats", 4 * N * a / t, frozenset({"core_attn"}), "core_attn"),
+        ActTensor("attn_out", BF16 * N * a * d_v / t, frozenset(), "attn_proj"),
+    ]
+    if down_w:
+        tensors.append(ActTensor("mla_latents", 2 * BF16 * N * down_w, frozenset(), None))
+    tensors.append(ActTensor("mlp_input", act, frozenset(), "mlp_norm"))
+    params = m.attention_params() / t + 2 * h
+    return _Attn(fwd, bwd, core_f, up + _mem(ctx, 4 * N * qkv_w), norm, tp, cp, cp_f, cp_b,
+                 tuple(tensors), params, gemm_f)
+
+
+# ----------------------------------------------------------------------------- MLPs
+def _ffn(ctx: Context, tokens: float, ffn: float, shard: int, count: float = 1.0
+         ) -> tuple[float, float, float, float]:
+    """(GEMM fwd s, activation-function fwd s, fc1-out elems, act-out elems) of an MLP whose
+    intermediate size `ffn` is split `shard` ways, applied to `tokens` rows, `count` times."""
+    mult = 2 if ctx.model.gated else 1
+    f = ffn / shard
+    g = _gemm(ctx, tokens, ctx.model.hidden_size, mult * f, count=count)
+    g += _gemm(ctx, tokens, f, ctx.model.hidden_size, count=count)
+    fc1, out = count * tokens * mult * f, count * tokens * f
+    act = _mem(ctx, BF16 * (fc1 + out) + _cast_bytes(ctx, count * tokens * (ctx.model.hidden_size
+                                                                             + f)))
+    return g, act, fc1, out
+
+
+def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
+    """A decoder layer with a dense MLP (Megatron's first_k_dense layers, dense models)."""
+    at = attention_block(ctx, sliding)
+    m, t, N, Nsp = ctx.model, ctx.layout.tp, ctx.n_tok, ctx.n_sp
+    g, act, fc1, out = _ffn(ctx, N, m.ffn_hidden_size, t)
+    norm2 = _mem(ctx, 10 * Nsp * m.hidden_size)
+    fwd = at.fwd + g + act + norm2
+    bwd = at.bwd + 2 * (g + act + norm2)
+    tp = at.tp + (4 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0)
+    tensors = at.tensors + (
+        ActTensor("mlp_norm_out", BF16 * Nsp * m.hidden_size, frozenset({"layernorm"}), None),
+        ActTensor("mlp_fc1_out", BF16 * fc1, frozenset({"mlp"}), None),
+        ActTensor("mlp_act_out", BF16 * out, frozenset({"mlp"}), None),
+    )
+    exp_f = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_fwd
+    exp_b = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_bwd
+    rec = {"core_attn": at.core_fwd, "layernorm": at.norm_fwd + norm2, "mlp": g + act,
+           "full": fwd + exp_f}
+    if m.attention == "mla":
+        rec["mla_up_proj"] = at.up_fwd
+    return _layer(ctx, "dense", fwd, bwd, tp, at.cp, 0.0, exp_f, exp_b, tensors, rec,
+                  at.params + m.dense_mlp_params() / t + m.hidden_size, 0.0, at.gemm_fwd + g)
+
+
+def _dispatch_time(ctx: Context, token_bytes: float) -> float:
+    """One dispatch (or combine) of a rank's tokens of `token_bytes` total over EP."""
+    m, p, L = ctx.model, ctx.ep_place, ctx.layout
+    k = m.moe_top_k
+    if L.dispatcher == "allgather":
+        return C.ring_time(p.size * token_bytes, p, ctx.cluster, ctx.cal)
+    if L.dispatcher == "flex" and not p.inside_nvlink:
+        d = p.domains
+        distinct = d * (1 - (1 - 1 / d) ** k)          # E[domains hit by k random experts]
+        if m.router_groups_per_token:
+            distinct = min(distinct, m.router_groups_per_token)
+        remote = distinct * (d - 1) / d                 # copies that cross the scale-out NICs
+        t_so = remote * token_bytes / (ctx.cluster.scaleout_gb_s * ctx.cal.a2a_scaleout_eff * 1e9)
+        local = C.all_to_all_time(k * token_bytes, C.GroupPlacement(p.per_domain, p.per_domain, 1),
+                                  ctx.cluster, ctx.cal)
+        return max(t_so + ctx.cluster.scaleout_latency_us * 1e-6, local)
+    return C.all_to_all_time(k * token_bytes, p, ctx.cluster, ctx.cal)
+
+
+def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> LayerCost:
+    """A decoder layer with an MoE block: router, dispatch (EP all-to-all, ETP all-gather),
+    grouped expert GEMMs over the tokens each local expert receives, combine, shared experts.
+
+    Saved activations: the dispatched expert input (R·h), FC1 output (R·2f_e/etp), SwiGLU output
+    (R·f_e/etp), router probabilities; the routing probabilities are applied inside the expert
+    activation, so the unpermute keeps no copy of the expert output (with this the DeepSeek-V3
+    anatomy of the Megatron Core MoE report is matched; see docs/ACCURACY.md).
+    Dispatchers: `alltoall` sends each routed copy to its rank; `flex` (DeepEP/HybridEP) sends
+    one copy per token per remote NVLink domain and fans out over NVLink, so scale-out traffic is
+    the expected number of distinct remote domains a token's k experts fall in (capped by
+    group-limited routing); `allgather` all-gathers the EP group's tokens and reduce-scatters
+    the outputs.
+    """
+    at = attention_block(ctx, sliding)
+    m, L, t = ctx.model, ctx.layout, ctx.layout.tp
+    h, N, Nsp, k = m.hidden_size, ctx.n_tok, ctx.n_sp, m.moe_top_k
+    fe = m.moe_ffn_hidden_size or 0
+    local_experts = m.num_experts // L.ep
+    R = Nsp * k * L.etp * imbalance                  # routed copies on the busiest rank
+    per_expert = R / local_experts
+    g_e, act_e, fc1_e, out_e = _ffn(ctx, per_expert, fe, L.etp, count=local_experts)
+    router = _gemm(ctx, Nsp, h, m.num_experts, covered=False) + _mem(ctx, 12 * Nsp * m.num_experts)
+    perm = _mem(ctx, 2 * 4 * R * h)                  # permute + unpermute, read + write bf16
+    shared_g = shared_act = 0.0
+    sh_fc1 = sh_out = 0.0
+    if m.num_shared_experts:
+        shared_g, shared_act, sh_fc1, sh_out = _ffn(ctx, N, m.shared_expert_ffn_hidden_size or 0, t)
+    norm2 = _mem(ctx, 10 * Nsp * h)
+    moe_f = router + perm + g_e + act_e
+    fwd = at.fwd + norm2 + moe_f + shared_g + shared_act
+    bwd = at.bwd + 2 * (norm2 + moe_f + shared_g + shared_act)
+    # EP: dispatch + combine forward, the same backward, at the busiest rank (imbalance)
+    a2a = _dispatch_time(ctx, Nsp * h * BF16 * imbalance)
+    etp = C.ring_time(R * h * BF16, ctx.etp_place, ctx.cluster, ctx.cal) if L.etp > 1 else 0.0
+    ep = 4 * (a2a + etp)
+    tp = at.tp + (4 * _tp_ring(ctx, N * h * BF16) if t > 1 and m.num_shared_experts else 0.0)
+    hidden = ctx.cal.ep_overlap_hidden if L.ep_overlap else ctx.cal.ep_base_hidden
+    ep_exp = ep * (1 - hidden)
+    exp_f = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_fwd + ep_exp / 2
+    exp_b = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_bwd + ep_exp / 2
+    tensors = at.tensors + (
+        ActTensor("mlp_norm_out", BF16 * Nsp * h, frozenset({"layernorm"}), None),
+        ActTensor("router_probs", 4 * 2 * Nsp * m.num_experts, frozenset({"moe"}), None),
+        ActTensor("expert_fc1_in", BF16 * R * h, frozenset({"moe"}), "expert_fc1"),
+        ActTensor("expert_fc1_out", BF16 * fc1_e, frozenset({"moe"}), None),
+        ActTensor("expert_act_out", BF16 * out_e, frozenset({"moe", "moe_act"}), "moe_act"),
+        ActTensor("shared_fc1_out", BF16 * sh_fc1, frozenset({"shared_experts"}), None),
+        ActTensor("shared_act_out", BF16 * sh_out, frozenset({"shared_experts"}), None),
+    )
+    rec = {"core_attn": at.core_fwd, "layernorm": at.norm_fwd + norm2, "moe_act": act_e,
+           "moe": moe_f + ep_exp / 2, "full": fwd + exp_f}
+    if m.num_shared_experts:
+        rec["shared_experts"] = shared_g + shared_act
+    if m.attention == "mla":
+        rec["mla_up_proj"] = at.up_fwd
+    dense = at.params + m.router_params() + m.shared_expert_params() / t + h
+    experts = m.num_experts * m.expert_params() / (L.ep * L.etp)
+    return _layer(ctx, "moe", fwd, bwd, tp, at.cp, ep, exp_f, exp_b, tensors, rec, dense, experts,
+                  at.gemm_fwd + g_e + shared_g)
+
+
+def embedding_layer(ctx: Context) -> LayerCost:
+    """Vocab-parallel embedding lookup (a reduce-scatter over TP with SP), no GEMM."""
+    m, t, N = ctx.model, ctx.layout.tp, ctx.n_tok
+    fwd = _mem(ctx, 2 * BF16 * N * m.hidden_size)
+    tp = 2 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0
+    tensors = (ActTensor("token_ids", 8 * N, frozenset(), None),)
+    return _layer(ctx, "embedding", fwd, 2 * fwd, tp, 0, 0, tp / 2 * ctx.cal.tp_exposed,
+                  tp / 2 * ctx.cal.tp_exposed, tensors, {}, m.embedding_params() / t, 0.0,
+                  0.0)
+
+
+def loss_layer(ctx: Context, heads: int = 1) -> LayerCost:
+    """Final norm, output layer (N×h by h×V/t GEMM, BF16 in Megatron's FP8 recipes) and
+    vocab-parallel cross-entropy, for `heads` output heads (the main one; MTP adds its own
+    through `mtp_layer`). Kept for backward: the fp32 softmax of the logits (Megatron's
+    vocab-parallel cross-entropy saves it), N·V/t·4 bytes."""
+    m, t, N, Nsp = ctx.model, ctx.layout.tp, ctx.n_tok, ctx.n_sp
+    h, V = m.hidden_size, m.vocab_size
+    g = _gemm(ctx, N, h, V / t, covered=False, count=heads)
+    # fused cross-entropy: two reads of the bf16 logits forward (max, sum-exp), a read and a
+    # gradient write backward
+    ce = _mem(ctx, heads * 2 * BF16 * N * V / t)
+    norm = _mem(ctx, 10 * Nsp * h)
+    fwd = g + ce + norm
+    bwd = 2 * g + ce + 2 * norm
+    tp = 2 * _tp_ring(ctx, N * h * BF16) if t > 1 else 0.0
+    tensors = (ActTensor("layer_input", BF16 * Nsp * h, frozenset(), None),
+               ActTensor("logits_fp32", heads * 4 * N * V / t, frozenset(), None))
+    params = (0 if m.tie_embeddings and ctx.layout.pp == 1 else V * h) / t + h
+    return _layer(ctx, "loss", fwd, bwd, tp, 0, 0, tp / 2 * ctx.cal.tp_exposed,
+                  tp / 2 * ctx.cal.tp_exposed, tensors, {"full": fwd}, params, 0.0, g)
+
+
+def mtp_layer(ctx: Context, imbalance: float = 1.0) -> LayerCost:
+    """One multi-token-prediction module (DeepSeek-V3 §2.2): two norms, the 2h→h projection,
+    one decoder layer of the last layer's kind, and its own logits and loss."""
+    m = ctx.model
+    body = moe_layer(ctx, False, imbalance) if m.moe_layers()[-1] else dense_layer(ctx, False)
+    head = loss_layer(ctx)
+    N, h, t = ctx.n_tok, m.hidden_size, ctx.layout.tp
+    proj = _gemm(ctx, N, 2 * h, h / t) + _mem(ctx, 20 * ctx.n_sp * h)
+    fwd = body.fwd_s + head.fwd_s + proj
+    bwd = body.bwd_s + head.bwd_s + 2 * proj
+    extra = (ActTensor("mtp_concat", BF16 * N * 2 * h / t, frozenset(), None),)
+    rec = dict(body.recompute_fwd_s)
+    rec["full"] = rec.get("full", 0.0) + proj
+    return _layer(
+        ctx, "mtp", fwd, bwd, body.tp_s + head.tp_s, body.cp_s, body.ep_s,
+        body.exposed_fwd_s + head.exposed_fwd_s, body.exposed_bwd_s + head.exposed_bwd_s,
+        body.tensors + head.tensors[1:] + extra, rec,
+        body.dense_params + 2 * h * h / t + 3 * h, body.expert_params,
+        body.gemm_fwd_s + head.gemm_fwd_s + proj)

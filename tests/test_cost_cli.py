@@ -1,0 +1,179 @@
+"""`moeplan estimate` and `moeplan validate`: JSON shape (SPEC §4), exit codes, plan output."""
+
+import csv
+import json
+import resource
+import subprocess
+import sys
+
+from moeplan.cli import main
+from moeplan.validation import flops_per_token_in, split_of, validate_rows
+
+EST_ARGS = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "16",
+            "--seq", "4096", "--gbs", "64", "--ep", "8", "--pp", "2", "--json"]
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_estimate_json_shape(capsys):
+    code, out, _ = run_cli(EST_ARGS, capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert {"step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory", "time",
+            "bottleneck", "fits", "warnings"} <= doc.keys()
+    assert set(doc["memory"]) == {"peak_gb", "weights_gb", "grads_gb", "optimizer_gb",
+                                  "activations_gb", "buffers_gb"}
+    assert set(doc["time"]) == {"compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "dp_comm_s",
+                                "pp_bubble_s", "recompute_s", "offload_s", "exposed_comm_s"}
+    assert doc["step_time_s"] > 0 and isinstance(doc["fits"], bool)
+
+
+def test_estimate_writes_plan_and_reads_it_back(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    code, out, _ = run_cli([*EST_ARGS, "--recompute", "moe_act", "-o", str(plan)], capsys)
+    assert code == 0
+    written = json.loads(plan.read_text())
+    assert written["choices"]["recompute"] == ["moe_act"]
+    assert written["layout"]["ep"] == 8 and written["estimate"]["fits"] in (True, False)
+    code, out2, _ = run_cli(["estimate", str(plan), "--json"], capsys)
+    assert code == 0
+    assert json.loads(out2)["step_time_s"] == json.loads(out)["step_time_s"]
+
+
+def test_not_fitting_layout_exits_zero(capsys):
+    code, out, _ = run_cli(["estimate", "--model", "deepseek-v3", "--cluster", "h100", "--gpus",
+                            "64", "--seq", "4096", "--gbs", "64", "--ep", "64", "--json"], capsys)
+    assert code == 0 and json.loads(out)["fits"] is False
+
+
+def test_invalid_layout_exits_two(capsys):
+    code, out, err = run_cli([*EST_ARGS[:-1], "--ep", "3", "--json"], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "not divisible by ep=3" in err
+
+
+def test_invalid_inputs_exit_two(capsys):
+    assert run_cli(["estimate", "--model", "qwen3-30b-a3b", "--json"], capsys)[0] == 2
+    assert run_cli([*EST_ARGS, "--recompute", "everything"], capsys)[0] == 2
+    assert run_cli([*EST_ARGS, "--stage-layout", "Ett|L"], capsys)[0] == 2
+    assert run_cli([*EST_ARGS, "--imbalance", "0.5"], capsys)[0] == 2
+    code, _, err = run_cli([*EST_ARGS, "--dispatcher", "foo"], capsys)
+    assert code == 2 and "dispatcher" in err and "Traceback" not in err
+    assert run_cli(["validate", "no-such.csv"], capsys)[0] == 2
+
+
+def test_explicit_stage_layout_is_used(capsys):
+    # qwen3-30b-a3b has 48 layers; pp 2, all but one layer on the second stage is slower
+    code, even, _ = run_cli(EST_ARGS, capsys)
+    lopsided = "Et|" + "t" * 47 + "L"
+    code2, skew, _ = run_cli([*EST_ARGS, "--stage-layout", lopsided], capsys)
+    assert code == code2 == 0
+    assert json.loads(skew)["step_time_s"] > json.loads(even)["step_time_s"]
+
+
+def test_cli_start_up_and_estimate_under_two_seconds():
+    # CPU seconds of the child (start-up, imports, estimate, JSON), so that other work on a
+    # busy test machine does not count against it
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run([sys.executable, "-m", "moeplan.cli", *EST_ARGS], capture_output=True,
+                       text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == 0, r.stderr
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 2.0
+    json.loads(r.stdout)
+
+
+COLS = ["id", "gpu", "num_gpus", "precision", "seq_len", "global_batch_seqs", "micro_batch",
+        "tp", "pp", "vpp", "cp", "ep", "etp", "dp", "other_notes", "tflops_per_gpu", "mfu",
+        "tokens_per_s_per_gpu", "memory_gb", "model_preset", "cluster_preset",
+        "precision_preset", "flops_convention"]
+
+
+def write_runs(path):
+    rows = [
+        {"id": "A1", "gpu": "H100-SXM", "num_gpus": "8", "seq_len": "8192",
+         "global_batch_seqs": "128", "micro_batch": "1", "tp": "1", "pp": "1",
+         "other_notes": "FSDP=0 (>0: Megatron-FSDP sharding size; 0: DDP)",
+         "tokens_per_s_per_gpu": "12000", "model_preset": "llama3-8b", "cluster_preset": "h100",
+         "precision_preset": "fp8-tensorwise", "flops_convention": "causal_halved"},
+        {"id": "A2", "gpu": "H100-SXM", "num_gpus": "8", "seq_len": "8192",
+         "global_batch_seqs": "128", "micro_batch": "1", "tp": "1", "pp": "1",
+         "other_notes": "FSDP=8 (>0: Megatron-FSDP sharding size; 0: DDP)",
+         "tokens_per_s_per_gpu": "12000", "model_preset": "llama3-8b", "cluster_preset": "h100",
+         "precision_preset": "bf16", "flops_convention": "causal_halved"},
+        {"id": "A3", "model_preset": "", "cluster_preset": "h100", "num_gpus": "8"},
+        {"id": "A4", "gpu": "H100-SXM", "num_gpus": "16", "seq_len": "4096",
+         "global_batch_seqs": "64", "micro_batch": "1", "tp": "1", "pp": "2", "ep": "8",
+         "mfu": "0.3", "model_preset": "qwen3-30b-a3b", "cluster_preset": "h100",
+         "precision_preset": "bf16", "flops_convention": "full"},
+    ]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, COLS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def test_validate_json_shape_and_skips(tmp_path, capsys):
+    runs = tmp_path / "runs.csv"
+    write_runs(runs)
+    code, out, _ = run_cli(["validate", str(runs), "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert {"rows", "mape_tokens_per_s", "skipped"} <= doc.keys()
+    assert [r["id"] for r in doc["rows"]] == ["A1", "A4"]
+    skipped = {s["id"]: s["why"] for s in doc["skipped"]}
+    assert "FSDP" in skipped["A2"] and "model preset" in skipped["A3"]
+    row = doc["rows"][0]
+    assert {"id", "predicted_tokens_per_s_per_gpu", "published_tokens_per_s_per_gpu",
+            "predicted_tflops_per_gpu", "published_tflops_per_gpu", "predicted_memory_gb",
+            "published_memory_gb"} <= row.keys()
+    # A4 publishes only MFU in the `full` convention: tokens/s derived by that convention
+    a4 = doc["rows"][1]
+    assert a4["published_tflops_per_gpu"] == 0.3 * 989
+    assert a4["tokens_derived_from_tflops"] is True
+
+
+def test_flop_conventions_ordered():
+    from moeplan.specs import load_model
+
+    m = load_model("llama3-70b")
+    ours = flops_per_token_in(m, 8192, "causal_halved")
+    full = flops_per_token_in(m, 8192, "full")
+    assert ours == m.flops_per_token(8192) < full < flops_per_token_in(m, 8192,
+                                                                       "full_with_recompute")
+    # the causal s² term of llama3-70b: 6·L·a·d·s per token is what `full` adds back
+    assert full - ours == 6 * 80 * 64 * 128 * 8192
+    assert flops_per_token_in(m, 8192, "unknown") is None
+
+
+def test_split_is_by_configuration_not_by_row():
+    a = {"id": "X1", "model_preset": "llama3-8b", "cluster_preset": "h100", "tp": "1"}
+    b = {**a, "id": "X2", "tokens_per_s_per_gpu": "1"}  # re-publication of the same config
+    assert split_of(a) == split_of(b)
+    assert validate_rows([])["rows"] == []
+
+
+def test_fit_reads_fit_rows_only(tmp_path):
+    """The calibration fit never sees a held-out row."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fit_calibration.py"
+    spec = importlib.util.spec_from_file_location("fit_calibration", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs = tmp_path / "runs.csv"
+    write_runs(runs)
+    base = [r for r in csv.DictReader(runs.open()) if r["id"] in ("A1", "A4")]
+    # many copies of the two valid rows with varied batch sizes: both splits get members
+    rows = [{**r, "id": f"{r['id']}-{g}", "global_batch_seqs": str(g)}
+            for r in base for g in (64, 128, 256, 512, 1024, 2048)]
+    assert {split_of(r) for r in rows} == {"fit", "held-out"}
+    _, cases, _ = mod.fit(rows, sweeps=0)
+    assert cases and all(split_of(c.row) == "fit" for c in cases)

@@ -1,0 +1,77 @@
+"""Rank placement (Megatron Core's order) and α–β collective times, by hand."""
+
+import numpy as np
+import pytest
+
+from moeplan.cost_models.calibration import default_calibration
+from moeplan.cost_models.comm import (
+    GroupPlacement,
+    all_reduce_time,
+    all_to_all_time,
+    group_ranks,
+    p2p_time,
+    placement,
+    ring_time,
+    usable_domain,
+)
+from moeplan.specs import Layout, load_cluster
+
+
+def test_groups_match_megatron_docstring_example():
+    # Megatron's initialize_model_parallel docstring: 16 GPUs, tp 2, pp 4 → dp 2
+    L = Layout(tp=2, pp=4, dp=2)
+    assert group_ranks(L, "tp").tolist()[:3] == [[0, 1], [2, 3], [4, 5]]
+    assert group_ranks(L, "dp").tolist()[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert group_ranks(L, "pp").tolist()[0] == [0, 4, 8, 12]
+
+
+def test_expert_grid_folds_over_the_same_ranks():
+    L = Layout(tp=2, dp=8, pp=2, ep=4, etp=1)  # 32 GPUs, edp = 32 / (1·4·2) = 4
+    assert group_ranks(L, "ep").tolist()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group_ranks(L, "edp").tolist()[0] == [0, 4, 8, 12]
+    assert group_ranks(L, "etp").shape == (32, 1)
+    every = np.sort(group_ranks(L, "ep").ravel())
+    assert every.tolist() == list(range(32))
+
+
+def test_placement_inside_and_across_nvlink():
+    h100 = load_cluster("h100")
+    L = Layout(dp=16, ep=8)
+    assert placement(L, "ep", h100).inside_nvlink
+    wide = placement(Layout(dp=16, ep=16), "ep", h100)
+    assert wide == GroupPlacement(16, 8, 2)
+
+
+def test_nvl72_jobs_fill_racks_in_equal_segments():
+    gb = load_cluster("gb200-nvl72")
+    assert usable_domain(gb, 64) == 64
+    assert usable_domain(gb, 256) == 64
+    assert usable_domain(gb, 144) == 72
+
+
+def test_ring_time_by_hand():
+    c, cal = load_cluster("h100"), default_calibration()
+    p = GroupPlacement(8, 8, 1)
+    want = 7 * c.nvlink_latency_us * 1e-6 + 7 / 8 * 8e9 / (c.nvlink_gb_s * cal.nvlink_eff * 1e9)
+    assert ring_time(8e9, p, c, cal) == pytest.approx(want)
+    assert all_reduce_time(8e9, p, c, cal) == pytest.approx(2 * want)
+    assert ring_time(8e9, GroupPlacement(1, 1, 1), c, cal) == 0.0
+
+
+def test_all_to_all_by_hand_and_slower_across_nodes():
+    c, cal = load_cluster("h100"), default_calibration()
+    S = 470e6  # 4096 tokens · top-8 · 7168 · 2 bytes (DeepSeek-V3, one rank)
+    inside = all_to_all_time(S, GroupPlacement(8, 8, 1), c, cal)
+    assert inside == pytest.approx(7 / 8 * S / (c.nvlink_gb_s * cal.a2a_nvlink_eff * 1e9)
+                                   + c.nvlink_latency_us * 1e-6 * 4)
+    across = all_to_all_time(S, GroupPlacement(64, 8, 8), c, cal)
+    remote = 56 / 64 * S / (c.scaleout_gb_s * cal.a2a_scaleout_eff * 1e9)
+    assert across == pytest.approx(remote + c.scaleout_latency_us * 1e-6 * 7)
+    assert across > 3 * inside
+
+
+def test_p2p_by_hand():
+    c, cal = load_cluster("h100"), default_calibration()
+    assert p2p_time(1e9, True, c, cal) == pytest.approx(
+        5e-6 + 1e9 / (c.scaleout_gb_s * cal.scaleout_eff * 1e9))
+    assert p2p_time(0, True, c, cal) == 0.0

@@ -1,0 +1,70 @@
+"""Hand calculations for the compute cost functions."""
+
+import math
+
+import pytest
+
+from moeplan.cost_models.calibration import default_calibration
+from moeplan.cost_models.compute import (
+    adam_step_bytes,
+    attention_time,
+    causal_attention_flops,
+    gemm_efficiency,
+    gemm_flops,
+    gemm_time,
+    lowp_speedup,
+    membound_time,
+)
+
+
+def test_gemm_flops_is_two_m_k_n():
+    assert gemm_flops(2, 3, 4) == 48
+
+
+def test_gemm_efficiency_saturating_curve_by_hand():
+    # m = n = half → ½ each; k = half/4 → ½: 0.8 · ½ · ½ · ½
+    assert gemm_efficiency(100, 25, 100, 0.8, 100) == pytest.approx(0.1)
+    big = gemm_efficiency(1e6, 1e6, 1e6, 0.8, 100)
+    assert big == pytest.approx(0.8, rel=1e-3)
+
+
+def test_small_expert_gemms_run_far_below_large_ones():
+    assert gemm_efficiency(128, 7168, 2048, 0.8, 96) < 0.6 * gemm_efficiency(8192, 7168, 8192,
+                                                                            0.8, 96)
+
+
+def test_lowp_speedup_by_hand():
+    assert lowp_speedup(1000, 2000, 0.5) == pytest.approx(1.5)
+    assert lowp_speedup(1000, None, 0.5) == 1.0
+    assert lowp_speedup(1000, 4000, 0.0) == 1.0
+
+
+def test_gemm_time_by_hand():
+    cal = default_calibration()
+    eff = gemm_efficiency(4096, 4096, 4096, cal.gemm_eff_max["hopper"], cal.gemm_half_dim)
+    t = gemm_time(4096, 4096, 4096, 989, cal, cal.gemm_eff_max["hopper"], speedup=2.0, count=3)
+    assert t == pytest.approx(3 * 2 * 4096**3 / (989e12 * eff * 2.0))
+    assert gemm_time(0, 4096, 4096, 989, cal, 0.8) == 0.0
+
+
+def test_causal_attention_flops_halved():
+    s, a, d = 4096, 32, 128
+    assert causal_attention_flops(s, s, a, d, d) == pytest.approx(2 * s * s * a * 2 * d / 2)
+    assert causal_attention_flops(s, s, a, d, d, causal=False) == pytest.approx(4 * s * s * a * d)
+
+
+def test_attention_time_uses_measured_efficiencies():
+    cal = default_calibration()
+    f, b = attention_time(1e15, 989, cal, "hopper")
+    assert f == pytest.approx(1e15 / (989e12 * cal.attn_fwd_eff["hopper"]))
+    assert b == pytest.approx(2.5e15 / (989e12 * cal.attn_bwd_eff["hopper"]))
+
+
+def test_membound_and_adam_bytes_by_hand():
+    cal = default_calibration()
+    assert membound_time(1e12, 2.0, cal) == pytest.approx(
+        cal.membound_scale * 1e12 / (2e12 * cal.hbm_eff))
+    # read grad 4, master 4, m 4, v 4; write master 4, m 4, v 4, bf16 param 2
+    assert adam_step_bytes(1) == 30
+    assert adam_step_bytes(1, moments_bytes=2) == 22
+    assert math.isfinite(adam_step_bytes(1e9))

@@ -1,0 +1,100 @@
+"""Per-layer costs: activation bytes by hand, recompute/offload semantics, planner options."""
+
+import pytest
+
+from moeplan.cost_models import calibration_for, dense_layer, make_context, moe_layer
+from moeplan.specs import Layout, TrainingSpec, load_cluster, load_model
+
+
+def ctx_for(model, layout, seq=4096, precision="bf16", cluster="h100"):
+    c = load_cluster(cluster, layout.world_size)
+    t = TrainingSpec(seq_len=seq, global_batch_size=layout.dp * layout.mbs
+                     * layout.num_microbatches, precision=precision)
+    return make_context(load_model(model), c, t, layout, calibration_for(c.calibration))
+
+
+def test_dense_gqa_swiglu_activation_bytes_by_hand():
+    # llama3-8b: h 4096, f 14336, a 32, g 8, d 128; per token (bf16 unless noted):
+    # layer input, norm out, mlp input, mlp norm out: 4·2h; q,k,v: 2(a+2g)d; attention out: 2ad;
+    # softmax statistics: 4a (fp32); fc1 out 2·2f; SwiGLU out 2f
+    h, f, a, g, d, s = 4096, 14336, 32, 8, 128, 4096
+    per_token = 4 * 2 * h + 2 * (a + 2 * g) * d + 2 * a * d + 4 * a + 2 * 2 * f + 2 * f
+    lc = dense_layer(ctx_for("llama3-8b", Layout(dp=1)))
+    assert lc.activation_bytes() == pytest.approx(per_token * s)
+    # with tp 2 and sequence parallelism every tensor halves
+    lc2 = dense_layer(ctx_for("llama3-8b", Layout(tp=2, dp=1)))
+    assert lc2.activation_bytes() == pytest.approx(per_token * s / 2)
+
+
+def test_moe_routed_tensors_scale_with_top_k_and_imbalance():
+    m = load_model("mixtral-8x7b")  # top-2, expert FFN 14336
+    L = Layout(dp=8, ep=8)
+    lc = moe_layer(ctx_for("mixtral-8x7b", L))
+    names = {t.name: t.bytes for t in lc.tensors}
+    R = 4096 * m.moe_top_k
+    assert names["expert_fc1_in"] == pytest.approx(2 * R * m.hidden_size)
+    assert names["expert_fc1_out"] == pytest.approx(2 * R * 2 * m.moe_ffn_hidden_size)
+    assert names["expert_act_out"] == pytest.approx(2 * R * m.moe_ffn_hidden_size)
+    skew = moe_layer(ctx_for("mixtral-8x7b", L), imbalance=1.5)
+    assert {t.name: t.bytes for t in skew.tensors}["expert_fc1_in"] == pytest.approx(
+        1.5 * names["expert_fc1_in"])
+    assert skew.ep_s > lc.ep_s and skew.fwd_s > lc.fwd_s
+
+
+def test_expert_params_sharded_over_ep_and_etp():
+    m = load_model("qwen3-30b-a3b")
+    lc = moe_layer(ctx_for("qwen3-30b-a3b", Layout(dp=8, ep=8)))
+    assert lc.expert_params == pytest.approx(m.num_experts * m.expert_params() / 8)
+
+
+def test_recompute_and_offload_semantics():
+    lc = moe_layer(ctx_for("deepseek-v3", Layout(dp=64, ep=64)))
+    base = lc.activation_bytes()
+    for r in ("moe_act", "layernorm", "mla_up_proj", "moe", "shared_experts"):
+        assert lc.activation_bytes([r]) < base, r
+        assert lc.recompute_s([r]) > 0, r
+    full = lc.activation_bytes(["full"])
+    assert full == pytest.approx(next(t.bytes for t in lc.tensors if t.name == "layer_input"))
+    assert lc.recompute_s(["full"]) >= lc.fwd_s
+    # offload moves bytes off the GPU; a tensor both recomputed and offloaded is only recomputed
+    assert lc.activation_bytes([], ["expert_fc1"]) < base
+    assert lc.offload_bytes([], ["expert_fc1"]) == pytest.approx(
+        base - lc.activation_bytes([], ["expert_fc1"]))
+    assert lc.offload_bytes(["moe"], ["expert_fc1"]) == 0.0
+
+
+def test_options_match_exact_methods_for_single_choices():
+    lc = moe_layer(ctx_for("deepseek-v3", Layout(dp=64, ep=64)))
+    opts = lc.options()
+    for name, (saved, secs) in opts["recompute"].items():
+        assert saved == pytest.approx(lc.activation_bytes() - lc.activation_bytes([name]))
+        assert secs == pytest.approx(lc.recompute_s([name]))
+    host = load_cluster("h100").host_link_gb_s
+    for name, (moved, secs) in opts["offload"].items():
+        assert moved == pytest.approx(lc.offload_bytes([], [name]))
+        assert secs == pytest.approx(2 * moved / (host * 1e9))  # out and back over PCIe
+    assert set(opts["offload"]) <= {"attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                    "mlp_norm", "expert_fc1", "moe_act"}
+
+
+def test_fp8_lowers_gemm_time():
+    L = Layout(dp=8, ep=8)
+    bf = moe_layer(ctx_for("qwen3-30b-a3b", L))
+    f8 = moe_layer(ctx_for("qwen3-30b-a3b", L, precision="fp8-tensorwise"))
+    assert f8.gemm_fwd_s < bf.gemm_fwd_s
+
+
+def test_flex_dispatcher_sends_fewer_bytes_across_domains_than_alltoall():
+    L = dict(dp=64, ep=64)
+    a2a = moe_layer(ctx_for("deepseek-v3", Layout(**L)))
+    flex = moe_layer(ctx_for("deepseek-v3", Layout(dispatcher="flex", **L)))
+    assert flex.ep_s < a2a.ep_s
+    # inside one NVLink domain the two coincide
+    same = moe_layer(ctx_for("deepseek-v3", Layout(dispatcher="flex", dp=8, ep=8)))
+    assert same.ep_s == pytest.approx(moe_layer(ctx_for("deepseek-v3", Layout(dp=8, ep=8))).ep_s)
+
+
+def test_allgather_dispatcher_moves_the_whole_ep_groups_tokens():
+    a2a = moe_layer(ctx_for("qwen3-30b-a3b", Layout(dp=8, ep=8)))
+    ag = moe_layer(ctx_for("qwen3-30b-a3b", Layout(dp=8, ep=8, dispatcher="allgather")))
+    assert ag.ep_s != a2a.ep_s and ag.ep_s > 0
