@@ -95,3 +95,36 @@ def groups(
         grid = RankGrid(tp=tp, cp=cp, dp=gpus // (tp * cp * pp), pp=pp, ep=ep, etp=etp,
                         order=order)
     return grid.all_groups(PRINTED_AXES)
+
+__all__ += ["search"]
+
+
+def search(
+    model: ModelSpec | str,
+    cluster: ClusterSpec | str,
+    gpus: int | None = None,
+    *,
+    seq: int = 4096,
+    gbs: int | None = None,
+    training: TrainingSpec | None = None,
+    precision: str = "bf16",
+    top_k: int = 5,
+    target: str = "megatron",
+    time_limit_s: float | None = None,
+    imbalance: float = 1.0,
+    calibration: str | None = None,
+    progress: object = None,
+):
+    """The best plans for a model on a cluster (SPEC §4 `moeplan search`); see
+    `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
+    from .planner.search import default_gbs
+    from .planner.search import search as _search
+
+    m = load_model(model)
+    c = load_cluster(cluster, gpus, calibration)
+    if training is None:
+        training = load_training(seq_len=seq, global_batch_size=gbs or default_gbs(seq),
+                                 precision="bf16" if precision == "auto" else precision)
+    return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
+                   time_limit_s=time_limit_s, imbalance=imbalance,
+                   progress=progress)  # type: ignore[arg-type]

@@ -310,10 +310,82 @@ def validate(
     emit(doc, as_json, render)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def search(ctx: typer.Context) -> None:
+@app.command()
+def search(
+    model: Annotated[str, typer.Option("--model", help="Preset, spec file or HF config.")],
+    cluster: Annotated[str, typer.Option("--cluster", help="Cluster preset or file.")],
+    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPU count.")] = None,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
+    gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences); "
+                                            "default about 4M tokens.")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="bf16, fp8-delayed, "
+                         "fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4, or auto.")] = "bf16",
+    top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
+    target: Annotated[str, typer.Option("--target", help="megatron (anything Megatron Core "
+                      "runs) or moeplan (what `moeplan run` executes today).")] = "megatron",
+    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
+                          "searching after this many seconds and report the best so far.")
+                          ] = None,
+    imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
+                         "busiest EP rank over the mean.")] = 1.0,
+    calibration: Annotated[str | None, typer.Option("--calibration", help="Overlay measured "
+                           "efficiency constants.")] = None,
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
+                      ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Search every folded layout and rank the best plans."""
-    _not_yet("search")
+    from . import search as api_search
+
+    shown = {"t": 0.0}
+
+    def progress(done: int, total: int) -> None:
+        import time as _time
+
+        now = _time.monotonic()
+        if now - shown["t"] > 1.0:
+            shown["t"] = now
+            err.print(f"searching: {done}/{total} candidate layouts", highlight=False)
+
+    res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
+                     top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
+                     calibration=calibration, progress=progress)
+    if output:
+        Path(output).write_text(res.plans[0].model_dump_json(indent=2))
+    if res.stopped_early:
+        err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
+                  "found so far", highlight=False)
+
+    def render() -> None:
+        t = Table(title=f"{res.plans[0].model.name} on {res.plans[0].world_size} × "
+                  f"{res.plans[0].cluster.gpu}: best {len(res.plans)} of {res.layouts} layouts "
+                  f"({res.seconds:.1f} s)")
+        for col in ("#", "layout", "choices", "step s", "tok/s/GPU", "TFLOPS", "MFU",
+                    "peak GB", "bottleneck"):
+            t.add_column(col, no_wrap=col != "choices", overflow="fold")
+        for i, p in enumerate(res.plans):
+            e = p.estimate
+            assert e is not None
+            L, c = p.layout, p.choices
+            lay = (f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
+                   + (f" ep{L.ep} etp{L.etp} {L.dispatcher}" if p.model.is_moe else "")
+                   + f" mbs{L.mbs}" + (" ovl" if L.ep_overlap else "") + f" {p.training.precision}")
+            rec = c.stage_recompute or [c.recompute]
+            off = c.stage_offload or [c.offload]
+            ch = ("rc=" + "|".join(",".join(r) or "-" for r in rec) if any(rec) else "")
+            ch += (" off=" + "|".join(",".join(o) or "-" for o in off) if any(off) else "")
+            if c.optimizer_offload_fraction:
+                ch += f" opt-off={c.optimizer_offload_fraction:g}"
+            t.add_row(str(i + 1), lay, ch or "-", f"{e.step_time_s:.3g}",
+                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}",
+                      f"{e.mfu:.1%}", f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}",
+                      e.bottleneck)
+        wide = out if out.is_terminal else Console(width=200)
+        wide.print(t)
+        for line in res.plans[0].explanation[2:]:
+            wide.print(line, highlight=False)
+
+    emit(res.to_json(), as_json, render)
 
 
 @app.command(context_settings=_STUB_SETTINGS)

@@ -1,29 +1,45 @@
-"""The per-layout MILP: recompute and offload per module per pipeline rank, layers per virtual
-stage, optimizer offload fraction — minimising step time under each rank's memory budget.
+"""The per-layout MILP: recompute and offload per module per pipeline rank and layers per virtual
+stage, minimising step time under each rank's memory budget.
 
 Formulation (written like Alpa's auto-sharding ILP: names follow the math, constraint groups are
 labelled as below, building / solving / decoding are separate functions):
 
-  Sets      s ∈ S virtual stages (rank r(s) = s mod p), k ∈ K layer kinds, o ∈ O_k options
-            (a recompute or an offload of one module of a kind-k layer).
-  Data      t_k      time of one kind-k layer per micro-batch (forward + backward), s
-            a_k      activation bytes of one kind-k layer per in-flight micro-batch
-            w_k      static bytes (weights, grads, optimizer) of one kind-k layer on its rank
-            τ_ko     time option o adds per layer per micro-batch (recompute forward, exposed copy)
-            σ_ko     activation bytes option o frees per layer per in-flight micro-batch
-            φ_s      in-flight micro-batches whose activations virtual stage s holds at its peak
-            e_s, ε_s, ω_r  extra time / activation bytes of stage s, extra static bytes of rank r
-                     (embedding, logits and loss, MTP, buffers)
-            m micro-batches, B memory budget per GPU, P optimizer bytes per rank (offloadable)
-  Variables x_s ∈ ℤ≥0 layers in virtual stage s; b_rko ∈ {0,1} option o for kind k on rank r;
-            y_sko = n_sk · b_r(s)ko (linearised product), n_sk = layers of kind k in stage s;
-            f ∈ [0, 1] optimizer offload fraction; T_r rank time per micro-batch; M ≥ T_r.
-  Objective min  α·M + β·Σ_r T_r + γ·f            (schedule model; α, β from the pipeline)
-  (layers)  Σ_s x_s = L;  the first D layers (dense) sit in stage 0: x_0 ≥ D
-  (time)    T_r = Σ_{s∈r} (Σ_k t_k n_sk + Σ_ko τ_ko y_sko + e_s)
-  (memory)  Σ_{s∈r} (Σ_k w_k n_sk + φ_s (Σ_k a_k n_sk − Σ_ko σ_ko y_sko + ε_s)) + ω_r − f P_r ≤ B
-  (excl)    b_rko + b_rko' ≤ 1 for options that cannot combine (full vs the rest, ...)
-  (product) y ≤ n, y ≤ U b, y ≥ n − U (1 − b), y ≥ 0
+  Sets      s ∈ S virtual stages on pp ranks r(s) = s mod p;  i ∈ I items (dense layer, MoE
+            layer, embedding, loss, MTP layer);  o ∈ O module options (recompute `core_attn` …
+            `full`, offload `offload:attn_norm` …);  c ∈ C module sets (subsets of O).
+  Data      t_i      time of one item per micro-batch (fwd + bwd + exposed communication)
+            w_i      static bytes of one item on its rank (weights, grads, optimizer)
+            Δt_ic    seconds module set c adds to item i per micro-batch: recompute forwards plus
+                     the offload copies that the item's forward (D2H) and backward (H2D) cannot hide
+            k_ic     activation bytes item i keeps per in-flight micro-batch under set c: a tensor
+                     goes when any option freeing it is in c (`full` frees all but the layer
+                     input), else moves to host when its offload option is in c
+            ψ_s      in-flight micro-batches of stage s at the rank's peak (the schedule's warm-up)
+            n_is     fixed item counts (the D dense layers in stage 0; embedding; loss and MTP in
+                     the last stage);  B_r memory budget of rank r
+  Variables X_r ∈ ℤ≥0 layers of the repeated kind ℓ on pp rank r, split over its v model chunks
+            as evenly as possible, the remainder going to the chunks holding the fewest micro-batches
+            (so Ψ_r ≤ ψ̄_r X_r, ψ̄_r the mean of ψ_s over the rank's chunks);  z_rc ∈ {0,1} rank r
+            runs set c;  X_rc ≥ 0 the disaggregation of X_r;  T_r rank time; M ≥ T_r.
+  Objective min  α·M + β·Σ_r T_r        (pipeline: m·max + (Σ − max)/v, so α = m − 1/v, β = 1/v)
+  (layers)  Σ_r X_r = L − D
+  (choice)  Σ_c z_rc = 1
+  (disagg)  Σ_c X_rc = X_r,  X_rc ≤ U z_rc
+  (time)    T_r = t_ℓ X_r + Σ_c Δt_ℓc X_rc + Σ_{i,s∈r} n_is (t_i + Σ_c Δt_ic z_rc)
+  (memory)  w_ℓ X_r + ψ̄_r Σ_c k_ℓc X_rc + Σ_{i,s∈r} n_is (w_i + ψ_s Σ_c k_ic z_rc) ≤ B_r
+
+Layers are decided per pp rank, not per virtual stage: the pipeline model prices a rank by the
+sum of its chunks, so moving layers between one rank's chunks only games the in-flight count
+while unbalancing the interleaved schedule, which the model does not see.
+
+The disaggregation (Balas) is the convex hull of "one set per rank", so the LP relaxation is tight
+and HiGHS solves a DeepSeek-V3 layout in milliseconds. C holds only the module sets not dominated
+item by item (no other set is at least as fast and as small for every item): a dominated set is
+never strictly better for any layer counts, so dropping it loses no optimum. The MILP still picks
+the modules: b_ro = Σ_{c∋o} z_rc is the decision on module o at rank r.
+
+The optimizer-offload fraction f multiplies the stage layout (bilinear), so it is an outer
+parameter: the planner solves this MILP for each f on a grid (see `planner.search`).
 """
 
 from __future__ import annotations
@@ -34,49 +50,52 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pulp
 
-
-@dataclass(frozen=True)
-class Option:
-    """One memory-saving choice for one module of a layer kind."""
-
-    name: str  # module name as in SPEC §3 (`core_attn`, `expert_fc1`, `full`, ...)
-    kind: str  # "recompute" or "offload"
-    time_s: float  # τ: added time per layer per micro-batch
-    saved_bytes: float  # σ: activation bytes freed per layer per in-flight micro-batch
+MS = 1e3  # the MILP's time unit is the millisecond
 
 
 @dataclass(frozen=True)
-class LayerKind:
+class Group:
+    """Activation bytes of one item that the same options free or move."""
+
+    bytes: float
+    recompute_by: frozenset[str] = frozenset()
+    offload_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One layer kind (or the embedding/loss/MTP) for one micro-batch on one GPU."""
+
     name: str
-    time_s: float  # t
-    act_bytes: float  # a
-    static_bytes: float  # w
-    options: tuple[Option, ...] = ()
+    time_s: float  # t_i
+    fwd_s: float  # forward compute that hides the device-to-host copies
+    bwd_s: float  # backward compute that hides the host-to-device copies
+    static_bytes: float  # w_i
+    groups: tuple[Group, ...] = ()
+    recompute_s: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class StageProblem:
     """Everything the MILP needs for one layout; built from the cost models by the planner."""
 
-    kinds: tuple[LayerKind, ...]
-    num_layers: int
-    dense_first: int  # D: layers of kinds[0] that must sit in stage 0 (0 when one kind)
+    items: tuple[Item, ...]
+    layer_item: int  # ℓ: the repeated kind whose count per stage is decided
+    free_layers: int  # L − D: layers of kind ℓ to place
+    fixed: tuple[tuple[tuple[int, int], ...], ...]  # per stage: (item, count) fixed there
     pp: int
     vpp: int
-    inflight: tuple[float, ...]  # φ_s per virtual stage
-    stage_time_s: tuple[float, ...]  # e_s
-    stage_act_bytes: tuple[float, ...]  # ε_s
-    rank_static_bytes: tuple[float, ...]  # ω_r
-    optimizer_bytes: tuple[float, ...]  # P_r, offloadable optimizer state per rank
-    optimizer_offload_time_s: float  # γ: step time added at f = 1
-    budget_bytes: float
-    alpha: float  # weight of the slowest rank's time
-    beta: float  # weight of the sum of rank times
-    exclusive: tuple[tuple[str, str], ...] = ()  # option-name pairs that cannot combine
-    fixed_layers: tuple[int, ...] | None = None  # stage layout given by the user
-    allow_offload_optimizer: bool = True
+    inflight: tuple[float, ...]  # ψ_s
+    host_s_per_byte: float
+    budget_bytes: tuple[float, ...]  # B_r
+    alpha: float
+    beta: float
+    options: tuple[str, ...]  # O
+    exclusive: tuple[tuple[str, str], ...] = ()
+    fixed_layers: tuple[int, ...] | None = None  # X_r given (a user's stage layout)
 
     @property
     def stages(self) -> int:
@@ -85,84 +104,182 @@ class StageProblem:
     def rank_of(self, s: int) -> int:
         return s % self.pp
 
+    def mean_inflight(self, r: int) -> float:
+        """ψ̄_r: mean in-flight micro-batches over rank r's chunks."""
+        return sum(self.inflight[r::self.pp]) / self.vpp
+
+    def chunk_layers(self, X: Sequence[int]) -> list[int]:
+        """x_s from X_r: even split, the remainder to the chunks holding fewest micro-batches."""
+        x = [0] * self.stages
+        for r in range(self.pp):
+            q, extra = divmod(int(X[r]), self.vpp)
+            chunks = sorted(range(self.vpp), key=lambda v: (self.inflight[v * self.pp + r], -v))
+            for rank_in_order, v in enumerate(chunks):
+                x[v * self.pp + r] = q + (1 if rank_in_order < extra else 0)
+        return x
+
+
+@dataclass(frozen=True)
+class ModuleSets:
+    """The non-dominated module sets C with Δt_ic and k_ic."""
+
+    sets: tuple[tuple[str, ...], ...]
+    add_time: np.ndarray  # (C, I)
+    kept: np.ndarray  # (C, I)
+
 
 @dataclass
 class StageSolution:
-    step_time_s: float
-    layers: list[int]
-    options: list[dict[str, list[str]]]  # per rank: kind → chosen option names
-    optimizer_offload_fraction: float
+    objective_s: float
+    layers: list[int]  # X_r, layers of kind ℓ per pp rank
+    options: list[list[str]]  # per pp rank
     rank_memory_bytes: list[float] = field(default_factory=list)
 
 
 class InfeasibleStages(Exception):
-    """No choice of options and stage layers fits the budget for this layout."""
+    """No choice of module sets and stage layers fits the budget for this layout."""
 
 
-def _n(problem: StageProblem, x: Sequence, s: int, k: int):  # noqa: ANN202 - affine expression
-    """Layers of kind k in stage s: dense layers all in stage 0, the rest are kind 1."""
-    if len(problem.kinds) == 1:
-        return x[s]
-    D = problem.dense_first
-    if k == 0:
-        return D if s == 0 else 0
-    return x[s] - D if s == 0 else x[s]
+def item_cost(item: Item, chosen: set[str], h: float) -> tuple[float, float]:
+    """(Δt, kept bytes) of one item under one module set: the reference for `module_sets`."""
+    rec = sum(t for o, t in item.recompute_s if o in chosen)
+    kept = off = 0.0
+    for g in item.groups:
+        if g.recompute_by & chosen:
+            continue
+        if g.offload_by in chosen:
+            off += g.bytes
+        else:
+            kept += g.bytes
+    copy = h * off
+    return rec + max(0.0, copy - item.fwd_s) + max(0.0, copy - item.bwd_s), kept
 
 
-def build(problem: StageProblem) -> tuple[pulp.LpProblem, dict]:
-    """The MILP of the module docstring, returned with its variables for decoding."""
-    P = problem
-    S, R, K = P.stages, P.pp, len(P.kinds)
-    L = P.num_layers
-    lp = pulp.LpProblem("stage_choices", pulp.LpMinimize)
-    if P.fixed_layers is not None:
-        x = list(P.fixed_layers)
+def module_sets(items: Sequence[Item], options: Sequence[str],
+                exclusive: Sequence[tuple[str, str]], h: float) -> ModuleSets:
+    """Every allowed subset of the options, costed per item with numpy; subsets that cost exactly
+    the same as a smaller one are dropped (the per-rank fronts are taken in `rank_sets`)."""
+    n_opt = len(options)
+    bit = {o: 1 << j for j, o in enumerate(options)}
+    masks = np.arange(1 << n_opt, dtype=np.int64)
+    ok = np.ones(masks.shape, dtype=bool)
+    for a, b in exclusive:
+        if a in bit and b in bit:
+            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
+    masks = masks[ok]
+    add = np.zeros((len(masks), len(items)))
+    kept = np.zeros((len(masks), len(items)))
+    for i, item in enumerate(items):
+        off = np.zeros(len(masks))
+        for o, t in item.recompute_s:
+            if o in bit and t:
+                add[:, i] += t * ((masks & bit[o]) != 0)
+        for g in item.groups:
+            rb = sum(bit[o] for o in g.recompute_by if o in bit)
+            freed = (masks & rb) != 0
+            moved = ~freed & ((masks & bit[g.offload_by]) != 0) if g.offload_by in bit else (
+                np.zeros(len(masks), dtype=bool))
+            off += g.bytes * moved
+            kept[:, i] += g.bytes * (~freed & ~moved)
+        copy = h * off
+        add[:, i] += np.maximum(0.0, copy - item.fwd_s) + np.maximum(0.0, copy - item.bwd_s)
+    vec = np.round(np.hstack([add, kept]), 12)
+    # identical cost vectors: keep the smallest set (fewest modules, then lowest mask)
+    order = np.lexsort((masks, np.array([bin(int(m)).count("1") for m in masks])))
+    _, first = np.unique(vec[order], axis=0, return_index=True)
+    keep = order[np.sort(first)]
+    sets = tuple(tuple(o for o in options if int(masks[k]) & bit[o]) for k in keep)
+    return ModuleSets(sets, add[keep], kept[keep])
+
+
+def pareto(v: np.ndarray) -> np.ndarray:
+    """Indices of the rows no other row dominates (≤ everywhere, < somewhere); of equal rows the
+    first is kept.
+
+    Rows are swept in lexicographic order: a row can only be dominated by one before it, so each
+    is checked against the front found so far — O(N·F) instead of O(N²).
+    """
+    order = np.lexsort(v.T[::-1])
+    front: list[int] = []
+    fv = np.empty((len(v), v.shape[1]))
+    n = 0
+    for k in order:
+        row = v[k]
+        if n and ((fv[:n] <= row).all(axis=1)).any():  # dominated, or equal to a kept row
+            continue
+        front.append(int(k))
+        fv[n] = row
+        n += 1
+    return np.array(sorted(front), dtype=np.int64)
+
+
+def rank_sets(P: StageProblem, C: ModuleSets, r: int, layers: float | None = None) -> list[int]:
+    """Indices of the module sets worth considering on rank r.
+
+    A rank's time and memory depend on a set only through four numbers: Δt and k of the
+    repeated layer, and Σ n·Δt and Σ n·ψ·k over the items fixed on the rank. A set dominated in
+    these four is never strictly better for any layer count, so that front is exact. With
+    `layers` given, the front is taken on the rank's two totals at that layer count instead
+    (smaller; exact only at that count).
+    """
+    ell = P.layer_item
+    ft = np.zeros(len(C.sets))
+    fk = np.zeros(len(C.sets))
+    for s in range(r, P.stages, P.pp):
+        for i, n in P.fixed[s]:
+            ft += n * C.add_time[:, i]
+            fk += n * P.inflight[s] * C.kept[:, i]
+    if layers is None:
+        v = np.stack([C.add_time[:, ell], C.kept[:, ell], ft, fk], axis=1)
     else:
-        x = [lp.add_variable(f"x_{s}", 0, L, cat="Integer") for s in range(S)]
-        lp += pulp.lpSum(x) == L, "layers_total"
-        if K > 1 and P.dense_first:
-            lp += x[0] >= P.dense_first, "layers_dense_first"
-    b = {(r, k, o.name): lp.add_variable(f"b_{r}_{k}_{o.name}", cat="Binary")
-         for r in range(R) for k in range(K) for o in P.kinds[k].options}
-    y = {}
-    for s in range(S):
-        r = P.rank_of(s)
-        for k in range(K):
-            n = _n(P, x, s, k)
-            for o in P.kinds[k].options:
-                v = lp.add_variable(f"y_{s}_{k}_{o.name}", 0, L)
-                bb = b[r, k, o.name]
-                lp += v <= n, f"product_le_n_{s}_{k}_{o.name}"
-                lp += v <= L * bb, f"product_le_b_{s}_{k}_{o.name}"
-                lp += v >= n - L * (1 - bb), f"product_ge_{s}_{k}_{o.name}"
-                y[s, k, o.name] = v
-    f = (lp.add_variable("f", 0, 1) if P.allow_offload_optimizer and any(P.optimizer_bytes)
-         else 0)
+        psi = P.mean_inflight(r)
+        v = np.stack([C.add_time[:, ell] * layers + ft, C.kept[:, ell] * psi * layers + fk], axis=1)
+    return [int(k) for k in pareto(np.round(v, 12))]
+
+
+def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
+          layers: Sequence[int] | None = None) -> tuple[pulp.LpProblem, dict]:
+    """The MILP of the module docstring over the candidate sets of each rank; `layers` fixes
+    X_r. Returned with its variables for decoding."""
+    S, R = P.stages, P.pp
+    lp = pulp.LpProblem("stage_choices", pulp.LpMinimize)
+    U = P.free_layers
+    if layers is not None:
+        X: list = list(layers)
+    else:
+        X = [lp.add_variable(f"X_{r}", 0, U, cat="Integer") for r in range(R)]
+        lp += pulp.lpSum(X) == U, "layers_total"
+    ell = P.layer_item
+    lay = P.items[ell]
+    z = {(r, c): lp.add_variable(f"z_{r}_{c}", cat="Binary") for r in range(R) for c in cand[r]}
     T = [lp.add_variable(f"T_{r}", 0) for r in range(R)]
     M = lp.add_variable("M", 0)
     for r in range(R):
-        time_terms, mem_terms = [], []
+        lp += pulp.lpSum(z[r, c] for c in cand[r]) == 1, f"choice_{r}"
+        if isinstance(X[r], int):  # layers fixed: X_rc = X_r·z_rc is already linear
+            Xc = {c: X[r] * z[r, c] for c in cand[r]}
+        else:
+            Xc = {c: lp.add_variable(f"Xc_{r}_{c}", 0, U) for c in cand[r]}
+            lp += pulp.lpSum(Xc.values()) == X[r], f"disagg_{r}"
+            for c in cand[r]:
+                lp += Xc[c] <= U * z[r, c], f"disagg_le_{r}_{c}"
+        psi = P.mean_inflight(r)
+        time = [lay.time_s * X[r]] + [float(C.add_time[c, ell]) * Xc[c] for c in cand[r]]
+        mem = [lay.static_bytes * X[r]] + [psi * float(C.kept[c, ell]) * Xc[c] for c in cand[r]]
         for s in range(r, S, R):
-            for k, kind in enumerate(P.kinds):
-                n = _n(P, x, s, k)
-                time_terms.append(kind.time_s * n)
-                mem_terms.append((kind.static_bytes + P.inflight[s] * kind.act_bytes) * n)
-                for o in kind.options:
-                    time_terms.append(o.time_s * y[s, k, o.name])
-                    mem_terms.append(-P.inflight[s] * o.saved_bytes * y[s, k, o.name])
-            time_terms.append(P.stage_time_s[s])
-            mem_terms.append(P.inflight[s] * P.stage_act_bytes[s])
-        lp += T[r] == pulp.lpSum(time_terms), f"time_rank_{r}"
-        lp += M >= T[r], f"time_max_{r}"
-        lp += (pulp.lpSum(mem_terms) + P.rank_static_bytes[r] - P.optimizer_bytes[r] * f
-               <= P.budget_bytes), f"memory_rank_{r}"
-        for k, kind in enumerate(P.kinds):
-            names = {o.name for o in kind.options}
-            for a, c in P.exclusive:
-                if a in names and c in names:
-                    lp += b[r, k, a] + b[r, k, c] <= 1, f"excl_{r}_{k}_{a}_{c}"
-    lp += P.alpha * M + P.beta * pulp.lpSum(T) + P.optimizer_offload_time_s * f, "step_time"
-    return lp, {"x": x, "b": b, "f": f, "T": T}
+            for i, n in P.fixed[s]:
+                it = P.items[i]
+                time.append(n * it.time_s)
+                time += [n * float(C.add_time[c, i]) * z[r, c] for c in cand[r]]
+                mem.append(n * it.static_bytes)
+                mem += [n * P.inflight[s] * float(C.kept[c, i]) * z[r, c] for c in cand[r]]
+        # scaled (time in ms, memory as a fraction of the budget): raw seconds and bytes span
+        # twelve decades, which slows HiGHS down and trips its feasibility tolerances
+        lp += T[r] == MS * pulp.lpSum(time), f"time_rank_{r}"
+        lp += T[r] <= M, f"time_max_{r}"
+        lp += pulp.lpSum(mem) * (1.0 / P.budget_bytes[r]) <= 1.0, f"memory_rank_{r}"
+    lp += P.alpha * M + P.beta * pulp.lpSum(T), "step_time_ms"
+    return lp, {"X": X, "z": z, "cand": cand}
 
 
 @contextlib.contextmanager
@@ -180,70 +297,101 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 def solver() -> pulp.LpSolver:
-    """HiGHS in-process when highspy is installed (fast: no subprocess per solve), else CBC."""
+    """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC."""
     highs = pulp.HiGHS(msg=False)
     return highs if highs.available() else pulp.PULP_CBC_CMD(msg=False)
 
 
-def solve(problem: StageProblem) -> StageSolution:
-    """Build, solve and decode; raises InfeasibleStages when nothing fits."""
-    lp, v = build(problem)
+EXACT_LIMIT = 400  # candidate sets over all ranks up to which one exact MILP is solved
+COARSE_SETS = 8  # sets per rank in the first of the two MILPs for larger problems
+
+
+def _solve(P: StageProblem, C: ModuleSets, cand: list[list[int]],
+           layers: Sequence[int] | None) -> StageSolution:
+    lp, v = build(P, C, cand, layers)
     with _stdout_to_stderr():
         lp.solve(solver())
     if pulp.LpStatus[lp.status] != "Optimal":
         raise InfeasibleStages(pulp.LpStatus[lp.status])
-    sol = decode(problem, lp, v)
-    _, sol.rank_memory_bytes = evaluate(problem, sol.layers, sol.options,
-                                        sol.optimizer_offload_fraction)
-    return sol
+    X = [round(float(pulp.value(x))) if not isinstance(x, int) else x for x in v["X"]]
+    options = []
+    for r in range(P.pp):
+        c = max(v["cand"][r], key=lambda c: pulp.value(v["z"][r, c]) or 0.0)
+        options.append(list(C.sets[c]))
+    obj, mem = evaluate(P, X, options)
+    return StageSolution(obj, X, options, mem)
 
 
-def _val(e: object) -> float:
-    return float(pulp.value(e)) if not isinstance(e, (int, float)) else float(e)
+def balanced_layers(P: StageProblem) -> list[int]:
+    """X_r as even as possible, the remainder to the ranks holding the fewest micro-batches."""
+    q, extra = divmod(P.free_layers, P.pp)
+    ranks = sorted(range(P.pp), key=lambda r: (P.mean_inflight(r), -r))
+    X = [q] * P.pp
+    for r in ranks[:extra]:
+        X[r] += 1
+    return X
 
 
-def decode(problem: StageProblem, lp: pulp.LpProblem, v: dict) -> StageSolution:
-    layers = [round(_val(x)) for x in v["x"]]
-    options: list[dict[str, list[str]]] = []
-    for r in range(problem.pp):
-        chosen: dict[str, list[str]] = {}
-        for k, kind in enumerate(problem.kinds):
-            names = [o.name for o in kind.options if _val(v["b"][r, k, o.name]) > 0.5]
-            if names:
-                chosen[kind.name] = names
-        options.append(chosen)
-    return StageSolution(
-        step_time_s=_val(lp.objective),
-        layers=layers,
-        options=options,
-        optimizer_offload_fraction=round(_val(v["f"]), 6),
-    )
+def exact_fronts(P: StageProblem, C: ModuleSets) -> list[list[int]]:
+    """`rank_sets` of every rank; ranks with the same fixed items share one front."""
+    memo: dict[tuple, list[int]] = {}
+    out = []
+    for r in range(P.pp):
+        sig = tuple((i, n, P.inflight[s]) for s in range(r, P.stages, P.pp) for i, n in P.fixed[s])
+        if sig not in memo:
+            memo[sig] = rank_sets(P, C, r)
+        out.append(memo[sig])
+    return out
 
 
-def evaluate(problem: StageProblem, layers: Sequence[int],
-             options: Sequence[dict[str, Sequence[str]]], f: float = 0.0
-             ) -> tuple[float, list[float]]:
-    """Step time and per-rank memory of given choices, by the same formulas as the MILP.
+def solve(problem: StageProblem, sets: ModuleSets | None = None,
+          layers: Sequence[int] | None = None) -> StageSolution:
+    """Build, solve and decode; raises InfeasibleStages when nothing fits.
 
-    The brute-force reference search uses this to check the MILP's optimum.
+    `layers` (X_r per rank) fixes the stage split and leaves only the module sets to the MILP
+    (the planner's screening pass). Otherwise, when the exact fronts hold at most EXACT_LIMIT
+    sets in all, one MILP decides layers and sets together; larger ones (DeepSeek-V3's first and
+    last ranks hold hundreds of non-dominated sets) are solved in two MILPs: layers and sets on
+    a thinned front of each rank's sets at the balanced layer count, then the sets on the exact
+    fronts with those layers fixed.
     """
+    P = problem
+    if min(P.budget_bytes) <= 0:
+        raise InfeasibleStages("buffers alone exceed the memory budget")
+    C = sets or module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    exact = exact_fronts(P, C)
+    fixed = layers if layers is not None else P.fixed_layers
+    if fixed is not None or sum(map(len, exact)) <= EXACT_LIMIT:
+        return _solve(P, C, exact, fixed)
+    even = P.free_layers / P.pp
+    coarse = []
+    for r in range(P.pp):
+        front = rank_sets(P, C, r, even)
+        if len(front) > COARSE_SETS:  # thin evenly along the front (it is sorted by time)
+            front = [front[i] for i in sorted(set(np.linspace(0, len(front) - 1, COARSE_SETS)
+                                                  .round().astype(int)))]
+        coarse.append(front)
+    first = _solve(P, C, coarse, None)
+    return _solve(P, C, exact, first.layers)
+
+
+def evaluate(problem: StageProblem, layers: Sequence[int], options: Sequence[Sequence[str]]
+             ) -> tuple[float, list[float]]:
+    """Objective and per-rank memory of given choices (layers X_r per rank), costed item by item
+    with `item_cost` — independent of the MILP's algebra, for the brute-force reference."""
     P = problem
     T = [0.0] * P.pp
     mem = [0.0] * P.pp
-    for s in range(P.stages):
-        r = P.rank_of(s)
-        for k, kind in enumerate(P.kinds):
-            n = _n(P, layers, s, k)
-            T[r] += kind.time_s * n
-            mem[r] += (kind.static_bytes + P.inflight[s] * kind.act_bytes) * n
-            chosen = set(options[r].get(kind.name, ()))
-            for o in kind.options:
-                if o.name in chosen:
-                    T[r] += o.time_s * n
-                    mem[r] -= P.inflight[s] * o.saved_bytes * n
-        T[r] += P.stage_time_s[s]
-        mem[r] += P.inflight[s] * P.stage_act_bytes[s]
+    lay = P.items[P.layer_item]
     for r in range(P.pp):
-        mem[r] += P.rank_static_bytes[r] - P.optimizer_bytes[r] * f
-    step = P.alpha * max(T) + P.beta * sum(T) + P.optimizer_offload_time_s * f
-    return step, mem
+        chosen = set(options[r])
+        dt, kept = item_cost(lay, chosen, P.host_s_per_byte)
+        T[r] += (lay.time_s + dt) * layers[r]
+        mem[r] += (lay.static_bytes + P.mean_inflight(r) * kept) * layers[r]
+        for s in range(r, P.stages, P.pp):
+            for i, n in P.fixed[s]:
+                item = P.items[i]
+                dt, kept = item_cost(item, chosen, P.host_s_per_byte)
+                T[r] += (item.time_s + dt) * n
+                mem[r] += (item.static_bytes + P.inflight[s] * kept) * n
+    return P.alpha * max(T) + P.beta * sum(T), mem

@@ -1,0 +1,96 @@
+"""The search: equal to brute force under the same cost model, deterministic, infeasible → 3."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moeplan import InfeasibleError, load_cluster, load_model
+from moeplan.cost_models.estimate import estimate
+from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
+from moeplan.planner.search import OPTIMIZER_OFFLOAD_GRID, _layout, search
+from moeplan.specs import Choices, Layout, ModelSpec, TrainingSpec
+
+OPTIONS = ("moe_act", "full", "offload:expert_fc1")
+
+
+def tiny_moe(layers: int, hidden: int, experts: int, ffn: int) -> ModelSpec:
+    return ModelSpec(name="tiny", num_layers=layers, hidden_size=hidden, num_attention_heads=8,
+                     num_kv_heads=4, ffn_hidden_size=4 * hidden, vocab_size=32000,
+                     num_experts=experts, moe_top_k=2, moe_ffn_hidden_size=ffn)
+
+
+def brute_force(model, cluster, training, world, space):
+    """Every layout × every subset of OPTIONS × the optimizer-offload grid, by `estimate`."""
+    enum = enumerate_layouts(model, cluster, training, world, space)
+    best = None
+    subsets = [c for n in range(len(OPTIONS) + 1) for c in itertools.combinations(OPTIONS, n)]
+    for row in enum.rows:
+        layout = Layout(**_layout(row))
+        tr = training.model_copy(update={"precision": enum.precisions[row[-1]]})
+        for sub in subsets:
+            if "full" in sub and "moe_act" in sub:
+                continue
+            for f in OPTIMIZER_OFFLOAD_GRID:
+                ch = Choices(recompute=[o for o in sub if ":" not in o],
+                             offload=[o.split(":")[1] for o in sub if ":" in o],
+                             optimizer_offload_fraction=f)
+                e = estimate(model, cluster, tr, layout, ch)
+                if e.fits and (best is None or e.step_time_s < best):
+                    best = e.step_time_s
+    return best
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(2, 6), hidden=st.sampled_from([1024, 2048]),
+       experts=st.sampled_from([4, 8]), ffn=st.sampled_from([512, 1024]),
+       hbm=st.sampled_from([3.5, 4.0, 6.0, 80.0]), gbs=st.sampled_from([8, 16]))
+def test_planner_best_equals_brute_force_best(layers, hidden, experts, ffn, hbm, gbs):
+    # Single pipeline stage, so every choice is the MILP's (layers per stage are fixed there):
+    # tight HBM makes recompute, offload and optimizer offload matter.
+    model = tiny_moe(layers, hidden, experts, ffn)
+    cluster = load_cluster("h100", gpus=8).model_copy(update={"hbm_gb": hbm})
+    training = TrainingSpec(seq_len=2048, global_batch_size=gbs)
+    space = SearchSpace(precisions=("bf16",), dispatchers=("alltoall",), max_pp=1, max_cp=1,
+                        max_mbs=2, allow_ep_overlap=False, allow_no_dist_opt=False)
+    ref = brute_force(model, cluster, training, 8, space)
+    if ref is None:
+        with pytest.raises(InfeasibleError):
+            search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1)
+        return
+    got = search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1)
+    assert got.plans[0].estimate.step_time_s == pytest.approx(ref, rel=1e-9)
+
+
+def test_search_is_deterministic_and_ranked():
+    model = load_model("mixtral-8x7b")
+    cluster = load_cluster("h100")
+    tr = TrainingSpec(seq_len=4096, global_batch_size=256)
+    space = SearchSpace(precisions=("bf16",), max_pp=2, max_mbs=1, max_vpp=2)
+    a = search(model, cluster, tr, 32, space=space)
+    b = search(model, cluster, tr, 32, space=space)
+    assert [p.model_dump() for p in a.plans] == [p.model_dump() for p in b.plans]
+    times = [p.estimate.step_time_s for p in a.plans]
+    assert times == sorted(times) and len(times) == 5
+    assert all(p.estimate.fits for p in a.plans)
+    assert a.plans[0].explanation and "runner-up" in a.plans[0].explanation[2]
+
+
+def test_deepseek_v3_on_8_h100_is_infeasible_with_advice():
+    with pytest.raises(InfeasibleError) as e:
+        search(load_model("deepseek-v3"), load_cluster("h100"),
+               TrainingSpec(seq_len=4096, global_batch_size=64), 8)
+    msg = str(e.value)
+    assert "Closest" in msg and "GPUs" in msg and "GB" in msg
+
+
+def test_moeplan_target_only_emits_plans_the_runtime_executes():
+    from moeplan.runtime.support import features_not_executed
+
+    res = search(load_model("qwen3-30b-a3b"), load_cluster("h100"),
+                 TrainingSpec(seq_len=4096, global_batch_size=64), 16, target="moeplan")
+    for plan in res.plans:
+        assert features_not_executed(plan) == []
