@@ -272,12 +272,14 @@ def search(
                                     max_saving[layout.ep_overlap]).fits:
             pruned["memory_bound"] += 1
             if closest is None or e0.memory.peak_gb < closest[0]:
-                closest = (e0.memory.peak_gb, e0)
+                closest = (e0.memory.peak_gb, layout)
             continue
         plan = _solve_layout(model, cluster, tr, layout, cal, table, options, key, sets_cache,
                              result, target, balanced=True)
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             pruned["memory_milp"] += 1
+            if closest is None or e0.memory.peak_gb < closest[0]:
+                closest = (e0.memory.peak_gb, layout)
             continue
         result.feasible += 1
         push(plan, int(idx))
@@ -295,7 +297,7 @@ def search(
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
-                                                  usable, cal))
+                                                  cal, closest))
     plans = [p for _, _, p in sorted(best, key=lambda e: (e[0], e[1]), reverse=True)]
     result.plans = explain_plans(plans, result)
     return result
@@ -328,19 +330,26 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
 
 def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                        world: int, enum: Enumeration, mem_lb: np.ndarray, usable: float,
-                        cal: Calibration) -> str:
+                        world: int, enum: Enumeration, mem_lb: np.ndarray, cal: Calibration,
+                        closest: tuple[float, Layout] | None) -> str:
     """What came closest and what would make it fit."""
-    i = int(np.argmin(mem_lb))
-    ax = _layout(enum.rows[i])
-    need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
     budget_gb = cluster.hbm_gb - cal.reserve_gb
+    if closest is not None:  # fits on weights, not with the activations it must keep
+        need_gb, lay = closest
+        where = (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} etp={lay.etp} mbs={lay.mbs} "
+                 f"peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
+    else:
+        i = int(np.argmin(mem_lb))
+        ax = _layout(enum.rows[i])
+        need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
+        where = (f"tp={ax['tp']} pp={ax['pp']} ep={ax['ep']} etp={ax['etp']} needs at least "
+                 f"{need_gb:.0f} GB per GPU for weights and gradients alone, with every "
+                 "activation recomputed or offloaded and the optimizer on the host")
     ratio = need_gb / budget_gb
-    gpus_needed = world
+    gpus_needed = world * 2
     while gpus_needed < world * ratio * 1.15:
         gpus_needed *= 2
-    bigger = sorted({("gb300-nvl72", 288), ("b300", 288), ("b200", 180), ("h200", 141)},
-                    key=lambda x: x[1])
+    bigger = [("h200", 141), ("b200", 180), ("b300", 288), ("gb300-nvl72", 288)]
     larger = [name for name, gb in bigger if gb > cluster.hbm_gb * max(1.0, ratio)]
     hints = [f"about {gpus_needed} GPUs of this kind"]
     if training.precision == "bf16" and cluster.fp8_tflops:
@@ -348,7 +357,4 @@ def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: Traini
     if larger:
         hints.append(f"a larger-memory GPU ({', '.join(larger)})")
     return (f"nothing fits {model.name} on {world} × {cluster.gpu} ({budget_gb:.0f} GB usable "
-            f"each). Closest: tp={ax['tp']} pp={ax['pp']} ep={ax['ep']} etp={ax['etp']} needs "
-            f"at least {need_gb:.0f} GB per GPU for weights and gradients alone, with every "
-            f"activation recomputed or offloaded and the optimizer on the host. To fit: "
-            + "; or ".join(hints) + ".")
+            f"each). Closest: {where}. To fit: " + "; or ".join(hints) + ".")
