@@ -126,6 +126,7 @@ class ModuleSets:
     sets: tuple[tuple[str, ...], ...]
     add_time: np.ndarray  # (C, I)
     kept: np.ndarray  # (C, I)
+    fronts: dict = field(default_factory=dict, compare=False, repr=False)  # memo of rank fronts
 
 
 @dataclass
@@ -254,30 +255,47 @@ def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
     z = {(r, c): lp.add_variable(f"z_{r}_{c}", cat="Binary") for r in range(R) for c in cand[r]}
     T = [lp.add_variable(f"T_{r}", 0) for r in range(R)]
     M = lp.add_variable("M", 0)
+    Aff = pulp.LpAffineExpression
     for r in range(R):
-        lp += pulp.lpSum(z[r, c] for c in cand[r]) == 1, f"choice_{r}"
-        if isinstance(X[r], int):  # layers fixed: X_rc = X_r·z_rc is already linear
-            Xc = {c: X[r] * z[r, c] for c in cand[r]}
-        else:
-            Xc = {c: lp.add_variable(f"Xc_{r}_{c}", 0, U) for c in cand[r]}
-            lp += pulp.lpSum(Xc.values()) == X[r], f"disagg_{r}"
-            for c in cand[r]:
-                lp += Xc[c] <= U * z[r, c], f"disagg_le_{r}_{c}"
-        psi = P.mean_inflight(r)
-        time = [lay.time_s * X[r]] + [float(C.add_time[c, ell]) * Xc[c] for c in cand[r]]
-        mem = [lay.static_bytes * X[r]] + [psi * float(C.kept[c, ell]) * Xc[c] for c in cand[r]]
+        cs = np.array(cand[r], dtype=np.int64)
+        zr = [z[r, int(c)] for c in cs]
+        lp += Aff([(v, 1.0) for v in zr]) == 1, f"choice_{r}"
+        # per-set coefficients of this rank's fixed items, and their constant parts
+        zt, zm = np.zeros(len(cs)), np.zeros(len(cs))
+        t0 = m0 = 0.0
         for s in range(r, S, R):
             for i, n in P.fixed[s]:
                 it = P.items[i]
-                time.append(n * it.time_s)
-                time += [n * float(C.add_time[c, i]) * z[r, c] for c in cand[r]]
-                mem.append(n * it.static_bytes)
-                mem += [n * P.inflight[s] * float(C.kept[c, i]) * z[r, c] for c in cand[r]]
+                zt += n * C.add_time[cs, i]
+                zm += n * P.inflight[s] * C.kept[cs, i]
+                t0 += n * it.time_s
+                m0 += n * it.static_bytes
+        psi = P.mean_inflight(r)
+        dt_l, k_l = C.add_time[cs, ell], psi * C.kept[cs, ell]
+        time_terms: list[tuple[pulp.LpVariable, float]] = []
+        mem_terms: list[tuple[pulp.LpVariable, float]] = []
+        if isinstance(X[r], int):  # layers fixed: X_rc = X_r·z_rc is already linear
+            zt = zt + X[r] * dt_l
+            zm = zm + X[r] * k_l
+            t0 += lay.time_s * X[r]
+            m0 += lay.static_bytes * X[r]
+        else:
+            Xc = [lp.add_variable(f"Xc_{r}_{c}", 0, U) for c in cs]
+            lp += Aff([(v, 1.0) for v in Xc] + [(X[r], -1.0)]) == 0, f"disagg_{r}"
+            for c, xv, zv in zip(cs, Xc, zr, strict=True):
+                lp += Aff([(xv, 1.0), (zv, -float(U))]) <= 0, f"disagg_le_{r}_{c}"
+            time_terms += [(X[r], lay.time_s)] + list(zip(Xc, dt_l.tolist(), strict=True))
+            mem_terms += [(X[r], lay.static_bytes)] + list(zip(Xc, k_l.tolist(), strict=True))
+        time_terms += list(zip(zr, zt.tolist(), strict=True))
+        mem_terms += list(zip(zr, zm.tolist(), strict=True))
         # scaled (time in ms, memory as a fraction of the budget): raw seconds and bytes span
         # twelve decades, which slows HiGHS down and trips its feasibility tolerances
-        lp += T[r] == MS * pulp.lpSum(time), f"time_rank_{r}"
+        inv_b = 1.0 / P.budget_bytes[r]
+        lp += (Aff([(v, MS * a) for v, a in time_terms] + [(T[r], -1.0)], constant=MS * t0)
+               == 0), f"time_rank_{r}"
         lp += T[r] <= M, f"time_max_{r}"
-        lp += pulp.lpSum(mem) * (1.0 / P.budget_bytes[r]) <= 1.0, f"memory_rank_{r}"
+        lp += Aff([(v, a * inv_b) for v, a in mem_terms], constant=m0 * inv_b) <= 1.0, (
+            f"memory_rank_{r}")
     lp += P.alpha * M + P.beta * pulp.lpSum(T), "step_time_ms"
     return lp, {"X": X, "z": z, "cand": cand}
 
@@ -333,11 +351,15 @@ def balanced_layers(P: StageProblem) -> list[int]:
 
 
 def exact_fronts(P: StageProblem, C: ModuleSets) -> list[list[int]]:
-    """`rank_sets` of every rank; ranks with the same fixed items share one front."""
-    memo: dict[tuple, list[int]] = {}
+    """`rank_sets` of every rank, memoised on the module sets: the front depends only on which
+    items are fixed on the rank and the ratios of their in-flight counts (a common factor ψ
+    scales one coordinate and leaves dominance unchanged), so ranks and layouts share fronts."""
+    memo = C.fronts
     out = []
     for r in range(P.pp):
-        sig = tuple((i, n, P.inflight[s]) for s in range(r, P.stages, P.pp) for i, n in P.fixed[s])
+        fixed = [(i, n, P.inflight[s]) for s in range(r, P.stages, P.pp) for i, n in P.fixed[s]]
+        psi0 = fixed[0][2] if fixed and fixed[0][2] else 1.0
+        sig = (P.layer_item, tuple((i, n, round(ps / psi0, 9)) for i, n, ps in fixed))
         if sig not in memo:
             memo[sig] = rank_sets(P, C, r)
         out.append(memo[sig])

@@ -255,11 +255,6 @@ def search(
         if key not in tables:
             tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
         table = tables[key]
-        p, v, m = layout.pp, layout.vpp, layout.num_microbatches
-        lb1 = (m + (p - 1) / v) / p * table.total_time_s(cal.layer_overhead_s, model.mtp_layers)
-        if lb1 >= kth():
-            pruned["time_bound"] += 1
-            continue
         # the balanced layout without recompute or offload: an upper bound when it fits
         e0 = estimate(model, cluster, tr, layout, no_choice)
         if e0.fits:
@@ -275,7 +270,7 @@ def search(
                 closest = (e0.memory.peak_gb, layout)
             continue
         plan = _solve_layout(model, cluster, tr, layout, cal, table, options, key, sets_cache,
-                             result, target, balanced=True)
+                             result, target, balanced=True, lb_pipe=float(t_lb[idx]))
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             pruned["memory_milp"] += 1
             if closest is None or e0.memory.peak_gb < closest[0]:
@@ -291,7 +286,7 @@ def search(
         if idx not in on_top or layout.pp == 1:
             continue
         plan = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
-                             sets_cache, result, target)
+                             sets_cache, result, target, lb_pipe=float(t_lb[idx]))
         if plan is not None and plan.estimate.fits:  # type: ignore[union-attr]
             push(plan, idx)
     result.seconds = time.perf_counter() - start
@@ -306,14 +301,26 @@ def search(
 def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   layout: Layout, cal: Calibration, table: LayerTable, options: tuple[str, ...],
                   key: tuple, sets_cache: dict, result: SearchResult,
-                  target: str, balanced: bool = False) -> Plan | None:
-    """The MILP for one layout (optimizer offload over a grid when nothing fits without it),
-    decoded into a Plan and re-scored by the cost model; None when nothing fits."""
-    grid = (0.0,) if target == "moeplan" else OPTIMIZER_OFFLOAD_GRID
+                  target: str, balanced: bool = False, lb_pipe: float = 0.0) -> Plan | None:
+    """The MILP for one layout at each optimizer-offload fraction of the grid, decoded into
+    Plans and re-scored by the cost model; the fastest that fits, or None.
+
+    A fraction is skipped when even the pipeline's lower bound plus that fraction's optimizer
+    time cannot beat the best plan found at a smaller one; larger fractions are tried only when
+    the plan without optimizer offload needed recompute or offload (memory pressure).
+    """
+    grid = (0.0,) if target == "moeplan" or not options else OPTIMIZER_OFFLOAD_GRID
+    best: Plan | None = None
+    base_const: float | None = None
     for f in grid:
         built = stage_problem(model, cluster, training, layout, cal, table, options, f)
+        if base_const is None:
+            base_const = built.constant_s
+        extra = built.constant_s - base_const  # optimizer time the fraction adds
+        if best is not None and lb_pipe + base_const + extra >= best.estimate.step_time_s:  # type: ignore[union-attr]
+            continue
         P = built.problem
-        skey = (key, P.items[P.layer_item].name, tuple(i.name for i in P.items), f)
+        skey = (key, P.items[P.layer_item].name, tuple(i.name for i in P.items))
         if skey not in sets_cache:
             sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
         result.solved += 1
@@ -324,9 +331,12 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
                            P.chunk_layers(sol.layers))
         est = estimate(model, cluster, training, layout, choices)
-        return Plan(model=model, cluster=cluster, training=training, layout=layout,
-                    choices=choices, estimate=est)
-    return None
+        if est.fits and (best is None or est.step_time_s < best.estimate.step_time_s):  # type: ignore[union-attr]
+            best = Plan(model=model, cluster=cluster, training=training, layout=layout,
+                        choices=choices, estimate=est)
+        if f == 0.0 and not any(sol.options):
+            break  # no memory pressure: offloading the optimizer only adds time
+    return best
 
 
 def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -1,0 +1,265 @@
+"""`moeplan whatif -o report.md|report.html`: the sweep as Markdown tables or one HTML file.
+
+The HTML report must open anywhere, offline, years later (it gets attached to purchase
+requests), so it is a single self-contained file: plots are matplotlib figures inlined as SVG,
+styles inline, no scripts, no fonts or images fetched from the network. matplotlib is imported
+only here and only when HTML is asked for, so `whatif` itself stays light.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import SpecError
+from .whatif import Point, WhatIf
+
+MEMORY_PARTS = ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb")
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _layout(p: Point) -> str:
+    if not p.plan:
+        return "-"
+    L = p.plan.layout
+    s = f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
+    if p.plan.model.is_moe:
+        s += f" ep{L.ep} etp{L.etp}"
+    return s + f" mbs{L.mbs} {p.plan.training.precision}"
+
+
+def rows(res: WhatIf) -> list[dict[str, str]]:
+    """One display row per point (shared by the terminal, Markdown and HTML tables)."""
+    out = []
+    for p in res.points:
+        out.append({
+            "cluster": p.cluster, "GPUs": str(p.gpus), "seq": str(p.seq), "gbs": str(p.gbs),
+            "layout": _layout(p),
+            "tok/s/GPU": _num(p.tokens_per_s_per_gpu, ",.0f"),
+            "MFU": _num(p.mfu, ".1%"), "step s": _num(p.step_time_s, ".3g"),
+            "days": _num(p.days_to_train, ",.1f"), "GPU-hours": _num(p.gpu_hours, ",.0f"),
+            "cost $": _num(p.cost_usd, ",.0f"), "scaling": _num(p.scaling_efficiency, ".0%"),
+            "pareto": "★" if p.pareto else "",
+            "why": p.why or ("stopped at the time limit" if p.stopped_early else ""),
+        })
+    return out
+
+
+def answers(res: WhatIf) -> list[str]:
+    """The inverse questions' answers as sentences."""
+    lines = []
+    if res.days is not None:
+        for a in res.days["answers"]:
+            if a["gpus"] is None:
+                lines.append(f"Within {res.days['target_days']:g} days on {a['cluster']}: "
+                             f"no count tried is enough ({a['why']}).")
+            else:
+                cost = "" if a["cost_usd"] is None else f", ${a['cost_usd']:,.0f}"
+                lines.append(f"Within {res.days['target_days']:g} days on {a['cluster']}: "
+                             f"{a['gpus']} GPUs ({a['days_to_train']:.1f} days{cost}).")
+    if res.budget is not None:
+        b = res.budget
+        if b["index"] is None:
+            lines.append(f"Within ${b['budget_usd']:,.0f}: nothing ({b['why']}).")
+        else:
+            lines.append(f"Fastest within ${b['budget_usd']:,.0f}: {b['cluster']} × {b['gpus']} "
+                         f"GPUs, {b['days_to_train']:.1f} days, ${b['cost_usd']:,.0f}.")
+    return lines
+
+
+def _title(res: WhatIf) -> str:
+    return f"What-if: {res.model}, {res.tokens:.3g} tokens"
+
+
+def markdown(res: WhatIf) -> str:
+    """The report as Markdown: the sweep table, the Pareto front and the inverse answers."""
+    table = rows(res)
+    cols = list(table[0]) if table else []
+    lines = [f"# {_title(res)}", "",
+             f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
+             f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
+             f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in table:
+        lines.append("| " + " | ".join(v.replace("|", "\\|") for v in r.values()) + " |")
+    lines += ["", "## Pareto front (fastest first)", ""]
+    for i in res.pareto:
+        p = res.points[i]
+        cost = f"${p.cost_usd:,.0f}" if p.cost_usd is not None else f"{p.gpu_hours:,.0f} GPU-h"
+        lines.append(f"- {p.cluster} × {p.gpus} GPUs, seq {p.seq}: {p.days_to_train:.1f} days, "
+                     f"{cost}")
+    if not res.pareto:
+        lines.append("- nothing fits")
+    said = answers(res)
+    if said:
+        lines += ["", "## Answers", ""] + [f"- {a}" for a in said]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- HTML
+def _svg(fig: object) -> str:
+    """A matplotlib figure as an inline <svg> element (no XML prolog, no external refs)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]
+    return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)  # Dublin Core links
+
+
+def _series(points: Sequence[Point]) -> dict[str, list[Point]]:
+    """Fitting points grouped by what varies along a throughput curve: one line per series."""
+    series: dict[str, list[Point]] = {}
+    multi_seq = len({p.seq for p in points}) > 1
+    multi_prec = len({p.precision for p in points}) > 1
+    multi_gbs = len({p.gbs for p in points}) > 1
+    for p in points:
+        if not p.fits:
+            continue
+        name = p.cluster + (f" seq{p.seq}" if multi_seq else "") + (
+            f" gbs{p.gbs}" if multi_gbs else "") + (f" {p.precision}" if multi_prec else "")
+        series.setdefault(name, []).append(p)
+    return {k: sorted(v, key=lambda p: p.gpus) for k, v in series.items()}
+
+
+def require_matplotlib() -> None:
+    """Fail before a long sweep, not after it, when the HTML report cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SpecError("the HTML report draws its plots with matplotlib, which is not "
+                        "installed: pip install 'moeplan[report]' (or write -o report.md)."
+                        ) from None
+
+
+def plots(res: WhatIf) -> dict[str, str]:
+    """The three plots as inline SVG: throughput vs GPUs, time vs cost, memory per best plan."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    out: dict[str, str] = {}
+    series = _series(res.points)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, pts in series.items():
+        g = [p.gpus for p in pts]
+        ax1.plot(g, [(p.tokens_per_s_per_gpu or 0) * p.gpus / 1e6 for p in pts], "o-",
+                 label=name)
+        ax2.plot(g, [p.tokens_per_s_per_gpu for p in pts], "o-", label=name)
+    for ax, ylabel in ((ax1, "cluster throughput (M tokens/s)"), (ax2, "tokens/s per GPU")):
+        ax.set_xscale("log", base=2)
+        counts = sorted({p.gpus for pts in series.values() for p in pts})
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if series:
+        ax1.legend()
+    fig.suptitle("Throughput against GPU count")
+    out["throughput"] = _svg(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fit = [p for p in res.points if p.fits and p.days_to_train is not None]
+    by_cluster: dict[str, list[Point]] = {}
+    for p in fit:
+        by_cluster.setdefault(p.cluster, []).append(p)
+    for name, pts in by_cluster.items():
+        ax.scatter([p.price_axis for p in pts], [p.days_to_train for p in pts], label=name,
+                   alpha=0.8)
+        for p in pts:
+            ax.annotate(str(p.gpus), (p.price_axis, p.days_to_train), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    front = [res.points[i] for i in res.pareto]
+    if front:
+        front = sorted(front, key=lambda p: p.price_axis or 0.0)
+        ax.plot([p.price_axis for p in front], [p.days_to_train for p in front], "k--",
+                lw=1)
+        ax.scatter([p.price_axis for p in front], [p.days_to_train for p in front], s=140,
+                   facecolors="none", edgecolors="red", linewidths=1.5, label="Pareto front")
+    ax.set_xlabel("cost (USD)" if res.priced else "GPU-hours")
+    ax.set_ylabel("days to train")
+    ax.set_title(f"Time to train {res.tokens:.3g} tokens against "
+                 f"{'cost' if res.priced else 'GPU-hours'}")
+    ax.grid(alpha=0.3)
+    if fit:
+        ax.legend()
+    out["pareto"] = _svg(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * max(3, len(fit)) + 1.2))
+    labels = [f"{p.cluster} × {p.gpus}" + (f" seq{p.seq}" if len(
+        {q.seq for q in fit}) > 1 else "") for p in fit]
+    left = [0.0] * len(fit)
+    for part in MEMORY_PARTS:
+        vals = [getattr(p.plan.estimate.memory, part) for p in fit]  # type: ignore[union-attr]
+        ax.barh(labels, vals, left=left, label=part.removesuffix("_gb"))
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    for y, p in enumerate(fit):
+        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2)  # type: ignore
+    ax.set_xlabel("GB per GPU (most loaded GPU; black tick: HBM)")
+    ax.set_title("Memory of each best plan")
+    ax.invert_yaxis()
+    if fit:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    out["memory"] = _svg(fig)
+    return out
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fff}
+table{border-collapse:collapse;font-size:12px;margin:12px 0}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
+td:first-child,th{text-align:left}tr.pareto{background:#fff3c4}tr.nofit{color:#888}
+figure{margin:16px 0}svg{max-width:100%;height:auto}"""
+
+
+def html_report(res: WhatIf) -> str:
+    """One self-contained HTML page: tables, answers, and the plots inlined as SVG."""
+    table = rows(res)
+    cols = list(table[0]) if table else []
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = []
+    for p, r in zip(res.points, table, strict=True):
+        cls = "pareto" if p.pareto else ("nofit" if not p.fits else "")
+        cells = "".join(f"<td>{html.escape(v)}</td>" for v in r.values())
+        body.append(f'<tr class="{cls}">{cells}</tr>')
+    said = "".join(f"<li>{html.escape(a)}</li>" for a in answers(res))
+    figs = plots(res)
+    captions = {"throughput": "Throughput against GPUs, per cluster kind",
+                "pareto": "Time to train against cost; the Pareto front circled",
+                "memory": "Memory breakdown of each best plan"}
+    fig_html = "".join(f'<figure id="{k}">{v}<figcaption>{html.escape(captions[k])}'
+                       "</figcaption></figure>" for k, v in figs.items())
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>"
+            f"{html.escape(_title(res))}</title><style>{CSS}</style></head><body>"
+            f"<h1>{html.escape(_title(res))}</h1>"
+            f"<p>{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
+            f"{res.seconds:.1f} s. Highlighted rows are on the Pareto front.</p>"
+            f"<table><tr>{head}</tr>{''.join(body)}</table>"
+            + (f"<h2>Answers</h2><ul>{said}</ul>" if said else "")
+            + f"<h2>Plots</h2>{fig_html}</body></html>\n")
+
+
+def write_report(res: WhatIf, path: str | Path) -> Path:
+    """Write Markdown (.md) or self-contained HTML (.html/.htm), chosen by the suffix."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".md":
+        path.write_text(markdown(res))
+    elif suffix in (".html", ".htm"):
+        path.write_text(html_report(res))
+    else:
+        raise SpecError(f"-o {path}: the report is .md (Markdown) or .html (self-contained "
+                        "HTML with plots).")
+    return path
