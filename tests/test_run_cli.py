@@ -75,6 +75,23 @@ def test_run_writes_spec_outputs_and_appends_metrics(cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_run_trains_an_interleaved_pipeline_with_mtp_on_the_last_stage(cli, tmp_path):
+    """pp2·vpp2: loss reported by every rank's all-reduce, routing of every stage's layers."""
+    out = tmp_path / "pp"
+    plan = write_plan(tmp_path / "pp2vpp2.json", 2, model="tiny_deepseek_v3", pp=2, vpp=2)
+    r = cli("run", plan, "--steps", "3", "--out", str(out), "--seed", "7", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
+    spec = load_model(DATA / "tiny_deepseek_v3.yaml")
+    routing = json.loads((out / "routing.json").read_text())
+    moe_layers = [i for i, m in enumerate(spec.moe_layers()) if m] + [spec.num_layers]  # + MTP
+    assert [layer["layer"] for layer in routing["layers"]] == moe_layers
+    for layer in routing["layers"]:
+        assert sum(layer["tokens_per_expert"]) == 3 * 4 * 32 * spec.moe_top_k
+
+
+@pytest.mark.slow
 def test_run_joins_an_enclosing_torchrun_launch(tmp_path):
     """Started by torchrun (as a Slurm/torchrun job script would), each process becomes a rank."""
     out = tmp_path / "joined"
@@ -105,11 +122,10 @@ def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_p
 
 
 @pytest.mark.parametrize("case,axes,extra,needle", [
-    ("pipeline", {"pp": 2}, [], "pipeline parallelism"),
-    ("context", {"cp": 2}, [], "context parallelism"),
+    ("ep_overlap", {"ep": 2, "ep_overlap": True}, [], "EP communication overlap"),
     ("world", {"ep": 2}, ["--nproc-per-node", "3"], "needs 2 processes"),
-    ("data", {}, ["--data", "tokens.bin"], "--data PATH"),
-    ("resume", {}, ["--resume"], "checkpointing"),
+    ("data", {}, ["--data", "tokens.bin"], "--data tokens.bin: no such token file"),
+    ("resume", {}, ["--resume"], "--resume needs --ckpt-dir"),
 ])
 def test_run_refuses_before_any_worker_starts(cli, tmp_path, case, axes, extra, needle):
     world = 2 if axes else 1

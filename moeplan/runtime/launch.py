@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
 from ..specs import Plan, check_layout, load_plan
+from .storage import check_token_file, complete_steps, newest_checkpoint
 from .support import features_not_executed
 
 
@@ -39,6 +42,8 @@ class RunOptions:
     ckpt_every: int = 0
     resume: bool = False
     max_restarts: int = 0
+    ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
+    max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
 
 
 class RunFailed(Exception):
@@ -56,15 +61,16 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         raise SpecError(f"--steps must be at least 1, got {opts.steps}.")
     if opts.dtype not in (None, "fp32", "bf16"):
         raise SpecError(f"--dtype takes fp32 or bf16, got {opts.dtype!r}.")
-    if opts.data != "synthetic":
-        raise NotYetAvailable("--data PATH (real token data) is not executed yet; use "
-                              "--data synthetic. Nothing was run.")
-    if opts.ckpt_dir or opts.resume or opts.ckpt_every:
-        raise NotYetAvailable("checkpointing (--ckpt-dir/--ckpt-every/--resume) is not "
-                              "executed yet. Nothing was run.")
-    if opts.max_restarts:
-        raise NotYetAvailable("--max-restarts needs checkpoints to resume from, which are not "
-                              "executed yet. Nothing was run.")
+    if opts.ckpt_every < 0 or opts.max_restarts < 0 or opts.ckpt_keep < 0:
+        raise SpecError("--ckpt-every, --max-restarts and the number of checkpoints kept must "
+                        "not be negative.")
+    if opts.max_nonfinite_steps < 1:
+        raise SpecError("the number of non-finite steps tolerated in a row must be at least 1.")
+    for flag, used in (("--resume", opts.resume), ("--ckpt-every", opts.ckpt_every),
+                       ("--max-restarts", opts.max_restarts)):
+        if used and not opts.ckpt_dir:
+            raise SpecError(f"{flag} needs --ckpt-dir DIR (where checkpoints are written and "
+                            "resumed from). Nothing was run.")
     check_layout(plan.model, plan.training, plan.layout, choices=plan.choices)
     missing = features_not_executed(plan)
     if missing:
@@ -75,10 +81,52 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         from .scale import scale_down_model, scale_down_training
 
         training, layout = scale_down_training(plan.training, plan.layout)
+        # the full model's stage layout cannot fit the shrunk one: stages are rebalanced
+        choices = plan.choices.model_copy(update={"stage_layout": None, "stage_layers": None})
         running = plan.model_copy(update={"model": scale_down_model(plan.model, plan.layout),
-                                          "training": training, "layout": layout})
+                                          "training": training, "layout": layout,
+                                          "choices": choices})
         check_layout(running.model, running.training, running.layout, choices=running.choices)
+    if opts.ckpt_dir and running.layout.pp > 1:
+        raise NotYetAvailable("checkpoints of pipeline-parallel plans (pp > 1) are not verified "
+                              "yet; run without --ckpt-dir or with pp = 1. Nothing was run.")
+    if opts.data != "synthetic":
+        check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
     return plan, running
+
+
+def check_resume(running: Plan, opts: RunOptions) -> int:
+    """The step a run with `--resume` starts from (0: no checkpoint yet), after verifying the
+    newest complete checkpoint's checksums and that it holds the same model and seed; without
+    `--resume`, a --ckpt-dir holding checkpoints is refused.
+
+    Runs in the launcher, before any worker starts: a corrupt checkpoint is refused by file
+    name instead of failing (or silently diverging) inside the workers.
+    """
+    if not opts.resume:
+        old = complete_steps(opts.ckpt_dir) if opts.ckpt_dir else []
+        if old:  # a fresh run would mix its checkpoints with another run's
+            raise SpecError(f"--ckpt-dir {opts.ckpt_dir} already holds checkpoints (newest: "
+                            f"step {old[-1]}); pass --resume to continue from it, or give "
+                            "another --ckpt-dir. Nothing was run.")
+        return 0
+    path = newest_checkpoint(opts.ckpt_dir or "")
+    if path is None:
+        return 0
+    saved = load_plan(path / "plan.json")
+    if saved.model != running.model:
+        raise SpecError(f"checkpoint {path} holds model {saved.model.name!r} with other "
+                        f"dimensions than the plan's {running.model.name!r}; resume under a plan "
+                        "of the same model (its layout may differ).")
+    meta = json.loads((path / "meta.json").read_text())
+    step = int(meta["step"])
+    if meta.get("seed", opts.seed) != opts.seed:
+        raise SpecError(f"checkpoint {path} was trained with --seed {meta['seed']}; resume with "
+                        f"the same seed (got {opts.seed}), or the data order would change.")
+    if step >= opts.steps:
+        raise SpecError(f"checkpoint {path} is already at step {step}; --steps {opts.steps} is "
+                        "the step to reach, so there is nothing to train.")
+    return step
 
 
 def _joined_environment() -> dict[str, str] | None:
@@ -108,6 +156,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     """
     opts = RunOptions(**options)  # type: ignore[arg-type]
     given, running = prepare_plan(plan, opts)
+    check_resume(running, opts)
     world = running.layout.world_size
     out = Path(opts.out) if opts.out else default_out(plan)
     joined = _joined_environment()
@@ -134,11 +183,37 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
                             "every node).")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        code = subprocess.call(torchrun_command(plan, opts, out, nproc), env=env)
+        started = time.time()
+        code, preempted = _run_forwarding_sigterm(torchrun_command(plan, opts, out, nproc), env)
+        summary_path = out / "summary.json"
+        if preempted and summary_path.is_file() and summary_path.stat().st_mtime >= started:
+            summary = json.loads(summary_path.read_text())
+            if summary.get("preempted_at"):  # workers checkpointed at a step boundary
+                return summary
         if code:
             raise RunFailed(code)
     summary_path = out / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+
+
+def _run_forwarding_sigterm(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run torchrun; a SIGTERM to this launcher (preemption) is passed on to it, and torchrun
+    passes it to the workers, which checkpoint at the next step boundary and exit.
+
+    Returns (exit code, whether SIGTERM was received)."""
+    proc = subprocess.Popen(cmd, env=env)
+    got: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        got.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return code, bool(got)
 
 
 def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
@@ -158,10 +233,14 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
                 f"--rdzv-id={opts.rdzv_id or 'moeplan'}"]
         if opts.node_rank is not None:
             cmd.append(f"--node-rank={opts.node_rank}")
-    worker_opts = {k: v for k, v in asdict(opts).items() if k in ("steps", "data", "seed",
-                                                                    "dtype", "scale_down")}
+    if opts.max_restarts:  # restarted workers resume from the newest checkpoint
+        cmd.append(f"--max-restarts={opts.max_restarts}")
+    worker_opts = {k: v for k, v in asdict(opts).items() if k in (
+        "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
+        "ckpt_keep", "max_nonfinite_steps")}
     return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
             "--options", json.dumps(worker_opts)]
 
 
-__all__ = ["MoeplanError", "RunFailed", "RunOptions", "prepare_plan", "run", "torchrun_command"]
+__all__ = ["MoeplanError", "RunFailed", "RunOptions", "check_resume", "prepare_plan", "run",
+           "torchrun_command"]

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..kernels import KernelBackend
 from .comm import SINGLE, Axis, gather_seq, scatter_seq
+from .cp import ring_attention
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           cp: Axis) -> torch.Tensor:
+    """Causal attention of this rank's tokens: local SDPA, or the ring over the cp group."""
+    return _attend(q, k, v, scale) if cp.trivial else ring_attention(q, k, v, scale, cp)
+
+
 class Attention(nn.Module):
     """GQA/MHA attention: column-parallel q, k, v (heads split over tp), row-parallel output."""
 
@@ -119,7 +126,7 @@ class Attention(nn.Module):
                  backend: KernelBackend):
         super().__init__()
         h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_dim_
-        self.head_dim, self.tp = d, SINGLE
+        self.head_dim, self.tp, self.cp = d, SINGLE, SINGLE
         self.q_proj = Linear(h, a * d, spec.qkv_bias, std, gen, backend)
         self.k_proj = Linear(h, g * d, spec.qkv_bias, std, gen, backend)
         self.v_proj = Linear(h, g * d, spec.qkv_bias, std, gen, backend)
@@ -136,7 +143,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = self.o_proj(_attend(q, k, v, 1.0 / math.sqrt(d)), bias=False)  # (s, b, h) partial
+        o = self.o_proj(attend(q, k, v, 1.0 / math.sqrt(d), self.cp), bias=False)  # (s, b, h)
         o = scatter_seq(o, self.tp)  # (s/t, b, h)
         return o if self.o_proj.bias is None else o + self.o_proj.bias
 
@@ -156,6 +163,7 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim = (spec.qk_nope_head_dim, spec.qk_rope_head_dim,
                                                 spec.v_head_dim)
         self.kv_rank, self.q_rank, self.tp = spec.kv_lora_rank, spec.q_lora_rank, SINGLE
+        self.cp = SINGLE
         qk = self.nope + self.rope_dim
         if self.q_rank:
             self.q_down = Linear(h, self.q_rank, False, std, gen, backend)
@@ -185,7 +193,7 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(2), *rope).expand(-1, -1, q.shape[2], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe], dim=-1)
-        o = _attend(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim))  # (s, b, a/t·v)
+        o = attend(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim), self.cp)  # (s, b, a/t·v)
         o = scatter_seq(self.o_proj(o, bias=False), self.tp)  # (s/t, b, h)
         return o if self.o_proj.bias is None else o + self.o_proj.bias
 

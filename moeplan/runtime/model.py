@@ -3,6 +3,8 @@
 The model is always built at full size from one seeded generator (same seed → same full weights,
 whatever the plan); `parallelize` then keeps each rank's shards. Embedding and output layer are
 vocab-parallel; the loss is a vocab-parallel cross-entropy, so no rank holds (tokens, V) logits.
+A pipeline stage runs `forward_chunk` on the parts it keeps (`pipeline.split_stage`); a cp rank
+takes its two load-balanced sequence chunks itself, so callers always pass full sequences.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..errors import NotYetAvailable
 from ..kernels import KernelBackend, get_backend
 from ..specs import ModelSpec
 from .comm import SINGLE, gather_seq, scatter_seq, vocab_parallel_cross_entropy
+from .cp import cp_positions
 from .layers import MLP, Attention, Linear, MLAttention, Norm, normal_init, rope_tables
 from .moe import MoE
 from .support import model_features_not_executed
@@ -89,6 +92,16 @@ class MTPModule(nn.Module):
         return self.final_norm(self.block(x, rope))
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """What one virtual pipeline stage runs: the embedding, decoder layers `layers` (indices
+    into the full model), and the loss head (final norm, output layer, MTP depths, loss)."""
+
+    embed: bool
+    layers: tuple[int, ...]
+    loss: bool
+
+
 @dataclass
 class LossTerms:
     """One micro-batch's loss terms on this rank.
@@ -139,28 +152,54 @@ class Transformer(nn.Module):
             for _ in range(spec.mtp_layers)
         )
         self.mtp_scale = mtp_loss_weight / max(1, spec.mtp_layers)
-        self.backend, self.tp = backend, SINGLE
+        self.backend, self.tp, self.cp = backend, SINGLE, SINGLE
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (s_local, 1, 1, dim) at this cp rank's token positions."""
         s = self.spec
         dim = s.qk_rope_head_dim if s.attention == "mla" else s.head_dim_
         key = (seq, like.device, like.dtype)
         if key not in self._rope:
-            self._rope[key] = rope_tables(seq, dim, s.rope_theta, like.device, like.dtype)
+            cos, sin = rope_tables(seq, dim, s.rope_theta, like.device, like.dtype)
+            if not self.cp.trivial:  # RoPE positions follow the load-balanced split
+                pos = cp_positions(seq, self.cp, like.device)
+                cos, sin = cos[pos], sin[pos]
+            self._rope[key] = (cos, sin)
         return self._rope[key]
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, s) → (s_local, b): this cp rank's two chunks, sequence-first."""
+        if self.cp.trivial:
+            return t.t()
+        return t[:, cp_positions(t.shape[1], self.cp, t.device)].t()
+
+    def layer_items(self) -> list[tuple[int, Block]]:
+        """(layer index, block) of the decoder layers this rank holds (all, or its stage's)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(i), b) for i, b in self.layers.items()]
+        return list(enumerate(self.layers))
+
+    def layer(self, i: int) -> Block:
+        return self.layers[str(i)] if isinstance(self.layers, nn.ModuleDict) else self.layers[i]
 
     def moe_layers(self) -> list[MoE]:
         """MoE blocks of the decoder layers, then those of the MTP depths."""
-        blocks = [*self.layers, *(m.block for m in self.mtp)]
+        blocks = [*(b for _, b in self.layer_items()), *(m.block for m in self.mtp)]
         return [b.mlp for b in blocks if isinstance(b.mlp, MoE)]
 
     def moe_layer_numbers(self) -> list[int]:
         """Layer number of each entry of `moe_layers()` (MTP depth k is layer L + k)."""
+        main = [i for i, b in self.layer_items() if isinstance(b.mlp, MoE)]
+        return main + [self.spec.num_layers + k for k, m in enumerate(self.mtp)
+                       if isinstance(m.block.mlp, MoE)]
+
+    def all_moe_layer_numbers(self) -> list[int]:
+        """`moe_layer_numbers()` of the whole model, whatever this rank holds."""
         main = [i for i, moe in enumerate(self.spec.moe_layers()) if moe]
         last_moe = self.spec.moe_layers()[-1]
-        return main + ([self.spec.num_layers + k for k in range(len(self.mtp))] if last_moe
-                       else [])
+        return main + ([self.spec.num_layers + k for k in range(self.spec.mtp_layers)]
+                       if last_moe else [])
 
     def _token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # x (s/t, b, h) normed, targets (s, b) → per-token losses (s·b,)
@@ -168,25 +207,49 @@ class Transformer(nn.Module):
         weight = self.embedding.weight if self.output is None else self.output  # (V/t, h)
         logits = self.backend.linear(x, weight)  # (s, b, V/t)
         return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                            targets.reshape(-1), self.tp, self.embedding.start)
+                                            targets.reshape(-1), self.tp,
+                                            self.tp.rank * (self.spec.vocab_size // self.tp.size))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> LossTerms:
         """tokens, targets (b, s) → this rank's loss terms for these sequences."""
-        x = self.embedding(tokens.t())  # (s/t, b, h)
-        rope = self.rope(tokens.shape[1], x)
-        for block in self.layers:
+        whole = Chunk(True, tuple(range(self.spec.num_layers)), True)
+        return self.forward_chunk(None, tokens, targets, whole)[1]
+
+    def forward_chunk(self, x: torch.Tensor | None, tokens: torch.Tensor, targets: torch.Tensor,
+                      chunk: Chunk) -> tuple[torch.Tensor | None, LossTerms]:
+        """Run one virtual pipeline stage on a micro-batch.
+
+        x (s_local/t, b, h) is the previous stage's output (None when `chunk.embed`); tokens,
+        targets (b, s) full sequences. Returns the hidden state for the next stage (None after
+        the loss) and this chunk's loss terms (ce and MTP only when `chunk.loss`; aux of the
+        chunk's own MoE layers, read right away since the next micro-batch overwrites them).
+        """
+        seq = tokens.shape[1]
+        if chunk.embed:
+            x = self.embedding(self._local(tokens))  # (s_local/t, b, h)
+        assert x is not None
+        rope = self.rope(seq, x)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for i in chunk.layers:
+            block = self.layer(i)
             x = block(x, rope)
-        ce = self._token_losses(self.final_norm(x), targets.t())  # (s·b,)
+            if isinstance(block.mlp, MoE) and block.mlp.aux_loss is not None:
+                aux = aux + block.mlp.aux_loss
+        if not chunk.loss:
+            zero = aux.new_zeros(())
+            return x, LossTerms(zero, zero, aux)
+        ce = self._token_losses(self.final_norm(x), self._local(targets))  # (s_local·b,)
         mtp_sum = ce.new_zeros(())
-        seq = targets.shape[1]
+        pos = (torch.arange(seq, device=targets.device) if self.cp.trivial
+               else cp_positions(seq, self.cp, targets.device))  # (s_local,)
         for k, module in enumerate(self.mtp, start=1):
             # depth k reads t_{i+k} and predicts t_{i+k+1}: valid for i < s − k
-            inputs = targets.roll(-(k - 1), dims=1).t()  # (s, b)
-            labels = targets.roll(-k, dims=1).t()
-            valid = (torch.arange(seq, device=targets.device) < seq - k).to(ce.dtype)
+            inputs = self._local(targets.roll(-(k - 1), dims=1))  # (s_local, b)
+            labels = self._local(targets.roll(-k, dims=1))
+            valid = (pos < seq - k).to(ce.dtype)
             x = module(x, self.embedding(inputs), rope)
-            mtp_ce = self._token_losses(x, labels).view(seq, -1)  # (s, b)
+            mtp_ce = self._token_losses(x, labels).view(pos.numel(), -1)  # (s_local, b)
             mtp_sum = mtp_sum + (mtp_ce * valid[:, None]).sum() * self.mtp_scale
-        aux = sum((m.aux_loss for m in self.moe_layers() if m.aux_loss is not None),
-                  ce.new_zeros((), dtype=torch.float32))
-        return LossTerms(ce.sum(), mtp_sum, aux)
+            if isinstance(module.block.mlp, MoE) and module.block.mlp.aux_loss is not None:
+                aux = aux + module.block.mlp.aux_loss
+        return None, LossTerms(ce.sum(), mtp_sum, aux)

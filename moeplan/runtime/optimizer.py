@@ -10,7 +10,9 @@ moments, and the updated parameters are all-gathered back. Dense parameters redu
 The loss each rank differentiates is already normalised by the global token count, so every
 reduction is a plain sum. Parameters replicated over tp (norms, routers, MLA down-projections)
 see only this rank's sequence shard or heads, so their gradients are first summed over tp; they
-sit at the front of the dense buffer so that is one all-reduce.
+sit at the front of the dense buffer so that is one all-reduce. Under pipeline parallelism the
+last stage may hold a copy of the embedding (tied head, MTP): both copies' gradients are summed
+over the embedding group first, and the copy sits at the end of its buffer, outside the norm.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class _Family:
     offsets: list[int]
     replicated_end: int  # [0, replicated_end): tp-replicated dense params
     numel: int
+    duplicate_start: int = 0  # [duplicate_start, numel): copies counted on another stage
+    shared: list[tuple[int, int]] = field(default_factory=list)  # embedding-group (offset, n)
     param_buf: torch.Tensor = field(init=False)
     grad_buf: torch.Tensor = field(init=False)
     shard: slice = field(init=False)
@@ -67,13 +71,14 @@ class DistributedOptimizer:
         self.training, self.groups, self.distributed = training, groups, distributed
         named = list(model.named_parameters())
         dense = [(n, p) for n, p in named if not shard_info(p).expert]
-        # tp-replicated first: their tp all-reduce is one contiguous slice
-        dense.sort(key=lambda np_: shard_info(np_[1]).tp_dim is not None)
+        # tp-replicated first: their tp all-reduce is one contiguous slice; stage copies last
+        dense.sort(key=lambda np_: (_is_duplicate(np_[1]), shard_info(np_[1]).tp_dim is not None))
         experts = [(n, p) for n, p in named if shard_info(p).expert]
         self.families = [self._flatten(dense, groups.dp_cp, tp_replicated=True)]
         if experts:
             self.families.append(self._flatten(experts, groups.edp, tp_replicated=False))
         self.step_count = 0
+        self.skipped = False
         moments = torch.bfloat16 if training.optimizer_moments_dtype == "bf16" else torch.float32
         for f in self.families:
             f.master = f.param_buf[f.shard].float().clone()
@@ -83,16 +88,21 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------------------ buffers
     def _flatten(self, named: list[tuple[str, nn.Parameter]], axis: Axis,
                  tp_replicated: bool) -> _Family:
-        offsets, n, rep_end = [], 0, 0
+        offsets, n, rep_end, dup_start, shared = [], 0, 0, None, []
         for _, p in named:
             offsets.append(n)
+            if _is_duplicate(p) and dup_start is None:
+                dup_start = n
+            if getattr(p, "moeplan_embedding_group", False):
+                shared.append((n, p.numel()))
             n += p.numel()
-            if tp_replicated and shard_info(p).tp_dim is None:
+            if tp_replicated and shard_info(p).tp_dim is None and not _is_duplicate(p):
                 rep_end = n
         size = axis.size if self.distributed else 1
         padded = -(-n // size) * size
         ref = named[0][1]
-        fam = _Family(axis, [nm for nm, _ in named], [p for _, p in named], offsets, rep_end, n)
+        fam = _Family(axis, [nm for nm, _ in named], [p for _, p in named], offsets, rep_end, n,
+                      n if dup_start is None else dup_start, shared)
         fam.param_buf = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
         # fp32 gradient accumulation whatever the weights' dtype (Megatron's main_grad)
         fam.grad_buf = torch.zeros(padded, dtype=torch.float32, device=ref.device)
@@ -120,9 +130,12 @@ class DistributedOptimizer:
 
     # --------------------------------------------------------------------------------- step
     def reduce_grads(self) -> None:
-        """Sum tp partials of replicated params, then reduce over each family's dp group."""
+        """Sum the embedding copies over the embedding group and tp partials of replicated
+        params, then reduce over each family's dp group."""
         tp = self.groups.tp
         for f in self.families:
+            for off, n in f.shared:
+                all_reduce_(f.grad_buf[off: off + n], self.groups.embd)
             if f.replicated_end and not tp.trivial:
                 all_reduce_(f.grad_buf[: f.replicated_end], tp)
             if f.axis.trivial:
@@ -144,6 +157,7 @@ class DistributedOptimizer:
         tp = self.groups.tp.size
         for f in self.families:
             g = f.grad_shard
+            g = g[: max(0, min(f.duplicate_start - f.shard.start, g.numel()))]
             rep = max(0, min(f.replicated_end - f.shard.start, g.numel()))
             part = torch.dot(g[:rep], g[:rep]) / tp + torch.dot(g[rep:], g[rep:])  # fp32, no copy
             if not self.distributed:
@@ -153,13 +167,18 @@ class DistributedOptimizer:
         return float(total.sqrt())
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> float:
         """Clip by the global norm, AdamW on this rank's shard, all-gather the parameters.
 
-        Returns the unclipped gradient norm.
+        Returns the unclipped gradient norm. With `skip`, or when that norm is NaN/inf (the
+        same on every rank: it is all-reduced), nothing is updated, not even the Adam step
+        count, and `skipped` is set: one bad batch must not poison the moments.
         """
         t = self.training
         norm = self.grad_norm()
+        self.skipped = skip or not math.isfinite(norm)
+        if self.skipped:
+            return norm
         clip = min(1.0, t.grad_clip / (norm + 1e-6)) if t.grad_clip > 0 else 1.0
         self.step_count += 1
         b1, b2 = t.adam_beta1, t.adam_beta2
@@ -193,6 +212,10 @@ class DistributedOptimizer:
             for name, p, off in zip(f.names, f.params, f.offsets, strict=True):
                 out[name] = full[off: off + p.numel()].view(p.shape).clone()
         return out
+
+
+def _is_duplicate(p: torch.Tensor) -> bool:
+    return getattr(p, "moeplan_duplicate", False)
 
 
 def _accumulate_into(main_grad: torch.Tensor):

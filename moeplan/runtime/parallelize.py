@@ -1,9 +1,10 @@
 """Apply a plan's parallelism to a full-size model, one axis at a time (torchtitan style).
 
-Order: dense TP/SP → EP/ETP (+ dispatcher) → DP (gradient reduction and the distributed
+Pipeline splitting happens first, outside (`pipeline.split_stage` keeps this rank's stages);
+then dense TP/SP → EP/ETP (+ dispatcher) → CP → DP (gradient reduction and the distributed
 optimizer, in `optimizer.py`). Each `apply_*` receives only the groups it needs; the model
-blocks read those groups at forward time and never look anything up globally. CP, pipeline
-splitting, recompute and offload will slot in between EP and DP as further `apply_*` steps.
+blocks read those groups at forward time and never look anything up globally. Recompute and
+offload will slot in between CP and DP as further `apply_*` steps.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class ParallelGroups:
     edp: Axis = SINGLE
     tp_ep: Axis = SINGLE
     world: Axis = SINGLE
+    embd: Axis = SINGLE  # first and last pp rank of this pipeline (Megatron's embedding group)
+    # one 2-rank group per pipeline edge and direction: (kind, sender's pp index, group), kind 0
+    # for activations (i → i+1), 1 for gradients (i → i−1)
+    pp_links: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
 
 
 def build_groups(grid: RankGrid, offset: int = 0) -> ParallelGroups | None:
@@ -73,9 +78,24 @@ def build_groups(grid: RankGrid, offset: int = 0) -> ParallelGroups | None:
             pg = dist.new_group(ranks)
             if me in ranks:
                 found[axis] = Axis(pg, len(ranks), ranks.index(me), tuple(ranks))
+    links = []
+    if grid.pp > 1:
+        for pp_ranks in grid.groups("pp"):
+            ranks = [pp_ranks[0] + offset, pp_ranks[-1] + offset]
+            pg = dist.new_group(ranks)
+            if me in ranks:
+                found["embd"] = Axis(pg, 2, ranks.index(me), tuple(ranks))
+            # each link carries one kind of message one way, in one order on both ends, so
+            # a send never queues behind a receive on the same communicator (NCCL)
+            for kind, step in ((0, 1), (1, -1)):
+                for i, src in enumerate(pp_ranks):
+                    dst = pp_ranks[(i + step) % grid.pp]
+                    pg = dist.new_group(sorted({src + offset, dst + offset}))
+                    if me - offset in (src, dst):
+                        links.append((kind, i, pg))
     if not offset <= me < offset + grid.world:
         return None
-    return ParallelGroups(**found)
+    return ParallelGroups(**found, pp_links=tuple(links))
 
 
 def local_groups() -> ParallelGroups:
@@ -101,11 +121,13 @@ def apply_tp(model: Transformer, tp: Axis) -> None:
     embedding and output. Everything else stays replicated (its gradients are summed over tp)."""
     if tp.trivial:
         return
-    for p in (model.embedding.weight, model.output):
+    emb = model.embedding  # None on pipeline stages without embedding or loss head
+    for p in (None if emb is None else emb.weight, model.output):
         if p is not None:
             shard_(p, 0, tp)
             set_shard_info(p, ShardInfo(tp_dim=0))
-    model.embedding.tp, model.embedding.start = tp, tp.rank * model.embedding.weight.shape[0]
+    if emb is not None:
+        emb.tp, emb.start = tp, tp.rank * emb.weight.shape[0]
     model.tp = tp
     for m in model.modules():
         if isinstance(m, Attention):
@@ -148,10 +170,25 @@ def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
         moe.router.seq_axis = seq
 
 
+def apply_cp(model: Transformer, cp: Axis) -> None:
+    """Context parallelism: the model takes this rank's load-balanced sequence chunks and RoPE
+    positions, attention runs the K/V ring over cp. Nothing is sharded: weights see partial
+    gradients, summed over dp·cp by the dense family; MoE layers see the cp-sharded tokens as a
+    flat batch (their aux loss already counts tokens over tp·cp)."""
+    if cp.trivial:
+        return
+    model.cp = cp
+    for m in model.modules():
+        if isinstance(m, (Attention, MLAttention)):
+            m.cp = cp
+
+
 def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout) -> Transformer:
-    """Shard `model` in place for this rank of `layout`; the DP step is the optimizer's."""
+    """Shard `model` (already split to this rank's pipeline stages) in place for this rank of
+    `layout`; the DP step is the optimizer's."""
     apply_tp(model, groups.tp)
     apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher)
+    apply_cp(model, groups.cp)
     return model
 
 

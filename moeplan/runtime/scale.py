@@ -2,8 +2,9 @@
 
 Widths, depth, expert count, vocabulary, sequence and micro-batch count shrink while every
 parallel degree of the plan still divides what it splits (heads and KV heads by tp, experts by
-ep, expert FFN by etp, vocabulary by tp, sequence by tp), so the scaled-down run exercises
-exactly the plan's process groups and communication.
+ep, expert FFN by etp, vocabulary by tp, sequence by tp and 2·cp, at least one decoder layer
+per pipeline stage), so the scaled-down run exercises exactly the plan's process groups and
+communication.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def scale_down_model(spec: ModelSpec, layout: Layout) -> ModelSpec:
     upd: dict = {"name": f"{spec.name}-scaled-down"}
     dense_first = min(spec.first_k_dense, 1)
     layers = min(spec.num_layers, dense_first + 2 if spec.is_moe else 2)
+    layers = max(layers, layout.pp * layout.vpp)  # at least one decoder layer per stage
     upd["num_layers"] = layers
     upd["first_k_dense"] = dense_first
     if spec.moe_layer_pattern is not None:
@@ -64,9 +66,11 @@ def scale_down_model(spec: ModelSpec, layout: Layout) -> ModelSpec:
 
 
 def scale_down_training(training: TrainingSpec, layout: Layout) -> tuple[TrainingSpec, Layout]:
-    """Sequence 128 (a multiple of tp), one micro-batch per DP rank: gbs = dp·mbs."""
-    seq = 128 * layout.tp
-    layout = layout.model_copy(update={"num_microbatches": 1})
+    """Sequence 128·tp·cp (divisible as SP and load-balanced CP need), one micro-batch per DP
+    rank, or pp of them under pipeline parallelism so the schedule still pipelines."""
+    seq = 128 * layout.tp * layout.cp
+    m = layout.pp if layout.pp > 1 else 1
+    layout = layout.model_copy(update={"num_microbatches": m})
     training = TrainingSpec.model_validate({**training.model_dump(), "seq_len": seq,
-                                            "global_batch_size": layout.dp * layout.mbs})
+                                            "global_batch_size": layout.dp * layout.mbs * m})
     return training, layout

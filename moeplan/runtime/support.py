@@ -7,7 +7,7 @@ before any worker starts. Pure function of the plan: no torch.
 
 from __future__ import annotations
 
-from ..specs import Plan
+from ..specs import Plan, stage_layout_for
 
 
 def model_features_not_executed(model) -> list[str]:
@@ -28,12 +28,12 @@ def features_not_executed(plan: Plan) -> list[str]:
     """Each plan feature this runtime does not execute yet, named for the error message."""
     L, c, t = plan.layout, plan.choices, plan.training
     out = []
-    if L.pp > 1:
-        out.append(f"pipeline parallelism (pp={L.pp})")
-    if L.vpp > 1:
-        out.append(f"virtual pipeline stages (vpp={L.vpp})")
-    if L.cp > 1:
-        out.append(f"context parallelism (cp={L.cp})")
+    if L.pp > 1 and plan.model.mtp_layers:
+        stages = stage_layout_for(plan.model.num_layers, L.pp, L.vpp, plan.model.mtp_layers,
+                                  c.stage_layout, c.stage_layers)
+        if any("m" in st for st in stages[:-1]):
+            out.append("MTP layers outside the last pipeline stage (put every m with the "
+                       "loss L)")
     if L.ep_overlap:
         out.append("EP communication overlap (ep_overlap)")
     if L.dispatcher == "flex":

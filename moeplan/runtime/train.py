@@ -12,16 +12,18 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from ..specs import Plan
 from .comm import all_reduce_
-from .data import MarkovData
+from .data import MarkovData, TokenData
 from .model import Transformer
 from .optimizer import DistributedOptimizer, lr_at
 from .parallelize import ParallelGroups, gather_full, parallelize
+from .pipeline import PipelineSchedule, plan_stages, rank_chunks, split_stage
 
 # DeepSeek-V3's aux-loss-free bias update speed γ (§2.1.2; Megatron moe_router_bias_update_rate)
 EXPERT_BIAS_RATE = 1e-3
@@ -38,6 +40,7 @@ class StepMetrics:
     tflops_per_gpu: float
     peak_mem_gb: float
     aux_loss: float = 0.0
+    skipped: bool = False  # non-finite loss or gradient: no update was applied
 
     def record(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -55,26 +58,35 @@ class Trainer:
     """One rank's model, optimizer and data for `plan` (already scaled down if asked)."""
 
     def __init__(self, plan: Plan, groups: ParallelGroups, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 data: str = "synthetic"):
         self.plan, self.groups, self.seed = plan, groups, seed
         self.device = device or torch.device("cpu")
         t, layout = plan.training, plan.layout
         model = Transformer(plan.model, seed=seed, aux_coeff=t.moe_aux_loss_coeff,
                             capacity_factor=t.moe_capacity_factor,
                             mtp_loss_weight=t.mtp_loss_weight)
+        self.moe_layer_numbers = model.all_moe_layer_numbers()  # whole model, every stage
+        chunks = rank_chunks(plan_stages(plan), layout.pp, groups.pp.rank)
+        if layout.pp > 1:  # keep this rank's pipeline stages, then parallelize them
+            model = split_stage(model, chunks, layout.pp)
         self.model = parallelize(model, groups, layout).to(device=self.device, dtype=dtype)
         for moe in self.model.moe_layers():  # router state stays fp32 (selection, counts)
             if moe.router.expert_bias is not None:
                 moe.router.expert_bias = moe.router.expert_bias.float()
         self.optimizer = DistributedOptimizer(self.model, t, groups,
                                               distributed=layout.distributed_optimizer)
-        self.data = MarkovData(plan.model.vocab_size, t.seq_len, t.global_batch_size, seed)
+        self.data = (MarkovData if data == "synthetic" else partial(TokenData, data))(
+            plan.model.vocab_size, t.seq_len, t.global_batch_size, seed)
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.microbatches_global = t.global_batch_size // layout.mbs
         self.flops_per_step = plan.model.flops_per_token(t.seq_len) * self.tokens_per_step
-        n_moe = len(self.model.moe_layers())
-        self.moe_layer_numbers = self.model.moe_layer_numbers()
-        self.routing_totals = torch.zeros(n_moe, plan.model.num_experts, dtype=torch.long)
+        self.routing_totals = torch.zeros(len(self.moe_layer_numbers), plan.model.num_experts,
+                                          dtype=torch.long)
+        self.pipeline = None if layout.pp == 1 else PipelineSchedule(
+            self.model, chunks, groups.pp, groups.pp_links,
+            (t.seq_len // (layout.cp * layout.tp), layout.mbs, plan.model.hidden_size),
+            dtype, self.device)
 
     def step(self, step: int, capture_grads: bool = False) -> tuple[StepMetrics, dict | None]:
         """Train one global batch (step counts from 0). With `capture_grads`, also return every
@@ -85,22 +97,33 @@ class Trainer:
         self.optimizer.zero_grad()
         ce_total = torch.zeros((), dtype=torch.float64, device=self.device)  # no per-micro-batch
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)  # host sync
-        for tokens, targets in self.data.micro_batches(step, g.dp.rank, g.dp.size, layout.mbs):
-            tokens, targets = tokens.to(self.device), targets.to(self.device)
-            terms = self.model(tokens, targets)
-            terms.objective(self.tokens_per_step, self.microbatches_global).backward()
-            ce_total += terms.ce_sum.detach()
-            aux_total += terms.aux.detach().double() / self.microbatches_global
+        batches = [(tokens.to(self.device), targets.to(self.device)) for tokens, targets
+                   in self.data.micro_batches(step, g.dp.rank, g.dp.size, layout.mbs)]
+        if self.pipeline is not None:  # every rank of the stage's tp/cp/ep groups runs it too
+            ce_total, aux_total = self.pipeline.run(batches, self.tokens_per_step,
+                                                    self.microbatches_global)
+        else:
+            for tokens, targets in batches:
+                terms = self.model(tokens, targets)
+                terms.objective(self.tokens_per_step, self.microbatches_global).backward()
+                ce_total += terms.ce_sum.detach()
+                aux_total += terms.aux.detach().double() / self.microbatches_global
         self.optimizer.reduce_grads()
         grads = None
         if capture_grads:
-            grads = gather_full(self.model, g, self.optimizer.reduced_grads())
+            grads = self._over_stages(gather_full(self.model, g, self.optimizer.reduced_grads()))
         lr = lr_at(step, self.plan.training)
-        norm = self.optimizer.step(lr)
-        self._update_routing()
         # global-batch mean loss, identical on every rank: CE sums are equal across tp
         sums = torch.stack([ce_total / g.tp.size, aux_total])
         all_reduce_(sums, g.world)
+        # a NaN/inf loss or gradient skips the update (the same decision on every rank)
+        norm = self.optimizer.step(lr, skip=not bool(torch.isfinite(sums).all()))
+        skipped = self.optimizer.skipped
+        if skipped:
+            for moe in self.model.moe_layers():
+                moe.tokens_per_expert.zero_()
+        else:
+            self._update_routing()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - start
@@ -108,7 +131,7 @@ class Trainer:
             step=step + 1, loss=float(sums[0]) / self.tokens_per_step, grad_norm=norm, lr=lr,
             step_time_s=dt, tokens_per_s=self.tokens_per_step / dt,
             tflops_per_gpu=self.flops_per_step / dt / g.world.size / 1e12,
-            peak_mem_gb=peak_memory_gb(self.device), aux_loss=float(sums[1]),
+            peak_mem_gb=peak_memory_gb(self.device), aux_loss=float(sums[1]), skipped=skipped,
         )
         return m, grads
 
@@ -116,12 +139,17 @@ class Trainer:
     def _update_routing(self) -> None:
         """Sum this step's tokens per expert over the ranks routing distinct tokens, update the
         aux-loss-free expert bias (b_e += γ·sign(mean − load_e)) and the run's totals."""
-        moes = self.model.moe_layers()
-        if not moes:
+        if not self.moe_layer_numbers:
             return
-        counts = torch.stack([m.tokens_per_expert for m in moes]).to(torch.float64)  # (L, E)
-        all_reduce_(counts, self.groups.tp_cp_dp)
-        for m, c in zip(moes, counts, strict=True):
+        moes = self.model.moe_layers()
+        rows = [self.moe_layer_numbers.index(n) for n in self.model.moe_layer_numbers()]
+        counts = torch.zeros(len(self.moe_layer_numbers), self.plan.model.num_experts,
+                             dtype=torch.float64, device=self.device)  # (L_all, E)
+        for j, m in zip(rows, moes, strict=True):
+            counts[j] = m.tokens_per_expert.to(torch.float64)
+        # tp·cp·dp ranks route distinct tokens; pp stages hold distinct layers
+        all_reduce_(counts, self.groups.world)
+        for m, c in zip(moes, counts[rows], strict=True):
             if m.router.expert_bias is not None:
                 m.router.expert_bias += EXPERT_BIAS_RATE * torch.sign(c.mean() - c).float().to(
                     m.router.expert_bias.device)
@@ -130,8 +158,18 @@ class Trainer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter at full size (collective), e.g. to compare with the reference."""
-        return gather_full(self.model, self.groups,
-                           {n: p.detach() for n, p in self.model.named_parameters()})
+        return self._over_stages(gather_full(
+            self.model, self.groups, {n: p.detach() for n, p in self.model.named_parameters()}))
+
+    def _over_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Merge every pipeline stage's full tensors (collective over pp; a stage's copy of the
+        embedding equals the first stage's)."""
+        pp = self.groups.pp
+        if pp.trivial:
+            return tensors
+        parts: list = [None] * pp.size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in tensors.items()}, group=pp.group)
+        return {k: v for part in reversed(parts) for k, v in part.items()}
 
 
 def is_rank0() -> bool:

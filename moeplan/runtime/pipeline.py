@@ -1,0 +1,202 @@
+"""Pipeline parallelism: stages from the plan's stage layout, 1F1B and interleaved 1F1B.
+
+Stages. The plan's layout (Megatron's `--pipeline-model-parallel-layout`, `specs.stage_layout`)
+lists virtual stages in virtual-stage order: stage v·pp + r is pp rank r's chunk v. Every rank
+builds the full model from the seed, then `split_stage` keeps only its chunks' parts, so weights
+match the single-process model by construction. The embedding rides on the first virtual stage;
+the loss head (final norm, output layer, MTP depths) on the last. When the last stage also needs
+the embedding (tied output head, or MTP reading token embeddings) it keeps a copy whose gradient
+is summed with the first stage's over the embedding group (Megatron's `embedding_group`), and the
+copy is left out of the gradient norm so each element counts once.
+
+Schedules. Megatron Core's orders (`schedules.py`): 1F1B runs min(m, pp − r − 1) warm-up forwards,
+then one-forward-one-backward, then the cool-down backwards; interleaved 1F1B with v chunks runs
+(pp − r − 1)·2 + (v − 1)·pp warm-up forwards, visiting chunks in groups of pp micro-batches
+(Narayanan et al. 2021 §2.2). The order is executed with non-blocking sends and blocking receives
+over the pp group, tagged by (kind, receiving virtual stage, micro-batch). Each pipeline edge and
+direction has its own 2-rank group (`ParallelGroups.pp_links`): activations and gradients never
+share a communicator, and on each link both ends post their operations in the same order
+(Megatron's forward and backward orders are the same function of k on every rank), which is what
+NCCL, ignoring tags, matches by.
+
+Why not `torch.distributed.pipelining`: its `loss_fn(output, target)` sees only the last stage's
+output, while our objective also has per-stage MoE aux losses (each stage must differentiate its
+own), MTP losses that need the micro-batch's targets next to the hidden state, and loss terms
+that must come back out of the schedule for the reported loss; and its stages pass only what
+`forward` returns. A compact executor of Megatron's order over our own stage modules keeps one
+model and one set of parameter names for every plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..specs import Plan, stage_layout_for
+from .comm import Axis
+from .model import Chunk, LossTerms, Transformer
+
+
+def plan_stages(plan: Plan) -> list[list[str]]:
+    """The plan's virtual stages (lists of 'E', 't', 'm', 'L') in virtual-stage order."""
+    L, c, m = plan.layout, plan.choices, plan.model
+    return stage_layout_for(m.num_layers, L.pp, L.vpp, m.mtp_layers, c.stage_layout,
+                            c.stage_layers)
+
+
+def rank_chunks(stages: list[list[str]], pp: int, rank: int) -> list[Chunk]:
+    """pp rank `rank`'s chunks (virtual stages rank, pp + rank, ...), decoder layers numbered
+    in model order across all stages."""
+    chunks, first = [], 0
+    for stage in stages:
+        n = stage.count("t")
+        chunks.append(Chunk("E" in stage, tuple(range(first, first + n)), "L" in stage))
+        first += n
+    return chunks[rank::pp]
+
+
+def needs_shared_embedding(model: Transformer) -> bool:
+    """The loss head reads the embedding: tied output layer or MTP depths."""
+    return model.spec.tie_embeddings or model.spec.mtp_layers > 0
+
+
+def split_stage(model: Transformer, chunks: list[Chunk], pp: int) -> Transformer:
+    """Drop every part of `model` outside this rank's chunks (in place; names unchanged)."""
+    keep = sorted(i for c in chunks for i in c.layers)
+    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in keep})  # type: ignore[assignment]
+    embed, loss = any(c.embed for c in chunks), any(c.loss for c in chunks)
+    if not loss:
+        model.final_norm = None  # type: ignore[assignment]
+        model.output = None
+        model.mtp = nn.ModuleList()
+    if pp > 1 and needs_shared_embedding(model) and (embed or loss):
+        w = model.embedding.weight
+        w.moeplan_embedding_group = True  # type: ignore[attr-defined]
+        if not embed:  # the last stage's copy: summed gradient, counted once in the norm
+            w.moeplan_duplicate = True  # type: ignore[attr-defined]
+    elif not embed:
+        model.embedding = None  # type: ignore[assignment]
+    return model
+
+
+@dataclass
+class PipelineStats:
+    """Time this rank spent blocked on receives (its bubble) and in the whole schedule."""
+
+    wait_s: float = 0.0
+    total_s: float = 0.0
+    history: list[tuple[float, float]] = field(default_factory=list)
+
+
+def schedule(pp: int, vpp: int, rank: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank `rank`'s actions ('F' or 'B', chunk, micro-batch) in Megatron Core's order."""
+    total = m * vpp
+    warmup = (min(m, pp - rank - 1) if vpp == 1
+              else min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp))
+
+    def at(k: int, backward: bool) -> tuple[int, int]:
+        group = k // pp
+        chunk = group % vpp
+        mb = (group // vpp) * pp + k % pp
+        return (vpp - 1 - chunk if backward else chunk), mb
+
+    acts = [("F", *at(k, False)) for k in range(warmup)]
+    for i in range(total - warmup):
+        acts += [("F", *at(warmup + i, False)), ("B", *at(i, True))]
+    acts += [("B", *at(k, True)) for k in range(total - warmup, total)]
+    return acts
+
+
+class PipelineSchedule:
+    """Runs one step's micro-batches through this rank's chunks in the 1F1B / interleaved order."""
+
+    def __init__(self, model: Transformer, chunks: list[Chunk], pp: Axis,
+                 links: tuple[tuple[int, int, dist.ProcessGroup], ...],
+                 act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.model, self.chunks, self.pp = model, chunks, pp
+        self.links = {(kind, src): group for kind, src, group in links}
+        self.vpp = len(chunks)
+        self.act_shape, self.dtype, self.device = act_shape, dtype, device
+        self.stats = PipelineStats()
+
+    # ------------------------------------------------------------------- neighbours and tags
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp.size + self.pp.rank
+
+    def _peer(self, stage: int) -> int:
+        """Global rank holding virtual stage `stage`."""
+        return self.pp.ranks[stage % self.pp.size]
+
+    def _tag(self, kind: int, stage: int, mb: int, m: int) -> int:
+        return (kind * self.pp.size * self.vpp + stage) * m + mb
+
+    def _recv(self, src_stage: int, kind: int, dst_stage: int, mb: int, m: int) -> torch.Tensor:
+        buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
+        group = self.links[kind, src_stage % self.pp.size]
+        dist.irecv(buf, self._peer(src_stage), group=group,
+                   tag=self._tag(kind, dst_stage, mb, m)).wait()
+        self.stats.wait_s += time.perf_counter() - start
+        return buf
+
+    def _send(self, x: torch.Tensor, dst_stage: int, kind: int, mb: int, m: int,
+              pending: list) -> None:
+        x = x.detach().contiguous()
+        group = self.links[kind, self.pp.rank]
+        pending.append((dist.isend(x, self._peer(dst_stage), group=group,
+                                   tag=self._tag(kind, dst_stage, mb, m)), x))
+
+    # --------------------------------------------------------------------------------- run
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], tokens_global: int,
+            microbatches_global: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of every micro-batch; returns this rank's Σ ce (last stage
+        only, else 0) and Σ aux/M (its own chunks), both float64 without host syncs."""
+        m, last = len(micro_batches), self.pp.size * self.vpp - 1
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        stash: dict[tuple[int, int], tuple] = {}
+        pending: list = []
+        self.stats.wait_s, start = 0.0, time.perf_counter()
+        for kind, c, mb in schedule(self.pp.size, self.vpp, self.pp.rank, m):
+            chunk, stage = self.chunks[c], self._stage(c)
+            tokens, targets = micro_batches[mb]
+            if kind == "F":
+                x = None
+                if not chunk.embed:
+                    x = self._recv(stage - 1, 0, stage, mb, m).requires_grad_()
+                out, terms = self.model.forward_chunk(x, tokens, targets, chunk)
+                aux_total += terms.aux.detach().double() / microbatches_global
+                if chunk.loss:
+                    ce_total += terms.ce_sum.detach()
+                    stash[c, mb] = (x, terms.objective(tokens_global, microbatches_global), None)
+                else:
+                    assert out is not None and stage < last
+                    self._send(out, stage + 1, 0, mb, m, pending)
+                    stash[c, mb] = (x, out, _aux_objective(terms, microbatches_global))
+            else:
+                x, out, aux = stash.pop((c, mb))
+                if chunk.loss:
+                    torch.autograd.backward(out)
+                else:
+                    grad = self._recv(stage + 1, 1, stage, mb, m)
+                    outs, grads = [out], [grad]
+                    if aux is not None:
+                        outs.append(aux)
+                        grads.append(None)
+                    torch.autograd.backward(outs, grads)
+                if not chunk.embed:
+                    self._send(x.grad, stage - 1, 1, mb, m, pending)
+        for req, _ in pending:
+            req.wait()
+        self.stats.total_s = time.perf_counter() - start
+        self.stats.history.append((self.stats.wait_s, self.stats.total_s))
+        return ce_total, aux_total
+
+
+def _aux_objective(terms: LossTerms, microbatches_global: int) -> torch.Tensor | None:
+    """The chunk's aux-loss share to differentiate with its output, when it has a gradient."""
+    return terms.aux / microbatches_global if terms.aux.requires_grad else None

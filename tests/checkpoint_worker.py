@@ -1,0 +1,80 @@
+"""Save and resume checkpoints inside one spawned gloo world (for test_checkpoint.py).
+
+Run as `python tests/checkpoint_worker.py DIR`: spawns WORLD processes and, on a token file in
+DIR, trains the tiny MoE model STEPS steps under tp2·ep4 (checkpointing after step SAVE_AT),
+then resumes that checkpoint twice, under the same plan and under ep2·etp2, to STEPS. Rank 0
+writes the per-step losses of the three runs to DIR/losses.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD, STEPS, SAVE_AT = 4, 6, 3
+DATA = Path(__file__).parent / "data"
+PLANS = {"tp2_ep4": {"tp": 2, "ep": 4}, "ep2_etp2": {"ep": 2, "etp": 2}}
+
+
+def make_plan(axes: dict):
+    from moeplan.specs import Layout, Plan, TrainingSpec, load_cluster, load_model
+
+    training = TrainingSpec(seq_len=32, global_batch_size=8, lr=1e-2, warmup_steps=1)
+    return Plan(model=load_model(DATA / "tiny_qwen3_moe.yaml"),
+                cluster=load_cluster("h100", gpus=WORLD), training=training,
+                layout=Layout.build(WORLD, 8, **axes))
+
+
+def worker(rank: int, port: int, root: str) -> None:
+    from moeplan.runtime import checkpoint
+    from moeplan.runtime.grid import RankGrid
+    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.storage import newest_checkpoint
+    from moeplan.runtime.train import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    data, ckpt = str(Path(root) / "tokens.bin"), Path(root) / "ckpt"
+    plans = {k: make_plan(a) for k, a in PLANS.items()}
+    groups = {k: build_groups(RankGrid.from_layout(p.layout)) for k, p in plans.items()}
+
+    def trainer(name: str) -> Trainer:
+        return Trainer(plans[name], groups[name], seed=5, data=data)
+
+    losses: dict[str, list[float]] = {"straight": []}
+    t = trainer("tp2_ep4")
+    for step in range(STEPS):
+        losses["straight"].append(t.step(step)[0].loss)
+        if step + 1 == SAVE_AT:
+            checkpoint.save(t, ckpt, SAVE_AT)
+    for name, key in (("tp2_ep4", "resumed_same_plan"), ("ep2_etp2", "resumed_ep2_etp2")):
+        t = trainer(name)
+        start = checkpoint.load(t, newest_checkpoint(ckpt))
+        losses[key] = [t.step(step)[0].loss for step in range(start, STEPS)]
+    if rank == 0:
+        (Path(root) / "losses.json").write_text(json.dumps(losses))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    from moeplan.runtime.data import write_tokens
+
+    rng = np.random.default_rng(0)
+    write_tokens(rng.integers(0, 256, 20_000), Path(sys.argv[1]) / "tokens.bin", vocab_size=256)
+    mp.spawn(worker, args=(free_port(), sys.argv[1]), nprocs=WORLD)
