@@ -128,3 +128,20 @@ def search(
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
                    time_limit_s=time_limit_s, imbalance=imbalance,
                    progress=progress)  # type: ignore[arg-type]
+
+__all__ += ["whatif"]
+
+
+def whatif(
+    model: ModelSpec | str,
+    clusters: list[ClusterSpec | str] | str,
+    gpus: list[int] | None = None,
+    **options: object,
+):
+    """Capacity planning (SPEC §4 `moeplan whatif`): the best plan, time and cost per cluster
+    kind × GPU count × seq × batch × precision, the Pareto front and the inverse questions
+    (`days=`, `budget_usd=`). See `moeplan.planner.whatif.whatif` for the options. Imported
+    lazily so that `import moeplan` stays light."""
+    from .planner.whatif import whatif as _whatif
+
+    return _whatif(model, clusters, gpus, **options)  # type: ignore[arg-type]

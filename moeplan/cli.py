@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import specs as S
@@ -388,18 +389,94 @@ def search(
     emit(res.to_json(), as_json, render)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def whatif(ctx: typer.Context) -> None:
+@app.command()
+def whatif(
+    model: Annotated[str, typer.Option("--model", help="Preset, spec file or HF config.")],
+    cluster: Annotated[str, typer.Option("--cluster", help="Cluster presets or files, "
+                       "comma-separated (h100,h200,gb200-nvl72).")],
+    gpus: Annotated[str | None, typer.Option("--gpus", help="GPU counts: 64,128,256 or a "
+                    "range 64-1024 (doubling).")] = None,
+    seq: Annotated[str, typer.Option("--seq", help="Sequence lengths, comma-separated.")] = (
+        "4096"),
+    gbs: Annotated[str | None, typer.Option("--gbs", help="Global batches (sequences), "
+                   "comma-separated; default about 4M tokens per step.")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="Precisions, comma-separated "
+                         "(bf16, fp8-tensorwise, mxfp8, ..., auto).")] = "bf16",
+    tokens: Annotated[float, typer.Option("--tokens", help="Tokens to train (e.g. 15e12).")] = (
+        15e12),
+    gpu_hour_price: Annotated[str | None, typer.Option("--gpu-hour-price", help="USD per "
+                              "GPU-hour: one price, or one per --cluster kind in order.")
+                              ] = None,
+    days: Annotated[float | None, typer.Option("--days", help="Also answer: the fewest GPUs "
+                    "of each kind that finish within D days.")] = None,
+    budget: Annotated[float | None, typer.Option("--budget", help="Also answer: the fastest "
+                      "option within this many USD (needs --gpu-hour-price).")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Plans kept per search (the best "
+                   "is reported).")] = 1,
+    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Overall "
+                          "seconds, shared out over the points; each reports the best found.")
+                          ] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Processes searching "
+                       "points at once.")] = 1,
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write report.md or "
+                      "report.html (self-contained, with plots).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Capacity planning: best plan, time and cost per cluster kind and GPU count."""
-    _not_yet("whatif")
+    from . import whatif as api_whatif
+    from .planner.report import require_matplotlib, rows, write_report
+
+    try:
+        prices = ([float(x) for x in csv_names(gpu_hour_price)] if gpu_hour_price is not None
+                  else None)
+    except ValueError:
+        raise SpecError(f"--gpu-hour-price takes numbers separated by commas, got "
+                        f"{gpu_hour_price!r}.") from None
+    if output and Path(output).suffix.lower() not in (".md", ".html", ".htm"):
+        raise SpecError(f"-o {output}: the report is .md (Markdown) or .html (self-contained "
+                        "HTML with plots).")
+    if output and Path(output).suffix.lower() != ".md":
+        require_matplotlib()
+    res = api_whatif(model, csv_names(cluster), csv_ints(gpus, "--gpus"),
+                     seqs=csv_ints(seq, "--seq") or [4096], gbs=csv_ints(gbs, "--gbs"),
+                     precisions=csv_names(precision) or ["bf16"], tokens=tokens,
+                     gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
+                     time_limit_s=time_limit, workers=workers,
+                     progress=lambda msg: err.print(msg, highlight=False, markup=False))
+    if output:
+        err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
+
+    def render() -> None:
+        from rich.markup import escape
+
+        from .planner.report import answers
+
+        table = rows(res)
+        t = Table(title=f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
+                  f"({res.seconds:.1f} s); ★ Pareto front (time vs "
+                  f"{'cost' if res.priced else 'GPU-hours'})")
+        for col in (table[0] if table else {}):
+            t.add_column(col, no_wrap=col not in ("why", "layout"), overflow="fold")
+        for p, r in zip(res.points, table, strict=True):
+            t.add_row(*map(escape, r.values()),
+                      style="bold" if p.pareto else ("dim" if not p.fits else None))
+        wide = out if out.is_terminal else Console(width=220)
+        wide.print(t)
+        for line in answers(res):
+            wide.print(line, highlight=False, markup=False)
+
+    emit(res.to_json(), as_json, render)
+    if not res.any_fits:
+        raise InfeasibleError("no point of the sweep fits; each point's `why` says what came "
+                              "closest.")
 
 
 @app.command()
 def run(
     plan: Annotated[str, typer.Argument(help="Plan JSON (from search/estimate -o).")],
     steps: Annotated[int, typer.Option("--steps", help="Step to reach.")] = 10,
-    data: Annotated[str, typer.Option("--data", help="'synthetic' (seeded Markov chain).")] = (
-        "synthetic"),
+    data: Annotated[str, typer.Option("--data", help="A token file (.bin with a .json sidecar; "
+                    "see docs/DATA.md) or 'synthetic' (seeded Markov chain).")] = "synthetic",
     seed: Annotated[int, typer.Option("--seed", help="Same seed: same data and weights.")] = 0,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="fp32|bf16 (default: bf16 on GPU, fp32 on CPU).")] = None,
@@ -417,12 +494,17 @@ def run(
         "c10d"),
     rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="Job id for rendezvous.")] = None,
     ckpt_dir: Annotated[str | None, typer.Option(
-        "--ckpt-dir", help="Checkpoint directory (checkpointing is not executed yet).")] = None,
+        "--ckpt-dir", help="Checkpoint directory (sharded, atomic, checksummed).")] = None,
     ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Steps between checkpoints.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")] = (
         False),
     max_restarts: Annotated[int, typer.Option(
         "--max-restarts", help="torchrun restarts of failed workers.")] = 0,
+    ckpt_keep: Annotated[int, typer.Option(
+        "--ckpt-keep", help="Complete checkpoints kept (0: all).")] = 3,
+    max_nonfinite_steps: Annotated[int, typer.Option(
+        "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
+                                   ] = 3,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     from .runtime.launch import RunFailed
@@ -434,7 +516,8 @@ def run(
             scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
             rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
-            max_restarts=max_restarts)
+            max_restarts=max_restarts, ckpt_keep=ckpt_keep,
+            max_nonfinite_steps=max_nonfinite_steps)
     except RunFailed as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(e.exit_code) from None
@@ -541,13 +624,14 @@ def main(argv: list[str] | None = None) -> int:
     except MoeplanError as e:
         if debug:
             raise
-        err.print(f"[bold red]error:[/] {_one_paragraph(str(e))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(_one_paragraph(str(e)))}", highlight=False,
+                  soft_wrap=True)
         code = e.exit_code
     except InfeasibleError as e:
         if debug:
             raise
-        err.print(f"[bold yellow]infeasible:[/] {_one_paragraph(str(e))}", highlight=False,
-                  soft_wrap=True)
+        err.print(f"[bold yellow]infeasible:[/] {escape(_one_paragraph(str(e)))}",
+                  highlight=False, soft_wrap=True)
         code = e.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")

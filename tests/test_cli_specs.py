@@ -113,3 +113,9 @@ def test_cli_starts_fast_without_importing_torch():
     code = ("import sys, moeplan.cli; "
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_layout_errors_name_every_broken_rule(cli):
+    r = cli("estimate", "--model", "qwen3-235b-a22b", "--cluster", "h100", "--gpus", "64",
+            "--seq", "4096", "--gbs", "64", "--ep", "3")
+    _assert_clean_error(r, "[experts_divisible_by_ep]", "[expert_world_size]")

@@ -91,7 +91,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
         precisions = (precision,)
     if target == "moeplan":
         return SearchSpace(precisions=("bf16",), dispatchers=("alltoall", "allgather"),
-                           max_vpp=1, allow_ep_overlap=False, max_pp=1, max_cp=1)
+                           allow_ep_overlap=False)
     return SearchSpace(precisions=precisions)
 
 
@@ -287,8 +287,12 @@ def search(
             continue
         plan = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
                              sets_cache, result, target, lb_pipe=float(t_lb[idx]))
-        if plan is not None and plan.estimate.fits:  # type: ignore[union-attr]
-            push(plan, idx)
+        if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
+            continue
+        k = next(i for i, e in enumerate(best) if -e[1] == idx)
+        if plan.estimate.step_time_s < -best[k][0]:  # type: ignore[union-attr]
+            best[k] = (-plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
+            heapq.heapify(best)
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
