@@ -2,8 +2,10 @@
 
 Run as `python tests/checkpoint_worker.py DIR`: spawns WORLD processes and, on a token file in
 DIR, trains the tiny MoE model STEPS steps under tp2·ep4 (checkpointing after step SAVE_AT),
-then resumes that checkpoint twice, under the same plan and under ep2·etp2, to STEPS. Rank 0
-writes the per-step losses of the three runs to DIR/losses.json.
+then resumes that checkpoint three times, under the same plan, under ep2·etp2 and under
+pp2·vpp2·tp2, to STEPS. It then does the same from pp2·vpp2·tp2: a straight run checkpointing
+after step SAVE_AT, resumed under the same plan and under tp2·ep4. Rank 0 writes the per-step
+losses of every run to DIR/losses.json.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch.multiprocessing as mp
 
 WORLD, STEPS, SAVE_AT = 4, 6, 3
 DATA = Path(__file__).parent / "data"
-PLANS = {"tp2_ep4": {"tp": 2, "ep": 4}, "ep2_etp2": {"ep": 2, "etp": 2}}
+PLANS = {"tp2_ep4": {"tp": 2, "ep": 4}, "ep2_etp2": {"ep": 2, "etp": 2},
+         "pp2_vpp2_tp2": {"pp": 2, "vpp": 2, "tp": 2}}
 
 
 def make_plan(axes: dict):
@@ -50,16 +53,27 @@ def worker(rank: int, port: int, root: str) -> None:
     def trainer(name: str) -> Trainer:
         return Trainer(plans[name], groups[name], seed=5, data=data)
 
-    losses: dict[str, list[float]] = {"straight": []}
-    t = trainer("tp2_ep4")
-    for step in range(STEPS):
-        losses["straight"].append(t.step(step)[0].loss)
-        if step + 1 == SAVE_AT:
-            checkpoint.save(t, ckpt, SAVE_AT)
-    for name, key in (("tp2_ep4", "resumed_same_plan"), ("ep2_etp2", "resumed_ep2_etp2")):
+    def straight(name: str, into: Path) -> list[float]:
+        t, out = trainer(name), []
+        for step in range(STEPS):
+            out.append(t.step(step)[0].loss)
+            if step + 1 == SAVE_AT:
+                checkpoint.save(t, into, SAVE_AT)
+        return out
+
+    def resumed(name: str, into: Path) -> list[float]:
         t = trainer(name)
-        start = checkpoint.load(t, newest_checkpoint(ckpt))
-        losses[key] = [t.step(step)[0].loss for step in range(start, STEPS)]
+        start = checkpoint.load(t, newest_checkpoint(into))
+        return [t.step(step)[0].loss for step in range(start, STEPS)]
+
+    pp_ckpt = Path(root) / "ckpt_pp2"
+    losses = {"straight": straight("tp2_ep4", ckpt),
+              "resumed_same_plan": resumed("tp2_ep4", ckpt),
+              "resumed_ep2_etp2": resumed("ep2_etp2", ckpt),
+              "resumed_pp2_vpp2_tp2": resumed("pp2_vpp2_tp2", ckpt),
+              "straight_pp2": straight("pp2_vpp2_tp2", pp_ckpt),
+              "pp2_resumed_same_plan": resumed("pp2_vpp2_tp2", pp_ckpt),
+              "pp2_resumed_tp2_ep4": resumed("tp2_ep4", pp_ckpt)}
     if rank == 0:
         (Path(root) / "losses.json").write_text(json.dumps(losses))
     dist.barrier()

@@ -122,7 +122,8 @@ def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path):
 # ------------------------------------------------------------------------ spawned-world resume
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A world-4 run saved at step 3 under tp2·ep4, resumed under it and under ep2·etp2."""
+    """A world-4 run saved at step 3 under tp2·ep4, resumed under it, ep2·etp2 and pp2·vpp2·tp2;
+    and one saved at step 3 under pp2·vpp2·tp2, resumed under it and under tp2·ep4."""
     root = tmp_path_factory.mktemp("ckpt_world4")
     proc = subprocess.run([sys.executable, str(TESTS / "checkpoint_worker.py"), str(root)],
                           capture_output=True, text=True, timeout=600)
@@ -142,6 +143,25 @@ def test_resume_under_the_same_plan_reproduces_the_straight_losses_exactly(saved
 def test_resume_under_another_plan_reshards_to_the_straight_losses(saved):
     losses = json.loads((saved / "losses.json").read_text())
     for a, b in zip(losses["resumed_ep2_etp2"], losses["straight"][3:], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_the_same_plan_exactly(saved):
+    losses = json.loads((saved / "losses.json").read_text())
+    assert len(losses["pp2_resumed_same_plan"]) == 3
+    for a, b in zip(losses["pp2_resumed_same_plan"], losses["straight_pp2"][3:], strict=True):
+        assert abs(a - b) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed,straight", [("pp2_resumed_tp2_ep4", "straight_pp2"),
+                                              ("resumed_pp2_vpp2_tp2", "straight")])
+def test_a_checkpoint_resumes_under_another_pipeline_depth_to_the_straight_losses(
+        saved, resumed, straight):
+    losses = json.loads((saved / "losses.json").read_text())
+    assert len(losses[resumed]) == 3
+    for a, b in zip(losses[resumed], losses[straight][3:], strict=True):
         assert abs(a - b) <= 1e-4 * abs(b)
 
 

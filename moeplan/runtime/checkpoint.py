@@ -8,6 +8,12 @@ saved it. Because the stored tensors are global, a checkpoint resumes under any 
 slices its tp/ep/etp shard out of the global tensor and its data-parallel shard out of the
 family's flat buffer, exactly as `parallelize` and `DistributedOptimizer` laid them out.
 
+Pipeline stages need no renaming: `split_stage` keeps the full model's names (decoder layer i is
+`layers.i` on whichever stage holds it; MTP depths, final norm and output layer sit on the last
+stage under their own names), so each stage saves and loads only its own keys, and a plan with
+another pp or stage layout reads the keys its stages hold. The last stage's copy of the embedding
+(tied head or MTP) equals the first stage's, master and moments included, so DCP stores it once.
+
 Each global tensor is assembled (collectively) on every rank; DCP deduplicates identical items
 and spreads the writes over the ranks, so every rank writes its part of the files. The files are
 written into a temporary directory that `storage.publish` seals (manifest, fsync, rename,

@@ -87,9 +87,6 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
                                           "training": training, "layout": layout,
                                           "choices": choices})
         check_layout(running.model, running.training, running.layout, choices=running.choices)
-    if opts.ckpt_dir and running.layout.pp > 1:
-        raise NotYetAvailable("checkpoints of pipeline-parallel plans (pp > 1) are not verified "
-                              "yet; run without --ckpt-dir or with pp = 1. Nothing was run.")
     if opts.data != "synthetic":
         check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
     return plan, running
