@@ -185,6 +185,59 @@ def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
                       "over from other GPUs, precisions or model kinds")
 
 
+@dataclass(frozen=True)
+class StepExtras:
+    """Step time outside the pipeline schedule, for one pp rank's parameters."""
+
+    pp_exposed_s: float
+    reduce_scatter_s: float
+    all_gather_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+
+
+def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                cal: Calibration, dense_params: float, expert_params: float,
+                fwd_window_s: float, bwd_window_s: float,
+                optimizer_offload_fraction: float = 0.0) -> StepExtras:
+    """PP point-to-point exposure, DP gradient reduce-scatter / parameter all-gather and their
+    exposure, and the optimizer step, for a rank holding these parameters.
+
+    PP: activations (SP-sharded) cross between consecutive virtual stages; the steady state
+    overlaps them, warm-up and cool-down do not. DP: grads reduce-scatter (fp32) and params
+    all-gather (bf16), hidden behind the last micro-batch's backward and the first one's forward
+    (Megatron overlap_grad_reduce, overlap_param_gather). Optimizer: Adam over the rank's shard in
+    HBM; the offloaded share crosses the host link (grads down, params up).
+    """
+    L = layout
+    n_sp = L.mbs * training.seq_len / L.cp / L.tp
+    pp_place = C.placement(L, "pp", cluster)
+    p2p = C.p2p_time(BF16 * n_sp * model.hidden_size, not pp_place.inside_nvlink, cluster, cal)
+    pp_exposed = 2 * (L.pp * L.vpp - 1) * p2p if L.pp > 1 else 0.0
+    dp_place = C.placement(L, "dp", cluster)
+    dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain,
+                                max(dp_place.domains, C.placement(L, "cp", cluster).domains))
+    edp_place = C.placement(L, "edp", cluster)
+    if L.distributed_optimizer:
+        rs = C.ring_time(4 * dense_params, dense_dp, cluster, cal) + C.ring_time(
+            4 * expert_params, edp_place, cluster, cal)
+        ag = C.ring_time(2 * dense_params, dense_dp, cluster, cal) + C.ring_time(
+            2 * expert_params, edp_place, cluster, cal)
+    else:
+        rs = C.all_reduce_time(4 * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
+            4 * expert_params, edp_place, cluster, cal)
+        ag = 0.0
+    dp_exposed = max(0.0, rs - bwd_window_s) + max(0.0, ag - fwd_window_s)
+    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    dense_shards, expert_shards = (L.dp * L.cp, max(1, L.edp)) if L.distributed_optimizer else (
+        1, 1)
+    shard = dense_params / dense_shards + expert_params / expert_shards
+    frac = optimizer_offload_fraction
+    opt_s = membound_time(adam_step_bytes(shard * (1 - frac), moments), cluster.hbm_tb_s, cal)
+    opt_s += C.host_copy_time(shard * frac * 6, cluster)
+    return StepExtras(pp_exposed, rs, ag, dp_exposed, opt_s)
+
+
 # ----------------------------------------------------------------------------- estimate
 def estimate_breakdown(
     model: ModelSpec,
@@ -248,39 +301,15 @@ def estimate_breakdown(
     rank_times = [r.time_s for r in ranks]
     pipe_s, bubble = pipeline_time(rank_times, m_, L.vpp)
     crit = max(ranks, key=lambda r: r.time_s)
-    # PP point-to-point: activations (SP-sharded) between consecutive virtual stages; steady
-    # state overlaps them, warm-up and cool-down do not
-    pp_place = C.placement(L, "pp", cluster)
-    p2p = C.p2p_time(BF16 * ctx.n_sp * model.hidden_size, not pp_place.inside_nvlink, cluster, cal)
-    pp_exposed = 2 * (L.pp * L.vpp - 1) * p2p if L.pp > 1 else 0.0
-    # DP: grads reduce-scatter (fp32) and params all-gather (bf16), overlapped with the last
-    # micro-batch's backward and the first micro-batch's forward (Megatron overlap_grad_reduce,
-    # overlap_param_gather)
-    dp_place = C.placement(L, "dp", cluster)
-    dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain, max(dp_place.domains,
-                                                                     C.placement(L, "cp", cluster).domains))
-    edp_place = C.placement(L, "edp", cluster)
-    dense_p = sum(c.dense_params for c in crit.chunks)
-    expert_p = sum(c.expert_params for c in crit.chunks)
-    if L.distributed_optimizer:
-        rs = C.ring_time(4 * dense_p, dense_dp, cluster, cal) + C.ring_time(4 * expert_p,
-                                                                          edp_place, cluster, cal)
-        ag = C.ring_time(2 * dense_p, dense_dp, cluster, cal) + C.ring_time(2 * expert_p,
-                                                                          edp_place, cluster, cal)
-    else:
-        rs = C.all_reduce_time(4 * dense_p, dense_dp, cluster, cal) + C.all_reduce_time(
-            4 * expert_p, edp_place, cluster, cal)
-        ag = 0.0
-    bwd_window = sum(c.bwd_s for c in crit.chunks)
-    fwd_window = sum(c.fwd_s for c in crit.chunks)
-    dp_exposed = max(0.0, rs - bwd_window) + max(0.0, ag - fwd_window)
-    # optimizer step: Adam over this rank's shard in HBM; the offloaded share crosses the host
-    # link (grads down, params up)
-    shard = dense_p / (dense_shards if L.distributed_optimizer else 1) + expert_p / (
-        expert_shards if L.distributed_optimizer else 1)
-    frac = choices.optimizer_offload_fraction
-    opt_s = membound_time(adam_step_bytes(shard * (1 - frac), moments), cluster.hbm_tb_s, cal)
-    opt_s += C.host_copy_time(shard * frac * 6, cluster)
+    extras = step_extras(
+        model, cluster, training, L, cal,
+        dense_params=sum(c.dense_params for c in crit.chunks),
+        expert_params=sum(c.expert_params for c in crit.chunks),
+        fwd_window_s=sum(c.fwd_s for c in crit.chunks),
+        bwd_window_s=sum(c.bwd_s for c in crit.chunks),
+        optimizer_offload_fraction=choices.optimizer_offload_fraction)
+    pp_exposed, dp_exposed, opt_s = extras.pp_exposed_s, extras.dp_exposed_s, extras.optimizer_s
+    rs, ag = extras.reduce_scatter_s, extras.all_gather_s
     step = pipe_s + pp_exposed + dp_exposed + opt_s + cal.step_overhead_s
 
     tokens = training.global_batch_size * training.seq_len

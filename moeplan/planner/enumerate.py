@@ -6,7 +6,7 @@ that removes a branch is counted by name: the explanation of a search reports th
 
 The rules mirror `moeplan.specs.layout.layout_violations` (Megatron Core's validity rules) plus
 the planner's placement rules; `tests/test_planner_enumerate.py` checks that every surviving row
-is a valid Layout and every pruned row breaks the rule it was counted under.
+is a valid Layout and that no valid layout is lost except by the named placement rule.
 """
 
 from __future__ import annotations

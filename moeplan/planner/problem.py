@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost_models import comm as C
 from ..cost_models.calibration import Calibration
-from ..cost_models.estimate import _layer_costs, layer_imbalances
+from ..cost_models.estimate import layer_costs, layer_imbalances, step_extras
 from ..cost_models.layers import BF16, LayerCost, make_context
 from ..cost_models.memory import GB, static_memory
 from ..cost_models.pipeline import in_flight_chunks
@@ -52,7 +51,7 @@ def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                 cal: Calibration, imbalance: float = 1.0) -> LayerTable:
     ctx = make_context(model, cluster, training, layout, cal)
     imbs = layer_imbalances(model, layout.ep, imbalance, None)
-    costs, keys = _layer_costs(ctx, imbs)
+    costs, keys = layer_costs(ctx, imbs)
     return LayerTable(costs, keys, imbalance)
 
 
@@ -158,36 +157,14 @@ def stage_problem(
 
 def constant_time_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                     layout: Layout, cal: Calibration, table: LayerTable, f: float = 0.0) -> float:
-    """Step time outside the pipeline for a balanced stage split: PP point-to-point exposure,
-    DP reduce-scatter/all-gather exposure, the optimizer step and the per-step overhead."""
-    from ..cost_models.compute import adam_step_bytes, membound_time
-
-    L = layout
-    n_sp = L.mbs * training.seq_len / L.cp / L.tp
-    pp_place = C.placement(L, "pp", cluster)
-    p2p = C.p2p_time(BF16 * n_sp * model.hidden_size, not pp_place.inside_nvlink, cluster, cal)
-    pp_exposed = 2 * (L.pp * L.vpp - 1) * p2p if L.pp > 1 else 0.0
-    dense_p = sum(table.costs[k].dense_params for k in table.keys) / L.pp
-    expert_p = sum(table.costs[k].expert_params for k in table.keys) / L.pp
-    dp_place = C.placement(L, "dp", cluster)
-    dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain,
-                                max(dp_place.domains, C.placement(L, "cp", cluster).domains))
-    edp_place = C.placement(L, "edp", cluster)
-    if L.distributed_optimizer:
-        rs = C.ring_time(4 * dense_p, dense_dp, cluster, cal) + C.ring_time(
-            4 * expert_p, edp_place, cluster, cal)
-        ag = C.ring_time(2 * dense_p, dense_dp, cluster, cal) + C.ring_time(
-            2 * expert_p, edp_place, cluster, cal)
-    else:
-        rs = C.all_reduce_time(4 * dense_p, dense_dp, cluster, cal) + C.all_reduce_time(
-            4 * expert_p, edp_place, cluster, cal)
-        ag = 0.0
-    per_layer_bwd = sum(table.costs[k].bwd_s for k in table.keys) / L.pp
-    per_layer_fwd = sum(table.costs[k].fwd_s for k in table.keys) / L.pp
-    dp_exposed = max(0.0, rs - per_layer_bwd) + max(0.0, ag - per_layer_fwd)
-    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
-    shard = dense_p / (L.dp * L.cp if L.distributed_optimizer else 1) + expert_p / (
-        max(1, L.edp) if L.distributed_optimizer else 1)
-    opt_s = membound_time(adam_step_bytes(shard * (1 - f), moments), cluster.hbm_tb_s, cal)
-    opt_s += C.host_copy_time(shard * f * 6, cluster)
-    return pp_exposed + dp_exposed + opt_s + cal.step_overhead_s
+    """Step time outside the pipeline for a balanced stage split (`estimate.step_extras` on the
+    average rank's parameters and windows) plus the per-step overhead."""
+    pp = layout.pp
+    e = step_extras(
+        model, cluster, training, layout, cal,
+        dense_params=sum(table.costs[k].dense_params for k in table.keys) / pp,
+        expert_params=sum(table.costs[k].expert_params for k in table.keys) / pp,
+        fwd_window_s=sum(table.costs[k].fwd_s for k in table.keys) / pp,
+        bwd_window_s=sum(table.costs[k].bwd_s for k in table.keys) / pp,
+        optimizer_offload_fraction=f)
+    return e.pp_exposed_s + e.dp_exposed_s + e.optimizer_s + cal.step_overhead_s

@@ -122,14 +122,11 @@ def _bounds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, enum
         t0[i] = lower_bound(model, cluster, tr, 1, 1, world, 1, 1, 1, cal)[0]
     pp, vpp, m = rows[:, COL["pp"]], rows[:, COL["vpp"]], rows[:, COL["nmb"]]
     t = t0[rows[:, COL["precision"]]] * (1 + (pp - 1) / (vpp * m))
-    mem = np.empty(len(rows))
-    cache: dict[tuple[int, ...], float] = {}
-    keys = rows[:, [COL["tp"], COL["cp"], COL["dp"], COL["pp"], COL["ep"], COL["etp"]]]
-    for j, key in enumerate(map(tuple, keys)):
-        if key not in cache:
-            cache[key] = lower_bound(model, cluster, training, *map(int, key), calibration=cal)[1]
-        mem[j] = cache[key]
-    return t, mem
+    cols = [COL["tp"], COL["cp"], COL["dp"], COL["pp"], COL["ep"], COL["etp"]]
+    keys, inverse = np.unique(rows[:, cols], axis=0, return_inverse=True)
+    per_key = np.array([lower_bound(model, cluster, training, *map(int, k), calibration=cal)[1]
+                        for k in keys])
+    return t, per_key[inverse.ravel()]
 
 
 def _choices(sol: StageSolution, dense_first: int, pp: int, vpp: int, f: float,
