@@ -416,8 +416,8 @@ def whatif(
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Overall "
                           "seconds, shared out over the points; each reports the best found.")
                           ] = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Processes searching "
-                       "points at once.")] = 1,
+    workers: Annotated[int, typer.Option("--workers", min=0, help="Processes searching "
+                       "points at once (0: one per CPU core for four points or more).")] = 0,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write report.md or "
                       "report.html (self-contained, with plots).")] = None,
     as_json: JsonOpt = False,

@@ -15,8 +15,11 @@ from moeplan.planner.ilp import (
     StageProblem,
     evaluate,
     module_sets,
+    _solve,
+    exact_fronts,
     pareto,
     solve,
+    solve_fixed,
 )
 
 FS = frozenset
@@ -150,3 +153,45 @@ def test_milp_optimum_equals_brute_force(items, L, pp, vpp, with_fixed, budget, 
     else:
         sol = solve(P)
         assert sol.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
+
+
+def brute_force_sets(P: StageProblem, layers: list[int]) -> float:
+    """Every option subset per rank with the layer split given."""
+    subsets = [list(c) for n in range(len(P.options) + 1)
+               for c in itertools.combinations(P.options, n)
+               if not any(a in c and b in c for a, b in P.exclusive)]
+    best = float("inf")
+    for combo in itertools.product(subsets, repeat=P.pp):
+        step, mem = evaluate(P, layers, combo)
+        if all(mm <= bb + 1e-9 for mm, bb in zip(mem, P.budget_bytes, strict=True)):
+            best = min(best, step)
+    return best
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(item_st, min_size=2, max_size=2), split=st.lists(st.integers(0, 4),
+       min_size=1, max_size=3), vpp=st.integers(1, 2), with_fixed=st.booleans(),
+       budget=st.floats(5.0, 120.0), host=st.sampled_from([0.0, 0.05, 0.5]))
+def test_rank_separable_solution_with_layers_fixed_equals_the_milp_and_brute_force(
+        items, split, vpp, with_fixed, budget, host):
+    # With the layers per rank given, the MILP separates by rank: each rank's fastest fitting
+    # set is optimal. The screening pass of the search relies on it.
+    pp = len(split)
+    fixed = [[] for _ in range(pp * vpp)]
+    if with_fixed:
+        fixed[0].append((1, 1))
+    P = problem(items, sum(split), pp, vpp=vpp, budget=budget, host=host, fixed=fixed,
+                options=("moe_act", "full", "core_attn", "offload:expert_fc1"))
+    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    ref = brute_force_sets(P, split)
+    if ref == float("inf"):
+        with pytest.raises(InfeasibleStages):
+            solve_fixed(P, C, split)
+        with pytest.raises(InfeasibleStages):
+            _solve(P, C, exact_fronts(P, C), split)
+        return
+    fast = solve_fixed(P, C, split)
+    milp = _solve(P, C, exact_fronts(P, C), split)
+    assert fast.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
+    assert milp.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
+    assert fast.layers == split

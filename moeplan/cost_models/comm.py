@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -103,13 +104,36 @@ class GroupPlacement:
         return self.domains == 1
 
 
+class _Axes(NamedTuple):
+    """The layout fields rank placement reads: hashable, so placements are cached."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    etp: int
+    edp: int
+    order: str
+    world_size: int
+
+
 def placement(layout: Layout, axis: str, cluster: ClusterSpec) -> GroupPlacement:
     """The worst-placed group of an axis (the slowest group sets the step)."""
-    groups = group_ranks(layout, axis)
+    L = layout
+    world = L.world_size
+    return _placement(_Axes(L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.edp or 1, L.order, world),
+                      axis, cluster.gpus_per_node, usable_domain(cluster, world))
+
+
+@lru_cache(maxsize=8192)
+def _placement(axes: _Axes, axis: str, gpus_per_node: int, domain: int) -> GroupPlacement:
+    # a search asks for the same few thousand placements tens of thousands of times
+    groups = group_ranks(axes, axis)  # type: ignore[arg-type]
     n = groups.shape[1]
     if n == 1:
         return GroupPlacement(1, 1, 1)
-    dom = domain_of_ranks(cluster, layout.world_size)[groups]
+    dom = np.asarray(_topology_key(axes.world_size, gpus_per_node, domain))[groups]
     spans = [len(set(row.tolist())) for row in dom[: min(len(dom), 64)]]
     domains = max(spans)
     return GroupPlacement(n, max(1, n // domains), domains)

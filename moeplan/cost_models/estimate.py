@@ -372,12 +372,14 @@ def estimate(
 # ----------------------------------------------------------------------------- lower bound
 def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int = 1,
-                calibration: Calibration | None = None) -> tuple[float, float]:
+                calibration: Calibration | None = None,
+                params: tuple[float, float] | None = None) -> tuple[float, float]:
     """(step seconds, peak bytes) that no choice of vpp, mbs, recompute, offload or stage layout
     can beat: all model FLOPs at the best efficiency any GEMM or attention kernel reaches and the
     recipe's speed-up applied to all of them, spread perfectly over the GPUs; memory = static
     weights/grads/optimizer of a perfectly balanced stage, activations all offloaded/recomputed.
-    Cheap: plain integers in, no layer walk.
+    Cheap: plain integers in, no layer walk. `params` = `bound_params(model)`, for callers that
+    bound thousands of layouts of one model.
     """
     cal = calibration or calibration_for(cluster.calibration)
     world = tp * cp * dp * pp
@@ -388,10 +390,14 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tokens = training.global_batch_size * training.seq_len
     flops = model.flops_per_token(training.seq_len) * tokens
     t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)
-    experts = model.num_moe_layers * model.num_experts * model.expert_params()
-    dense = model.total_params() - experts + model.mtp_params()
+    dense, experts = params or bound_params(model)
     edp = max(1, world // (etp * ep * pp))
     moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
     st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True)
     return t, st.weights + st.grads
 
+
+def bound_params(model: ModelSpec) -> tuple[float, float]:
+    """(dense, routed-expert) parameters, MTP counted as dense, for `lower_bound`."""
+    experts = model.num_moe_layers * model.num_experts * model.expert_params()
+    return model.total_params() - experts + model.mtp_params(), experts

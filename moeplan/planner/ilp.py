@@ -119,11 +119,28 @@ class StageProblem:
         return x
 
 
+class SetNames(Sequence[tuple[str, ...]]):
+    """The option names of each set, decoded from its bit mask only when asked: a search builds
+    thousands of sets per layout key and names the few it picks."""
+
+    def __init__(self, options: tuple[str, ...], masks: np.ndarray):
+        self.options, self.masks = options, masks
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+    def __getitem__(self, c):  # type: ignore[override]
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        m = int(self.masks[c])
+        return tuple(o for j, o in enumerate(self.options) if m >> j & 1)
+
+
 @dataclass(frozen=True)
 class ModuleSets:
     """The non-dominated module sets C with Δt_ic and k_ic."""
 
-    sets: tuple[tuple[str, ...], ...]
+    sets: Sequence[tuple[str, ...]]
     add_time: np.ndarray  # (C, I)
     kept: np.ndarray  # (C, I)
     fronts: dict = field(default_factory=dict, compare=False, repr=False)  # memo of rank fronts
@@ -159,7 +176,14 @@ def item_cost(item: Item, chosen: set[str], h: float) -> tuple[float, float]:
 def module_sets(items: Sequence[Item], options: Sequence[str],
                 exclusive: Sequence[tuple[str, str]], h: float) -> ModuleSets:
     """Every allowed subset of the options, costed per item with numpy; subsets that cost exactly
-    the same as a smaller one are dropped (the per-rank fronts are taken in `rank_sets`)."""
+    the same as a smaller one are dropped (the per-rank fronts are taken in `rank_sets`).
+
+    Options no item reacts to (`mla_up_proj` without MLA, `shared_experts` without shared
+    experts) are left out before the subsets are formed: each halves the work and could only
+    add sets that cost the same as a smaller one."""
+    used = {o for it in items for o, t in it.recompute_s if t}
+    used |= {o for it in items for g in it.groups for o in (*g.recompute_by, g.offload_by)}
+    options = [o for o in options if o in used]
     n_opt = len(options)
     bit = {o: 1 << j for j, o in enumerate(options)}
     masks = np.arange(1 << n_opt, dtype=np.int64)
@@ -184,13 +208,16 @@ def module_sets(items: Sequence[Item], options: Sequence[str],
             kept[:, i] += g.bytes * (~freed & ~moved)
         copy = h * off
         add[:, i] += np.maximum(0.0, copy - item.fwd_s) + np.maximum(0.0, copy - item.bwd_s)
-    vec = np.round(np.hstack([add, kept]), 12)
-    # identical cost vectors: keep the smallest set (fewest modules, then lowest mask)
-    order = np.lexsort((masks, np.array([bin(int(m)).count("1") for m in masks])))
-    _, first = np.unique(vec[order], axis=0, return_index=True)
-    keep = order[np.sort(first)]
-    sets = tuple(tuple(o for o in options if int(masks[k]) & bit[o]) for k in keep)
-    return ModuleSets(sets, add[keep], kept[keep])
+    vec = np.round(np.hstack([add, kept]), 12) + 0.0  # + 0.0: no −0.0 bytes
+    # identical cost vectors: keep the smallest set (fewest modules, then lowest mask); a dict
+    # over the rows' bytes, since sorting 10⁴ float rows (np.unique) costs ten times more
+    order = np.lexsort((masks, np.bitwise_count(masks)))
+    rows = np.ascontiguousarray(vec[order]).view(np.dtype((np.void, vec.shape[1] * 8))).ravel()
+    seen: dict[bytes, int] = {}
+    for pos, row in enumerate(rows.tolist()):
+        seen.setdefault(row, pos)
+    keep = order[np.sort(np.fromiter(seen.values(), dtype=np.int64))]
+    return ModuleSets(SetNames(tuple(options), masks[keep]), add[keep], kept[keep])
 
 
 def pareto(v: np.ndarray) -> np.ndarray:
@@ -340,6 +367,39 @@ def _solve(P: StageProblem, C: ModuleSets, cand: list[list[int]],
     return StageSolution(obj, X, options, mem)
 
 
+def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageSolution:
+    """The MILP with the layer split X_r given, solved exactly without a solver.
+
+    With X fixed, rank r's time T_r and memory depend only on its own z_r·, so the MILP separates
+    by rank, and the objective α·max_r T_r + β·Σ_r T_r grows with every T_r: each rank's fastest
+    set that fits its budget is optimal for all ranks at once (ties to the smaller set, the one
+    with fewer modules). That is one vectorised pass over every set C per rank — the screening pass
+    of the search runs it for every surviving layout, where a solver call would cost a thousand
+    times more. `tests/test_planner_ilp.py` checks it equals the MILP and brute force.
+    """
+    ell = P.layer_item
+    lay = P.items[ell]
+    choice: list[int] = []
+    for r in range(P.pp):
+        x = int(layers[r])
+        t = x * (lay.time_s + C.add_time[:, ell])
+        m = x * (lay.static_bytes + P.mean_inflight(r) * C.kept[:, ell])
+        for s in range(r, P.stages, P.pp):
+            for i, n in P.fixed[s]:
+                it = P.items[i]
+                t = t + n * (it.time_s + C.add_time[:, i])
+                m = m + n * (it.static_bytes + P.inflight[s] * C.kept[:, i])
+        ok = np.flatnonzero(m <= P.budget_bytes[r] * (1 + 1e-9))
+        if not len(ok):
+            raise InfeasibleStages(f"rank {r} does not fit with any module set")
+        # fastest, then smallest memory, then the earliest (smallest) set: deterministic
+        choice.append(int(ok[np.argmin(np.round(t[ok], 12))]))  # ties: the smaller set
+    options = [list(C.sets[c]) for c in choice]
+    X = [int(x) for x in layers]
+    obj, mem = evaluate(P, X, options)
+    return StageSolution(obj, X, options, mem)
+
+
 def balanced_layers(P: StageProblem) -> list[int]:
     """X_r as even as possible, the remainder to the ranks holding the fewest micro-batches."""
     q, extra = divmod(P.free_layers, P.pp)
@@ -366,25 +426,58 @@ def exact_fronts(P: StageProblem, C: ModuleSets) -> list[list[int]]:
     return out
 
 
+def useful_sets(P: StageProblem, C: ModuleSets, cand: list[list[int]]) -> list[list[int]]:
+    """Per rank, the candidate sets that are the rank's fastest fitting set at some layer count.
+
+    Exact: take any optimum (X*, z*) and give each rank r the fastest set that fits at X*_r; its
+    T_r does not grow and it still fits, and the objective grows with every T_r, so the result
+    is optimal too and uses only these sets. At most L − D + 1 sets per rank survive, usually a
+    handful (one when memory never binds), where the fronts hold hundreds: the MILP keeps the
+    whole choice of layers and sets but solves in milliseconds.
+    """
+    ell = P.layer_item
+    lay = P.items[ell]
+    X = np.arange(P.free_layers + 1, dtype=float)[:, None]  # (U+1, 1) layer counts
+    out = []
+    for r in range(P.pp):
+        cs = np.array(sorted(cand[r]), dtype=np.int64)  # ascending: ties go to the smaller set
+        ft, fk = np.zeros(len(cs)), np.zeros(len(cs))
+        for s in range(r, P.stages, P.pp):
+            for i, n in P.fixed[s]:
+                it = P.items[i]
+                ft += n * (it.time_s + C.add_time[cs, i])
+                fk += n * (it.static_bytes + P.inflight[s] * C.kept[cs, i])
+        t = np.round(X * (lay.time_s + C.add_time[cs, ell]) + ft, 12)  # (U+1, |cs|)
+        m = X * (lay.static_bytes + P.mean_inflight(r) * C.kept[cs, ell]) + fk
+        ok = m <= P.budget_bytes[r] * (1 + 1e-9)
+        fastest = np.argmin(np.where(ok, t, np.inf), axis=1)[ok.any(axis=1)]
+        out.append(sorted(set(cs[fastest].tolist())))
+    return out
+
+
 def solve(problem: StageProblem, sets: ModuleSets | None = None,
           layers: Sequence[int] | None = None) -> StageSolution:
     """Build, solve and decode; raises InfeasibleStages when nothing fits.
 
-    `layers` (X_r per rank) fixes the stage split and leaves only the module sets to the MILP
-    (the planner's screening pass). Otherwise, when the exact fronts hold at most EXACT_LIMIT
+    `layers` (X_r per rank) fixes the stage split and leaves only the module sets, which
+    separate by rank (`solve_fixed`). Otherwise, when the exact fronts hold at most EXACT_LIMIT
     sets in all, one MILP decides layers and sets together; larger ones (DeepSeek-V3's first and
-    last ranks hold hundreds of non-dominated sets) are solved in two MILPs: layers and sets on
-    a thinned front of each rank's sets at the balanced layer count, then the sets on the exact
-    fronts with those layers fixed.
+    last ranks hold hundreds of non-dominated sets) are solved in two steps: the MILP over layers
+    and sets on a thinned front of each rank's sets at the balanced layer count, then every set
+    with those layers fixed.
     """
     P = problem
     if min(P.budget_bytes) <= 0:
         raise InfeasibleStages("buffers alone exceed the memory budget")
     C = sets or module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
-    exact = exact_fronts(P, C)
     fixed = layers if layers is not None else P.fixed_layers
-    if fixed is not None or sum(map(len, exact)) <= EXACT_LIMIT:
-        return _solve(P, C, exact, fixed)
+    if fixed is not None:
+        return solve_fixed(P, C, fixed)
+    exact = useful_sets(P, C, exact_fronts(P, C))
+    if not all(exact):
+        raise InfeasibleStages("a rank fits no module set at any layer count")
+    if sum(map(len, exact)) <= EXACT_LIMIT:
+        return _solve(P, C, exact, None)
     even = P.free_layers / P.pp
     coarse = []
     for r in range(P.pp):
@@ -394,7 +487,7 @@ def solve(problem: StageProblem, sets: ModuleSets | None = None,
                                                   .round().astype(int)))]
         coarse.append(front)
     first = _solve(P, C, coarse, None)
-    return _solve(P, C, exact, first.layers)
+    return solve_fixed(P, C, first.layers)
 
 
 def evaluate(problem: StageProblem, layers: Sequence[int], options: Sequence[Sequence[str]]

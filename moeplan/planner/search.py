@@ -1,17 +1,22 @@
-"""`moeplan search`: every folded layout, pruned by rules and bounds, one MILP per survivor.
+"""`moeplan search`: every folded layout, pruned by rules and bounds, a MILP for the best.
 
 Branch and bound over layouts (DESIGN "planner"):
   1. enumerate candidate rows (numpy), pruning by named Megatron rules;
   2. bound every row at once: compute-only time at the best efficiency any kernel reaches, times
      the pipeline's fill factor (1 + (p−1)/(v·m)); weights + grads of a balanced stage against
      HBM (`memory_bound`: nothing can fit, whatever is recomputed or offloaded);
-  3. visit rows in bound order; stop when the bound reaches the k-th best step time found;
-  4. per row, a tighter bound from the layer costs (all layers' time spread perfectly over the
-     pipeline); only rows it cannot rule out get the MILP (recompute/offload per module per
-     rank, layers per stage, optimizer offload over a grid), and every MILP result is re-scored
-     by `cost_models.estimate` so the ranking is the cost model's, not the MILP's algebra.
-Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) but not on dp, pp
-or vpp, so they are computed once per such key.
+  3. visit rows in bound order from one heap; a row reaching the top gets the tighter bound of
+     its layer costs (all layers' time spread perfectly over the pipeline), computed once per
+     (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) key, and goes back in; stop when the
+     top bound reaches the k-th best step time found (`time_bound`);
+  4. screen each visited row with its layers split evenly: the per-layout MILP then separates
+     by pipeline rank and is solved exactly without a solver (`ilp.solve_fixed`), at each
+     optimizer-offload fraction of a grid; a screened plan that can still enter the top k is
+     re-scored by `cost_models.estimate`, so the ranking is the cost model's;
+  5. for the top k, the MILP (`ilp.solve`, HiGHS) chooses layers per stage and recompute and
+     offload per module per rank together; uneven first and last stages (embedding, loss, MTP)
+     can beat the even split.
+Layer costs do not depend on dp, pp or vpp, which is what makes one table per key enough.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..cost_models.calibration import Calibration, calibration_for
-from ..cost_models.estimate import estimate, lower_bound
+from ..cost_models.estimate import bound_params, estimate, lower_bound
 from ..cost_models.memory import GB
 from ..errors import InfeasibleError, SpecError
 from ..specs import (
@@ -42,7 +47,14 @@ from ..specs import (
 )
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
 from .explain import explain_plans
-from .ilp import InfeasibleStages, StageSolution, balanced_layers, module_sets, solve
+from .ilp import (
+    InfeasibleStages,
+    StageSolution,
+    balanced_layers,
+    module_sets,
+    solve,
+    solve_fixed,
+)
 from .problem import OFFLOAD_PREFIX, LayerTable, layer_table, stage_problem
 
 OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
@@ -124,8 +136,9 @@ def _bounds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, enum
     t = t0[rows[:, COL["precision"]]] * (1 + (pp - 1) / (vpp * m))
     cols = [COL["tp"], COL["cp"], COL["dp"], COL["pp"], COL["ep"], COL["etp"]]
     keys, inverse = np.unique(rows[:, cols], axis=0, return_inverse=True)
-    per_key = np.array([lower_bound(model, cluster, training, *map(int, k), calibration=cal)[1]
-                        for k in keys])
+    params = bound_params(model)
+    per_key = np.array([lower_bound(model, cluster, training, *map(int, k), calibration=cal,
+                                    params=params)[1] for k in keys])
     return t, per_key[inverse.ravel()]
 
 
@@ -188,30 +201,7 @@ def search(
     tables: dict[tuple, LayerTable] = {}
     sets_cache: dict[tuple, Any] = {}
     best: list[tuple[float, int, Plan]] = []  # heap of the top k, worst on top
-    closest: tuple[float, Any] | None = None
-    # tighter bound, still vectorised: every layer's time spread perfectly over the pipeline,
-    # from layer costs computed once per (tp, cp, ep, etp, mbs, dispatcher, overlap, precision)
-    key_cols = [COL[c] for c in ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap",
-                                 "precision")]
-    cand = np.flatnonzero(fits)
-    keys, first, inverse = np.unique(enum.rows[cand][:, key_cols], axis=0, return_index=True,
-                                     return_inverse=True)
-    work = np.empty(len(keys))
-    for j in range(len(keys)):
-        row = enum.rows[cand[first[j]]]
-        prec = enum.precisions[int(row[COL["precision"]])]
-        tr = training.model_copy(update={"precision": prec})
-        layout = Layout(**_layout(row))
-        tk = (layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
-              layout.ep_overlap, prec)
-        tables[tk] = layer_table(model, cluster, tr, layout, cal, imbalance)
-        work[j] = tables[tk].total_time_s(cal.layer_overhead_s, model.mtp_layers)
-    r = enum.rows[cand]
-    pp, vpp, m = r[:, COL["pp"]], r[:, COL["vpp"]], r[:, COL["nmb"]]
-    lb1 = np.maximum(t_lb[cand], (m + (pp - 1) / vpp) / pp * work[inverse.ravel()])
-    t_lb = np.full(len(t_lb), np.inf)
-    t_lb[cand] = lb1
-    order = cand[np.lexsort((cand, lb1))]
+    closest: tuple[float, Layout] | None = None
 
     def kth() -> float:
         return -best[0][0] if len(best) >= top_k else float("inf")
@@ -223,70 +213,86 @@ def search(
         elif entry > best[0]:
             heapq.heapreplace(best, entry)
 
-    no_choice = Choices()
-    offload_all = [o[len(OFFLOAD_PREFIX):] for o in options if o.startswith(OFFLOAD_PREFIX)]
-    selective = [o for o in options if not o.startswith(OFFLOAD_PREFIX)
-                 and o not in ("full", "moe") and (o != "mla_up_proj" or model.attention == "mla")]
-    max_saving = {  # the least memory any choice reaches, by whether EP overlap is on
-        False: Choices(recompute=["full"] if "full" in options else [], offload=offload_all,
-                       optimizer_offload_fraction=1.0 if options else 0.0),
-        True: Choices(recompute=selective, offload=offload_all,
-                      optimizer_offload_fraction=1.0 if options else 0.0)}
-    refine: list[tuple[int, Layout, TrainingSpec, tuple]] = []
-    for n, idx in enumerate(order):
-        if progress and n % 500 == 0:
-            progress(n, len(order))
-        if t_lb[idx] >= kth():
-            pruned["time_bound"] += len(order) - n
-            break
-        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
-            result.stopped_early = True
-            pruned["time_limit"] += len(order) - n
-            break
+    def row_setup(idx: int) -> tuple[Layout, TrainingSpec, tuple]:
         row = enum.rows[idx]
         prec = enum.precisions[int(row[COL["precision"]])]
-        tr = training.model_copy(update={"precision": prec})
         layout = Layout(**_layout(row))
         key = (layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
                layout.ep_overlap, prec)
-        if key not in tables:
-            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
-        table = tables[key]
-        # the balanced layout without recompute or offload: an upper bound when it fits
-        e0 = estimate(model, cluster, tr, layout, no_choice)
-        if e0.fits:
-            result.feasible += 1
-            push(Plan(model=model, cluster=cluster, training=tr, layout=layout,
-                      choices=no_choice, estimate=e0), int(idx))
-            refine.append((int(idx), layout, tr, key))
+        return layout, training.model_copy(update={"precision": prec}), key
+
+    # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
+    # layout's tighter bound (every layer's time spread perfectly over the pipeline) needs them:
+    # rows wait in one heap under the cheap bound and get the tighter one, with their key's
+    # table, only when they reach the top, so keys the search never gets near cost nothing.
+    # Rows leave the heap in the order of the tighter bound, ties by row index.
+    key_cols = [COL[c] for c in ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap",
+                                 "precision")]
+    cand = np.flatnonzero(fits)
+    key_of = np.full(len(enum.rows), -1)
+    key_of[cand] = np.unique(enum.rows[cand][:, key_cols], axis=0,
+                             return_inverse=True)[1].ravel()
+    pp, vpp, m = enum.rows[:, COL["pp"]], enum.rows[:, COL["vpp"]], enum.rows[:, COL["nmb"]]
+    fill = (m + (pp - 1) / vpp) / pp  # micro-batch times on the critical rank per layer time
+    work: dict[int, float] = {}
+    heap = list(zip(t_lb[cand].tolist(), cand.tolist(), [False] * len(cand), strict=True))
+    heapq.heapify(heap)
+    lb = t_lb.copy()
+    refine: list[tuple[int, Layout, TrainingSpec, tuple]] = []
+    done = 0
+    while heap:
+        bound, idx, tight = heap[0]
+        if bound >= kth():
+            pruned["time_bound"] += len(heap)
+            break
+        heapq.heappop(heap)
+        if not tight:
+            j = int(key_of[idx])
+            if j not in work:
+                layout, tr, key = row_setup(idx)
+                tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
+                work[j] = tables[key].total_time_s(cal.layer_overhead_s, model.mtp_layers)
+            lb[idx] = max(bound, float(fill[idx]) * work[j])
+            heapq.heappush(heap, (float(lb[idx]), idx, True))
             continue
-        if options and not estimate(model, cluster, tr, layout,
-                                    max_saving[layout.ep_overlap]).fits:
-            pruned["memory_bound"] += 1
-            if closest is None or e0.memory.peak_gb < closest[0]:
-                closest = (e0.memory.peak_gb, layout)
-            continue
-        plan = _solve_layout(model, cluster, tr, layout, cal, table, options, key, sets_cache,
-                             result, target, balanced=True, lb_pipe=float(t_lb[idx]))
-        if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
+        if progress and done % 500 == 0:
+            progress(done, len(cand))
+        done += 1
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            result.stopped_early = True
+            pruned["time_limit"] += len(heap) + 1
+            break
+        layout, tr, key = row_setup(idx)
+        plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
+                                     sets_cache, result, target, balanced=True,
+                                     lb_pipe=float(lb[idx]), cutoff=kth())
+        if status == "infeasible":
             pruned["memory_milp"] += 1
-            if closest is None or e0.memory.peak_gb < closest[0]:
-                closest = (e0.memory.peak_gb, layout)
+            if not best:  # only while nothing fits is the closest candidate of any use
+                least = _least_memory(model, options, layout.ep_overlap)
+                peak = estimate(model, cluster, tr, layout, least).memory.peak_gb
+                if closest is None or peak < closest[0]:
+                    closest = (peak, layout)
             continue
-        result.feasible += 1
-        push(plan, int(idx))
-        refine.append((int(idx), layout, tr, key))
+        result.feasible += status in ("plan", "screened")
+        if plan is None:
+            pruned["time_bound_milp" if status == "bound" else "screened_by_milp"] += 1
+            continue
+        push(plan, idx)
+        refine.append((idx, layout, tr, key))
     # screening used balanced stages; for the plans on top, the MILP also places the layers:
     # uneven first and last stages can beat the balanced split (embedding, loss, MTP)
     on_top = {-e[1] for e in best}
     for idx, layout, tr, key in refine:
-        if idx not in on_top or layout.pp == 1:
-            continue
-        plan = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
-                             sets_cache, result, target, lb_pipe=float(t_lb[idx]))
-        if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
+        if idx not in on_top:
             continue
         k = next(i for i, e in enumerate(best) if -e[1] == idx)
+        screened = best[k][2]
+        plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
+                                sets_cache, result, target, lb_pipe=float(lb[idx]),
+                                fractions=(screened.choices.optimizer_offload_fraction,))
+        if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
+            continue
         if plan.estimate.step_time_s < -best[k][0]:  # type: ignore[union-attr]
             best[k] = (-plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
             heapq.heapify(best)
@@ -299,45 +305,86 @@ def search(
     return result
 
 
+SCREEN_SLACK = 1.10
+"""The screening pass prices a layout by its stage problem (MILP objective plus the constant
+terms) before asking `estimate`; the two differ only in the DP-exposure and optimizer terms,
+which the problem takes at the balanced rank (measured on the presets: within 0.98–1.05 of the
+estimate). A layout whose screened time exceeds the k-th best by more than this slack cannot
+enter the top k, so the estimate is skipped (counted as `screened_by_milp`)."""
+
+
+def _least_memory(model: ModelSpec, options: tuple[str, ...], ep_overlap: bool) -> Choices:
+    """The choices that keep the least memory: everything recomputed (only selective modules
+    with EP overlap, which forbids full and `moe` recompute) and offloaded, optimizer on host."""
+    offload = [o[len(OFFLOAD_PREFIX):] for o in options if o.startswith(OFFLOAD_PREFIX)]
+    recompute = [o for o in options if not o.startswith(OFFLOAD_PREFIX)
+                 and (o != "mla_up_proj" or model.attention == "mla")]
+    if ep_overlap:
+        recompute = [o for o in recompute if o not in ("full", "moe")]
+    elif "full" in recompute:
+        recompute = ["full"]
+    return Choices(recompute=recompute, offload=offload,
+                   optimizer_offload_fraction=1.0 if options else 0.0)
+
+
 def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   layout: Layout, cal: Calibration, table: LayerTable, options: tuple[str, ...],
-                  key: tuple, sets_cache: dict, result: SearchResult,
-                  target: str, balanced: bool = False, lb_pipe: float = 0.0) -> Plan | None:
-    """The MILP for one layout at each optimizer-offload fraction of the grid, decoded into
-    Plans and re-scored by the cost model; the fastest that fits, or None.
+                  key: tuple, sets_cache: dict, result: SearchResult, target: str,
+                  balanced: bool = False, lb_pipe: float = 0.0, cutoff: float = math.inf,
+                  fractions: tuple[float, ...] | None = None) -> tuple[Plan | None, str]:
+    """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
+    optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
 
-    A fraction is skipped when even the pipeline's lower bound plus that fraction's optimizer
-    time cannot beat the best plan found at a smaller one; larger fractions are tried only when
-    the plan without optimizer offload needed recompute or offload (memory pressure).
+    Returns the fastest plan that fits and beats `cutoff` (or None) with a status: "plan";
+    "screened" (fits, but cannot beat the cutoff); "bound" (the lower bound already cannot);
+    "infeasible" (no choice fits at any fraction).
+
+    `balanced` is the screening pass: layers split evenly, so the problem separates by rank and
+    is solved exactly without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and
+    chooses modules together. A fraction is skipped when the pipeline's lower bound plus its
+    optimizer time cannot beat the best so far; larger fractions are tried only when the plan
+    without optimizer offload needed recompute or offload (memory pressure).
     """
-    grid = (0.0,) if target == "moeplan" or not options else OPTIMIZER_OFFLOAD_GRID
+    grid = fractions or ((0.0,) if target == "moeplan" or not options
+                         else OPTIMIZER_OFFLOAD_GRID)
     best: Plan | None = None
     base_const: float | None = None
+    fits = skipped = False
     for f in grid:
         built = stage_problem(model, cluster, training, layout, cal, table, options, f)
         if base_const is None:
             base_const = built.constant_s
         extra = built.constant_s - base_const  # optimizer time the fraction adds
-        if best is not None and lb_pipe + base_const + extra >= best.estimate.step_time_s:  # type: ignore[union-attr]
+        limit = min(cutoff, best.estimate.step_time_s if best else math.inf)  # type: ignore[union-attr]
+        if lb_pipe + base_const + extra >= limit:
+            skipped = True
             continue
         P = built.problem
         skey = (key, P.items[P.layer_item].name, tuple(i.name for i in P.items))
         if skey not in sets_cache:
             sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
-        result.solved += 1
         try:
-            sol = solve(P, sets_cache[skey], balanced_layers(P) if balanced else None)
+            if balanced:
+                sol = solve_fixed(P, sets_cache[skey], balanced_layers(P))
+            else:
+                result.solved += 1
+                sol = solve(P, sets_cache[skey])
         except InfeasibleStages:
             continue
-        choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
-                           P.chunk_layers(sol.layers))
-        est = estimate(model, cluster, training, layout, choices)
-        if est.fits and (best is None or est.step_time_s < best.estimate.step_time_s):  # type: ignore[union-attr]
-            best = Plan(model=model, cluster=cluster, training=training, layout=layout,
-                        choices=choices, estimate=est)
-        if f == 0.0 and not any(sol.options):
+        fits = True
+        pressure = any(sol.options)
+        if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit):
+            choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
+                               P.chunk_layers(sol.layers))
+            est = estimate(model, cluster, training, layout, choices)
+            if est.fits and est.step_time_s < limit:
+                best = Plan(model=model, cluster=cluster, training=training, layout=layout,
+                            choices=choices, estimate=est)
+        if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
-    return best
+    if best is not None:
+        return best, "plan"
+    return None, "screened" if fits else "bound" if skipped else "infeasible"
 
 
 def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

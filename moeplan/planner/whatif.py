@@ -22,6 +22,7 @@ and spreads an overall time limit over the points still to run. The inverse ques
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from .search import search
 SECONDS_PER_DAY = 86_400.0
 # GPU counts tried by `--days` when no --gpus list is given: whole 8-GPU nodes, doubling.
 DEFAULT_DAYS_COUNTS = tuple(8 << i for i in range(11))  # 8 … 8192
+AUTO_WORKERS_MAX = 8
 
 Progress = Callable[[str], None]
 
@@ -290,12 +292,16 @@ class Sweep:
         """Search many points at once in `workers` processes (points are independent).
 
         Each search gets the time left × workers / points left, since `workers` run at once.
+        `workers` 0 is one per CPU core (at most AUTO_WORKERS_MAX) when there are four points
+        or more: a worker costs about a second to start (imports), a point seconds to search.
         """
         todo = []
         for k in keys:
             key, pt = self._start(*k)
             if pt is not None and key not in {t[0] for t in todo}:
                 todo.append((key, pt))
+        if workers <= 0:  # auto: one process per core once there are enough points to share
+            workers = min(AUTO_WORKERS_MAX, os.cpu_count() or 1) if len(todo) >= 4 else 1
         if workers <= 1 or len(todo) <= 1:
             for _key, pt in todo:
                 self.point(*k_of(pt))
@@ -426,7 +432,7 @@ def whatif(
     progress: Progress | None = None,
     space: SearchSpace | None = None,
     options: tuple[str, ...] | None = None,
-    workers: int = 1,
+    workers: int = 0,
 ) -> WhatIf:
     """Sweep clusters × GPU counts × seqs × batches × precisions (SPEC §4 `moeplan whatif`).
 
@@ -434,7 +440,8 @@ def whatif(
     when asked, the fewest GPUs per kind within `days` and the fastest option within
     `budget_usd`. Never raises for an infeasible point: the caller decides what "nothing fits"
     means (the CLI exits 3). `gbs` None means about 4M tokens per step for each seq and count
-    (`sweep_gbs`). `workers` > 1 searches the grid's points in that many processes.
+    (`sweep_gbs`). `workers` > 1 searches the grid's points in that many processes; 0 (the
+    default) uses one per CPU core for grids of four points or more.
     """
     start = time.perf_counter()
     if isinstance(clusters, str):
