@@ -65,7 +65,8 @@ def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
         if i + 1 < len(plans):
             lines.append(_why(p, plans[i + 1]))
         if i == 0:
-            lines.append(f"searched {result.layouts} valid layouts, {result.solved} MILPs; "
+            lines.append(f"searched {result.layouts} valid layouts: {result.screened} "
+                         f"screened with even stages, {result.solved} MILPs for the best; "
                          f"pruned: {pruned or 'none'}")
         out.append(p.model_copy(update={"explanation": lines}))
     return out

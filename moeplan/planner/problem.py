@@ -10,6 +10,7 @@ the balanced layout's values, and the final ranking re-scores every plan with `e
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..cost_models.calibration import Calibration
@@ -36,7 +37,7 @@ class LayerTable:
 
     def total_time_s(self, overhead_s: float, mtp_layers: int) -> float:
         """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time."""
-        t = sum(_item_time(self.costs[k], overhead_s) for k in self.keys)
+        t = sum(n * _item_time(self.costs[k], overhead_s) for k, n in Counter(self.keys).items())
         t += _item_time(self.costs["E"], overhead_s) + _item_time(self.costs["L"], overhead_s)
         if mtp_layers:
             t += mtp_layers * _item_time(self.costs["m"], overhead_s)
