@@ -129,6 +129,8 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(a, axis=0, return_inverse=True) for small non-negative integer rows, ten times
     faster: each row becomes one mixed-radix integer, and 1-D unique sorts those."""
     a = np.asarray(a, dtype=np.int64)
+    if not len(a):
+        return a, np.zeros(0, dtype=np.int64)
     radix = a.max(axis=0) + 1
     code = np.zeros(len(a), dtype=np.int64)
     for j in range(a.shape[1]):
