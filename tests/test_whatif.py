@@ -16,7 +16,7 @@ import pytest
 from moeplan.errors import SpecError
 from moeplan.planner.enumerate import SearchSpace
 from moeplan.planner.report import html_report, markdown, write_report
-from moeplan.planner.search import default_gbs
+from moeplan.planner.search import default_gbs, search
 from moeplan.planner.whatif import (
     Point,
     Sweep,
@@ -27,7 +27,7 @@ from moeplan.planner.whatif import (
     sweep_gbs,
     whatif,
 )
-from moeplan.specs import load_model
+from moeplan.specs import TrainingSpec, load_cluster, load_model
 
 SMALL = SearchSpace(precisions=("bf16",), max_pp=1, max_mbs=1, max_vpp=1)
 PRICES = {"h100": 2.0, "b200": 3.5}
@@ -202,6 +202,21 @@ def test_worker_processes_find_the_same_plans_as_one_process(sweep: WhatIf) -> N
     serial = [p for p in sweep.points if p.cluster == "h100"]
     assert [p.tokens_per_s_per_gpu for p in res.points] == [
         p.tokens_per_s_per_gpu for p in serial]
+
+
+def test_layer_tables_shared_over_a_sweep_give_the_plans_of_independent_searches() -> None:
+    # NVL72 counts put groups in different domains (72: one rack; 128: two racks of 64), so a
+    # table shared by mistake across placements would show up here
+    res = whatif("mixtral-8x7b", "h100,gb200-nvl72", [16, 72, 128], tokens=1e12, space=SMALL,
+                 workers=1)
+    model = load_model("mixtral-8x7b")
+    for p in res.points:
+        alone = search(model, load_cluster(p.cluster),
+                       TrainingSpec(seq_len=p.seq, global_batch_size=p.gbs), p.gpus, top_k=1,
+                       space=SMALL)
+        assert p.plan is not None
+        assert p.plan.layout == alone.plans[0].layout
+        assert p.step_time_s == alone.plans[0].estimate.step_time_s  # type: ignore[union-attr]
 
 
 def test_fewest_gpus_probes_few_counts_and_finds_the_smallest_within_the_deadline() -> None:

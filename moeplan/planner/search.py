@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..cost_models.calibration import Calibration, calibration_for
+from ..cost_models.comm import placement
 from ..cost_models.estimate import bound_params, estimate, lower_bound
 from ..cost_models.memory import GB
 from ..errors import InfeasibleError, SpecError
@@ -89,6 +90,30 @@ class SearchResult:
                          "pruned": dict(sorted(self.pruned.items())),
                          "stopped_early": self.stopped_early},
         }
+
+
+@dataclass
+class SearchCache:
+    """Work that searches of the same model can share (a what-if sweep over GPU counts).
+
+    Layer-cost tables and the module sets built from them depend on the model, the cluster's
+    hardware, the sequence length, the precision and the layout key (tp, cp, ep, etp, mbs,
+    dispatcher, overlap, and whether a tied output layer shares the first stage), plus where the
+    tp/cp/ep/etp groups sit (inside one NVLink domain or not), but not on the GPU count or the
+    batch: entries are keyed by exactly those, so a hit is the table the search would build.
+    """
+
+    tables: dict[tuple, LayerTable] = field(default_factory=dict)
+    sets: dict[tuple, Any] = field(default_factory=dict)
+    _sigs: dict[str, int] = field(default_factory=dict)
+
+    def signature(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                  imbalance: float) -> int:
+        """A small id for everything outside the layout key that layer costs depend on."""
+        text = "\n".join((model.model_dump_json(),
+                          cluster.model_copy(update={"num_gpus": None}).model_dump_json(),
+                          str(training.seq_len), repr(imbalance)))
+        return self._sigs.setdefault(text, len(self._sigs))
 
 
 def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpace:
@@ -191,10 +216,12 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     space: SearchSpace | None = None,
     options: tuple[str, ...] | None = None,
+    cache: SearchCache | None = None,
 ) -> SearchResult:
     """The top-k plans for a model on a cluster, best first (SPEC §4 `moeplan search`).
 
-    Raises InfeasibleError (exit 3) with the closest candidate when nothing fits.
+    Raises InfeasibleError (exit 3) with the closest candidate when nothing fits. `cache` lets
+    searches of one sweep share layer tables and module sets (`SearchCache`).
     """
     start = time.perf_counter()
     world = gpus or cluster.num_gpus
@@ -214,8 +241,9 @@ def search(
     fits = mem_lb <= usable
     pruned["memory_bound"] += int((~fits).sum())
     options = _options(target) if options is None else options
-    tables: dict[tuple, LayerTable] = {}
-    sets_cache: dict[tuple, Any] = {}
+    cache = cache if cache is not None else SearchCache()
+    tables, sets_cache = cache.tables, cache.sets
+    sig = cache.signature(model, cluster, training, imbalance)
     best: list[tuple[float, int, Plan]] = []  # heap of the top k, worst on top
     closest: tuple[float, Layout] | None = None
 
@@ -233,9 +261,13 @@ def search(
         row = enum.rows[idx]
         prec = enum.precisions[int(row[COL["precision"]])]
         layout = Layout(**_layout(row))
-        key = (layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
-               layout.ep_overlap, prec)
-        return layout, training.model_copy(update={"precision": prec}), key
+        key = (sig, layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
+               layout.ep_overlap, prec, model.tie_embeddings and layout.pp == 1,
+               tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
+        tr = training.model_copy(update={"precision": prec})
+        if key not in tables:
+            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
+        return layout, tr, key
 
     # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
     # layout's tighter bound (every layer's time spread perfectly over the pipeline) needs them:
@@ -264,8 +296,7 @@ def search(
         if not tight:
             j = int(key_of[idx])
             if j not in work:
-                layout, tr, key = row_setup(idx)
-                tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
+                key = row_setup(idx)[2]
                 work[j] = tables[key].total_time_s(cal.layer_overhead_s, model.mtp_layers)
             lb[idx] = max(bound, float(fill[idx]) * work[j])
             heapq.heappush(heap, (float(lb[idx]), idx, True))
@@ -375,7 +406,7 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             skipped = True
             continue
         P = built.problem
-        skey = (key, P.items[P.layer_item].name, tuple(i.name for i in P.items))
+        skey = (key, P.options, P.items[P.layer_item].name, tuple(i.name for i in P.items))
         if skey not in sets_cache:
             sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
         try:

@@ -13,8 +13,9 @@ front is over (days, cost), or (days, GPU-hours) when no price is given, since t
 are what the cost is proportional to.
 
 Why the structure: a search of a large model costs seconds to a minute, so this module does
-each distinct search once (`Sweep.point` caches by (cluster, gpus, seq, gbs, precision)), loads
-specs once, runs the cheap points first (fewest GPUs: fewest layouts) so progress shows early,
+each distinct search once (`Sweep.point` caches by (cluster, gpus, seq, gbs, precision)), shares
+layer-cost tables and module sets between the searches (`SearchCache`: they do not depend on
+the GPU count; worker processes share them over the points each one searches), loads specs once, runs the cheap points first (fewest GPUs: fewest layouts) so progress shows early,
 and spreads an overall time limit over the points still to run. The inverse questions
 (`--days`, `--budget`) reuse the same cache. Pure: no torch, no matplotlib, no I/O.
 """
@@ -31,7 +32,7 @@ from typing import Any
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, load_training
 from .enumerate import SearchSpace
-from .search import search
+from .search import SearchCache, search
 
 SECONDS_PER_DAY = 86_400.0
 # GPU counts tried by `--days` when no --gpus list is given: whole 8-GPU nodes, doubling.
@@ -240,6 +241,7 @@ class Sweep:
     expected: int = 1
     start: float = field(default_factory=time.perf_counter)
     cache: dict[tuple, Point] = field(default_factory=dict)
+    shared: SearchCache = field(default_factory=SearchCache)  # layer tables across points
 
     def _budget(self) -> float | None:
         if self.time_limit_s is None:
@@ -285,7 +287,8 @@ class Sweep:
             self.progress(f"[{n}/{max(n, self.expected)}] {cluster} × {gpus} GPUs, seq {seq}, "
                           f"gbs {pt.gbs}, {precision}: searching")
         found = search_point(self.model, self.clusters[cluster], pt.gpus, pt.seq, pt.gbs,
-                             pt.precision, self.top_k, self._budget(), self.space, self.options)
+                             pt.precision, self.top_k, self._budget(), self.space, self.options,
+                             self.shared)
         return self._finish(key, pt, found)
 
     def prefetch(self, keys: Sequence[tuple], workers: int) -> None:
@@ -336,6 +339,16 @@ def search_cost(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int) -> 
     return (model.total_params() * 18 / (gpus * cluster.hbm_gb * 1e9), seq)
 
 
+_PROCESS_CACHE: list[SearchCache] = []
+
+
+def _process_cache() -> SearchCache:
+    """The cache a worker process shares over its points (the pool lives for one sweep)."""
+    if not _PROCESS_CACHE:
+        _PROCESS_CACHE.append(SearchCache())
+    return _PROCESS_CACHE[0]
+
+
 def k_of(pt: Point) -> tuple:
     """The point() arguments that reach `pt` (its asked batch, so the cache key matches)."""
     return (pt.cluster, pt.gpus, pt.seq, pt.asked_gbs, pt.precision)
@@ -343,12 +356,14 @@ def k_of(pt: Point) -> tuple:
 
 def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gbs: int,
                  precision: str, top_k: int, share: float | None, space: SearchSpace | None,
-                 options: tuple[str, ...] | None
+                 options: tuple[str, ...] | None, cache: SearchCache | None = None
                  ) -> tuple[Plan | None, str | None, bool, float]:
     """One search: (best plan or None, why not, stopped at the time limit, seconds).
 
-    Module-level and picklable so that worker processes can run it.
+    Module-level and picklable so that worker processes can run it; a worker passes no cache
+    and shares its process's own (`_process_cache`) over the points it searches.
     """
+    cache = cache if cache is not None else _process_cache()
     t0 = time.perf_counter()
     spec = cluster.with_gpus(gpus)
     if precision != "auto" and not spec.supports(precision):
@@ -357,7 +372,7 @@ def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gb
                        precision="bf16" if precision == "auto" else precision)
     try:
         res = search(model, spec, tr, gpus, top_k=top_k, precision=precision,
-                     time_limit_s=share, space=space, options=options)
+                     time_limit_s=share, space=space, options=options, cache=cache)
         return res.plans[0], None, res.stopped_early, time.perf_counter() - t0
     except InfeasibleError as e:
         why = " ".join(str(e).split())
