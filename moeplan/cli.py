@@ -336,17 +336,18 @@ def search(
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
+    import time as _time
+
     from . import search as api_search
 
-    shown = {"t": 0.0}
+    shown = {"t": _time.monotonic()}  # quiet for the first second: most searches end by then
 
     def progress(done: int, total: int) -> None:
-        import time as _time
-
         now = _time.monotonic()
         if now - shown["t"] > 1.0:
             shown["t"] = now
-            err.print(f"searching: {done}/{total} candidate layouts", highlight=False)
+            err.print(f"searching: {done}/{total} candidate layouts bounded or solved",
+                      highlight=False)
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,

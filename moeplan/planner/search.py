@@ -293,6 +293,9 @@ def search(
             pruned["time_bound"] += len(heap)
             break
         heapq.heappop(heap)
+        done += 1
+        if progress and done % 200 == 0:
+            progress(done, 2 * len(cand))  # each row leaves the heap at most twice
         if not tight:
             j = int(key_of[idx])
             if j not in work:
@@ -301,9 +304,6 @@ def search(
             lb[idx] = max(bound, float(fill[idx]) * work[j])
             heapq.heappush(heap, (float(lb[idx]), idx, True))
             continue
-        if progress and done % 500 == 0:
-            progress(done, len(cand))
-        done += 1
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
             result.stopped_early = True
             pruned["time_limit"] += len(heap) + 1
