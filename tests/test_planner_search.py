@@ -94,3 +94,44 @@ def test_moeplan_target_only_emits_plans_the_runtime_executes():
                  TrainingSpec(seq_len=4096, global_batch_size=64), 16, target="moeplan")
     for plan in res.plans:
         assert features_not_executed(plan) == []
+
+
+@pytest.mark.parametrize(("name", "gpus", "hbm"), [("deepseek-v3", 1024, 80.0),
+                                                   ("qwen3-235b-a22b", 256, 80.0),
+                                                   ("mixtral-8x7b", 64, 40.0)])
+def test_screening_prices_layouts_within_its_slack_of_the_estimate(name, gpus, hbm):
+    # The screening pass skips `estimate` for layouts whose stage-problem time exceeds the k-th
+    # best by more than SCREEN_SLACK; that is safe only while the stage problem stays within
+    # that factor of the estimate of the plan it decodes to.
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.planner.ilp import InfeasibleStages, balanced_layers, module_sets, solve_fixed
+    from moeplan.planner.problem import layer_table, stage_problem
+    from moeplan.planner.search import SCREEN_SLACK, _choices, _options
+
+    model = load_model(name)
+    cluster = load_cluster("h100", gpus=gpus).model_copy(update={"hbm_gb": hbm})
+    tr = TrainingSpec(seq_len=4096, global_batch_size=512)
+    enum = enumerate_layouts(model, cluster, tr, gpus, SearchSpace(precisions=("bf16",)))
+    cal = calibration_for(None)
+    options = _options("megatron")
+    ratios = []
+    for row in enum.rows[:: max(1, len(enum.rows) // 400)]:
+        if len(ratios) == 12:
+            break
+        layout = Layout(**_layout(row))
+        table = layer_table(model, cluster, tr, layout, cal)
+        built = stage_problem(model, cluster, tr, layout, cal, table, options)
+        P = built.problem
+        try:
+            sol = solve_fixed(P, module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte),
+                              balanced_layers(P))
+        except InfeasibleStages:
+            continue
+        ch = _choices(sol, built.leading_layers, layout.pp, layout.vpp, 0.0,
+                      P.chunk_layers(sol.layers))
+        est = estimate(model, cluster, tr, layout, ch)
+        assert est.fits
+        ratios.append((sol.objective_s + built.constant_s) / est.step_time_s)
+    assert len(ratios) >= 8
+    assert min(ratios) > 1 / SCREEN_SLACK and max(ratios) < SCREEN_SLACK, (min(ratios),
+                                                                        max(ratios))
