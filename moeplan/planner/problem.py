@@ -11,7 +11,7 @@ the balanced layout's values, and the final ranking re-scores every plan with `e
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import layer_costs, layer_imbalances, step_extras
@@ -34,6 +34,13 @@ class LayerTable:
     costs: dict[str, LayerCost]
     keys: list[str]
     imbalance: float
+    groups: dict[str, tuple[Group, ...]] = field(default_factory=dict, compare=False)
+
+    def groups_of(self, name: str) -> tuple[Group, ...]:
+        """`_groups` of one layer kind, built once: every layout of the key reuses it."""
+        if name not in self.groups:
+            self.groups[name] = _groups(self.costs[name])
+        return self.groups[name]
 
     def total_time_s(self, overhead_s: float, mtp_layers: int) -> float:
         """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time."""
@@ -91,7 +98,7 @@ def stage_problem(
         st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
                            moments, L.distributed_optimizer, f)
         return Item(name, _item_time(lc, ovh), lc.fwd_s + ovh, lc.bwd_s + ovh, st.total,
-                    _groups(lc), tuple(sorted(lc.recompute_fwd_s.items())))
+                    table.groups_of(name), tuple(sorted(lc.recompute_fwd_s.items())))
 
     keys = table.keys
     kinds = list(dict.fromkeys(keys))
