@@ -46,10 +46,10 @@ class KernelBackend(Protocol):
         ...
 
 
-_REGISTRY: dict[str, Callable[[], KernelBackend]] = {}
+_REGISTRY: dict[str, Callable[..., KernelBackend]] = {}
 
 
-def register_backend(name: str, factory: Callable[[], KernelBackend]) -> None:
+def register_backend(name: str, factory: Callable[..., KernelBackend]) -> None:
     """Make a backend selectable by name (FP8 backends call this when importable)."""
     _REGISTRY[name] = factory
 
@@ -58,9 +58,10 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str = "torch") -> KernelBackend:
-    """The backend called `name`; NotYetAvailable when this version has none by that name."""
+def get_backend(name: str = "torch", **options: object) -> KernelBackend:
+    """The backend called `name`, built with `options` (e.g. precision="fp8-delayed");
+    NotYetAvailable when this version or machine has none by that name."""
     if name not in _REGISTRY:
-        raise NotYetAvailable(f"kernel backend {name!r} is not available in this version "
+        raise NotYetAvailable(f"kernel backend {name!r} is not available here "
                               f"(available: {', '.join(available_backends())}).")
-    return _REGISTRY[name]()
+    return _REGISTRY[name](**options)

@@ -119,6 +119,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _attend(q, k, v, scale) if cp.trivial else ring_attention(q, k, v, scale, cp)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q kᵀ/√d) v, causal, without parameters: its own module so that the plan's
+    `core_attn` recompute or offload has one place to wrap (`memory.py`)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                cp: Axis) -> torch.Tensor:
+        # q (s, b, a, d), k (s, b, g, d), v (s, b, g, dv) → (s, b, a·dv)
+        return attend(q, k, v, scale, cp)
+
+
 class Attention(nn.Module):
     """GQA/MHA attention: column-parallel q, k, v (heads split over tp), row-parallel output."""
 
@@ -133,6 +143,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(a * d, h, spec.attn_out_bias, out_std, gen, backend)
         self.q_norm = Norm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = Norm(d, spec.norm_eps) if spec.qk_norm else None
+        self.core_attn = CoreAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = gather_seq(x, self.tp)  # (s, b, h)
@@ -143,7 +154,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = self.o_proj(attend(q, k, v, 1.0 / math.sqrt(d), self.cp), bias=False)  # (s, b, h)
+        o = self.o_proj(self.core_attn(q, k, v, 1.0 / math.sqrt(d), self.cp),
+                        bias=False)  # (s, b, h)
         o = scatter_seq(o, self.tp)  # (s/t, b, h)
         return o if self.o_proj.bias is None else o + self.o_proj.bias
 
@@ -175,6 +187,7 @@ class MLAttention(nn.Module):
         self.kv_down_norm = Norm(self.kv_rank, spec.norm_eps)
         self.kv_up = Linear(self.kv_rank, a * (self.nope + self.v_dim), False, std, gen, backend)
         self.o_proj = Linear(a * self.v_dim, h, spec.attn_out_bias, out_std, gen, backend)
+        self.core_attn = CoreAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x (s/t, b, h)
@@ -183,19 +196,28 @@ class MLAttention(nn.Module):
         latent = torch.cat([q_in, self.kv_down_norm(c_kv), k_pe], dim=-1)
         latent = gather_seq(latent, self.tp)  # (s, b, ·): one gather for all latents
         q_in, c_kv, k_pe = latent.split([q_in.shape[-1], self.kv_rank, self.rope_dim], dim=-1)
-        s, b = latent.shape[0], latent.shape[1]
+        q, k, v = self.up_proj(q_in, c_kv, k_pe, *rope)
+        o = self.core_attn(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim),
+                           self.cp)  # (s, b, a/t·v)
+        o = scatter_seq(self.o_proj(o, bias=False), self.tp)  # (s/t, b, h)
+        return o if self.o_proj.bias is None else o + self.o_proj.bias
+
+
+    def up_proj(self, q_in: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Up-projections and RoPE: the latents (s, b, ·) → q, k (s, b, a/t, qk), v (s, b, a/t, v).
+
+        A method of its own: the plan's `mla_up_proj` recompute discards its outputs."""
+        s, b = q_in.shape[0], q_in.shape[1]
         q = (self.q_up(q_in) if self.q_rank else self.q_proj(q_in)).view(
             s, b, -1, self.nope + self.rope_dim)  # (s, b, a/t, qk)
         kv = self.kv_up(c_kv).view(s, b, -1, self.nope + self.v_dim)  # (s, b, a/t, nope+v)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = apply_rope(q_pe, *rope)
-        k_pe = apply_rope(k_pe.unsqueeze(2), *rope).expand(-1, -1, q.shape[2], -1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe], dim=-1)
-        o = attend(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim), self.cp)  # (s, b, a/t·v)
-        o = scatter_seq(self.o_proj(o, bias=False), self.tp)  # (s/t, b, h)
-        return o if self.o_proj.bias is None else o + self.o_proj.bias
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).expand(-1, -1, q.shape[2], -1)
+        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([k_nope, k_pe], dim=-1), v
 
 
 def activation(kind: str, x: torch.Tensor) -> torch.Tensor:

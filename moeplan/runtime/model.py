@@ -205,7 +205,8 @@ class Transformer(nn.Module):
         # x (s/t, b, h) normed, targets (s, b) → per-token losses (s·b,)
         x = gather_seq(x, self.tp)  # (s, b, h)
         weight = self.embedding.weight if self.output is None else self.output  # (V/t, h)
-        logits = self.backend.linear(x, weight)  # (s, b, V/t)
+        # the output layer stays out of FP8 whatever the recipe (as in Megatron)
+        logits = get_backend("torch").linear(x, weight)  # (s, b, V/t)
         return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                             targets.reshape(-1), self.tp,
                                             self.tp.rank * (self.spec.vocab_size // self.tp.size))

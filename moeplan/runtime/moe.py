@@ -31,6 +31,7 @@ from .comm import (
     scatter_v,
 )
 from .layers import MLP, activation, normal_init
+from .memory import recomputing
 
 
 @dataclass
@@ -146,13 +147,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # x (N, h) grouped by local expert, counts (E_local,) → (N, h) (partial over etp)
-        mm = self.backend.grouped_mm
-        up = mm(x, self.w_up, counts)  # (N, f/etp)
-        if self.w_gate is not None:
-            act = activation(self.kind, mm(x, self.w_gate, counts)) * up
-        else:
-            act = activation(self.kind, up)
-        return mm(act, self.w_down, counts)
+        return self.backend.grouped_mm(self.act(*self.fc1(x, counts)), self.w_down, counts)
+
+    # fc1 and act are methods of their own: the plan's `expert_fc1` / `moe_act` offload and
+    # `moe_act` recompute wrap them (memory.py)
+    def fc1(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, h) → up (N, f/etp) and gate (N, f/etp), or up twice without a gate."""
+        up = self.backend.grouped_mm(x, self.w_up, counts)
+        return up, (up if self.w_gate is None else self.backend.grouped_mm(x, self.w_gate,
+                                                                           counts))
+
+    def act(self, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """act(gate) · up (gated), else act(up): (N, f/etp)."""
+        return activation(self.kind, gate) * up if self.w_gate is not None else activation(
+            self.kind, up)
 
 
 class AllToAllDispatcher:
@@ -269,7 +277,8 @@ class MoE(nn.Module):
         tokens = x.reshape(s * b, h)  # (T, h)
         routing = self.router(tokens)
         self.aux_loss = routing.aux_loss
-        self.tokens_per_expert += routing.counts.detach()
+        if not recomputing():  # a recompute in backward must not count the tokens twice
+            self.tokens_per_expert += routing.counts.detach()
         expert_in, counts, ctx = self.dispatcher.dispatch(tokens, routing)
         expert_out = self.experts(expert_in, counts)
         y = self.dispatcher.combine(expert_out, ctx).view(s, b, h).to(x.dtype)

@@ -13,6 +13,15 @@ see only this rank's sequence shard or heads, so their gradients are first summe
 sit at the front of the dense buffer so that is one all-reduce. Under pipeline parallelism the
 last stage may hold a copy of the embedding (tied head, MTP): both copies' gradients are summed
 over the embedding group first, and the copy sits at the end of its buffer, outside the norm.
+
+Optimizer offload (`Choices.optimizer_offload_fraction` = φ, Megatron's
+`--optimizer-offload-fraction`): the first ⌊φ·n⌋ elements of each family's shard keep their fp32
+master weights and Adam moments in host memory and are stepped there by the same AdamW code;
+the gradient slice goes to the host and the updated weights come back. AdamW is elementwise, so
+where the shard is cut cannot change any result; cutting every family's shard at the same
+fraction keeps the host share equal on every data-parallel rank (they step in parallel), and
+cutting by element rather than at parameter boundaries (Megatron's HybridDeviceOptimizer steps
+whole parameters with per-parameter torch optimizers) makes the fraction exact for any model.
 """
 
 from __future__ import annotations
@@ -41,6 +50,42 @@ def lr_at(step: int, t: TrainingSpec) -> float:
 
 
 @dataclass
+class _AdamPart:
+    """fp32 master weights and Adam moments of shard elements [lo, hi), on one device."""
+
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: torch.Tensor
+    offloaded: bool  # stepped by the host path
+
+
+class _Joined(torch.Tensor):
+    """One state read across its host and device parts (for checkpoints); `copy_` writes the
+    parts back, so loading a checkpoint into it restores both."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops return plain tensors
+    parts: list[torch.Tensor]
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:  # type: ignore[override]
+        lo = 0
+        for part in self.parts:
+            part.copy_(src[lo: lo + part.numel()], non_blocking=non_blocking)
+            lo += part.numel()
+        return self
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    out = torch.cat([p.to(parts[-1].device) for p in parts]).as_subclass(_Joined)
+    out.parts = parts
+    return out
+
+
+@dataclass
 class _Family:
     """Parameters sharing one data-parallel group, flattened into one buffer."""
 
@@ -55,11 +100,22 @@ class _Family:
     param_buf: torch.Tensor = field(init=False)
     grad_buf: torch.Tensor = field(init=False)
     shard: slice = field(init=False)
-    master: torch.Tensor = field(init=False)
-    exp_avg: torch.Tensor = field(init=False)
-    exp_avg_sq: torch.Tensor = field(init=False)
     decay: torch.Tensor = field(init=False)
+    parts: list[_AdamPart] = field(default_factory=list)  # host part first, then device part
     grad_shard: torch.Tensor | None = None
+
+    # each state over the whole shard, as the checkpoint reads and writes it
+    @property
+    def master(self) -> torch.Tensor:
+        return _joined([p.master for p in self.parts])
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return _joined([p.exp_avg for p in self.parts])
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return _joined([p.exp_avg_sq for p in self.parts])
 
 
 class DistributedOptimizer:
@@ -67,7 +123,7 @@ class DistributedOptimizer:
     (`distributed=True`) or replicated (`distributed=False`, gradients all-reduced)."""
 
     def __init__(self, model: nn.Module, training: TrainingSpec, groups: ParallelGroups,
-                 distributed: bool = True):
+                 distributed: bool = True, offload_fraction: float = 0.0):
         self.training, self.groups, self.distributed = training, groups, distributed
         named = list(model.named_parameters())
         dense = [(n, p) for n, p in named if not shard_info(p).expert]
@@ -81,9 +137,11 @@ class DistributedOptimizer:
         self.skipped = False
         moments = torch.bfloat16 if training.optimizer_moments_dtype == "bf16" else torch.float32
         for f in self.families:
-            f.master = f.param_buf[f.shard].float().clone()
-            f.exp_avg = torch.zeros_like(f.master, dtype=moments)
-            f.exp_avg_sq = torch.zeros_like(f.master, dtype=moments)
+            n = f.shard.stop - f.shard.start
+            cut = math.floor(offload_fraction * n)
+            for lo, hi, host in ((0, cut, True), (cut, n, False)):
+                if hi > lo:
+                    f.parts.append(self._part(f, lo, hi, host, moments))
 
     # ------------------------------------------------------------------------------ buffers
     def _flatten(self, named: list[tuple[str, nn.Parameter]], axis: Axis,
@@ -122,6 +180,20 @@ class DistributedOptimizer:
         fam.shard = slice(rank * per, (rank + 1) * per)
         fam.decay = decay[fam.shard].clone()
         return fam
+
+    @staticmethod
+    def _part(f: _Family, lo: int, hi: int, host: bool, moments: torch.dtype) -> _AdamPart:
+        """Master and moments of shard elements [lo, hi): on the host (pinned on CUDA), or
+        beside the parameters. On a CPU-only machine the host part is still its own tensors,
+        stepped by the host path."""
+        dev = f.param_buf.device
+        where = torch.device("cpu") if host else dev
+        pin = host and dev.type == "cuda"
+        master = torch.empty(hi - lo, dtype=torch.float32, device=where, pin_memory=pin)
+        master.copy_(f.param_buf[f.shard][lo:hi])
+        zeros = [torch.zeros(hi - lo, dtype=moments, device=where, pin_memory=pin)
+                 for _ in range(2)]
+        return _AdamPart(lo, hi, master, *zeros, decay=f.decay[lo:hi].to(where), offloaded=host)
 
     def zero_grad(self) -> None:
         for f in self.families:
@@ -185,13 +257,17 @@ class DistributedOptimizer:
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
         for f in self.families:
             g = f.grad_shard * clip
-            f.exp_avg.mul_(b1).add_(g.to(f.exp_avg.dtype), alpha=1 - b1)
-            f.exp_avg_sq.mul_(b2).addcmul_(g.to(f.exp_avg.dtype), g.to(f.exp_avg.dtype),
-                                           value=1 - b2)
-            f.master.sub_(f.master * f.decay * (lr * t.weight_decay))  # decoupled decay
-            denom = (f.exp_avg_sq.float() / bc2).sqrt_().add_(t.adam_eps)
-            f.master.addcdiv_(f.exp_avg.float(), denom, value=-lr / bc1)
-            f.param_buf[f.shard].copy_(f.master)
+            host = [(p, _to_host(g[p.lo: p.hi])) for p in f.parts if p.offloaded]  # D2H first
+            for p in f.parts:
+                if not p.offloaded:
+                    _adamw_(p, g[p.lo: p.hi], lr, bc1, bc2, t)
+            if host and g.is_cuda:
+                torch.cuda.current_stream(g.device).synchronize()  # the gradients have landed
+            for p, gh in host:
+                _adamw_(p, gh, lr, bc1, bc2, t)
+            shard = f.param_buf[f.shard]
+            for p in f.parts:
+                shard[p.lo: p.hi].copy_(p.master, non_blocking=True)
             if self.distributed and not f.axis.trivial:
                 dist.all_gather_into_tensor(f.param_buf, f.param_buf[f.shard].clone(),
                                             group=f.axis.group)
@@ -212,6 +288,24 @@ class DistributedOptimizer:
             for name, p, off in zip(f.names, f.params, f.offsets, strict=True):
                 out[name] = full[off: off + p.numel()].view(p.shape).clone()
         return out
+
+
+def _adamw_(p: _AdamPart, g: torch.Tensor, lr: float, bc1: float, bc2: float,
+            t: TrainingSpec) -> None:
+    """AdamW (Loshchilov & Hutter 2019) on one part, in place; g is its clipped gradient."""
+    b1, b2 = t.adam_beta1, t.adam_beta2
+    p.exp_avg.mul_(b1).add_(g.to(p.exp_avg.dtype), alpha=1 - b1)
+    p.exp_avg_sq.mul_(b2).addcmul_(g.to(p.exp_avg.dtype), g.to(p.exp_avg.dtype), value=1 - b2)
+    p.master.sub_(p.master * p.decay * (lr * t.weight_decay))  # decoupled decay
+    denom = (p.exp_avg_sq.float() / bc2).sqrt_().add_(t.adam_eps)
+    p.master.addcdiv_(p.exp_avg.float(), denom, value=-lr / bc1)
+
+
+def _to_host(g: torch.Tensor) -> torch.Tensor:
+    """A gradient slice copied to host memory (pinned and asynchronous on CUDA)."""
+    out = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+    out.copy_(g, non_blocking=True)
+    return out
 
 
 def _is_duplicate(p: torch.Tensor) -> bool:

@@ -3,8 +3,9 @@
 Pipeline splitting happens first, outside (`pipeline.split_stage` keeps this rank's stages);
 then dense TP/SP → EP/ETP (+ dispatcher) → CP → DP (gradient reduction and the distributed
 optimizer, in `optimizer.py`). Each `apply_*` receives only the groups it needs; the model
-blocks read those groups at forward time and never look anything up globally. Recompute and
-offload will slot in between CP and DP as further `apply_*` steps.
+blocks read those groups at forward time and never look anything up globally. Activation
+recompute and offload come between CP and DP (`apply_memory`, in `memory.py`), with the
+module sets the plan gives this rank's pipeline stage.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..specs import Layout
+from ..specs import Choices, Layout
 from .comm import SINGLE, Axis, all_gather_dim0
 from .grid import RankGrid
 from .layers import (
@@ -28,6 +29,7 @@ from .layers import (
     shard_,
     shard_info,
 )
+from .memory import apply_memory
 from .model import Transformer
 from .moe import AllGatherDispatcher, AllToAllDispatcher, GroupedExperts
 
@@ -183,12 +185,17 @@ def apply_cp(model: Transformer, cp: Axis) -> None:
             m.cp = cp
 
 
-def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout) -> Transformer:
+def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout,
+                choices: Choices | None = None) -> Transformer:
     """Shard `model` (already split to this rank's pipeline stages) in place for this rank of
-    `layout`; the DP step is the optimizer's."""
+    `layout`, then recompute / offload what `choices` name for its pipeline rank (stage sets
+    are indexed by pp rank, shared by its virtual stages); the DP step is the optimizer's."""
     apply_tp(model, groups.tp)
     apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher)
     apply_cp(model, groups.cp)
+    if choices is not None:
+        stage = groups.pp.rank
+        apply_memory(model, choices.recompute_for_stage(stage), choices.offload_for_stage(stage))
     return model
 
 

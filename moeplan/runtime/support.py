@@ -26,7 +26,7 @@ def model_features_not_executed(model) -> list[str]:
 
 def features_not_executed(plan: Plan) -> list[str]:
     """Each plan feature this runtime does not execute yet, named for the error message."""
-    L, c, t = plan.layout, plan.choices, plan.training
+    L, c = plan.layout, plan.choices
     out = []
     if L.pp > 1 and plan.model.mtp_layers:
         stages = stage_layout_for(plan.model.num_layers, L.pp, L.vpp, plan.model.mtp_layers,
@@ -38,14 +38,9 @@ def features_not_executed(plan: Plan) -> list[str]:
         out.append("EP communication overlap (ep_overlap)")
     if L.dispatcher == "flex":
         out.append("the flex (DeepEP/HybridEP) dispatcher")
-    if c.recompute or any(c.stage_recompute or []):
-        out.append("activation recompute")
-    if c.offload or any(c.stage_offload or []):
-        out.append("activation offload")
-    if c.optimizer_offload_fraction > 0:
-        out.append("optimizer offload")
-    if t.precision != "bf16":
-        out.append(f"the {t.precision} precision recipe")
+    # activation recompute / offload and optimizer offload run as the choices say (memory.py,
+    # optimizer.py)
+    # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)
     out += model_features_not_executed(plan.model)
     if plan.model.vocab_size % L.tp:
         out.append(f"vocabulary padding (vocab {plan.model.vocab_size} is not divisible by "

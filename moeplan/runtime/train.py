@@ -17,6 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ..kernels import choose_backend
 from ..specs import Plan
 from .comm import all_reduce_
 from .data import MarkovData, TokenData
@@ -63,19 +64,24 @@ class Trainer:
         self.plan, self.groups, self.seed = plan, groups, seed
         self.device = device or torch.device("cpu")
         t, layout = plan.training, plan.layout
-        model = Transformer(plan.model, seed=seed, aux_coeff=t.moe_aux_loss_coeff,
+        # the GEMM backend for the plan's precision recipe on this device (kernels/select.py)
+        self.kernels = choose_backend(t.precision, self.device)
+        model = Transformer(plan.model, seed=seed, backend=self.kernels.backend,
+                            aux_coeff=t.moe_aux_loss_coeff,
                             capacity_factor=t.moe_capacity_factor,
                             mtp_loss_weight=t.mtp_loss_weight)
         self.moe_layer_numbers = model.all_moe_layer_numbers()  # whole model, every stage
         chunks = rank_chunks(plan_stages(plan), layout.pp, groups.pp.rank)
         if layout.pp > 1:  # keep this rank's pipeline stages, then parallelize them
             model = split_stage(model, chunks, layout.pp)
-        self.model = parallelize(model, groups, layout).to(device=self.device, dtype=dtype)
+        self.model = parallelize(model, groups, layout, plan.choices).to(device=self.device,
+                                                                         dtype=dtype)
         for moe in self.model.moe_layers():  # router state stays fp32 (selection, counts)
             if moe.router.expert_bias is not None:
                 moe.router.expert_bias = moe.router.expert_bias.float()
-        self.optimizer = DistributedOptimizer(self.model, t, groups,
-                                              distributed=layout.distributed_optimizer)
+        self.optimizer = DistributedOptimizer(
+            self.model, t, groups, distributed=layout.distributed_optimizer,
+            offload_fraction=plan.choices.optimizer_offload_fraction)
         self.data = (MarkovData if data == "synthetic" else partial(TokenData, data))(
             plan.model.vocab_size, t.seq_len, t.global_batch_size, seed)
         self.tokens_per_step = t.global_batch_size * t.seq_len

@@ -65,6 +65,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                       f"({_layout_str(running)}), {device.type}/{dist.get_backend()}, "
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
                       + (f", resumed at step {start}" if start else ""))
+        console.print(f"kernels: {trainer.kernels.reason}")
     history: list[StepMetrics] = []
     bad, preempted_at = 0, 0
     for step in range(start, opts.steps):
@@ -106,16 +107,21 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    peak = torch.tensor([max(m.peak_mem_gb for m in history)], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([max(m.peak_mem_gb for m in history)], dtype=torch.float64,
+                        device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)  # every rank's peak, in rank order
     if rank0:
         routing = {"layers": [
             {"layer": i, "tokens_per_expert": trainer.routing_totals[j].tolist()}
             for j, i in enumerate(trainer.moe_layer_numbers)  # MTP depth k: layer L + k
         ], "steps": opts.steps}
         (out / "routing.json").write_text(json.dumps(routing, indent=1))
-        summary = _summary(given, running, history, float(peak), device, dtype, opts)
-        summary.update(resumed_from=start, preempted_at=preempted_at)
+        summary = _summary(given, running, history, [float(p) for p in peaks], device, dtype,
+                           opts)
+        summary.update(resumed_from=start, preempted_at=preempted_at,
+                       precision=running.training.precision,
+                       kernel_backend=trainer.kernels.backend.name)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.barrier()
     dist.destroy_process_group()
@@ -192,9 +198,11 @@ def _layout_str(plan: Plan) -> str:
             "optimizer")
 
 
-def _summary(given: Plan, running: Plan, history: list[StepMetrics], peak_gb: float,
+def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: list[float],
              device: torch.device, dtype: torch.dtype, opts: RunOptions) -> dict:
-    """Measured figures (median step after the first) next to the plan's predictions."""
+    """Measured figures (median step after the first) next to the plan's predictions, and
+    their ratios measured/predicted (peak memory: the busiest rank; on CPU it is the process's
+    peak RSS, so the ratio says little there)."""
     steady = history[1:] or history
     step_s = statistics.median(m.step_time_s for m in steady)
     tokens = running.training.global_batch_size * running.training.seq_len
@@ -221,11 +229,20 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peak_gb: fl
             "tokens_per_s_per_gpu": tokens / step_s / world,
             "tflops_per_gpu": running.model.flops_per_token(running.training.seq_len) * tokens
             / step_s / world / 1e12,
-            "peak_mem_gb": peak_gb, "first_loss": history[0].loss, "final_loss": history[-1].loss,
+            "peak_mem_gb": max(peaks_gb), "peak_mem_gb_per_rank": peaks_gb,
+            "first_loss": history[0].loss, "final_loss": history[-1].loss,
         },
         "predicted": predicted,
+        "ratio": None if predicted is None else {
+            "step_time_s": _ratio(step_s, predicted["step_time_s"]),
+            "peak_mem_gb": _ratio(max(peaks_gb), predicted["peak_mem_gb"]),
+        },
         "notes": notes,
     }
+
+
+def _ratio(measured: float, predicted: float) -> float | None:
+    return measured / predicted if predicted > 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:

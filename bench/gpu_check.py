@@ -1,0 +1,117 @@
+"""One-GPU check: a proxy MoE trained in bf16 and torch-native FP8, measured against the h200
+cost model.
+
+Why: the cost model predicts step time, TFLOPS/MFU, peak memory and the FP8 speed-up; this
+measures the same plan on one real GPU (torch and triton only: no Transformer Engine, no
+network, nothing installed) so the prediction can be checked. Each precision runs through
+`moeplan run` (torchrun, NCCL), the same path users take; the plan carries the h200 estimate, so
+summary.json holds measured and predicted figures side by side.
+
+    python bench/gpu_check.py [--steps 12] [--seq 4096] [--gbs 8] [--out DIR]
+
+Prints a markdown table; on a machine without a CUDA GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import moeplan
+from moeplan import Layout, ModelSpec, Plan, TrainingSpec, load_cluster, load_model
+
+PRECISIONS = ("bf16", "fp8-tensorwise")
+
+
+def proxy_model() -> ModelSpec:
+    """A Qwen3-MoE-shaped proxy: 8 layers, hidden 2048, 8 experts (top-2), ≈1 B parameters."""
+    base = load_model("qwen3-30b-a3b")
+    return ModelSpec.model_validate(base.model_copy(update=dict(
+        name="proxy-moe-8e-h2048-l8", num_layers=8, hidden_size=2048, num_attention_heads=16,
+        num_kv_heads=4, head_dim=128, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=2048,
+        vocab_size=32768)).model_dump())
+
+
+def make_plan(precision: str, seq: int, gbs: int) -> Plan:
+    cluster = load_cluster("h200", gpus=1)
+    training = TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=precision)
+    plan = Plan(model=proxy_model(), cluster=cluster, training=training,
+                layout=Layout.build(1, gbs))
+    return plan.model_copy(update={"estimate": moeplan.estimate(plan)})
+
+
+def run(plan: Plan, steps: int, out: Path, timeout_s: float) -> tuple[dict, str]:
+    """`moeplan run` the plan in bf16 weights → (summary.json, the kernels line of the log)."""
+    path = out / f"{plan.training.precision}.json"
+    path.write_text(plan.model_dump_json())
+    run_dir = out / plan.training.precision
+    r = subprocess.run([sys.executable, "-m", "moeplan", "run", str(path), "--steps", str(steps),
+                        "--out", str(run_dir), "--dtype", "bf16"],
+                       capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        raise SystemExit(f"{plan.training.precision} run failed (exit {r.returncode}):\n"
+                         + r.stderr[-4000:])
+    kernels = next((line.strip() for line in r.stderr.splitlines() if "kernels:" in line), "?")
+    return json.loads((run_dir / "summary.json").read_text()), kernels
+
+
+def table(rows: list[tuple[str, dict, str]], peak_bf16: float) -> str:
+    head = ("| precision | kernels | step s meas / pred | TFLOPS/GPU meas / pred | "
+            "MFU (bf16 peak) meas / pred | peak GB meas / pred | final loss |")
+    lines = [head, "|" + "---|" * 7]
+    for precision, s, kernels in rows:
+        m, p = s["measured"], s["predicted"]
+        lines.append(
+            f"| {precision} | {kernels.split(': ', 2)[-1]} | {m['step_time_s']:.3f} / "
+            f"{p['step_time_s']:.3f} | {m['tflops_per_gpu']:.0f} / {p['tflops_per_gpu']:.0f} | "
+            f"{m['tflops_per_gpu'] / peak_bf16:.1%} / {p['tflops_per_gpu'] / peak_bf16:.1%} | "
+            f"{m['peak_mem_gb']:.1f} / {p['peak_mem_gb']:.1f} | {m['final_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--gbs", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=None, help="keep plans and run outputs here")
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="per run")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU on this machine; nothing measured.")
+        return 0
+    name, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    out = a.out or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    out.mkdir(parents=True, exist_ok=True)
+    precisions = PRECISIONS if cap >= (8, 9) else PRECISIONS[:1]
+    rows = []
+    for precision in precisions:
+        summary, kernels = run(make_plan(precision, a.seq, a.gbs), a.steps, out, a.timeout_s)
+        rows.append((precision, summary, kernels))
+    peak_bf16 = load_cluster("h200").peak_tflops("bf16") or float("nan")
+    print(f"## {proxy_model().name} on 1 × {name} (sm_{cap[0]}{cap[1]}), torch "
+          f"{torch.__version__}; seq {a.seq}, gbs {a.gbs}, {a.steps} steps (median after the "
+          f"first); predictions: cost model, cluster preset h200\n")
+    print(table(rows, peak_bf16))
+    if len(rows) == 2:
+        (_, b, _), (_, f, _) = rows
+        meas = b["measured"]["step_time_s"] / f["measured"]["step_time_s"]
+        pred = b["predicted"]["step_time_s"] / f["predicted"]["step_time_s"]
+        print(f"\nFP8 speed-up (bf16 step / fp8-tensorwise step): measured {meas:.2f}×, "
+              f"predicted {pred:.2f}×")
+    else:
+        print(f"\nno FP8 run: torch._scaled_mm needs sm_89 or newer (this GPU is sm_{cap[0]}"
+              f"{cap[1]})")
+    print(f"\nruns in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

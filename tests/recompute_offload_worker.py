@@ -1,0 +1,69 @@
+"""Train multi-rank layouts with and without recompute / offload choices in one gloo world.
+
+Run as `python tests/recompute_offload_worker.py OUT.pt` (from tests/): like
+`equivalence_worker.py`, 4 processes; each layout is trained once without memory choices and
+once with them, and rank 0 saves per-step losses and the first step's full reduced gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from equivalence_worker import free_port, make_plan
+
+WORLD = 4
+STEPS = 2
+MODELS = ("tiny_qwen3_moe", "tiny_deepseek_v3")
+# name → (world, layout axes, choices); the claims are in test_recompute_offload.py
+LAYOUTS: dict[str, tuple[int, dict, dict]] = {
+    "tp2_ep2": (4, {"tp": 2, "ep": 2}, {}),
+    "tp2_ep2_memory": (4, {"tp": 2, "ep": 2}, {
+        "recompute": ["core_attn", "moe_act", "layernorm"],
+        "offload": ["qkv_linear", "attn_proj", "expert_fc1"],
+        "optimizer_offload_fraction": 0.5}),
+    "cp2_dp2_ep2_recompute_moe": (4, {"cp": 2, "ep": 2}, {"recompute": ["moe", "core_attn"]}),
+    "cp2_dp2_ep2": (4, {"cp": 2, "ep": 2}, {}),
+    "pp2_dp2": (4, {"pp": 2}, {}),
+    "pp2_dp2_stages": (4, {"pp": 2}, {
+        "stage_recompute": [["full"], ["moe", "shared_experts", "layernorm"]],
+        "stage_offload": [[], ["attn_norm", "core_attn", "moe_act"]],
+        "optimizer_offload_fraction": 1.0}),
+}
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    from moeplan.runtime.grid import RankGrid
+    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.train import Trainer
+    from moeplan.specs import Choices
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict = {}
+    for name, (world, axes, choices) in LAYOUTS.items():
+        plans = {m: make_plan(m, world, axes).model_copy(update={"choices": Choices(**choices)})
+                 for m in MODELS}
+        groups = build_groups(RankGrid.from_layout(plans[MODELS[0]].layout))
+        for m in MODELS:
+            if groups is None:
+                continue
+            trainer = Trainer(plans[m], groups, seed=1234)
+            losses, grads = [], None
+            for step in range(STEPS):
+                metrics, g = trainer.step(step, capture_grads=step == 0)
+                losses.append(metrics.loss)
+                grads = grads if g is None else g
+            results[(name, m)] = {"losses": losses, "grads": grads}
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(free_port(), sys.argv[1]), nprocs=WORLD)
