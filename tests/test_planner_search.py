@@ -87,13 +87,23 @@ def test_deepseek_v3_on_8_h100_is_infeasible_with_advice():
     assert "Closest" in msg and "GPUs" in msg and "GB" in msg
 
 
-def test_moeplan_target_only_emits_plans_the_runtime_executes():
+@pytest.mark.parametrize(("gpus", "hbm", "precision"), [(16, 80.0, "bf16"),
+                                                         (8, 40.0, "fp8-delayed")])
+def test_moeplan_target_only_emits_plans_the_runtime_executes(gpus, hbm, precision):
+    # the second case is tight on memory, so recompute, offload or optimizer offload must be
+    # chosen: the runtime executes those, and FP8 recipes, now
     from moeplan.runtime.support import features_not_executed
 
-    res = search(load_model("qwen3-30b-a3b"), load_cluster("h100"),
-                 TrainingSpec(seq_len=4096, global_batch_size=64), 16, target="moeplan")
+    cluster = load_cluster("h100").model_copy(update={"hbm_gb": hbm})
+    res = search(load_model("qwen3-30b-a3b"), cluster,
+                 TrainingSpec(seq_len=4096, global_batch_size=64), gpus, target="moeplan",
+                 precision=precision)
     for plan in res.plans:
         assert features_not_executed(plan) == []
+        assert plan.training.precision == precision
+    if hbm < 80:
+        c = res.plans[0].choices
+        assert c.recompute or c.offload or c.stage_recompute or c.optimizer_offload_fraction
 
 
 @pytest.mark.parametrize(("name", "gpus", "hbm"), [("deepseek-v3", 1024, 80.0),

@@ -128,15 +128,14 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    if target == "moeplan":
-        return SearchSpace(precisions=("bf16",), dispatchers=("alltoall", "allgather"),
+    if target == "moeplan":  # no EP overlap, no flex (DeepEP) dispatcher yet
+        return SearchSpace(precisions=precisions, dispatchers=("alltoall", "allgather"),
                            allow_ep_overlap=False)
     return SearchSpace(precisions=precisions)
 
 
 def _options(target: str) -> tuple[str, ...]:
-    if target == "moeplan":
-        return ()
+    """Recompute and offload options: both targets execute every module of SPEC §3."""
     return tuple(RECOMPUTE_MODULES) + tuple(OFFLOAD_PREFIX + o for o in OFFLOAD_MODULES)
 
 
@@ -391,8 +390,7 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     optimizer time cannot beat the best so far; larger fractions are tried only when the plan
     without optimizer offload needed recompute or offload (memory pressure).
     """
-    grid = fractions or ((0.0,) if target == "moeplan" or not options
-                         else OPTIMIZER_OFFLOAD_GRID)
+    grid = fractions or ((0.0,) if not options else OPTIMIZER_OFFLOAD_GRID)
     best: Plan | None = None
     base_const: float | None = None
     fits = skipped = False
