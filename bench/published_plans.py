@@ -49,8 +49,8 @@ def main() -> None:
         key = (lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, lay.dispatcher, lay.ep_overlap,
                tr.precision)
         dummy = SearchResult([], 0, 0, 0, 0.0, Counter())
-        theirs = _solve_layout(model, cluster, tr, lay, cal, table, _options("megatron"), key,
-                               {}, dummy, "megatron")
+        theirs, _ = _solve_layout(model, cluster, tr, lay, cal, table, _options("megatron"), key,
+                                  {}, dummy, "megatron")
         t0 = time.perf_counter()
         res = search(model, cluster, tr, gpus, precision=tr.precision,
                      time_limit_s=args.time_limit)

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import specs as S
-from .errors import InfeasibleError, MoeplanError, NotYetAvailable, SpecError
+from .errors import InfeasibleError, MoeplanError, SpecError
 
 app = typer.Typer(
     name="moeplan",
@@ -169,15 +169,6 @@ def specs_validate(
         kind, name = "model", S.load_model(p).name
     doc = {"valid": True, "kind": kind, "name": name, "path": str(p)}
     emit(doc, as_json, lambda: out.print(f"[green]valid[/] {kind} spec '{name}' ({p})"))
-
-
-# ------------------------------------------------------------------------ not yet available
-def _not_yet(command: str) -> None:
-    raise NotYetAvailable(f"`moeplan {command}` is not yet available in this version; nothing "
-                          "was run. `moeplan specs` works today.")
-
-
-_STUB_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 @app.command()
@@ -599,10 +590,137 @@ def export(
     emit(doc, as_json, render)
 
 
-@app.command(context_settings=_STUB_SETTINGS)
-def calibrate(ctx: typer.Context) -> None:
-    """Measure this machine and write a calibrated ClusterSpec."""
-    _not_yet("calibrate")
+@app.command()
+def calibrate(
+    runs: Annotated[list[str] | None, typer.Argument(
+        metavar="[DIR]...", help="More run directories for --from-runs.")] = None,
+    output: Annotated[str | None, typer.Option(
+        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it).")] = None,
+    quick: Annotated[bool | None, typer.Option(
+        "--quick/--full", help="Small grid, under two minutes (default on CPU) or the full one "
+        "(default on GPU).")] = None,
+    nproc: Annotated[int | None, typer.Option(
+        "--nproc", min=1, help="Processes (devices) to describe and run collectives between "
+        "(default: GPUs present, or min(4, CPU cores) on CPU).")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="Compute dtype the constants describe, as `moeplan run --dtype` "
+        "(default: fp32 on CPU, bf16 on GPU).")] = None,
+    from_runs: Annotated[list[str] | None, typer.Option(
+        "--from-runs", help="Refit constants from these `moeplan run --out` directories "
+        "(or folders holding them) instead of microbenchmarking.")] = None,
+    eval_runs: Annotated[list[str] | None, typer.Option(
+        "--eval", help="With --from-runs: runs predicted with the refit constants but not "
+        "fitted (held out).")] = None,
+    prior_weight: Annotated[float, typer.Option(
+        "--prior-weight", min=0.0, help="With --from-runs: pull of each constant toward its "
+        "starting value (0: plain least squares).")] = 0.05,
+    fit: Annotated[str | None, typer.Option(
+        "--fit", help="With --from-runs: constants to fit, from compute_scale, comm_scale, "
+        "layer_overhead_s, step_overhead_s (default: all four).")] = None,
+    grid: Annotated[str | None, typer.Option("--grid", hidden=True)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine and write a calibrated ClusterSpec, or refit it from measured runs."""
+    if runs and not from_runs:
+        raise SpecError(f"unexpected argument {runs[0]!r}: run directories follow --from-runs "
+                        "(moeplan calibrate --from-runs DIR [DIR ...]).")
+    if from_runs:
+        _calibrate_from_runs([*from_runs, *(runs or [])], eval_runs or [], output,
+                             prior_weight, csv_names(fit), as_json)
+        return
+    if eval_runs:
+        raise SpecError("--eval needs --from-runs (the runs the constants are fitted on).")
+    if dtype not in (None, "fp32", "bf16"):
+        raise SpecError(f"--dtype takes fp32 or bf16, got {dtype!r}.")
+    import os
+
+    import torch
+    import yaml
+
+    from .calibrate import calibrate_machine, write_cluster_yaml
+
+    gpu = torch.cuda.is_available()
+    n = nproc or (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
+    if gpu and n > torch.cuda.device_count():
+        raise SpecError(f"--nproc {n}: only {torch.cuda.device_count()} GPUs are present.")
+    mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
+    if mode not in ("quick", "full", "tiny"):
+        raise SpecError(f"--grid takes quick, full or tiny, got {mode!r}.")
+    name = Path(output).stem if output else "local"
+    doc, report = calibrate_machine(mode, n, dtype, name,
+                                    progress=lambda s: err.print(f"calibrate: {s}",
+                                                                 highlight=False))
+    if output:
+        write_cluster_yaml(doc, output, f" --{mode} on {n} processes")
+        err.print(f"wrote {output} ({report['seconds']['total']:.1f} s)", highlight=False)
+
+    def render() -> None:
+        t = Table(title=f"{doc['gpu']}: {n} devices, {report['dtype']} compute, {mode} grid "
+                  f"({report['seconds']['total']:.1f} s)", show_header=False)
+        t.add_row("peak TFLOPS bf16 / fp32", f"{doc['bf16_tflops']:.4g} / "
+                  f"{doc['fp32_tflops']:.4g}")
+        c = doc["calibration"]
+        arch = doc["architecture"]
+        t.add_row("GEMM eff_max / half_dim", f"{c['gemm_eff_max'][arch]:.3g} / "
+                  f"{c['gemm_half_dim']:.4g}")
+        t.add_row("attention eff fwd / bwd", f"{c['attn_fwd_eff'][arch]:.3g} / "
+                  f"{c['attn_bwd_eff'][arch]:.3g}")
+        t.add_row("memory GB/s (eff)", f"{doc['hbm_tb_s'] * 1e3:.4g} ({c['hbm_eff']:.3g})")
+        t.add_row("link GB/s, α µs", f"{doc['nvlink_gb_s']:.4g}, {doc['nvlink_latency_us']:.4g}"
+                  f" (all-to-all eff {c['a2a_nvlink_eff']:.3g})")
+        t.add_row("overhead per layer / step", f"{c.get('layer_overhead_s', 0) * 1e3:.3g} ms / "
+                  f"{c.get('step_overhead_s', 0) * 1e3:.3g} ms")
+        err.print(t)
+        if not output:
+            sys.stdout.write(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True,
+                                            width=100))
+
+    emit({"cluster": doc, "measured": report}, as_json, render)
+
+
+def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | None,
+                         prior_weight: float, fit: list[str], as_json: bool) -> None:
+    """`moeplan calibrate --from-runs`: refit, report per-run error, write the constants."""
+    from .calibrate import write_cluster_yaml
+    from .calibrate.refit import PARAMS, find_run_dirs, load_run, refit
+
+    fit_runs = [load_run(d) for d in find_run_dirs(paths)]
+    held = [load_run(d) for d in find_run_dirs(eval_paths)] if eval_paths else []
+    res = refit(fit_runs, held, prior_weight, fit or PARAMS)
+    clusters = res.pop("clusters")
+    res["clusters"] = [{"name": c["name"], "calibration": c["calibration"]} for c in clusters]
+    if output:  # one cluster: FILE; several: FILE-STEM-<cluster name>.yaml each
+        base = Path(output)
+        for c in clusters:
+            path = base if len(clusters) == 1 else base.with_name(
+                f"{base.stem}-{c['name']}{base.suffix or '.yaml'}")
+            doc = c["spec"].model_dump(mode="json")
+            doc.update(name=path.stem, num_gpus=None, calibration=c["calibration"])
+            write_cluster_yaml(doc, path, f" --from-runs ({len(fit_runs)} runs)")
+            err.print(f"wrote {path}", highlight=False)
+
+    def pct(x: float) -> str:
+        return f"{x:+.1%}"
+
+    def render() -> None:
+        t = Table("run", "split", "measured s", "before s", "error", "after s", "error",
+                  title="step time, predicted against measured")
+        for r in res["runs"]:
+            t.add_row(Path(r["path"]).name, r["split"], f"{r['measured_s']:.4g}",
+                      f"{r['before_s']:.4g}",
+                      pct(r["before_error"]), f"{r['after_s']:.4g}", pct(r["after_error"]))
+        out.print(t)
+        f = res["fitted"]
+        out.print(f"fitted: compute scale {f['compute_scale']:.3g}, comm scale "
+                  f"{f['comm_scale']:.3g}, layer overhead "
+                  f"{f['layer_overhead_s'] * 1e3:.3g} ms, step overhead "
+                  f"{f['step_overhead_s'] * 1e3:.3g} ms", highlight=False)
+        for split, e in res["mean_abs_log_error"].items():
+            if e["before"] is not None:
+                out.print(f"mean |log error| {split}: {e['before']:.3f} → {e['after']:.3f}",
+                          highlight=False)
+
+    emit(res, as_json, render)
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -7,6 +7,8 @@ import pytest
 from moeplan.cost_models.calibration import default_calibration
 from moeplan.cost_models.compute import (
     adam_step_bytes,
+    attended_keys,
+    attention_head_dim_factor,
     attention_time,
     causal_attention_flops,
     gemm_efficiency,
@@ -58,6 +60,35 @@ def test_attention_time_uses_measured_efficiencies():
     f, b = attention_time(1e15, 989, cal, "hopper")
     assert f == pytest.approx(1e15 / (989e12 * cal.attn_fwd_eff["hopper"]))
     assert b == pytest.approx(2.5e15 / (989e12 * cal.attn_bwd_eff["hopper"]))
+
+
+def test_attended_keys_count_whole_flash_tiles():
+    # causal over the whole range: tiles 0..j for query tile j, (s + B)/2 keys per query
+    assert attended_keys(4096) == pytest.approx((4096 + 128) / 2)
+    # gpt-oss's window of 128: a query tile reaches back 127 keys, into one more tile: 2 tiles
+    assert attended_keys(4096, 128) == 256
+    assert attended_keys(4096, 129) == 256 and attended_keys(4096, 130) == 384
+    assert attended_keys(4096, 1) == 128
+    # a window as long as the sequence is plain causal attention; never more work than causal
+    assert attended_keys(4096, 4096) == attended_keys(4096)
+    assert attended_keys(512, 500) == attended_keys(512)
+
+
+def test_head_dim_factor_by_hand():
+    # [d/(d + D)] / [160/(160 + D)]: d = 64, D = 64 → 0.5 / (160/224) = 0.7
+    assert attention_head_dim_factor(64, 64) == pytest.approx(0.5 * 224 / 160)
+    assert attention_head_dim_factor(160, 64) == pytest.approx(1.0)
+    assert attention_head_dim_factor(256, 64) == 1.0  # capped: the lower bound relies on it
+    assert attention_head_dim_factor(128, 64) < 1.0
+
+
+def test_attention_time_slower_at_small_head_dim():
+    cal = default_calibration()
+    f_ref, b_ref = attention_time(1e15, 989, cal, "hopper")
+    f64, b64 = attention_time(1e15, 989, cal, "hopper", head_dim=64)
+    k = attention_head_dim_factor(64, cal.attn_head_dim_half)
+    assert f64 == pytest.approx(f_ref / k) and b64 == pytest.approx(b_ref / k)
+    assert attention_time(1e15, 989, cal, "hopper", head_dim=160)[0] == pytest.approx(f_ref)
 
 
 def test_membound_and_adam_bytes_by_hand():

@@ -98,3 +98,33 @@ def test_allgather_dispatcher_moves_the_whole_ep_groups_tokens():
     a2a = moe_layer(ctx_for("qwen3-30b-a3b", Layout(dp=8, ep=8)))
     ag = moe_layer(ctx_for("qwen3-30b-a3b", Layout(dp=8, ep=8, dispatcher="allgather")))
     assert ag.ep_s != a2a.ep_s and ag.ep_s > 0
+
+
+def test_sliding_window_layer_prices_the_tiles_its_kernel_computes():
+    # gpt-oss-120b: w = 128, 64 heads of d = 64; a sliding layer's core attention does
+    # 2·128 keys per query (two 128-key tiles), a full layer (s + 128)/2
+    from moeplan.cost_models.compute import attended_keys, attention_time
+
+    c = ctx_for("gpt-oss-120b", Layout(dp=8, ep=8))
+    m, s = c.model, 4096
+    full, swa = dense_layer(c), dense_layer(c, sliding=True)
+    per_key = s * m.num_attention_heads * 2 * (2 * m.head_dim_)  # QKᵀ + PV FLOPs per key
+    f_full = attention_time(per_key * attended_keys(s), c.peak, c.cal, c.arch, m.head_dim_)[0]
+    f_swa = attention_time(per_key * 256, c.peak, c.cal, c.arch, m.head_dim_)[0]
+    assert full.recompute_fwd_s["core_attn"] == pytest.approx(f_full)
+    assert swa.recompute_fwd_s["core_attn"] == pytest.approx(f_swa)
+    # flash attention keeps no s² scores: the window does not change the saved activations
+    assert swa.activation_bytes() == pytest.approx(full.activation_bytes())
+
+
+def test_context_parallel_adds_per_step_corrections():
+    # llama3-8b, s 16384 over cp 2: N = 8192 queries per rank over (s + 128)/2 keys, plus c
+    # per-step fp32 merges of the partial output (read + write, 8 bytes per element)
+    from moeplan.cost_models.compute import attended_keys, attention_time, membound_time
+
+    c = ctx_for("llama3-8b", Layout(cp=2, dp=1), seq=16384)
+    m, s, N = c.model, 16384, 8192
+    a, d = m.num_attention_heads, m.head_dim_
+    core = attention_time(N * attended_keys(s) * a * 2 * (2 * d), c.peak, c.cal, c.arch, d)[0]
+    merge = membound_time(2 * 8 * N * a * d, c.cluster.hbm_tb_s, c.cal)
+    assert dense_layer(c).recompute_fwd_s["core_attn"] == pytest.approx(core + merge)

@@ -53,6 +53,8 @@ class Calibration:
     reserve_gb: float
     # which (architecture, precision) pairs the fit saw, for the confidence label
     calibrated: list[str]
+    # attention efficiency vs head dim: the D of compute.attention_head_dim_factor
+    attn_head_dim_half: float = 64.0
 
     def gemm_eff_max_for(self, cluster: Any) -> float:
         """Peak GEMM efficiency for a cluster: its GPU model's entry, else its architecture's."""

@@ -8,6 +8,8 @@ backward (data gradient + weight gradient). Core attention costs 2·2·s_q·s_kv
 
 from __future__ import annotations
 
+import math
+
 from .calibration import Calibration
 
 BWD_GEMM_FACTOR = 2.0  # dgrad + wgrad, each the forward's FLOPs
@@ -58,18 +60,66 @@ def causal_attention_flops(s_q: float, s_kv: float, heads: float, d_qk: float, d
     """Forward FLOPs of core attention for s_q queries over s_kv keys (per sequence).
 
     2·s_q·s_kv·h·d_qk for QKᵀ plus 2·s_q·s_kv·h·d_v for PV; the causal mask halves it when the
-    queries see the whole key range (Megatron-LM's count).
+    queries see the whole key range (Megatron-LM's count). This is the *model* count behind
+    reported TFLOPS; the time of the kernel follows `attended_keys`.
     """
     f = 2.0 * s_q * s_kv * heads * (d_qk + d_v)
     return f / 2.0 if causal else f
 
 
-def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str
-                   ) -> tuple[float, float]:
+FLASH_BLOCK = 128  # query/key tile of FlashAttention-2/3 and cuDNN fused attention (Dao 2023 §3)
+
+
+def attended_keys(seq_len: float, window: float | None = None, block: int = FLASH_BLOCK
+                  ) -> float:
+    """Mean keys per query whose scores a tiled (flash) attention kernel actually computes.
+
+    FlashAttention-2 (Dao 2023, Algorithm 1 and §3.1) and cuDNN's fused attention walk the key
+    sequence in tiles of `block` and skip only tiles that the mask empties entirely; a tile the
+    mask cuts is computed whole. Causal, full range: query tile j computes tiles 0..j, so
+    n = ⌈s/B⌉ tiles give B²·n(n+1)/2 scores, (s + B)/2 keys per query (s/2 in Megatron's count).
+    Causal sliding window w (keys i−w < j ≤ i, cuDNN ≥ 9.2 / FA2 `window_size`): a query tile
+    reaches back over w − 1 keys, so it touches ⌈(w − 1)/B⌉ + 1 tiles: 2·B = 256 keys per query
+    for gpt-oss's w = 128, twice the w the FLOP count credits (never more than the causal case).
+    """
+    causal = (seq_len + block) / 2.0
+    if window is None or window >= seq_len:
+        return causal
+    tiles = math.ceil((window - 1) / block) + 1
+    return min(float(tiles * block), causal)
+
+
+ATTN_REF_HEAD_DIM = 160.0  # mean of d_qk = 192 and d_v = 128: the REFERENCE cuDNN shapes
+
+
+def attention_head_dim_factor(head_dim: float, half_dim: float) -> float:
+    """Attention kernel efficiency at head dim d relative to the calibrated reference shape:
+    [d/(d + D)] / [d_ref/(d_ref + D)], d_ref = 160 (DeepSeek-V3's MLA, where the attention
+    efficiencies were measured).
+
+    A flash kernel does 4·d FLOPs per score but also a fixed per-score softmax (exp, max,
+    rescale on the CUDA cores, not the tensor cores), so small head dims spend a larger share of
+    each tile off the tensor cores: FlashAttention-3 (Shah et al. 2024, Fig. 5, H100 BF16)
+    reaches ≈ 0.7–0.75 of the d = 128 throughput at d = 64 and ≈ 1.15–1.2 of it at d = 256,
+    which D ≈ 64 reproduces. `half_dim` (D) is a calibration constant. Capped at 1: head dims
+    above the reference keep the measured efficiency, which `estimate.lower_bound` takes as the
+    best any attention kernel reaches.
+    """
+    if head_dim <= 0 or half_dim <= 0:
+        return 1.0
+    return min(1.0, (head_dim / (head_dim + half_dim))
+               / (ATTN_REF_HEAD_DIM / (ATTN_REF_HEAD_DIM + half_dim)))
+
+
+def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str,
+                   head_dim: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
-    (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes)."""
-    fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch])
-    bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch])
+    (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
+    scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given.
+    `flops_fwd` is the work the kernel does (see `attended_keys`), not the model count."""
+    f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
+    fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f)
+    bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f)
     return fwd, bwd
 
 

@@ -26,7 +26,7 @@ from ..specs.model import ModelSpec
 from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
-from .compute import attention_time, gemm_time, lowp_speedup, membound_time
+from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
 
 BF16 = 2
 
@@ -200,9 +200,8 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
     m, L, t = ctx.model, ctx.layout, ctx.layout.tp
     h, a, N, Nsp = m.hidden_size, m.num_attention_heads, ctx.n_tok, ctx.n_sp
-    s_kv = float(ctx.training.seq_len)
-    if sliding and m.sliding_window:
-        s_kv = float(min(m.sliding_window, s_kv))
+    seq = float(ctx.training.seq_len)
+    window = float(m.sliding_window) if sliding and m.sliding_window else None
     if m.attention == "mla":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim  # type: ignore[operator]
         dv, kvr, qr = m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
@@ -225,10 +224,11 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
         qkv_w = (a + 2 * g) * d / t
         down_w = 0
         gemm_in = N * h + N * a * d / t
-    # core attention: N queries (this CP rank's share) over s_kv keys, causal
-    causal_full = s_kv >= ctx.training.seq_len
-    flops = N * s_kv * (a / t) * 2 * (d_qk + d_v) / (2 if causal_full else 1)
-    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch)
+    # core attention: N queries (this CP rank's share; load-balanced CP gives every rank the
+    # same causal share) over the keys a tiled kernel computes: (s + B)/2 causal, ⌈(w−1)/B⌉+1
+    # tiles under a sliding window w (compute.attended_keys), at the head dim's efficiency
+    flops = N * attended_keys(seq, window) * (a / t) * 2 * (d_qk + d_v)
+    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2)
     norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
     gemm_f = down + up + proj
@@ -241,6 +241,14 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     # (the ring overlaps each exchange with the previous block's attention)
     cp = cp_f = cp_b = 0.0
     if L.cp > 1:
+        # each of the c ring steps merges its partial output into an fp32 accumulator with the
+        # softmax-statistics correction (read + write), and backward accumulates dQ and dK/dV in
+        # fp32 per step (Transformer Engine `AttnFuncWithCPAndKVP2P`; Liu et al. 2023, Ring
+        # Attention, Algorithm 1): memory-bound work the single-kernel case does not have
+        corr_f = _mem(ctx, L.cp * 8 * N * (a / t) * d_v)
+        corr_b = _mem(ctx, L.cp * 8 * N * (a / t * d_qk + kv_heads / t * (d_qk + d_v)))
+        core_f, core_b = core_f + corr_f, core_b + corr_b
+        fwd, bwd = fwd + corr_f, bwd + corr_b
         kv_bytes = N * kv_heads / t * (d_qk + d_v) * BF16
         step = C.p2p_time(kv_bytes, not ctx.cp_place.inside_nvlink, ctx.cluster, ctx.cal)
         cp = 3 * (L.cp - 1) * step

@@ -122,7 +122,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
     if target not in TARGETS:
         raise SpecError(f"--target takes {' or '.join(TARGETS)}, got {target!r}.")
     if precision == "auto":
-        precisions = AUTO_PRECISION[cluster.architecture]
+        precisions = AUTO_PRECISION.get(cluster.architecture, ("bf16",))  # e.g. a CPU host
     else:
         if not cluster.supports(precision):
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "

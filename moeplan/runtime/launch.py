@@ -161,6 +161,8 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         if int(joined["WORLD_SIZE"]) != world:
             raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
                             f"has WORLD_SIZE={joined['WORLD_SIZE']}; launch {world} processes.")
+        if joined.get("RANK", "0") == "0":
+            _save_plan(given, out)
         os.environ.update(joined)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -178,6 +180,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         if opts.nnodes > 1 and not opts.rdzv_endpoint:
             raise SpecError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on "
                             "every node).")
+        _save_plan(given, out)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         started = time.time()
@@ -191,6 +194,13 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
             raise RunFailed(code)
     summary_path = out / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+
+
+def _save_plan(plan: Plan, out: Path) -> None:
+    """OUT/plan.json: the plan next to its summary, so `moeplan calibrate --from-runs` can
+    re-predict it (written once every check passed, right before workers start)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(plan.model_dump_json(indent=2))
 
 
 def _run_forwarding_sigterm(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:

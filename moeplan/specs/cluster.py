@@ -16,6 +16,8 @@ PRECISION_PEAK_FIELD = {
 }
 
 BLACKWELL_ONLY = frozenset({"mxfp8", "nvfp4"})
+# efficiency tables keyed by architecture that a CPU host's spec must fill itself
+CPU_CALIBRATION_KEYS = ("gemm_eff_max", "attn_fwd_eff", "attn_bwd_eff")
 
 
 class ClusterSpec(BaseModel):
@@ -29,9 +31,11 @@ class ClusterSpec(BaseModel):
 
     name: str = Field("custom", description="Preset name or file stem.")
     gpu: str = Field(description="GPU model, e.g. 'H100-SXM'.")
-    architecture: Literal["ampere", "hopper", "blackwell"] = Field(
+    architecture: Literal["ampere", "hopper", "blackwell", "cpu"] = Field(
         description="GPU generation; decides which low-precision recipes exist (MXFP8 and NVFP4 "
-        "need Blackwell, FP8 needs Hopper or newer)."
+        "need Blackwell, FP8 needs Hopper or newer). 'cpu': a CPU host measured by `moeplan "
+        "calibrate`, one device per `moeplan run` process; no datasheet, so its calibration "
+        "must carry its own GEMM and attention efficiencies."
     )
     num_gpus: int | None = Field(
         None, gt=0, description="GPUs in the cluster (None: given on the command line by --gpus)."
@@ -39,6 +43,9 @@ class ClusterSpec(BaseModel):
     bf16_tflops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU.")
     fp8_tflops: float | None = Field(None, gt=0, description="Dense FP8 peak (None: no FP8).")
     fp4_tflops: float | None = Field(None, gt=0, description="Dense FP4 peak (None: no FP4).")
+    fp32_tflops: float | None = Field(
+        None, gt=0, description="Dense FP32 GEMM peak (measured by `moeplan calibrate`; the cost "
+        "models price GEMMs against bf16_tflops, so it is for reference).")
     hbm_gb: float = Field(gt=0, description="Usable HBM per GPU, GB (10^9 bytes).")
     hbm_tb_s: float = Field(gt=0, description="HBM bandwidth per GPU, TB/s.")
     nvlink_gb_s: float = Field(gt=0, description="NVLink bandwidth per GPU per direction, GB/s.")
@@ -70,6 +77,16 @@ class ClusterSpec(BaseModel):
                 "nvlink_domain_gpus: must be a multiple of gpus_per_node "
                 f"({self.gpus_per_node}); an NVLink domain is made of whole nodes"
             )
+        if self.architecture == "cpu":
+            missing = [k for k in CPU_CALIBRATION_KEYS
+                       if not isinstance(self.calibration.get(k), dict)
+                       or "cpu" not in self.calibration[k]]
+            if missing:
+                raise ValueError(
+                    f"calibration: a CPU host needs its own {', '.join(missing)} "
+                    "(entries keyed 'cpu'), as the shipped profile has none; write the spec "
+                    "with `moeplan calibrate -o FILE`"
+                )
         return self
 
     def peak_tflops(self, precision: str) -> float | None:

@@ -1,0 +1,248 @@
+"""`moeplan calibrate --from-runs`: refit a few constants from measured `moeplan run` step times.
+
+Each run directory holds `plan.json` (the plan as launched) and `summary.json` (measured against
+predicted). The refit re-predicts the plan that actually ran (scaled down when the run was) under
+candidate constants and minimises Σ (log predicted − log measured)² over the fitted runs with
+Levenberg–Marquardt on the logs of four constants, or those `--fit` names (with a weak pull
+toward their starting values, see `refit`):
+
+  compute_scale    multiplies every GEMM and attention efficiency (gemm_eff_max, attn_*_eff)
+  comm_scale       multiplies every link efficiency (nvlink_eff, scaleout_eff, a2a_*_eff)
+  layer_overhead_s fixed seconds per layer per micro-batch, forward and backward each
+  step_overhead_s  fixed seconds per step
+
+Runs given with `--eval` are predicted with the fitted constants but never fitted: their error
+is the honest one. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..cost_models.calibration import calibration_for
+from ..errors import SpecError
+from ..specs import Plan, load_plan
+
+PARAMS = ("compute_scale", "comm_scale", "layer_overhead_s", "step_overhead_s")
+BOUNDS = {"compute_scale": (1e-3, 1e3), "comm_scale": (1e-3, 1e3),
+          "layer_overhead_s": (1e-7, 10.0), "step_overhead_s": (1e-7, 100.0)}
+PRIOR_WEIGHT = 0.05
+LINK_EFFS = ("nvlink_eff", "scaleout_eff", "a2a_nvlink_eff", "a2a_scaleout_eff")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One measured run: the plan that ran and its median steady step time."""
+
+    path: str
+    plan: Plan
+    measured_step_s: float
+
+
+def find_run_dirs(paths: Sequence[str]) -> list[Path]:
+    """Run directories under each path: the path itself when it holds summary.json, else every
+    directory below it that does."""
+    dirs: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise SpecError(f"--from-runs {p}: no such directory. Pass run directories written "
+                            "by `moeplan run --out DIR` (each holds summary.json and plan.json).")
+        if (p / "summary.json").is_file():
+            dirs.append(p)
+            continue
+        found = sorted(s.parent for s in p.rglob("summary.json")) if p.is_dir() else []
+        if not found:
+            raise SpecError(f"--from-runs {p}: no summary.json in it or below it. Pass run "
+                            "directories written by `moeplan run --out DIR` after the run "
+                            "finished.")
+        dirs += found
+    return dirs
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecError(f"{path}: not readable JSON ({err}). Rerun `moeplan run --out "
+                        f"{path.parent}` or remove the directory from --from-runs.") from None
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    """The plan that ran in `run_dir` and its measured step time, with errors naming the file."""
+    summary_path, plan_path = run_dir / "summary.json", run_dir / "plan.json"
+    summary = _read_json(summary_path)
+    step = summary.get("measured", {}).get("step_time_s") if isinstance(summary, dict) else None
+    if not isinstance(step, (int, float)) or isinstance(step, bool) or not step > 0:
+        raise SpecError(f"{summary_path}: field `measured.step_time_s` is missing or not a "
+                        "positive number. Rerun `moeplan run --out "
+                        f"{run_dir}` to rewrite it, or leave this run out.")
+    if not plan_path.is_file():
+        raise SpecError(f"{run_dir}: no plan.json next to summary.json (runs launched before "
+                        "plans were saved with them). Copy the plan JSON the run used there as "
+                        "plan.json, or rerun it.")
+    plan = load_plan(plan_path)
+    if summary.get("scaled_down"):
+        from ..runtime.launch import RunOptions, prepare_plan
+
+        _, plan = prepare_plan(plan, RunOptions(scale_down=True))
+    return RunRecord(str(run_dir), plan, float(step))
+
+
+def overrides_for(theta: dict[str, float], base: dict[str, Any], cluster: Any
+                  ) -> dict[str, Any]:
+    """Calibration overrides: `base` (the cluster's own) with the fitted constants applied."""
+    cal = calibration_for(base)
+    s = theta["compute_scale"]
+    arch, gpu = cluster.architecture, cluster.gpu
+    out = dict(base)
+    out["gemm_eff_max"] = {**base.get("gemm_eff_max", {}),
+                           **{k: cal.gemm_eff_max[k] * s
+                              for k in sorted({arch, gpu} & cal.gemm_eff_max.keys())}}
+    for key in ("attn_fwd_eff", "attn_bwd_eff"):
+        out[key] = {**base.get(key, {}), arch: getattr(cal, key)[arch] * s}
+    for key in LINK_EFFS:
+        out[key] = getattr(cal, key) * theta["comm_scale"]
+    out["layer_overhead_s"] = theta["layer_overhead_s"]
+    out["step_overhead_s"] = theta["step_overhead_s"]
+    return out
+
+
+def predict(run: RunRecord, overrides: dict[str, Any] | None = None) -> float:
+    """Predicted step seconds of the plan that ran, under `overrides` (None: its cluster's)."""
+    from ..cost_models.estimate import estimate
+
+    p = run.plan
+    cluster = p.cluster.model_copy(update={"calibration": overrides}) if overrides is not None \
+        else p.cluster
+    return estimate(p.model, cluster, p.training, p.layout, p.choices).step_time_s
+
+
+def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: np.ndarray,
+                        lower: np.ndarray, upper: np.ndarray, iters: int = 100,
+                        tol: float = 1e-12) -> np.ndarray:
+    """Minimise ½‖r(x)‖² over the box [lower, upper] (Marquardt 1963, each step projected onto
+    the box), forward-difference Jacobian. A direction the residuals barely see (a constant no
+    run exercises) gets damped, not thrown to infinity."""
+    x, lam = np.clip(x0.astype(float), lower, upper), 1e-2
+    r = residuals(x)
+    cost = float(r @ r)
+    for _ in range(iters):
+        J = np.empty((r.size, x.size))
+        for j in range(x.size):
+            dx = np.zeros_like(x)
+            dx[j] = 1e-5
+            J[:, j] = (residuals(x + dx) - r) / 1e-5
+        A, g = J.T @ J, J.T @ r
+        floor = 1e-6 * max(float(np.max(np.diag(A))), 1e-12)
+        while True:
+            step = np.linalg.solve(A + lam * np.diag(np.maximum(np.diag(A), floor)), -g)
+            x_new = np.clip(x + step, lower, upper)
+            r_new = residuals(x_new)
+            c_new = float(r_new @ r_new)
+            if c_new < cost:
+                x, r, lam = x_new, r_new, max(lam / 3, 1e-9)
+                improved = cost - c_new
+                cost = c_new
+                break
+            lam *= 4
+            if lam > 1e9:
+                return x
+        if improved < tol:
+            break
+    return x
+
+
+def _start(clusters: Sequence[Any]) -> dict[str, float]:
+    """Starting constants: scales 1, overheads the geometric mean of the clusters' own."""
+    cals = [calibration_for(c.calibration) for c in clusters]
+
+    def gmean(key: str) -> float:
+        return float(math.exp(np.mean([math.log(max(getattr(c, key), 1e-6)) for c in cals])))
+    return {"compute_scale": 1.0, "comm_scale": 1.0,
+            "layer_overhead_s": gmean("layer_overhead_s"),
+            "step_overhead_s": gmean("step_overhead_s")}
+
+
+def _cluster_key(cluster: Any) -> str:
+    return cluster.model_dump_json(exclude={"num_gpus"})
+
+
+def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
+          prior_weight: float = PRIOR_WEIGHT, params: Sequence[str] = PARAMS) -> dict[str, Any]:
+    """Fit `params` (a subset of PARAMS; the others keep their starting values) on `fit_runs`;
+    report per-run error before and after, fit and held-out apart.
+
+    Runs may predict for different clusters (e.g. one `moeplan calibrate --nproc W` spec per
+    world size W): the scales multiply each cluster's own efficiencies, the overheads are shared.
+    `prior_weight` w adds w·(log θ − log θ₀) per constant to the residuals (ridge toward the
+    starting constants): a constant the runs barely constrain stays near its measured value
+    instead of running to a bound. w = 0.05: moving a constant e-fold costs as much as a 5 %
+    step-time error on one run.
+
+    → {"fitted": {param: value}, "clusters": [{"name", "spec", "calibration"}], "calibration":
+    the one cluster's overrides (None when several), "runs": [{"path", "split", "measured_s",
+    "before_s", "after_s", "before_error", "after_error"}], "mean_abs_log_error": {"fit":
+    {"before", "after"}, "held-out": {...}}}
+    """
+    if not fit_runs:
+        raise SpecError("--from-runs: no runs to fit. Pass at least one run directory.")
+    specs: dict[str, Any] = {}
+    for r in [*fit_runs, *eval_runs]:
+        specs.setdefault(_cluster_key(r.plan.cluster), r.plan.cluster)
+    start = _start(list(specs.values()))
+    unknown = [k for k in params if k not in PARAMS]
+    if unknown or not params:
+        raise SpecError(f"--fit {','.join(params)}: fit one or more of {', '.join(PARAMS)}.")
+    params = [k for k in PARAMS if k in params]
+    x0 = np.log([start[k] for k in params])
+    y = np.log([r.measured_step_s for r in fit_runs])
+
+    def theta_of(x: np.ndarray) -> dict[str, float]:
+        return {**start, **{k: float(math.exp(v)) for k, v in zip(params, x, strict=True)}}
+
+    def overrides(theta: dict[str, float]) -> dict[str, dict[str, Any]]:
+        return {k: overrides_for(theta, dict(c.calibration), c) for k, c in specs.items()}
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        ov = overrides(theta_of(x))
+        pred = [predict(r, ov[_cluster_key(r.plan.cluster)]) for r in fit_runs]
+        return np.concatenate([np.log(pred) - y, prior_weight * (x - x0)])
+
+    lower = np.log([BOUNDS[k][0] for k in params])
+    upper = np.log([BOUNDS[k][1] for k in params])
+    x = levenberg_marquardt(residuals, x0, lower, upper)
+    theta = theta_of(x)
+    fitted_all = overrides(theta)
+    rows = []
+    for split, runs in (("fit", fit_runs), ("held-out", eval_runs)):
+        for r in runs:
+            before = predict(r)
+            after = predict(r, fitted_all[_cluster_key(r.plan.cluster)])
+            rows.append({"path": r.path, "split": split, "measured_s": r.measured_step_s,
+                         "before_s": before, "after_s": after,
+                         "before_error": before / r.measured_step_s - 1,
+                         "after_error": after / r.measured_step_s - 1})
+
+    def mean_abs_log(split: str, key: str) -> float | None:
+        errs = [abs(math.log(row[key] / row["measured_s"])) for row in rows
+                if row["split"] == split]
+        return float(np.mean(errs)) if errs else None
+
+    clusters = [{"name": c.name, "spec": c, "calibration": fitted_all[k]}
+                for k, c in specs.items()]
+    return {
+        "fitted": theta,
+        "clusters": clusters,
+        "calibration": clusters[0]["calibration"] if len(clusters) == 1 else None,
+        "runs": rows,
+        "mean_abs_log_error": {s: {"before": mean_abs_log(s, "before_s"),
+                                   "after": mean_abs_log(s, "after_s")}
+                               for s in ("fit", "held-out")},
+    }

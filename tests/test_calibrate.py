@@ -1,0 +1,231 @@
+"""`moeplan calibrate`: real microbenchmarks and collectives on a tiny grid, the spec they write,
+the `--calibration` overlay, and `--from-runs` refits (recovering known constants; bad input)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from moeplan.calibrate.fit import GemmSample, fit_collective, fit_gemm_curve, gemm_shape_factor
+from moeplan.calibrate.refit import PARAMS, RunRecord, overrides_for, predict, refit
+from moeplan.specs import ClusterSpec, Layout, Plan, TrainingSpec, load_cluster, load_model
+
+from .conftest import DATA
+
+MODEL = str(DATA / "tiny_qwen3_moe.yaml")
+EST = ["--model", MODEL, "--gpus", "2", "--seq", "64", "--gbs", "8", "--ep", "2", "--json"]
+
+
+@pytest.fixture(scope="module")
+def local_yaml(tmp_path_factory):
+    """One real `moeplan calibrate` on the tiny grid over 2 processes (gloo), shared by tests."""
+    from .conftest import run_cli
+
+    path = tmp_path_factory.mktemp("cal") / "local.yaml"
+    r = run_cli("calibrate", "--grid", "tiny", "--nproc", "2", "-o", str(path), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return path
+
+
+def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
+    doc = yaml.safe_load(local_yaml.read_text())
+    spec = ClusterSpec.model_validate(doc)
+    assert spec.architecture == "cpu" and spec.gpus_per_node == 2
+    assert spec.bf16_tflops > 0 and spec.fp32_tflops and spec.hbm_tb_s > 0
+    cal = spec.calibration
+    assert cal["gemm_eff_max"]["cpu"] > 0 and cal["gemm_half_dim"] > 0
+    assert cal["attn_fwd_eff"]["cpu"] > 0 and cal["layer_overhead_s"] > 0
+    assert spec.nvlink_gb_s > 0 and spec.nvlink_latency_us >= 0   # from the gloo collectives
+    assert "collectives" in spec.sources
+    r = cli("specs", "validate", str(local_yaml))
+    assert r.returncode == 0, r.stderr
+    r = cli("estimate", "--cluster", str(local_yaml), *EST)
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    assert est["step_time_s"] > 0 and est["confidence"]["label"] == "calibrated"
+
+
+def test_calibration_overlay_moves_the_prediction_the_expected_way(local_yaml, cli, tmp_path):
+    doc = yaml.safe_load(local_yaml.read_text())
+    slow = dict(doc["calibration"])
+    slow["layer_overhead_s"] = doc["calibration"]["layer_overhead_s"] * 10 + 0.01
+    slow["step_overhead_s"] = doc["calibration"]["step_overhead_s"] + 1.0
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump({"calibration": slow}))
+
+    def step(*extra: str) -> float:
+        r = cli("estimate", *EST, *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["step_time_s"]
+
+    base = step("--cluster", str(local_yaml))
+    assert step("--cluster", str(local_yaml), "--calibration", str(path)) > base + 1.0
+    # the measured constants onto a GPU preset: the preset's overheads give way to the host's
+    h100 = step("--cluster", "h100")
+    shipped = load_cluster("h100")
+    over = load_cluster("h100", None, local_yaml)
+    assert over.calibration["step_overhead_s"] == doc["calibration"]["step_overhead_s"]
+    moved = step("--cluster", "h100", "--calibration", str(local_yaml))
+    assert moved != h100 and shipped.bf16_tflops == over.bf16_tflops
+
+
+def test_cpu_cluster_without_its_own_efficiencies_is_refused_by_name(local_yaml, cli, tmp_path):
+    doc = yaml.safe_load(local_yaml.read_text())
+    del doc["calibration"]["attn_bwd_eff"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    r = cli("specs", "validate", str(bad))
+    assert r.returncode == 2 and "attn_bwd_eff" in r.stderr and "moeplan calibrate" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------- fits, derivable
+def test_gemm_curve_fit_recovers_the_constants_it_was_built_from():
+    shapes = [(m, k, n) for m in (8, 32, 128, 512) for n in (16, 256) for k in (64, 1024)]
+    samples = [GemmSample(m, k, n, 2.0 * 0.6 * gemm_shape_factor(m, k, n, 96.0))
+               for m, k, n in shapes]
+    eff, half, err = fit_gemm_curve(samples, peak_tflops=2.0)
+    assert eff == pytest.approx(0.6, rel=1e-3) and half == pytest.approx(96.0, rel=1e-2)
+    assert err < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+                                  "p2p"])
+def test_alpha_beta_fit_inverts_the_cost_model_forms(kind):
+    n, alpha, beta = 4, 20e-6, 5e9
+    steps = {"all_gather": (n - 1, (n - 1) / n), "reduce_scatter": (n - 1, (n - 1) / n),
+             "all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+             "all_to_all": (1 + math.log2(n), (n - 1) / n), "p2p": (1, 1)}[kind]
+    sizes = [1e3, 1e5, 1e6, 1e7]
+    times = [steps[0] * alpha + steps[1] * s / beta for s in sizes]
+    ab = fit_collective(kind, n, sizes, times)
+    assert ab.alpha_us == pytest.approx(20.0, rel=1e-6)
+    assert ab.beta_gb_s == pytest.approx(5.0, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- --from-runs
+CPU_CLUSTER = {
+    "name": "host", "gpu": "test-cpu", "architecture": "cpu", "bf16_tflops": 0.5,
+    "fp32_tflops": 0.1, "hbm_gb": 8, "hbm_tb_s": 0.02, "nvlink_gb_s": 1.0,
+    "nvlink_domain_gpus": 4, "gpus_per_node": 4, "scaleout_gb_s": 1.0,
+    "nvlink_latency_us": 100.0, "scaleout_latency_us": 100.0, "host_memory_gb": 8,
+    "host_link_gb_s": 20.0,
+    "calibration": {"gemm_eff_max": {"cpu": 0.2}, "gemm_half_dim": 8.0,
+                    "attn_fwd_eff": {"cpu": 0.05}, "attn_bwd_eff": {"cpu": 0.05},
+                    "layer_overhead_s": 5e-4, "step_overhead_s": 2e-3},
+}
+TRUE = {"compute_scale": 0.7, "comm_scale": 0.4, "layer_overhead_s": 1.5e-3,
+        "step_overhead_s": 0.02}
+LAYOUTS = [  # (model, world, gbs, seq, axes): different layer counts, micro-batches and sizes
+    ("tiny_qwen3_moe", 1, 4, 64, {}),
+    ("tiny_qwen3_moe", 2, 8, 128, {"ep": 2}),
+    ("tiny_deepseek_v3", 2, 4, 64, {"pp": 2}),
+    ("tiny_dense_tied", 1, 16, 256, {}),
+    ("tiny_dense_tied", 2, 2, 32, {"tp": 2}),
+    ("tiny_qwen3_moe", 4, 8, 64, {"tp": 2, "ep": 2}),
+]
+
+
+def _plans() -> list[Plan]:
+    cluster = ClusterSpec.model_validate(CPU_CLUSTER)
+    out = []
+    for name, world, gbs, seq, axes in LAYOUTS:
+        t = TrainingSpec(seq_len=seq, global_batch_size=gbs)
+        out.append(Plan(model=load_model(DATA / f"{name}.yaml"),
+                        cluster=cluster.with_gpus(world), training=t,
+                        layout=Layout.build(world, gbs, **axes)))
+    return out
+
+
+def _write_runs(root, plans: list[Plan], theta: dict[str, float]) -> list:
+    """Run directories whose measured step time is the cost model's under `theta`."""
+    dirs = []
+    for i, plan in enumerate(plans):
+        rec = RunRecord(f"r{i}", plan, 1.0)
+        truth = predict(rec, overrides_for(theta, plan.cluster.calibration, plan.cluster))
+        d = root / f"run{i}"
+        d.mkdir()
+        (d / "plan.json").write_text(plan.model_dump_json())
+        (d / "summary.json").write_text(json.dumps({"scaled_down": False, "measured": {
+            "step_time_s": truth}, "predicted": None}))
+        dirs.append(d)
+    return dirs
+
+
+def test_refit_recovers_known_constants_and_reports_held_out_runs_apart(tmp_path):
+    plans = _plans()
+    dirs = _write_runs(tmp_path, plans, TRUE)
+    from moeplan.calibrate.refit import load_run
+
+    res = refit([load_run(d) for d in dirs[:5]], [load_run(dirs[5])], prior_weight=0.0)
+    for k in PARAMS:
+        assert res["fitted"][k] == pytest.approx(TRUE[k], rel=1e-3), k
+    held = [r for r in res["runs"] if r["split"] == "held-out"]
+    assert len(held) == 1 and abs(held[0]["after_error"]) < 1e-3
+    assert abs(held[0]["before_error"]) > 0.05            # the starting constants were off
+    assert res["mean_abs_log_error"]["fit"]["after"] < 1e-4
+
+
+def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path, cli):
+    dirs = _write_runs(tmp_path, _plans(), TRUE)
+    out = tmp_path / "refit.yaml"
+    r = cli("calibrate", "--from-runs", *map(str, dirs[:5]), "--eval", str(dirs[5]),
+            "-o", str(out), "--prior-weight", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert {row["split"] for row in doc["runs"]} == {"fit", "held-out"}
+    spec = ClusterSpec.model_validate(yaml.safe_load(out.read_text()))
+    assert spec.calibration["step_overhead_s"] == pytest.approx(0.02, rel=1e-3)
+    held = json.loads((dirs[5] / "summary.json").read_text())["measured"]["step_time_s"]
+    r = cli("estimate", str(dirs[5] / "plan.json"), "--calibration", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step_time_s"] == pytest.approx(held, rel=1e-3)
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
+                                  "no_plan", "eval_without_from_runs", "unknown_constant"])
+def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path, cli):
+    d = tmp_path / "run"
+    d.mkdir()
+    args = ["calibrate", "--from-runs", str(d)]
+    named = str(d)
+    if case == "missing_dir":
+        args[-1] = named = str(tmp_path / "nowhere")
+    elif case == "malformed":
+        (d / "summary.json").write_text("{not json")
+        named = "summary.json"
+    elif case == "no_step":
+        (d / "summary.json").write_text(json.dumps({"measured": {}}))
+        named = "measured.step_time_s"
+    elif case == "no_plan":
+        (d / "summary.json").write_text(json.dumps({"measured": {"step_time_s": 0.1}}))
+        named = "plan.json"
+    elif case == "unknown_constant":
+        dirs = _write_runs(tmp_path, _plans()[:1], TRUE)
+        args = ["calibrate", "--from-runs", str(dirs[0]), "--fit", "gemm_scale"]
+        named = "compute_scale"
+    elif case == "eval_without_from_runs":
+        args = ["calibrate", "--eval", str(d)]
+        named = "--from-runs"
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert named in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 6     # one wrapped paragraph
+
+
+def test_a_real_run_leaves_its_plan_and_refits_from_it(local_yaml, cli, tmp_path):
+    """calibrate → estimate → run → --from-runs: the run directory holds plan.json."""
+    plan, run = tmp_path / "plan.json", tmp_path / "run"
+    r = cli("estimate", "--cluster", str(local_yaml), "--model", MODEL, "--gpus", "1", "--seq",
+            "32", "--gbs", "2", "-o", str(plan), "--json")
+    assert r.returncode == 0, r.stderr
+    r = cli("run", str(plan), "--steps", "3", "--out", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "plan.json").read_text())["layout"]["tp"] == 1
+    r = cli("calibrate", "--from-runs", str(run), "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)["runs"][0]
+    assert row["split"] == "fit" and abs(row["after_error"]) <= abs(row["before_error"])
