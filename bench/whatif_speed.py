@@ -6,6 +6,7 @@ distinct point once, cheapest first. The per-point times show where the sweep's 
 which is the planner's own speed (see "Planner search speed" in docs/BENCHMARKS.md).
 
     python bench/whatif_speed.py                       # the issue's 3 × 5 sweep, no time limit
+    python bench/whatif_speed.py --workers 1           # the same in one process
     python bench/whatif_speed.py --time-limit 30       # the same under an overall 30 s limit
 """
 
@@ -27,11 +28,13 @@ def main() -> None:
     ap.add_argument("--gpus", default="64,128,256,512,1024")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes searching points (0: one per core, the default)")
     args = ap.parse_args()
     counts = [int(x) for x in args.gpus.split(",")]
     t0 = time.perf_counter()
     res = whatif(args.model, args.clusters, counts, seqs=[args.seq], tokens=15e12,
-                 time_limit_s=args.time_limit,
+                 time_limit_s=args.time_limit, workers=args.workers,
                  progress=lambda m: print(m, file=sys.stderr, flush=True))
     total = time.perf_counter() - t0
     print(f"{'cluster':10s} {'GPUs':>5s} {'search s':>9s} {'tok/s/GPU':>10s} {'days':>7s}  note")
@@ -42,7 +45,7 @@ def main() -> None:
     print(f"total {total:.1f} s for {len(res.points)} points "
           f"(load average {os.getloadavg()[0]:.1f})")
     print(json.dumps({"seconds": round(total, 2), "points": len(res.points),
-                      "time_limit_s": args.time_limit,
+                      "time_limit_s": args.time_limit, "workers": args.workers,
                       "per_point_s": [round(p.search_seconds, 2) for p in res.points],
                       "stopped_early": sum(p.stopped_early for p in res.points),
                       "fits": sum(p.fits for p in res.points)}))
