@@ -50,7 +50,7 @@ def main() -> None:
                tr.precision)
         dummy = SearchResult([], 0, 0, 0, 0.0, Counter())
         theirs, _ = _solve_layout(model, cluster, tr, lay, cal, table, _options("megatron"), key,
-                                  {}, dummy, "megatron")
+                                  {}, dummy)
         t0 = time.perf_counter()
         res = search(model, cluster, tr, gpus, precision=tr.precision,
                      time_limit_s=args.time_limit)

@@ -309,7 +309,7 @@ def search(
             break
         layout, tr, key = row_setup(idx)
         plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
-                                     sets_cache, result, target, balanced=True,
+                                     sets_cache, result, balanced=True,
                                      lb_pipe=float(lb[idx]), cutoff=kth())
         if status == "infeasible":
             pruned["memory_milp"] += 1
@@ -334,7 +334,7 @@ def search(
         k = next(i for i, e in enumerate(best) if -e[1] == idx)
         screened = best[k][2]
         plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
-                                sets_cache, result, target, lb_pipe=float(lb[idx]),
+                                sets_cache, result, lb_pipe=float(lb[idx]),
                                 fractions=(screened.choices.optimizer_offload_fraction,))
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             continue
@@ -374,7 +374,7 @@ def _least_memory(model: ModelSpec, options: tuple[str, ...], ep_overlap: bool) 
 
 def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   layout: Layout, cal: Calibration, table: LayerTable, options: tuple[str, ...],
-                  key: tuple, sets_cache: dict, result: SearchResult, target: str,
+                  key: tuple, sets_cache: dict, result: SearchResult,
                   balanced: bool = False, lb_pipe: float = 0.0, cutoff: float = math.inf,
                   fractions: tuple[float, ...] | None = None) -> tuple[Plan | None, str]:
     """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
