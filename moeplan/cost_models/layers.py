@@ -128,6 +128,9 @@ class Context:
     cp_place: C.GroupPlacement
     ep_place: C.GroupPlacement
     etp_place: C.GroupPlacement
+    # per-context results shared by the layer kinds (the attention block of a dense, an MoE and
+    # an MTP layer is the same one)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_tok(self) -> float:  # N: tokens per CP rank per micro-batch
@@ -198,6 +201,13 @@ class _Attn:
 
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
+    key = ("attention", sliding)
+    if key not in ctx.memo:
+        ctx.memo[key] = _attention_block(ctx, sliding)
+    return ctx.memo[key]
+
+
+def _attention_block(ctx: Context, sliding: bool) -> _Attn:
     m, L, t = ctx.model, ctx.layout, ctx.layout.tp
     h, a, N, Nsp = m.hidden_size, m.num_attention_heads, ctx.n_tok, ctx.n_sp
     seq = float(ctx.training.seq_len)
