@@ -17,8 +17,10 @@ Transformer Models", Table 2) re-derived per tensor for SwiGLU, GQA, MLA and fla
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..specs.cluster import ClusterSpec
 from ..specs.layout import Layout
@@ -29,6 +31,7 @@ from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
 
 BF16 = 2
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -199,15 +202,23 @@ class _Attn:
     gemm_fwd: float
 
 
+def _per_context(fn: Callable[..., T]) -> Callable[..., T]:
+    """Compute once per context and arguments: a dense, an MoE and an MTP layer share their
+    attention block, and the MTP module repeats the last layer and the loss head."""
+
+    @functools.wraps(fn)
+    def cached(ctx: Context, *args: object, **kwargs: object) -> T:
+        key = (fn.__name__, args, tuple(sorted(kwargs.items())))
+        if key not in ctx.memo:
+            ctx.memo[key] = fn(ctx, *args, **kwargs)
+        return ctx.memo[key]
+
+    return cached
+
+
+@_per_context
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
-    key = ("attention", sliding)
-    if key not in ctx.memo:
-        ctx.memo[key] = _attention_block(ctx, sliding)
-    return ctx.memo[key]
-
-
-def _attention_block(ctx: Context, sliding: bool) -> _Attn:
     m, L, t = ctx.model, ctx.layout, ctx.layout.tp
     h, a, N, Nsp = m.hidden_size, m.num_attention_heads, ctx.n_tok, ctx.n_sp
     seq = float(ctx.training.seq_len)
@@ -296,6 +307,7 @@ def _ffn(ctx: Context, tokens: float, ffn: float, shard: int, count: float = 1.0
     return g, act, fc1, out
 
 
+@_per_context
 def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
     """A decoder layer with a dense MLP (Megatron's first_k_dense layers, dense models)."""
     at = attention_block(ctx, sliding)
@@ -339,6 +351,7 @@ def _dispatch_time(ctx: Context, token_bytes: float) -> float:
     return C.all_to_all_time(k * token_bytes, p, ctx.cluster, ctx.cal)
 
 
+@_per_context
 def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> LayerCost:
     """A decoder layer with an MoE block: router, dispatch (EP all-to-all, ETP all-gather),
     grouped expert GEMMs over the tokens each local expert receives, combine, shared experts.
@@ -412,6 +425,7 @@ def embedding_layer(ctx: Context) -> LayerCost:
                   0.0)
 
 
+@_per_context
 def loss_layer(ctx: Context, heads: int = 1) -> LayerCost:
     """Final norm, output layer (N×h by h×V/t GEMM, BF16 in Megatron's FP8 recipes) and
     vocab-parallel cross-entropy, for `heads` output heads (the main one; MTP adds its own
