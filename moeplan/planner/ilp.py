@@ -328,17 +328,21 @@ def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """HiGHS prints a banner on stdout; `--json` promises stdout holds only the document."""
+def _quiet_solver() -> Iterator[None]:
+    """HiGHS prints a banner on stdout even with `msg=False`; `--json` promises stdout holds
+    only the document, and the banner tells a user nothing, so stdout goes to /dev/null for
+    the solve (its outcome is read from the status, never from the log)."""
     sys.stdout.flush()
     saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(devnull, 1)
         yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(devnull)
 
 
 def solver() -> pulp.LpSolver:
@@ -354,7 +358,7 @@ COARSE_SETS = 8  # sets per rank in the first of the two MILPs for larger proble
 def _solve(P: StageProblem, C: ModuleSets, cand: list[list[int]],
            layers: Sequence[int] | None) -> StageSolution:
     lp, v = build(P, C, cand, layers)
-    with _stdout_to_stderr():
+    with _quiet_solver():
         lp.solve(solver())
     if pulp.LpStatus[lp.status] != "Optimal":
         raise InfeasibleStages(pulp.LpStatus[lp.status])
