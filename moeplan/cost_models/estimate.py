@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..specs.cluster import ClusterSpec
@@ -131,22 +132,32 @@ def _layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, Layer
                                                                     list[str]]:
     """Cost of every distinct layer kind, and the key of each decoder layer."""
     m = ctx.model
-    moe, sliding = m.moe_layers(), m.sliding_layers()
-    cache: dict[str, LayerCost] = {}
-    keys = []
-    for i in range(m.num_layers):
-        imb = round(imbalances[i], 4)
-        key = f"{'moe' if moe[i] else 'dense'}{'-swa' if sliding[i] else ''}" + (
-            f"@{imb}" if moe[i] and imb != 1.0 else "")
-        if key not in cache:
-            cache[key] = (moe_layer(ctx, sliding[i], imb) if moe[i]
-                          else dense_layer(ctx, sliding[i]))
-        keys.append(key)
+    keys, kinds = _layer_kinds(tuple(m.moe_layers()), tuple(m.sliding_layers()),
+                               tuple(imbalances))
+    cache: dict[str, LayerCost] = {
+        key: moe_layer(ctx, sliding, imb) if moe else dense_layer(ctx, sliding)
+        for key, moe, sliding, imb in kinds}
     cache["E"] = embedding_layer(ctx)
     cache["L"] = loss_layer(ctx)
     if m.mtp_layers:
         cache["m"] = mtp_layer(ctx, imbalances[-1])
-    return cache, keys
+    return cache, list(keys)
+
+
+@lru_cache(maxsize=64)
+def _layer_kinds(moe: tuple[bool, ...], sliding: tuple[bool, ...], imbalances: tuple[float, ...]
+                 ) -> tuple[tuple[str, ...], tuple[tuple[str, bool, bool, float], ...]]:
+    """The key of each decoder layer ("dense", "moe-swa", "moe@1.3", ...) and each distinct
+    kind once: a function of the model's layer pattern only, so a search of thousands of
+    layouts derives it once."""
+    keys, kinds = [], {}
+    for is_moe, swa, imb in zip(moe, sliding, imbalances, strict=True):
+        imb = round(imb, 4)
+        key = f"{'moe' if is_moe else 'dense'}{'-swa' if swa else ''}" + (
+            f"@{imb}" if is_moe and imb != 1.0 else "")
+        kinds.setdefault(key, (key, is_moe, swa, imb))
+        keys.append(key)
+    return tuple(keys), tuple(kinds.values())
 
 
 def layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost], list[str]]:
