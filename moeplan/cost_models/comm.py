@@ -60,11 +60,6 @@ def usable_domain(cluster: ClusterSpec, world: int) -> int:
     return node
 
 
-def domain_of_ranks(cluster: ClusterSpec, world: int) -> np.ndarray:
-    """NVLink-domain id per rank (rank r sits on GPU r: the launcher's order)."""
-    return np.asarray(_topology_key(world, cluster.gpus_per_node, usable_domain(cluster, world)))
-
-
 def _grid(layout: Layout, expert: bool) -> tuple[list[str], list[int]]:
     """Axis names and sizes, fastest-varying first, of the attention or expert grid."""
     L = layout
