@@ -11,15 +11,13 @@ losses of every run to DIR/losses.json.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from equivalence_worker import free_port, init_world
 
 WORLD, STEPS, SAVE_AT = 4, 6, 3
 DATA = Path(__file__).parent / "data"
@@ -43,9 +41,7 @@ def worker(rank: int, port: int, root: str) -> None:
     from moeplan.runtime.storage import newest_checkpoint
     from moeplan.runtime.train import Trainer
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_world(rank, port, WORLD)
     data, ckpt = str(Path(root) / "tokens.bin"), Path(root) / "ckpt"
     plans = {k: make_plan(a) for k, a in PLANS.items()}
     groups = {k: build_groups(RankGrid.from_layout(p.layout)) for k, p in plans.items()}
@@ -78,12 +74,6 @@ def worker(rank: int, port: int, root: str) -> None:
         (Path(root) / "losses.json").write_text(json.dumps(losses))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths and a CLI runner that goes through the real entry point."""
+"""Shared test fixtures: paths, a CLI runner that goes through the real entry point, and the
+runner of the spawned-world worker scripts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     """Run `moeplan ARGS` as a user would (a fresh process), capturing both streams."""
     return subprocess.run([sys.executable, "-m", "moeplan", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_world(script: str, arg: Path) -> None:
+    """Run a spawned-world worker (`python tests/SCRIPT ARG`), failing with its stderr."""
+    proc = subprocess.run([sys.executable, str(TESTS / script), str(arg)], capture_output=True,
+                          text=True, timeout=600, cwd=TESTS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -51,36 +52,55 @@ def make_plan(model: str, world: int, axes: dict):
                 layout=Layout.build(world, 8, **axes))
 
 
-def worker(rank: int, port: int, out: str) -> None:
+def models_for(axes: dict) -> list[str]:
+    """The models a layout trains: the dense one only where no expert axis is split."""
+    moe_axes = axes.get("ep", 1) > 1 or axes.get("etp", 1) > 1
+    return [m for m in MODELS if not (moe_axes and m in DENSE)]
+
+
+def init_world(rank: int, port: int, world: int) -> None:
+    """One thread per rank (2 cores here) and a gloo group over the spawned processes."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def train_layouts(rank: int, port: int, world: int, out: str,
+                  layouts: Iterable[tuple[str, dict]], steps: int) -> None:
+    """Train each (name, {model: plan}) for `steps` steps in one spawned world; rank 0 saves,
+    per (name, model), the per-step losses and step times, the first step's full reduced
+    gradients, the last grad norm and each pipeline rank's time blocked on receives."""
     from moeplan.runtime.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_world(rank, port, world)
     results: dict = {}
-    for name, (world, axes) in LAYOUTS.items():
-        moe_axes = axes.get("ep", 1) > 1 or axes.get("etp", 1) > 1
-        models = [m for m in MODELS if not (moe_axes and m in DENSE)]
-        plans = {m: make_plan(m, world, axes) for m in models}
-        groups = build_groups(RankGrid.from_layout(plans[models[0]].layout))
-        for m in models:
+    for name, plans in layouts:
+        groups = build_groups(RankGrid.from_layout(next(iter(plans.values())).layout))
+        for m, plan in plans.items():
             if groups is None:
                 continue
-            trainer = Trainer(plans[m], groups, seed=1234)
+            trainer = Trainer(plan, groups, seed=1234)
             losses, times, grads = [], [], None
-            for step in range(STEPS):
+            for step in range(steps):
                 metrics, g = trainer.step(step, capture_grads=step == 0)
                 losses.append(metrics.loss)
                 times.append(metrics.step_time_s)
                 grads = grads if g is None else g
+            waits = None if trainer.pipeline is None else trainer.pipeline.stats.history
             results[(name, m)] = {"losses": losses, "step_time_s": times, "grads": grads,
-                                  "grad_norm": metrics.grad_norm}
+                                  "grad_norm": metrics.grad_norm, "pipeline_wait": waits}
         dist.barrier()
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    layouts = ((name, {m: make_plan(m, world, axes) for m in models_for(axes)})
+               for name, (world, axes) in LAYOUTS.items())
+    train_layouts(rank, port, WORLD, out, layouts, STEPS)
 
 
 def free_port() -> int:

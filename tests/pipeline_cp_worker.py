@@ -7,13 +7,10 @@ gradients and each pipeline rank's time blocked on receives.
 
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from equivalence_worker import DENSE, MODELS, free_port, make_plan
+from equivalence_worker import free_port, make_plan, models_for, train_layouts
 
 WORLD = 8
 STEPS = 3
@@ -30,34 +27,9 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
-    from moeplan.runtime.train import Trainer
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    results: dict = {}
-    for name, (world, axes) in LAYOUTS.items():
-        moe_axes = axes.get("ep", 1) > 1 or axes.get("etp", 1) > 1
-        models = [m for m in MODELS if not (moe_axes and m in DENSE)]
-        plans = {m: make_plan(m, world, axes) for m in models}
-        groups = build_groups(RankGrid.from_layout(plans[models[0]].layout))
-        for m in models:
-            if groups is None:
-                continue
-            trainer = Trainer(plans[m], groups, seed=1234)
-            losses, grads = [], None
-            for step in range(STEPS):
-                metrics, g = trainer.step(step, capture_grads=step == 0)
-                losses.append(metrics.loss)
-                grads = grads if g is None else g
-            waits = None if trainer.pipeline is None else trainer.pipeline.stats.history
-            results[(name, m)] = {"losses": losses, "grads": grads, "pipeline_wait": waits}
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    layouts = ((name, {m: make_plan(m, world, axes) for m in models_for(axes)})
+               for name, (world, axes) in LAYOUTS.items())
+    train_layouts(rank, port, WORLD, out, layouts, STEPS)
 
 
 if __name__ == "__main__":

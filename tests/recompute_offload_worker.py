@@ -7,13 +7,10 @@ once with them, and rank 0 saves per-step losses and the first step's full reduc
 
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from equivalence_worker import free_port, make_plan
+from equivalence_worker import free_port, make_plan, train_layouts
 
 WORLD = 4
 STEPS = 2
@@ -36,33 +33,12 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
-    from moeplan.runtime.train import Trainer
     from moeplan.specs import Choices
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    results: dict = {}
-    for name, (world, axes, choices) in LAYOUTS.items():
-        plans = {m: make_plan(m, world, axes).model_copy(update={"choices": Choices(**choices)})
-                 for m in MODELS}
-        groups = build_groups(RankGrid.from_layout(plans[MODELS[0]].layout))
-        for m in MODELS:
-            if groups is None:
-                continue
-            trainer = Trainer(plans[m], groups, seed=1234)
-            losses, grads = [], None
-            for step in range(STEPS):
-                metrics, g = trainer.step(step, capture_grads=step == 0)
-                losses.append(metrics.loss)
-                grads = grads if g is None else g
-            results[(name, m)] = {"losses": losses, "grads": grads}
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    layouts = ((name, {m: make_plan(m, world, axes).model_copy(
+                    update={"choices": Choices(**choices)}) for m in MODELS})
+               for name, (world, axes, choices) in LAYOUTS.items())
+    train_layouts(rank, port, WORLD, out, layouts, STEPS)
 
 
 if __name__ == "__main__":

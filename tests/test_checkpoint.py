@@ -31,7 +31,7 @@ from moeplan.runtime.launch import RunOptions, check_resume
 from moeplan.runtime.storage import check_token_file, complete_steps, newest_checkpoint
 from moeplan.specs import load_plan
 
-from .conftest import TESTS
+from .conftest import run_cli, run_world
 from .test_run_cli import write_plan
 
 STEPS = 24  # the end-to-end runs; the tiny model takes ~0.1 s a step
@@ -125,9 +125,7 @@ def saved(tmp_path_factory) -> Path:
     """A world-4 run saved at step 3 under tp2·ep4, resumed under it, ep2·etp2 and pp2·vpp2·tp2;
     and one saved at step 3 under pp2·vpp2·tp2, resumed under it and under tp2·ep4."""
     root = tmp_path_factory.mktemp("ckpt_world4")
-    proc = subprocess.run([sys.executable, str(TESTS / "checkpoint_worker.py"), str(root)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_world("checkpoint_worker.py", root)
     return root
 
 
@@ -254,9 +252,8 @@ def launch(tmp_path_factory) -> dict:
             "straight": last_per_step(root / "straight" / "metrics.jsonl")}
 
 
-def moeplan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moeplan", *args], capture_output=True,
-                          text=True, timeout=timeout)
+def moeplan(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, timeout=300)
 
 
 @pytest.mark.slow

@@ -8,13 +8,10 @@ back to full size) equal to the reference's.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from .conftest import TESTS
+from .conftest import run_world
 
 MODELS = ["tiny_qwen3_moe", "tiny_deepseek_v3"]
 ALL_MODELS = [*MODELS, "tiny_dense_tied"]
@@ -23,9 +20,7 @@ ALL_MODELS = [*MODELS, "tiny_dense_tied"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("equivalence") / "results.pt"
-    proc = subprocess.run([sys.executable, str(TESTS / "equivalence_worker.py"), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_world("equivalence_worker.py", out)
     return torch.load(out)
 
 

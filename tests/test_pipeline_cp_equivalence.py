@@ -10,22 +10,17 @@ layout here runs Megatron's balanced uneven layout (E, L and MTP counted as a la
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from .conftest import TESTS
+from .conftest import run_world
 from .test_equivalence import ALL_MODELS, MODELS, assert_matches_reference
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_cp") / "results.pt"
-    proc = subprocess.run([sys.executable, str(TESTS / "pipeline_cp_worker.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=TESTS)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_world("pipeline_cp_worker.py", out)
     return torch.load(out)
 
 

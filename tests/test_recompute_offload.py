@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,7 +32,7 @@ from moeplan.specs import (
     load_model,
 )
 
-from .conftest import DATA, TESTS
+from .conftest import DATA, run_world
 from .equivalence_worker import make_plan
 from .test_run_cli import ESTIMATE
 
@@ -212,9 +210,7 @@ def test_on_cuda_recompute_and_offload_lower_max_memory_allocated():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("recompute_offload") / "results.pt"
-    proc = subprocess.run([sys.executable, str(TESTS / "recompute_offload_worker.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=TESTS)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_world("recompute_offload_worker.py", out)
     return torch.load(out)
 
 

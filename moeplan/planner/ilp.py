@@ -241,6 +241,23 @@ def pareto(v: np.ndarray) -> np.ndarray:
     return np.array(sorted(front), dtype=np.int64)
 
 
+def fixed_on_rank(P: StageProblem, C: ModuleSets, r: int, cs: np.ndarray | slice = slice(None)
+                  ) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """What the items fixed on rank r add, per module set in `cs`: Σ n·Δt_ic and Σ n·ψ_s·k_ic,
+    and their constant time and static bytes Σ n·t_i and Σ n·w_i (the (time) and (memory)
+    rows of the formulation, without the repeated layer)."""
+    ft = np.zeros(len(C.add_time[cs]))
+    fk = np.zeros(len(ft))
+    t0 = m0 = 0.0
+    for s in range(r, P.stages, P.pp):
+        for i, n in P.fixed[s]:
+            ft += n * C.add_time[cs, i]
+            fk += n * P.inflight[s] * C.kept[cs, i]
+            t0 += n * P.items[i].time_s
+            m0 += n * P.items[i].static_bytes
+    return ft, fk, t0, m0
+
+
 def rank_sets(P: StageProblem, C: ModuleSets, r: int, layers: float | None = None) -> list[int]:
     """Indices of the module sets worth considering on rank r.
 
@@ -251,12 +268,7 @@ def rank_sets(P: StageProblem, C: ModuleSets, r: int, layers: float | None = Non
     (smaller; exact only at that count).
     """
     ell = P.layer_item
-    ft = np.zeros(len(C.sets))
-    fk = np.zeros(len(C.sets))
-    for s in range(r, P.stages, P.pp):
-        for i, n in P.fixed[s]:
-            ft += n * C.add_time[:, i]
-            fk += n * P.inflight[s] * C.kept[:, i]
+    ft, fk, _, _ = fixed_on_rank(P, C, r)
     if layers is None:
         v = np.stack([C.add_time[:, ell], C.kept[:, ell], ft, fk], axis=1)
     else:
@@ -269,7 +281,7 @@ def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
           layers: Sequence[int] | None = None) -> tuple[pulp.LpProblem, dict]:
     """The MILP of the module docstring over the candidate sets of each rank; `layers` fixes
     X_r. Returned with its variables for decoding."""
-    S, R = P.stages, P.pp
+    R = P.pp
     lp = pulp.LpProblem("stage_choices", pulp.LpMinimize)
     U = P.free_layers
     if layers is not None:
@@ -288,15 +300,7 @@ def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
         zr = [z[r, int(c)] for c in cs]
         lp += Aff([(v, 1.0) for v in zr]) == 1, f"choice_{r}"
         # per-set coefficients of this rank's fixed items, and their constant parts
-        zt, zm = np.zeros(len(cs)), np.zeros(len(cs))
-        t0 = m0 = 0.0
-        for s in range(r, S, R):
-            for i, n in P.fixed[s]:
-                it = P.items[i]
-                zt += n * C.add_time[cs, i]
-                zm += n * P.inflight[s] * C.kept[cs, i]
-                t0 += n * it.time_s
-                m0 += n * it.static_bytes
+        zt, zm, t0, m0 = fixed_on_rank(P, C, r, cs)
         psi = P.mean_inflight(r)
         dt_l, k_l = C.add_time[cs, ell], psi * C.kept[cs, ell]
         time_terms: list[tuple[pulp.LpVariable, float]] = []
@@ -386,13 +390,9 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
     choice: list[int] = []
     for r in range(P.pp):
         x = int(layers[r])
-        t = x * (lay.time_s + C.add_time[:, ell])
-        m = x * (lay.static_bytes + P.mean_inflight(r) * C.kept[:, ell])
-        for s in range(r, P.stages, P.pp):
-            for i, n in P.fixed[s]:
-                it = P.items[i]
-                t = t + n * (it.time_s + C.add_time[:, i])
-                m = m + n * (it.static_bytes + P.inflight[s] * C.kept[:, i])
+        ft, fk, t0, m0 = fixed_on_rank(P, C, r)
+        t = x * (lay.time_s + C.add_time[:, ell]) + ft + t0
+        m = x * (lay.static_bytes + P.mean_inflight(r) * C.kept[:, ell]) + fk + m0
         ok = np.flatnonzero(m <= P.budget_bytes[r] * (1 + 1e-9))
         if not len(ok):
             raise InfeasibleStages(f"rank {r} does not fit with any module set")
@@ -445,14 +445,9 @@ def useful_sets(P: StageProblem, C: ModuleSets, cand: list[list[int]]) -> list[l
     out = []
     for r in range(P.pp):
         cs = np.array(sorted(cand[r]), dtype=np.int64)  # ascending: ties go to the smaller set
-        ft, fk = np.zeros(len(cs)), np.zeros(len(cs))
-        for s in range(r, P.stages, P.pp):
-            for i, n in P.fixed[s]:
-                it = P.items[i]
-                ft += n * (it.time_s + C.add_time[cs, i])
-                fk += n * (it.static_bytes + P.inflight[s] * C.kept[cs, i])
-        t = np.round(X * (lay.time_s + C.add_time[cs, ell]) + ft, 12)  # (U+1, |cs|)
-        m = X * (lay.static_bytes + P.mean_inflight(r) * C.kept[cs, ell]) + fk
+        ft, fk, t0, m0 = fixed_on_rank(P, C, r, cs)
+        t = np.round(X * (lay.time_s + C.add_time[cs, ell]) + ft + t0, 12)  # (U+1, |cs|)
+        m = X * (lay.static_bytes + P.mean_inflight(r) * C.kept[cs, ell]) + fk + m0
         ok = m <= P.budget_bytes[r] * (1 + 1e-9)
         fastest = np.argmin(np.where(ok, t, np.inf), axis=1)[ok.any(axis=1)]
         out.append(sorted(set(cs[fastest].tolist())))

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..errors import InfeasibleError, SpecError
@@ -339,14 +340,10 @@ def search_cost(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int) -> 
     return (model.total_params() * 18 / (gpus * cluster.hbm_gb * 1e9), seq)
 
 
-_PROCESS_CACHE: list[SearchCache] = []
-
-
+@lru_cache(maxsize=1)
 def _process_cache() -> SearchCache:
     """The cache a worker process shares over its points (the pool lives for one sweep)."""
-    if not _PROCESS_CACHE:
-        _PROCESS_CACHE.append(SearchCache())
-    return _PROCESS_CACHE[0]
+    return SearchCache()
 
 
 def k_of(pt: Point) -> tuple:

@@ -14,6 +14,7 @@ characters above per virtual stage), so a plan means the same split everywhere.
 from __future__ import annotations
 
 import re
+from itertools import groupby
 
 from ..errors import SpecError
 
@@ -63,29 +64,16 @@ def format_stage_layout(stages: Stages) -> str:
     """The shortest plain form Megatron accepts: runs as `t*n`, repeated stages as `(..|)*n`."""
 
     def one(stage: list[str]) -> str:
-        out, i = [], 0
-        while i < len(stage):
-            j = i
-            while j < len(stage) and stage[j] == stage[i]:
-                j += 1
-            n = j - i
-            out.append(stage[i] * n if n <= 2 else f"{stage[i]}*{n}")
-            i = j
-        return "".join(out)
+        return "".join(k * n if n <= 2 else f"{k}*{n}" for k, n in _runs(stage))
 
-    parts = [one(st) for st in stages]
-    text, i = [], 0
-    while i < len(parts):
-        j = i
-        while j < len(parts) and parts[j] == parts[i]:
-            j += 1
-        n = j - i
-        if n >= 3:
-            text.append(f"({parts[i]}|)*{n},")
-        else:
-            text.extend(p + "|" for p in parts[i:j])
-        i = j
+    text = [f"({part}|)*{n}," if n >= 3 else (part + "|") * n
+            for part, n in _runs([one(st) for st in stages])]
     return "".join(text).rstrip("|,")
+
+
+def _runs(items: list[str]) -> list[tuple[str, int]]:
+    """Consecutive equal items as (item, count)."""
+    return [(k, len(list(g))) for k, g in groupby(items)]
 
 
 def balanced_stage_layout(num_layers: int, num_stages: int, mtp_layers: int = 0) -> Stages:
