@@ -57,96 +57,100 @@ def _pct(v: list[float]) -> str:
     return f"{100 * sum(v) / len(v):.1f}%" if v else "–"
 
 
-# MAPE of the previous revision (the cost models and profile of commit 3b41af7, as its report
+# MAPE of the previous revision (the cost models and profile of commit cbb2962, as its report
 # printed them), for the "What changed" comparison.
-PREVIOUS = {"held-out": 16.3, "held-out, tokens/s published directly": 16.8,
-            "held-out, gpt-oss-120b excluded (see gaps)": 12.8, "fit (not evidence)": 16.0,
-            "all": 16.1}
-PREVIOUS_FAMILY = {"deepseek-v3": 18.1, "gpt-oss-120b": 47.4, "gpt3-175b": 16.5, "kimi-k2": 2.9,
-                   "llama3-405b": 7.7, "llama3-70b": 4.5, "llama3-8b": 11.0,
-                   "mixtral-8x22b": 22.5, "mixtral-8x7b": 6.3, "qwen2-57b-a14b": 12.1,
-                   "qwen3-235b-a22b": 11.4, "qwen3-30b-a3b": 19.8}
+PREVIOUS = {"held-out": 15.5, "held-out, tokens/s published directly": 16.0,
+            "held-out, gpt-oss-120b excluded (see gaps)": 13.0, "fit (not evidence)": 15.5,
+            "all": 15.5}
+PREVIOUS_FAMILY = {"deepseek-v3": 17.6, "gpt-oss-120b": 37.2, "gpt3-175b": 16.0, "kimi-k2": 4.2,
+                   "llama3-405b": 10.2, "llama3-70b": 5.4, "llama3-8b": 9.0,
+                   "mixtral-8x22b": 18.6, "mixtral-8x7b": 9.8, "qwen2-57b-a14b": 14.3,
+                   "qwen3-235b-a22b": 9.4, "qwen3-30b-a3b": 20.8}
 
 CHANGES = """## What changed
 
 Against the previous revision (held-out MAPE in the last column of the tables above and below):
 
-- **Attention time counts the work the kernel does.** FlashAttention-2/3 and cuDNN's fused
-  attention compute whole 128-key tiles and skip only tiles the mask empties, so a causal query
-  computes (s + 128)/2 keys and a sliding-window query ⌈(w − 1)/128⌉ + 1 tiles: 256 keys for
-  gpt-oss-120b's w = 128, not 128 (`compute.attended_keys`). Reported TFLOPS keep Megatron's
-  count (`ModelSpec.flops_per_token` is unchanged); only the time follows the tiles.
-- **Attention efficiency depends on the head dim** (`compute.attention_head_dim_factor`):
-  [d/(d + 64)] / [160/(160 + 64)] relative to the DeepSeek-V3 shapes the efficiencies were
-  measured on, capped at 1; D = 64 reproduces FlashAttention-3's d = 64 vs 128 vs 256
-  throughput and is a fixed prior, not fitted. d = 128 runs at 0.93 of the measured efficiency,
-  gpt-oss's d = 64 at 0.70.
-- **Context-parallel ring attention** adds the per-step fp32 merge of partial outputs and
-  softmax statistics forward and the dQ/dK/dV accumulation backward (memory-bound, c steps per
-  layer; Transformer Engine's P2P context parallelism).
-- **Sliding-window activation memory is unchanged on purpose**: flash attention keeps q, k, v,
-  the output and the softmax statistics, none of which depends on the window.
-- **The fit** now sweeps until no constant moves, then tries each constant together with a
-  ±0.05 shift of every peak GEMM efficiency (the previous three sweeps stopped in a worse local
-  minimum: the current code with the previous profile scores better on the fit rows than three
-  sweeps from the priors); `gemm_half_dim`'s grid goes past 512, where the previous fit
-  stopped at its edge, and the peak GEMM efficiencies move in steps of 0.025 instead of 0.05.
-  Same fit rows, same objective (mean |log error| per row), held-out rows unread. The refit
-  moves the GEMM constants together (`gemm_half_dim` 384 → 768, a stronger shape penalty on
-  thin GEMMs, with peak efficiencies re-balanced: H100 0.8 → 0.925, GB300 0.85 → 0.9, B200
-  and GB200 0.7 → 0.65–0.675; FP8 gain 0.7 → 0.8, MXFP8 0.7 → 0.9).
-- **Tried and not adopted:** weighting each configuration once in the fit objective (a
-  configuration re-published in four releases counts four times otherwise). It fits its own
-  objective to 0.148 and gives 16.2% held-out MAPE; it is not used because the MAPE above
-  weighs rows, and a re-publication is also evidence that a figure was reproducible.
-- **Assessed and left alone:** grouped-GEMM size (every published MoE row gives each expert
-  ≥ 1,024 tokens per micro-batch; the shape curve already prices each expert's GEMM at its own
-  m, n and k, with the fitted `gemm_half_dim`) and the per-layer launch overhead (fitted at 0.2 ms per layer pass). A launch-bound gpt-oss
-  would need ≈ 28 ms of host time per layer and micro-batch on GB200 in BF16 (its whole
-  measured time), while Qwen3-30B-A3B, a similar MoE layer over the same 16,384 tokens per
-  micro-batch in the same releases, takes 12.9 ms in all.
+- **Settings a row's source documents but the row does not print.** From release 26.06 on,
+  Megatron-Bridge's MXFP8 recipes for MoE models on Blackwell run the experts through the fused
+  CuTe-DSL grouped MLP (grouped GEMM + SwiGLU + quantisation; Megatron-Bridge issue #2885, moved
+  to and enabled in 26.06). The recipe variants that set it (`FP8_MX` in
+  `scripts/performance/configs/*/*_workload_base_configs.py`) also set `moe_a2a_overlap` and the
+  HybridEP flex dispatcher. Those rows are now priced with EP overlap and the flex dispatcher
+  (`moeplan.validation.recipe_settings`). This covers every MoE MXFP8 row from a Megatron-Bridge
+  release ≥ 26.06 on a Blackwell GPU, in both splits. A layout Megatron refuses the overlap for
+  (pp > 1 without virtual stages) keeps the defaults. The fused MLP itself is not modelled
+  apart from the overlap.
+- **The profile was refitted** on the same fit rows, with the same objective and grid, held-out
+  rows unread. It moved the GEMM constants together again: `gemm_half_dim` 768 → 384, peak
+  efficiency H100 0.925 → 0.775, GB300 0.9 → 0.75, B300 0.575 → 0.525, GB200 and B200
+  0.675/0.65 → 0.65. It also moved FP8 gain 0.8 → 0.9, NVFP4 gain 0.4 → 0.5, `tp_exposed`
+  0.5 → 0.3 and the per-layer launch overhead 0.2 → 0.5 ms. Mean |log error| on the fit rows
+  went 0.143 → 0.129.
+- **Effect on the late-release MoE rows.** Re-published configurations no longer straddle one
+  prediction:
+  - Qwen3-30B-A3B and Qwen3-235B-A22B at 26.06–26.08: from −23…−35% to −8…+2%.
+  - DeepSeek-V3 on GB300 at 26.06–26.08: from −30…−32% to −13…−17%. Its recipe also runs FP8
+    attention, which is not modelled.
+  - Two rows went the other way (see gaps):
+    - gpt-oss-120b MXFP8: from +10…+14% to +30…+41%.
+    - Kimi-K2's 26.06 row (R0053): from +2% to +34%. It was published at MBS 2, the shape of
+      the earlier recipe, whose current MXFP8 variant is MBS 1. The rule goes by release, not
+      by row, so this row is left as a miss rather than special-cased.
+- **Not done:** reading the other recipe settings (recompute modules, dispatcher, overlap) from
+  the current config files into rows of earlier releases. The files are one snapshot, and the
+  settings cannot be dated. For example, DeepSeek-V3's GB200 MXFP8 recipe now sets EP overlap,
+  yet its 26.02–26.04.01 rows are within 2–8% without it.
+- **Kept from earlier revisions:**
+  - Attention is timed by the 128-key tiles a flash kernel computes (`compute.attended_keys`).
+  - Attention efficiency depends on head dim (`compute.attention_head_dim_factor`, a
+    FlashAttention-3 prior).
+  - Context-parallel ring merge cost.
+  - The fit runs to convergence on the fit rows only.
 """.splitlines()
 
 ASSUMPTIONS = """## Assumptions and known gaps
 
 - Published layouts are taken as printed; missing vpp/cp/mbs mean 1, a missing etp means 1
   (or tp when etp = 1 breaks a rule), dp is derived. Unpublished settings take moeplan's
-  defaults: alltoall dispatcher, no EP overlap, no recompute, distributed optimizer.
+  defaults (alltoall dispatcher, no EP overlap, no recompute, distributed optimizer), except
+  the documented 26.06 MXFP8 MoE recipe rule above.
 - Rows whose notes say Megatron-FSDP (FSDP=N>0), FSDP2, ZeRO-3 or FSDP-only are skipped, as are
   fine-tuning rows and a row its source flags as a performance regression.
-- Megatron-Bridge tables re-publish the same configuration across releases that got faster;
-  moeplan has no notion of software release, so such groups scatter around one prediction. The
-  spread is large for MoE models: Qwen3-30B-A3B on 8 GB200 at MXFP8 (one layout) is published
-  at 26.1–26.4k tokens/s/GPU in releases 26.02–26.02.01 and at 39.9–41.0k in 26.06–26.08, on
-  8 GB300 at 30.4–31.7k and 44.5k; DeepSeek-V3 on 256 GB300 (PP2 VPP8 EP32) at 4.6–5.0k
-  (MBS 2, 26.02–26.04.01) and 6.3–6.4k (MBS 1, 26.06–26.08). The profile sits between them, so
-  the latest-release MoE rows are under-predicted by about 30% and the oldest over-predicted.
+- Megatron-Bridge tables re-publish the same configuration across releases. Apart from the
+  26.06 MoE recipe change above, moeplan has no notion of software release, so such groups
+  scatter around one prediction. The scatter reaches ±10% for some groups: Qwen3-235B-A22B on
+  256 B300 (PP8 EP8, MBS 2) is published at 4.9k tokens/s/GPU in 26.04 and at 5.9k in
+  26.04.01, with the same layout.
 - Long-context rows with context parallelism (Mixtral-8x22B at 16K–128K) are over-predicted,
   increasingly with sequence length. For the MoE Parallel Folding rows (tokens derived from
   MFU with the `full` convention recorded for them) the error grows like the ratio of the
-  `full` to the `causal_halved` FLOP count at each length (+18% against 1.13 at 16K, +25–29%
-  against 1.22 at 32K, +32% against 1.37 at 64K, +35–52% against 1.54 at 128K), which points
+  `full` to the `causal_halved` FLOP count at each length (+15% against 1.13 at 16K, +23%
+  against 1.22 at 32K, +28% against 1.37 at 64K, +33–49% against 1.54 at 128K), which points
   at the convention: the one NeMo row of this kind that publishes both
   (R0324, Mixtral-8x22B at 64K, recorded `full`) has TFLOPS/tokens equal to the `causal_halved`
   count within 0.1%. The data file is left as published; R0324 itself is scored on its
   published tokens/s and is still over-predicted by about a third.
-- gpt-oss-120b is over-predicted in BF16 by 13–73% while its MXFP8 rows are within about 15%.
-  No per-row physics reconciles the two: on the same 64 GB200, EP64, MBS 4 layout BF16 runs at
-  15.8–16.6k and MXFP8 at 28.7–28.9k tokens/s/GPU (1.75×), but a block-scaled recipe speeds up
-  only the GEMMs and by at most the 2× peak ratio, so BF16 GEMMs would have to be ≥ 86% of the
-  BF16 step, against ≈ 60% in the model, which prices attention, memory-bound work and the
-  NVLink all-to-all from their measured rates. The BF16 rows are from releases 25.11–26.04.01,
-  the MXFP8 rows from 26.06–26.08, which run the experts through cuDNN-frontend's fused
-  block-scaled grouped GEMM + GLU kernels: in the one release where that kernel's backward
-  regressed tenfold (26.06.01, cudnn-frontend issue 256; the row is skipped) MXFP8 gpt-oss ran
-  at 20.3k tokens/s/GPU on GB300, next to BF16's 19.3k. Against the other MoE models of the same
-  late releases (DeepSeek-V3 and Qwen3 on Blackwell under-predicted by 20–35%), gpt-oss's MXFP8
-  rows are over-predicted by 10–14%, so gpt-oss runs ≈ 1.5× slower than the model in both
-  precisions: a gpt-oss-specific cost (its biased, clamped SwiGLU experts and sink attention
-  outside the fused kernels are the candidates) that the published data cannot separate from
-  release effects. An unfused (s²-materialising) attention for the sinks is ruled out by
-  memory: at MBS 4 the saved probabilities alone would take 8.6 GB per layer, 310 GB for 36.
-  The sliding-window layers are priced at the tiles their kernels compute (see What changed).
+- gpt-oss-120b is over-predicted in every precision and on every GPU: BF16 by 18–72% (H100
+  included) and MXFP8 by 30–41% now that its 26.06 recipe's EP overlap is priced. No per-row
+  physics reconciles its BF16 and MXFP8 rows. On the same 64 GB200, EP64, MBS 4 layout, BF16
+  runs at 15.8–16.6k tokens/s/GPU and MXFP8 at 28.7–28.9k (1.75×). But a block-scaled recipe
+  speeds up only the GEMMs, and by at most the 2× peak ratio, so BF16 GEMMs would have to be
+  ≥ 86% of the BF16 step, against ≈ 60% in the model.
+  - **Same work rate as a thinner model.** At MXFP8 on GB200, gpt-oss's measured work rate by
+    moeplan's FLOP count is 985 TFLOPS. Qwen3-30B-A3B's on 8 GB200 in the same releases is 936
+    TFLOPS, though its expert GEMMs are 3.75× thinner (ffn 768 against 2,880) and its experts
+    receive 4× fewer tokens. The shape curve prices gpt-oss's fat GEMMs 1.2× more efficient,
+    so something gpt-oss-specific eats the advantage. Its biased, clamped SwiGLU experts and its
+    sink attention outside the fused kernels are the candidates.
+  - **Unfused attention is ruled out** by memory: at MBS 4 the saved probabilities alone would
+    take 8.6 GB per layer, 310 GB for 36.
+  - **The published FLOP count for gpt-oss changed between releases.** Its TFLOPS/tokens ratio
+    is 27.2 GFLOP/token in the BF16 releases, 32.6 in the MXFP8 ones (30.8 in 25.11 at s 8192).
+    moeplan counts 34.3. For DeepSeek-V3 and Qwen3 the same ratio equals moeplan's count
+    within 1% (DeepSeek-V3's 25.11 rows: 4% lower).
+  - **Scoring is unaffected:** rows are scored on published tokens/s, which needs no FLOP
+    convention. But gpt-oss's published TFLOPS and MFU understate the work its steps do.
 - DeepSeek-V3 anatomy: the routing probabilities are applied inside the expert activation, so
   no copy of the expert output is kept; the first three dense layers and the embedding share
   pp rank 0 under the balanced layout, so the peak GPU is a middle rank.

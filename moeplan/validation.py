@@ -33,6 +33,14 @@ from .specs.model import ModelSpec
 FSDP_PAT = re.compile(r"megatron-fsdp|fsdp2|fsdp only|zero-3|method=fsdp|fsdp degree", re.I)
 FSDP_SIZE = re.compile(r"FSDP=(\d+)")
 FINETUNE_PAT = re.compile(r"task=(sft|lora)", re.I)
+RELEASE_PAT = re.compile(r"release (\d+)\.(\d+)")
+
+# Megatron-Bridge's MXFP8 MoE recipes for Blackwell turn on the fused CuTe-DSL grouped MLP
+# (GroupGEMM + SwiGLU + quantisation; Megatron-Bridge issue #2885, "delayed to 26.06", enabled
+# in 26.06) together with EP communication overlap (`moe_a2a_overlap`) and the HybridEP flex
+# dispatcher (scripts/performance/configs/*/_workload_base_configs.py, the `FP8_MX` variants).
+# The published rows print neither setting, so rows of those releases are priced with them.
+OVERLAP_RECIPE_FROM = (26, 6)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,24 @@ def _num(v: str | None) -> float | None:
 def _int(row: dict[str, str], col: str, default: int | None = None) -> int | None:
     v = _num(row.get(col))
     return default if v is None else int(v)
+
+
+def release_of(row: dict[str, str]) -> tuple[int, int] | None:
+    """The (year, month) of the container release a row names in its source detail, if any."""
+    m = RELEASE_PAT.search(row.get("source_detail", "") or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, architecture: str
+                    ) -> dict[str, Any]:
+    """Layout settings a row's source documents but the row does not print (see
+    OVERLAP_RECIPE_FROM); empty when nothing is known beyond moeplan's defaults."""
+    rel = release_of(row)
+    if ("Megatron-Bridge" in (row.get("source", "") or "") and rel is not None
+            and rel >= OVERLAP_RECIPE_FROM and precision == "mxfp8" and model.num_experts
+            and architecture == "blackwell"):
+        return {"ep_overlap": True, "dispatcher": "flex"}
+    return {}
 
 
 def config_key(row: dict[str, str]) -> str:
@@ -139,9 +165,14 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     why = ""
     from .specs import layout_violations
 
-    for cand in ([etp] if etp else [1, tp]):
+    recipe = recipe_settings(row, model, prec, cluster.architecture)
+    # a documented setting the published layout cannot take (Megatron's EP overlap needs
+    # virtual pipeline stages when pp > 1) was not in that run's recipe
+    candidates = [(c, r) for c in ([etp] if etp else [1, tp]) for r in ([recipe, {}] if recipe
+                                                                          else [{}])]
+    for cand, extra in candidates:
         try:
-            lay = Layout.build(gpus, gbs, etp=cand, **axes)
+            lay = Layout.build(gpus, gbs, etp=cand, **axes, **extra)
         except (LayoutError, MoeplanError) as err:
             why = str(err)
             continue

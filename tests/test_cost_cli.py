@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from moeplan.cli import main
-from moeplan.validation import flops_per_token_in, split_of, validate_rows
+from moeplan.validation import flops_per_token_in, predict_case, split_of, validate_rows
 
 EST_ARGS = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "16",
             "--seq", "4096", "--gbs", "64", "--ep", "8", "--pp", "2", "--json"]
@@ -157,6 +157,38 @@ def test_split_is_by_configuration_not_by_row():
     b = {**a, "id": "X2", "tokens_per_s_per_gpu": "1"}  # re-publication of the same config
     assert split_of(a) == split_of(b)
     assert validate_rows([])["rows"] == []
+
+
+def _bridge_row(release: str, **over: str) -> dict[str, str]:
+    row = {"id": "B1", "source": "NVIDIA Megatron-Bridge performance summary",
+           "source_detail": f"docs; release {release} NeMo container; DGX-GB200", "gpu": "GB200",
+           "num_gpus": "8", "seq_len": "4096", "global_batch_seqs": "512", "micro_batch": "4",
+           "tp": "1", "pp": "1", "ep": "8", "tokens_per_s_per_gpu": "30000",
+           "model_preset": "qwen3-30b-a3b", "cluster_preset": "gb200-nvl72",
+           "precision_preset": "mxfp8", "flops_convention": "causal_halved"}
+    return {**row, **over}
+
+
+def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overlap():
+    """The 26.06 MXFP8 MoE recipes overlap EP communication; earlier releases, BF16, dense
+    models and layouts Megatron would refuse the overlap for keep moeplan's defaults."""
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of, release_of
+
+    presets = list_presets()
+    late = case_of(_bridge_row("26.06"), presets)
+    assert release_of(late.row) == (26, 6)
+    assert late.layout.ep_overlap and late.layout.dispatcher == "flex"
+    for row in (_bridge_row("26.04.01"), _bridge_row("26.08", precision_preset="bf16"),
+                _bridge_row("26.08", model_preset="llama3-8b", ep=""),
+                _bridge_row("26.08", source="NVIDIA NeMo 2.0 performance summary"),
+                _bridge_row("26.08", num_gpus="16", pp="2")):      # pp 2 without vpp
+        case = case_of(row, presets)
+        assert not case.layout.ep_overlap and case.layout.dispatcher == "alltoall", row
+    # the overlap hides EP time, so the same row predicts faster with it
+    early = case_of(_bridge_row("26.04.01"), presets)
+    assert predict_case(late)["predicted_tokens_per_s_per_gpu"] > \
+        predict_case(early)["predicted_tokens_per_s_per_gpu"]
 
 
 def test_fit_reads_fit_rows_only(tmp_path):
