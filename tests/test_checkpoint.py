@@ -164,6 +164,16 @@ def test_a_checkpoint_resumes_under_another_pipeline_depth_to_the_straight_losse
 
 
 @pytest.mark.slow
+def test_fp8_delayed_scaling_resumes_exactly_with_its_amax_histories(saved):
+    """The histories are saved per rank and restored under the same plan: the resumed FP8 run
+    is the straight run; without them (the control) the first resumed step already differs."""
+    losses = json.loads((saved / "losses.json").read_text())
+    straight = losses["straight_fp8"][3:]
+    assert losses["fp8_resumed_same_plan"] == straight
+    assert losses["fp8_resumed_without_histories"][0] != straight[0]
+
+
+@pytest.mark.slow
 def test_every_rank_writes_its_part_and_the_step_is_sealed_with_a_manifest(saved):
     path = newest_checkpoint(saved / "ckpt")
     assert path is not None and path.name == "step_00000003"

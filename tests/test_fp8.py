@@ -188,6 +188,46 @@ def test_emulated_keeps_delayed_scaling_state_per_weight_across_calls():
     assert b.site_state(experts, 1)["grad"].calls == 1  # one history per expert GEMM
 
 
+def _graph_nodes(t: torch.Tensor) -> int:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+def test_an_expert_without_tokens_keeps_its_gemm_in_the_autograd_graph():
+    """Ranks whose experts get different token counts must build graphs of one shape, or
+    backward reorders their TP and EP collectives and the ranks deadlock."""
+    b = EmulatedBackend("fp8-tensorwise")
+    experts = torch.randn(3, 32, 16, requires_grad=True)
+    shapes = []
+    for counts in ([2, 1, 2], [3, 0, 2]):
+        x = torch.randn(5, 32, requires_grad=True)
+        y = b.grouped_mm(x, experts, torch.tensor(counts))
+        shapes.append(_graph_nodes(y))
+        y.sum().backward()
+    assert shapes[0] == shapes[1]
+    assert experts.grad is not None
+
+
+def test_delayed_scaling_histories_round_trip_through_extra_state():
+    """What a checkpoint saves restores the same quantisation on the next call."""
+    w = torch.randn(16, 32)
+    a, b = EmulatedBackend("fp8-delayed"), EmulatedBackend("fp8-delayed")
+    for _ in range(3):
+        a.linear(torch.randn(4, 32) * 5, w)
+    state = a.extra_state({"w": w})
+    assert {"w/0/input/history", "w/0/weight/calls"} <= state.keys()
+    assert b.load_extra_state({"w": w}, state) == 2
+    x = torch.randn(4, 32)
+    assert torch.equal(a.linear(x, w), b.linear(x, w))
+    assert not torch.equal(EmulatedBackend("fp8-delayed").linear(x, w), a.linear(x, w))
+
+
 def test_bias_is_added_in_high_precision():
     torch.manual_seed(0)
     x, w, bias = torch.randn(4, 32), torch.randn(8, 32), torch.randn(8) * 100

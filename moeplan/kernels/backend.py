@@ -2,13 +2,13 @@
 
 Why an interface: the runtime's layers (linears, the MoE expert GEMMs, the dispatcher's
 permutation) must run unchanged whether the GEMMs are plain torch, Transformer Engine FP8 or an
-emulated FP8 recipe. Each backend is a small object with the same four methods; a precision
+emulated FP8 recipe. Each backend is a small object with the same few methods; a precision
 recipe chooses the backend, the layers only call it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -43,6 +43,16 @@ class KernelBackend(Protocol):
     def unpermute(self, y: torch.Tensor, order: torch.Tensor, probs: torch.Tensor,
                   num_tokens: int) -> torch.Tensor:
         """Weighted sum back to tokens: y (T·k, h) sorted, order (T·k,), probs (T, k) → (T, h)."""
+        ...
+
+    def extra_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors the backend carries from step to step (FP8 amax histories) for the GEMMs of
+        `params` (name → this rank's Parameter), flat and by name, for checkpoints."""
+        ...
+
+    def load_extra_state(self, params: Mapping[str, torch.Tensor],
+                         state: Mapping[str, torch.Tensor]) -> int:
+        """Restore `extra_state`'s tensors; returns how many sites were restored."""
         ...
 
 

@@ -19,8 +19,9 @@ TE GroupedLinear (one quantiser per GEMM).
 State: delayed scaling needs an amax history per tensor role per GEMM call site. The backend
 keeps it keyed by the weight Parameter (a weak-identity map, so it lives as long as the weight
 and across steps; for expert weights also by expert index). The optimizer updates weights in
-place, so the key is stable for the whole run; a checkpoint does not save the history (a resumed
-run restarts it, like a fresh TE model without its extra state). Not emulated: TE's amax
+place, so the key is stable for the whole run. `extra_state`/`load_extra_state` export and restore
+the histories by parameter name, so a checkpoint resumed under the same plan continues them
+exactly (TE keeps the same state as a module's extra state). Not emulated: TE's amax
 all-reduce over the data/tensor-parallel group (each rank keeps its own history), and TE's replay
 of the forward's scales when activation recompute runs a forward again (here the recomputed
 forward records another amax and uses the advanced scale).
@@ -28,6 +29,7 @@ forward records another amax and uses the advanced scale).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +117,11 @@ class QuantisedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe,
                 state: SiteState) -> torch.Tensor:
         # x (M, K), weight (N, K) → (M, N) in x's dtype
+        ctx.empty = x.shape[0] == 0
+        if ctx.empty:  # an expert without tokens: nothing to quantise or record
+            ctx.dtypes = (x.dtype, weight.dtype)
+            ctx.shapes = (x.shape, weight.shape)
+            return x.new_zeros(0, weight.shape[0])
         xq = recipe.quantise(x, "input", 1, state)
         wq = recipe.quantise(weight, "weight", 1, state)
         if recipe.per_tensor:
@@ -126,6 +133,9 @@ class QuantisedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.empty:
+            (xs, ws), (xd, wd) = ctx.shapes, ctx.dtypes
+            return dy.new_zeros(xs, dtype=xd), dy.new_zeros(ws, dtype=wd), None, None
         r: Recipe = ctx.recipe
         xq, wq, *orig = ctx.saved_tensors
         g = r.quantise(dy, "grad", 1, ctx.state)  # (M, N), blocks along N for dgrad
@@ -160,6 +170,43 @@ class EmulatedBackend(TorchBackend):
             per_weight = self._sites[weight] = {}
         return per_weight.setdefault(expert, {})
 
+    def extra_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The delayed-scaling histories of the GEMMs of `params` (name → this rank's
+        Parameter), as flat tensors under "NAME/EXPERT/ROLE/{history,scale,calls}"."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            for expert, site in (self._sites.get(p) or {}).items():
+                for role, st in site.items():
+                    if st.history is None or st.scale is None:
+                        continue
+                    key = f"{name}/{expert}/{role}"
+                    out[f"{key}/history"] = st.history.detach().clone()
+                    out[f"{key}/scale"] = st.scale.detach().clone().reshape(1)
+                    out[f"{key}/calls"] = torch.tensor([st.calls], dtype=torch.int64)
+        return out
+
+    def load_extra_state(self, params: Mapping[str, torch.Tensor],
+                         state: Mapping[str, torch.Tensor]) -> int:
+        """Restore what `extra_state` exported (same names, same shards); returns the number of
+        histories restored. Keys of parameters this rank does not hold are ignored."""
+        restored = 0
+        for key in state:
+            if not key.endswith("/history"):
+                continue
+            name, expert, role, _ = key.rsplit("/", 3)
+            p = params.get(name)
+            if p is None:
+                continue
+            base = f"{name}/{expert}/{role}"
+            st = DelayedScalingState(self.recipe.fmt(role), self.recipe.amax_history_len,
+                                     self.recipe.amax_compute_algo, self.recipe.margin)
+            st.history = state[f"{base}/history"].to(p.device, torch.float32).clone()
+            st.scale = state[f"{base}/scale"].to(p.device, torch.float32).reshape(()).clone()
+            st.calls = int(state[f"{base}/calls"].reshape(-1)[0])
+            self.site_state(p, int(expert))[role] = st
+            restored += 1
+        return restored
+
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, state: SiteState) -> torch.Tensor:
         """x (M, K), weight (N, K) → (M, N) under the recipe; subclasses swap in real FP8 GEMMs."""
         return QuantisedLinear.apply(x, weight, self.recipe, state)
@@ -175,10 +222,14 @@ class EmulatedBackend(TorchBackend):
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor,
                    tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # x (N, in) grouped by expert, weight (E, in, out) → (N, out): one quantised GEMM per
-        # expert (a loop over experts, never over tokens)
+        # expert (a loop over experts, never over tokens). An expert without tokens still gets
+        # an (empty) GEMM: every rank's autograd graph then has the same shape whatever its
+        # token counts, so backward reaches its TP and EP collectives in the same order on every
+        # rank (a missing node reorders independent branches and deadlocks the collectives).
         chunks = torch.split(x, tokens_per_expert.tolist(), dim=0)
         outs = [self._gemm(c, weight[e].t(), self.site_state(weight, e)) if c.shape[0]
-                else x.new_zeros(0, weight.shape[2]) for e, c in enumerate(chunks)]
+                else QuantisedLinear.apply(c, weight[e].t(), self.recipe, {})
+                for e, c in enumerate(chunks)]
         if not outs:
             return x.new_zeros(0, weight.shape[2])
         return torch.cat(outs, dim=0)

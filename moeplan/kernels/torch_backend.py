@@ -8,6 +8,8 @@ no Python loop over tokens anywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,14 @@ class TorchBackend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def extra_state(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """State the backend keeps between steps (none here; FP8 recipes keep amax histories)."""
+        return {}
+
+    def load_extra_state(self, params: Mapping[str, torch.Tensor],
+                         state: Mapping[str, torch.Tensor]) -> int:
+        return 0
 
     def grouped_mm(self, x: torch.Tensor, weight: torch.Tensor,
                    tokens_per_expert: torch.Tensor) -> torch.Tensor:

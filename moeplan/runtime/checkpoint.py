@@ -7,6 +7,8 @@ position: a step's global batch is a function of (seed, step)) and `plan.json` t
 saved it. Because the stored tensors are global, a checkpoint resumes under any plan: each rank
 slices its tp/ep/etp shard out of the global tensor and its data-parallel shard out of the
 family's flat buffer, exactly as `parallelize` and `DistributedOptimizer` laid them out.
+The one per-rank part is the kernel backend's state (FP8 delayed-scaling amax histories), which
+resumes only under the plan that wrote it (`_kernel_state`).
 
 Pipeline stages need no renaming: `split_stage` keeps the full model's names (decoder layer i is
 `layers.i` on whichever stage holds it; MTP depths, final norm and output layer sit on the last
@@ -145,6 +147,36 @@ def _template(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _kernel_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's kernel-backend state (FP8 delayed-scaling amax histories) under per-rank keys.
+
+    Unlike everything above it is not global: a history belongs to this rank's weight shard and
+    the micro-batches this rank saw, so it is stored per rank and restored only under the plan
+    that wrote it (a resharded resume restarts the histories, as a fresh TE model would).
+    """
+    params = dict(trainer.model.named_parameters())
+    state = trainer.kernels.backend.extra_state(params)
+    rank = dist.get_rank()
+    return {f"kernels/rank{rank}/{k}": v.detach().cpu() for k, v in state.items()}
+
+
+def _same_plan(trainer: Trainer, path: Path) -> bool:
+    """Whether the checkpoint at `path` was written under this trainer's layout, choices and
+    precision (what fixes each rank's shards and data)."""
+    saved = json.loads((path / "plan.json").read_text())
+    mine = json.loads(trainer.plan.model_dump_json())
+    return all(saved.get(k) == mine.get(k) for k in ("layout", "choices")) and \
+        saved["training"].get("precision") == mine["training"].get("precision")
+
+
+def _kernel_template(path: Path) -> dict[str, torch.Tensor]:
+    """Empty tensors for the kernel-state keys this rank wrote to the checkpoint at `path`."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = f"kernels/rank{dist.get_rank()}/"
+    return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in meta.items() if k.startswith(prefix)}
+
+
 def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
          extra: dict | None = None) -> Path:
     """Write the checkpoint of `step` (steps done) into CKPT/step_N (collective).
@@ -159,6 +191,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
     dist.broadcast_object_list(name, src=0)  # one temporary name for every rank
     tmp = ckpt_dir / name[0]
     state = global_state(trainer)
+    state.update(_kernel_state(trainer))
     dcp.save(state, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         (tmp / "plan.json").write_text(trainer.plan.model_dump_json(indent=1))
@@ -174,6 +207,13 @@ def load(trainer: Trainer, path: str | Path) -> int:
     """Restore `trainer` from a sealed step directory under its own plan; return the step."""
     path = Path(path)
     state = _template(trainer)
+    kernels = _kernel_template(path) if _same_plan(trainer, path) else {}
+    state.update(kernels)
     dcp.load(state, checkpoint_id=path)
     load_global_state(trainer, state)
+    if kernels:
+        prefix = f"kernels/rank{dist.get_rank()}/"
+        trainer.kernels.backend.load_extra_state(
+            dict(trainer.model.named_parameters()),
+            {k[len(prefix):]: v for k, v in kernels.items()})
     return int(json.loads((path / "meta.json").read_text())["step"])
