@@ -148,3 +148,36 @@ def test_cli_module_does_not_import_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkeypatch):
+    """Deferred init: before `materialize_` the large weights take no memory; afterwards a
+    tp rank 1 of 2 / ep rank 1 of 2 holds exactly its slices of the model every plan starts
+    from, and drew only its own experts."""
+    from moeplan.runtime import layers
+    from moeplan.runtime.comm import SINGLE, Axis
+    from moeplan.runtime.layers import materialize_, shard_info
+    from moeplan.runtime.parallelize import apply_ep, apply_tp
+    from moeplan.specs import load_model
+
+    spec = load_model(DATA / "tiny_qwen3_moe.yaml")
+    full = {n: p.detach().clone() for n, p in Transformer(spec, seed=7).named_parameters()}
+    model = Transformer(spec, seed=7, materialize=False)
+    assert model.layers[1].mlp.experts.w_up.is_meta and model.embedding.weight.is_meta
+    two = Axis(None, 2, 1, (0, 1))
+    apply_tp(model, two)
+    apply_ep(model, two, SINGLE, two, two, "alltoall")
+    drawn: list[str] = []
+    real = layers._name_generator
+    monkeypatch.setattr(layers, "_name_generator", lambda s, n: drawn.append(n) or real(s, n))
+    materialize_(model, 7)
+    for name, p in model.named_parameters():
+        want, info = full[name], shard_info(p)
+        if info.expert:
+            want = want.narrow(0, want.shape[0] // 2, want.shape[0] // 2)
+        elif info.tp_dim is not None:
+            n = want.shape[info.tp_dim] // 2
+            want = want.narrow(info.tp_dim, n, n)
+        assert not p.is_meta and torch.equal(p.detach(), want), name
+    experts = [n for n in drawn if ".experts.w_up/" in n and n.startswith("layers.1.")]
+    assert experts == [f"layers.1.mlp.experts.w_up/{e}" for e in range(4, 8)]

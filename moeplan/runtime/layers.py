@@ -1,7 +1,9 @@
 """Building blocks whose parallel behaviour is switched on by `parallelize`, not rewritten.
 
-Every block holds the full-size weights until `parallelize` slices them and hands it the one
-`Axis` it needs; with every axis trivial the blocks are the single-process reference model.
+Every block has full-size weights until `parallelize` slices them and hands it the one `Axis`
+it needs; with every axis trivial the blocks are the single-process reference model. Inside a
+`Transformer` the large weights are deferred (meta device) until `materialize_` draws only the
+slices a rank keeps, so slicing them costs no memory.
 Tensors are sequence-first, (s, b, h), as in Megatron, so sequence parallelism shards dim 0.
 Under sequence parallelism (tp > 1) block inputs and outputs are (s/t, b, h); a block gathers
 the sequence once before its column-parallel GEMMs and reduce-scatters after its row-parallel
@@ -12,6 +14,7 @@ summed over tp after backward (the optimizer does it for every `ShardInfo.tp_dim
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -42,20 +45,85 @@ def set_shard_info(p: torch.Tensor, info: ShardInfo) -> None:
 
 
 def shard_(p: nn.Parameter, dim: int, axis: Axis) -> None:
-    """Keep this rank's contiguous slice of `p` along `dim` (the full tensor is dropped)."""
+    """Keep this rank's contiguous slice of `p` along `dim` (the full tensor is dropped). A
+    weight not yet materialised (on the meta device) only records the slice."""
     if axis.trivial:
         return
     n = p.shape[dim]
     if n % axis.size:
         raise ValueError(f"dim {dim} of size {n} does not split over {axis.size} ranks")
-    p.data = p.data.narrow(dim, axis.rank * (n // axis.size), n // axis.size).clone()
+    size = n // axis.size
+    p.data = p.data.narrow(dim, axis.rank * size, size).clone()
+    cut = (dim, axis.rank * size, size)
+    p.moeplan_slices = (*getattr(p, "moeplan_slices", ()), cut)  # type: ignore[attr-defined]
 
 
 def normal_init(w: torch.Tensor, std: float, gen: torch.Generator) -> None:
-    """N(0, std²) from the model's one generator, in construction order, on the CPU: the same
-    full weights for every plan and device."""
+    """N(0, std²) from `gen`, on the CPU, in place."""
     with torch.no_grad():
         w.copy_(torch.randn(w.shape, generator=gen) * std)
+
+
+def normal_weight(shape: tuple[int, ...], std: float, gen: torch.Generator | None
+                  ) -> nn.Parameter:
+    """A weight drawn from N(0, std²). With a generator: drawn now, in construction order (a
+    block built on its own). Without (inside a `Transformer`): deferred, on the meta device,
+    and drawn later by `materialize_` from its parameter name, so a rank draws only the shards
+    it keeps and every plan gets the same full weights."""
+    if gen is not None:
+        w = nn.Parameter(torch.empty(shape))
+        normal_init(w, std, gen)
+        return w
+    w = nn.Parameter(torch.empty(shape, device="meta"))
+    w.moeplan_init = (std, tuple(shape))  # type: ignore[attr-defined]
+    return w
+
+
+def _name_generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+
+
+def _draw(name: str, p: torch.Tensor, seed: int) -> torch.Tensor:
+    """This rank's shard of the deferred weight `name` (see `materialize_`)."""
+    std, full = p.moeplan_init  # type: ignore[attr-defined]
+    slices = list(getattr(p, "moeplan_slices", ()))
+    if len(full) == 3:  # a stack of experts: its dim-0 slices pick which ones to draw
+        lo, n = 0, full[0]
+        for _dim, start, size in [c for c in slices if c[0] == 0]:
+            lo, n = lo + start, size
+        slices = [c for c in slices if c[0] != 0]
+        t = torch.stack([torch.randn(full[1:], generator=_name_generator(seed, f"{name}/{e}"))
+                         for e in range(lo, lo + n)])
+    else:
+        t = torch.randn(full, generator=_name_generator(seed, name))
+    for dim, start, size in slices:
+        t = t.narrow(dim, start, size)
+    return (t * std).contiguous()
+
+
+def materialize_(model: nn.Module, seed: int) -> nn.Module:
+    """Draw every deferred weight of `model` (`normal_weight`), only this rank's shard of it.
+
+    Each weight comes from its own generator, seeded by (seed, parameter name); a stack of
+    expert matrices (3-D) from one generator per expert, so a rank draws only its experts. A
+    sharded 2-D weight is drawn whole and sliced: one weight at a time, never the model. The
+    meta Parameters are replaced (a shared one, e.g. a tied embedding, by one new Parameter)
+    and keep their sharding attributes.
+    """
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta or not hasattr(p, "moeplan_init"):
+                continue
+            if id(p) not in done:
+                new = nn.Parameter(_draw(names[id(p)], p, seed), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                done[id(p)] = new
+            module._parameters[key] = done[id(p)]
+    return model
 
 
 class Norm(nn.Module):
@@ -76,12 +144,11 @@ class Norm(nn.Module):
 class Linear(nn.Module):
     """y = x Wᵀ + b through the kernel backend; W (out, in) as in nn.Linear."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, std: float, gen: torch.Generator,
+    def __init__(self, d_in: int, d_out: int, bias: bool, std: float, gen: torch.Generator | None,
                  backend: KernelBackend):
         super().__init__()
         self.backend = backend
-        self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        normal_init(self.weight, std, gen)
+        self.weight = normal_weight((d_out, d_in), std, gen)
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
@@ -132,7 +199,7 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     """GQA/MHA attention: column-parallel q, k, v (heads split over tp), row-parallel output."""
 
-    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator | None,
                  backend: KernelBackend):
         super().__init__()
         h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_dim_
@@ -168,7 +235,7 @@ class MLAttention(nn.Module):
     up-projections are column-parallel over heads and the output projection row-parallel.
     """
 
-    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator | None,
                  backend: KernelBackend):
         super().__init__()
         h, a = spec.hidden_size, spec.num_attention_heads
@@ -231,7 +298,7 @@ def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """Dense MLP or shared expert: column-parallel gate/up, row-parallel down (Megatron TP)."""
 
-    def __init__(self, spec, ffn: int, std: float, out_std: float, gen: torch.Generator,
+    def __init__(self, spec, ffn: int, std: float, out_std: float, gen: torch.Generator | None,
                  backend: KernelBackend, gate: bool = False):
         super().__init__()
         h, bias = spec.hidden_size, spec.mlp_bias

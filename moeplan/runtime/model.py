@@ -20,7 +20,16 @@ from ..kernels import KernelBackend, get_backend
 from ..specs import ModelSpec
 from .comm import SINGLE, gather_seq, scatter_seq, vocab_parallel_cross_entropy
 from .cp import cp_positions
-from .layers import MLP, Attention, Linear, MLAttention, Norm, normal_init, rope_tables
+from .layers import (
+    MLP,
+    Attention,
+    Linear,
+    MLAttention,
+    Norm,
+    materialize_,
+    normal_weight,
+    rope_tables,
+)
 from .moe import MoE
 from .support import model_features_not_executed
 
@@ -30,8 +39,8 @@ INIT_STD = 0.02
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then + mlp/moe(norm(·))."""
 
-    def __init__(self, spec: ModelSpec, moe: bool, gen: torch.Generator, backend: KernelBackend,
-                 aux_coeff: float, capacity_factor: float | None):
+    def __init__(self, spec: ModelSpec, moe: bool, gen: torch.Generator | None,
+                 backend: KernelBackend, aux_coeff: float, capacity_factor: float | None):
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)  # GPT-2 scaled init of outputs
         self.attn_norm = Norm(spec.hidden_size, spec.norm_eps, spec.normalization)
@@ -51,10 +60,9 @@ class Block(nn.Module):
 class VocabEmbedding(nn.Module):
     """Embedding rows split over tp (Megatron VocabParallelEmbedding); output enters SP."""
 
-    def __init__(self, vocab: int, hidden: int, gen: torch.Generator):
+    def __init__(self, vocab: int, hidden: int, gen: torch.Generator | None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden))
-        normal_init(self.weight, INIT_STD, gen)
+        self.weight = normal_weight((vocab, hidden), INIT_STD, gen)
         self.tp, self.start = SINGLE, 0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -75,8 +83,8 @@ class MTPModule(nn.Module):
     sequence shard (partial gradients, summed over tp like the norms).
     """
 
-    def __init__(self, spec: ModelSpec, moe: bool, gen: torch.Generator, backend: KernelBackend,
-                 aux_coeff: float, capacity_factor: float | None):
+    def __init__(self, spec: ModelSpec, moe: bool, gen: torch.Generator | None,
+                 backend: KernelBackend, aux_coeff: float, capacity_factor: float | None):
         super().__init__()
         h = spec.hidden_size
         self.emb_norm = Norm(h, spec.norm_eps, spec.normalization)
@@ -127,14 +135,17 @@ class Transformer(nn.Module):
 
     def __init__(self, spec: ModelSpec, seed: int = 0, backend: KernelBackend | None = None,
                  aux_coeff: float = 0.0, capacity_factor: float | None = None,
-                 mtp_loss_weight: float = 0.1):
+                 mtp_loss_weight: float = 0.1, materialize: bool = True):
+        """`materialize=False` leaves the large weights on the meta device, for a caller that
+        first drops the other pipeline stages and shards the rest, then calls `materialize_`:
+        no rank ever holds the full model."""
         super().__init__()
         unsupported = model_features_not_executed(spec)
         if unsupported:
             raise NotYetAvailable("the runtime does not execute " + ", ".join(unsupported)
                                   + " yet; nothing was run.")
         backend = backend or get_backend("torch")
-        gen = torch.Generator().manual_seed(seed)
+        gen = None  # weights are drawn by name (layers.materialize_), not in construction order
         self.spec = spec
         self.embedding = VocabEmbedding(spec.vocab_size, spec.hidden_size, gen)
         self.layers = nn.ModuleList(
@@ -142,10 +153,8 @@ class Transformer(nn.Module):
             for moe in spec.moe_layers()
         )
         self.final_norm = Norm(spec.hidden_size, spec.norm_eps, spec.normalization)
-        self.output = None if spec.tie_embeddings else nn.Parameter(
-            torch.empty(spec.vocab_size, spec.hidden_size))
-        if self.output is not None:
-            normal_init(self.output, INIT_STD, gen)
+        self.output = None if spec.tie_embeddings else normal_weight(
+            (spec.vocab_size, spec.hidden_size), INIT_STD, gen)
         last_moe = spec.moe_layers()[-1]
         self.mtp = nn.ModuleList(
             MTPModule(spec, last_moe, gen, backend, aux_coeff, capacity_factor)
@@ -154,6 +163,8 @@ class Transformer(nn.Module):
         self.mtp_scale = mtp_loss_weight / max(1, spec.mtp_layers)
         self.backend, self.tp, self.cp = backend, SINGLE, SINGLE
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        if materialize:
+            materialize_(self, seed)
 
     def rope(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (s_local, 1, 1, dim) at this cp rank's token positions."""

@@ -30,7 +30,7 @@ from .comm import (
     scatter_seq,
     scatter_v,
 )
-from .layers import MLP, activation, normal_init
+from .layers import MLP, activation, normal_weight
 from .memory import recomputing
 
 
@@ -51,7 +51,7 @@ class Router(nn.Module):
     probabilities, switch aux loss (Fedus et al. 2021, eq. 4; Megatron's per-sequence-group form)
     and DeepSeek-V3's aux-loss-free expert bias (§2.1.2, a buffer updated after each step)."""
 
-    def __init__(self, spec, std: float, gen: torch.Generator, aux_coeff: float,
+    def __init__(self, spec, std: float, gen: torch.Generator | None, aux_coeff: float,
                  capacity_factor: float | None):
         super().__init__()
         self.E, self.k = spec.num_experts, spec.moe_top_k
@@ -59,8 +59,7 @@ class Router(nn.Module):
         self.groups, self.groups_per_token = spec.router_num_groups, spec.router_groups_per_token
         self.scale, self.aux_coeff, self.capacity_factor = (spec.routed_scaling_factor, aux_coeff,
                                                             capacity_factor)
-        self.weight = nn.Parameter(torch.empty(self.E, spec.hidden_size))
-        normal_init(self.weight, std, gen)
+        self.weight = normal_weight((self.E, spec.hidden_size), std, gen)
         self.bias = nn.Parameter(torch.zeros(self.E)) if spec.router_bias else None
         self.register_buffer("expert_bias", torch.zeros(self.E) if spec.router_expert_bias
                              else None)
@@ -133,17 +132,14 @@ class GroupedExperts(nn.Module):
     After `parallelize`: dim 0 holds this rank's E/ep experts, the f dims its 1/etp slice.
     """
 
-    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator | None,
                  backend: KernelBackend):
         super().__init__()
         E, h, f = spec.num_experts, spec.hidden_size, spec.moe_ffn_hidden_size
         self.kind, self.backend = spec.activation, backend
-        self.w_gate = nn.Parameter(torch.empty(E, h, f)) if spec.gated else None
-        self.w_up = nn.Parameter(torch.empty(E, h, f))
-        self.w_down = nn.Parameter(torch.empty(E, f, h))
-        for w, s in ((self.w_gate, std), (self.w_up, std), (self.w_down, out_std)):
-            if w is not None:
-                normal_init(w, s, gen)
+        self.w_gate = normal_weight((E, h, f), std, gen) if spec.gated else None
+        self.w_up = normal_weight((E, h, f), std, gen)
+        self.w_down = normal_weight((E, f, h), out_std, gen)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # x (N, h) grouped by local expert, counts (E_local,) → (N, h) (partial over etp)
@@ -258,7 +254,7 @@ class AllGatherDispatcher:
 class MoE(nn.Module):
     """Router + routed experts (through the dispatcher) + optional shared experts."""
 
-    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator,
+    def __init__(self, spec, std: float, out_std: float, gen: torch.Generator | None,
                  backend: KernelBackend, aux_coeff: float, capacity_factor: float | None):
         super().__init__()
         self.router = Router(spec, std, gen, aux_coeff, capacity_factor)

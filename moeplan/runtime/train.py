@@ -21,6 +21,7 @@ from ..kernels import choose_backend
 from ..specs import Plan
 from .comm import all_reduce_
 from .data import MarkovData, TokenData
+from .layers import materialize_
 from .model import Transformer
 from .optimizer import DistributedOptimizer, lr_at
 from .parallelize import ParallelGroups, gather_full, parallelize
@@ -66,16 +67,18 @@ class Trainer:
         t, layout = plan.training, plan.layout
         # the GEMM backend for the plan's precision recipe on this device (kernels/select.py)
         self.kernels = choose_backend(t.precision, self.device)
+        # large weights stay on the meta device until this rank's stages and shards are known,
+        # then only those are drawn (layers.materialize_): no rank builds the full model
         model = Transformer(plan.model, seed=seed, backend=self.kernels.backend,
                             aux_coeff=t.moe_aux_loss_coeff,
                             capacity_factor=t.moe_capacity_factor,
-                            mtp_loss_weight=t.mtp_loss_weight)
+                            mtp_loss_weight=t.mtp_loss_weight, materialize=False)
         self.moe_layer_numbers = model.all_moe_layer_numbers()  # whole model, every stage
         chunks = rank_chunks(plan_stages(plan), layout.pp, groups.pp.rank)
         if layout.pp > 1:  # keep this rank's pipeline stages, then parallelize them
             model = split_stage(model, chunks, layout.pp)
-        self.model = parallelize(model, groups, layout, plan.choices).to(device=self.device,
-                                                                         dtype=dtype)
+        model = materialize_(parallelize(model, groups, layout, plan.choices), seed)
+        self.model = model.to(device=self.device, dtype=dtype)
         for moe in self.model.moe_layers():  # router state stays fp32 (selection, counts)
             if moe.router.expert_bias is not None:
                 moe.router.expert_bias = moe.router.expert_bias.float()
