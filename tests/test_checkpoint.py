@@ -43,6 +43,33 @@ def last_per_step(metrics: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
+# ------------------------------------------------------------------------------ box geometry
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 5), (2, 1, 3, 4)])
+def test_a_flat_range_cuts_into_boxes_that_cover_exactly_its_elements(shape):
+    from moeplan.runtime.checkpoint import _boxes, _index
+
+    n = int(np.prod(shape))
+    for a, b in [(0, n), (1, n - 1), (n // 3, n // 3 + 1), (2, 2 * n // 3), (0, 1), (n - 1, n)]:
+        marks = torch.zeros(shape, dtype=torch.int64)
+        for box in _boxes(a, b, shape):
+            marks[_index(box)] += 1
+        want = torch.zeros(n, dtype=torch.int64)
+        want[a:b] = 1
+        assert torch.equal(marks.reshape(-1), want), (a, b)
+        assert len(_boxes(a, b, shape)) <= 2 * len(shape) - 1
+
+
+def test_the_complement_of_a_box_covers_the_rest_once():
+    from moeplan.runtime.checkpoint import _complement, _index
+
+    shape, box = (6, 5, 4), ((2, 1, 0), (2, 3, 4))
+    marks = torch.zeros(shape, dtype=torch.int64)
+    marks[_index(box)] += 1
+    for b in _complement(box, shape):
+        marks[_index(b)] += 1
+    assert bool((marks == 1).all())
+
+
 # --------------------------------------------------------------------------------------- data
 def test_text_converter_writes_byte_tokens_with_a_sidecar(tmp_path):
     (tmp_path / "a.txt").write_text("héllo")
@@ -210,6 +237,23 @@ def test_resume_refuses_what_would_silently_diverge(saved, opts, needle):
     plan = load_plan(ckpt / "step_00000003" / "plan.json")
     with pytest.raises(SpecError, match=needle):
         check_resume(plan, RunOptions(ckpt_dir=str(ckpt), **{"steps": 6, "seed": 5, **opts}))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_an_older_format_is_refused_by_name(saved, tmp_path):
+    """A v1 checkpoint held global tensors; this version reads only per-rank boxes."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "ckpt", ckpt)
+    step = ckpt / "step_00000003"
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps(meta | {"format": "moeplan-ckpt-v1"}))
+    manifest = json.loads((step / "manifest.json").read_text())  # a consistent old seal
+    data = (step / "meta.json").read_bytes()
+    manifest["meta.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    plan = load_plan(step / "plan.json")
+    with pytest.raises(SpecError, match="moeplan-ckpt-v1"):
+        check_resume(plan, RunOptions(steps=6, seed=5, ckpt_dir=str(ckpt), resume=True))
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
 from ..specs import Plan, check_layout, load_plan
-from .storage import check_token_file, complete_steps, newest_checkpoint
+from .storage import CKPT_FORMAT, check_token_file, complete_steps, newest_checkpoint
 from .support import features_not_executed
 
 
@@ -116,6 +116,10 @@ def check_resume(running: Plan, opts: RunOptions) -> int:
                         f"dimensions than the plan's {running.model.name!r}; resume under a plan "
                         "of the same model (its layout may differ).")
     meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != CKPT_FORMAT:
+        raise SpecError(f"checkpoint {path} has format {meta.get('format')!r}; this version "
+                        f"reads {CKPT_FORMAT!r}. Resume with the moeplan version that wrote it, "
+                        "or start a fresh run in another --ckpt-dir. Nothing was run.")
     step = int(meta["step"])
     if meta.get("seed", opts.seed) != opts.seed:
         raise SpecError(f"checkpoint {path} was trained with --seed {meta['seed']}; resume with "

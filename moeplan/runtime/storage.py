@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import SpecError
 
 TOKEN_FORMAT = "moeplan-tokens-v1"
+CKPT_FORMAT = "moeplan-ckpt-v2"  # v2: each rank writes its own boxes (runtime/checkpoint.py)
 TOKEN_DTYPES = ("uint16", "uint32")
 MANIFEST = "manifest.json"
 LATEST = "latest"
