@@ -214,6 +214,20 @@ def test_an_expert_without_tokens_keeps_its_gemm_in_the_autograd_graph():
     assert experts.grad is not None
 
 
+def test_a_rank_without_tokens_builds_the_grouped_gemms_graph_shape_in_the_torch_backend():
+    from moeplan.kernels import get_backend
+
+    b = get_backend("torch")
+    experts = torch.randn(2, 32, 16, requires_grad=True)
+    shapes = []
+    for counts in ([3, 2], [0, 0]):
+        x = torch.randn(sum(counts), 32, requires_grad=True)
+        y = b.grouped_mm(x, experts, torch.tensor(counts))
+        shapes.append(_graph_nodes(y))
+        (y.sum() + 0 * experts.sum()).backward()
+    assert shapes[0] == shapes[1]
+
+
 def test_delayed_scaling_histories_round_trip_through_extra_state():
     """What a checkpoint saves restores the same quantisation on the next call."""
     w = torch.randn(16, 32)
