@@ -292,9 +292,13 @@ def validate(
         for r in res["rows"]:
             pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
             e = f"{pred / pub - 1:+.1%}" if pub else "-"
-            t.add_row(r["id"], r["split"], r["model"], r["gpu"], r["precision"], f"{pred:,.0f}",
-                      f"{pub:,.0f}" if pub else "-", e)
+            t.add_row(r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
+                      r["gpu"], r["precision"], f"{pred:,.0f}", f"{pub:,.0f}" if pub else "-", e)
         out.print(t)
+        if any(r.get("assumed") for r in res["rows"]):
+            out.print("* priced with settings its source's recipe documents but the row does "
+                      "not print (EP overlap and the flex dispatcher of Megatron-Bridge's 26.06+ "
+                      "MXFP8 MoE recipes; `assumed` in --json)")
         out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                   f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                   f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")

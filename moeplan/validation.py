@@ -22,7 +22,7 @@ from __future__ import annotations
 import csv
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class RunCase:
     gpu: str
     family: str
     row: dict[str, str]
+    assumed: dict[str, Any] = field(default_factory=dict)  # unprinted settings from the recipe
 
 
 def _num(v: str | None) -> float | None:
@@ -183,10 +184,11 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
         why = "; ".join(f"[{r}] {w}" for r, w in v)
     if layout is None:
         return f"layout as published breaks a rule: {why}"
+    assumed = {k: getattr(layout, k) for k in recipe if getattr(layout, k) == recipe[k]}
     return RunCase(row["id"], model, cp_, training, layout, tokens, tflops,
                    _num(row.get("memory_gb")),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
-                   family_of(mp), row)
+                   family_of(mp), row, assumed)
 
 
 def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | None:
@@ -238,6 +240,7 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         "model": case.model.name,
         "precision": case.training.precision,
         "flops_convention": case.convention,
+        "assumed": case.assumed,
     }
 
 

@@ -187,8 +187,9 @@ def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overla
         assert not case.layout.ep_overlap and case.layout.dispatcher == "alltoall", row
     # the overlap hides EP time, so the same row predicts faster with it
     early = case_of(_bridge_row("26.04.01"), presets)
-    assert predict_case(late)["predicted_tokens_per_s_per_gpu"] > \
-        predict_case(early)["predicted_tokens_per_s_per_gpu"]
+    seen, plain = predict_case(late), predict_case(early)
+    assert seen["predicted_tokens_per_s_per_gpu"] > plain["predicted_tokens_per_s_per_gpu"]
+    assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex"} and plain["assumed"] == {}
 
 
 def test_fit_reads_fit_rows_only(tmp_path):
