@@ -203,9 +203,9 @@ def sharded_state(trainer: Trainer) -> dict[str, object]:
     out["optim/step_count"] = torch.tensor(trainer.optimizer.step_count, dtype=torch.int64)
     for j, layer in enumerate(trainer.moe_layer_numbers):  # by global layer: stage-proof
         out[f"routing/{layer}"] = trainer.routing_totals[j].clone()
-    rng = torch.get_rng_state()
+    rng = torch.get_rng_state().to(trainer.device)  # NCCL broadcasts device tensors only
     dist.broadcast(rng, src=0)  # rank 0's state: one value whatever the plan
-    out["rng/torch"] = rng
+    out["rng/torch"] = rng.cpu()
     return out
 
 
