@@ -9,7 +9,8 @@ summary.json holds measured and predicted figures side by side.
 
     python bench/gpu_check.py [--steps 12] [--seq 4096] [--gbs 8] [--out DIR]
 
-Prints a markdown table; on a machine without a CUDA GPU it says so and exits 0.
+Prints a markdown table, then a checkpoint round trip over NCCL (a run resumed from its sharded
+checkpoint against the straight run); on a machine without a CUDA GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -57,6 +58,38 @@ def run(plan: Plan, steps: int, out: Path, timeout_s: float) -> tuple[dict, str]
                          + r.stderr[-4000:])
     kernels = next((line.strip() for line in r.stderr.splitlines() if "kernels:" in line), "?")
     return json.loads((run_dir / "summary.json").read_text()), kernels
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Last record per step of a run's metrics.jsonl (a resumed run appends)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def checkpoint_roundtrip(out: Path, timeout_s: float, steps: int = 6) -> str:
+    """Sharded checkpoints over NCCL: `steps` straight against steps/2, then resumed to
+    `steps` from the checkpoint; the resumed losses must follow the straight ones."""
+    plan = make_plan("bf16", 1024, 4)
+    path = out / "ckpt_plan.json"
+    path.write_text(plan.model_dump_json())
+
+    def run_to(n: int, run_dir: Path, ckpt: Path, resume: bool) -> None:
+        cmd = [sys.executable, "-m", "moeplan", "run", str(path), "--steps", str(n), "--out",
+               str(run_dir), "--dtype", "fp32", "--seed", "3", "--ckpt-dir", str(ckpt),
+               "--ckpt-every", str(steps // 2)] + (["--resume"] if resume else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if r.returncode != 0:
+            raise SystemExit(f"checkpoint run failed (exit {r.returncode}):\n" + r.stderr[-4000:])
+
+    run_to(steps, out / "straight", out / "ckpt_straight", False)
+    run_to(steps // 2, out / "resumed", out / "ckpt_resumed", False)
+    run_to(steps, out / "resumed", out / "ckpt_resumed", True)
+    a, b = losses(out / "straight"), losses(out / "resumed")
+    worst = max(abs(b[k] - a[k]) / abs(a[k]) for k in range(steps // 2, steps))
+    verdict = "follows" if worst <= 1e-4 else "DIVERGES from"
+    return (f"checkpoint round trip (NCCL, fp32): the run resumed at step {steps // 2} "
+            f"{verdict} the straight run; worst relative loss gap {worst:.1e} over steps "
+            f"{steps // 2}–{steps - 1}")
 
 
 def table(rows: list[tuple[str, dict, str]], peak_bf16: float) -> str:
@@ -109,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nno FP8 run: torch._scaled_mm needs sm_89 or newer (this GPU is sm_{cap[0]}"
               f"{cap[1]})")
+    print("\n" + checkpoint_roundtrip(out, a.timeout_s))
     print(f"\nruns in {out}")
     return 0
 
