@@ -159,6 +159,27 @@ def test_each_offload_choice_moves_activation_bytes_off_the_device(model, module
     assert got.kept_bytes < base.kept_bytes and got.offloaded_bytes > 0
 
 
+def test_offload_brings_back_the_layer_before_while_a_layer_runs_backward(monkeypatch):
+    """The first copy a layer's backward needs also starts the copies of the layer that ran
+    before it: every layer but the last one run is back before its backward asks."""
+    from moeplan.runtime import memory
+
+    spec = load_model(DATA / "tiny_qwen3_moe.yaml")  # 3 decoder layers
+    model = apply_memory(Transformer(spec, seed=1), [], ["attn_proj", "moe_act"])
+    ready_when_asked = []
+    fetch = memory._OffloadGroup.fetch
+
+    def watched(self, item):
+        if self.items:  # this layer's first fetch
+            ready_when_asked.append(all(it.on_device is not None for it in self.items))
+        return fetch(self, item)
+
+    monkeypatch.setattr(memory._OffloadGroup, "fetch", watched)
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens).ce_sum.backward()
+    assert ready_when_asked == [False, True, True]
+
+
 def test_full_recompute_keeps_only_each_layer_input():
     spec = load_model(DATA / "tiny_qwen3_moe.yaml")
     layer_input = 64 * 2 * spec.hidden_size * 4  # (s, b, h) fp32

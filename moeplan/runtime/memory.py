@@ -17,7 +17,9 @@ maps those names onto the model's modules (STYLE.md #2). Three mechanisms, as in
 - **Offload** (`attn_norm`, `qkv_linear`, `core_attn`, `attn_proj`, `mlp_norm`, `expert_fc1`,
   `moe_act`): every tensor an op inside the module saves for backward is copied to host memory
   (pinned, on a side CUDA stream) and brought back, a whole layer at a time, when its backward
-  first needs one. Parameters, buffers and RoPE tables are never moved.
+  first needs one; that also starts bringing back the layer before it (the next one backward
+  reaches), so its copies overlap this layer's backward. Parameters, buffers and RoPE tables
+  are never moved.
 
 All three act through one `torch.autograd.graph.saved_tensors_hooks` scope per decoder layer
 (`_Scope`), which also keeps the byte count `ActivationMeter` reports.
@@ -37,6 +39,9 @@ from torch.utils.checkpoint import checkpoint
 
 _STATE = {"recomputing": 0}
 _SCOPES: list[_Scope] = []  # the decoder layer whose forward is running (innermost last)
+# the offload group of the layer that ran last inside the model chunk's forward now running
+# (one entry per running chunk; empty outside a chunk's forward, e.g. in a backward replay)
+_CHAIN: list[_OffloadGroup | None] = []
 
 
 def recomputing() -> bool:
@@ -151,16 +156,22 @@ class _HostRef:
 
 
 class _OffloadGroup:
-    """One layer's host copies: the first one backward needs brings the whole layer back."""
+    """One layer's host copies: the first one backward needs brings the whole layer back, and
+    starts the copies of `prev`, the layer that ran before it in the same chunk's forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, prev: _OffloadGroup | None = None) -> None:
         self.items: list[_Offloaded] = []
+        self.prev = prev
 
     def fetch(self, item: _Offloaded) -> torch.Tensor:
         for it in self.items:  # ahead of use: the rest of the layer's backward needs them next
             it.reload()
         self.items = []  # from now on each copy lives as long as the graph node saving it
         item.reload()
+        if self.prev is not None:  # prefetch one layer ahead (async on the side stream)
+            for it in self.prev.items:
+                it.reload()
+            self.prev = None
         return item.get()
 
 
@@ -274,10 +285,21 @@ def _wrap(obj: object, attr: str, wrapper: Callable) -> None:
     setattr(obj, attr, functools.wraps(inner)(functools.partial(wrapper, inner)))
 
 
+def _chunk_scope(inner: Callable, *args: object, **kwargs: object) -> object:
+    """A model chunk's forward: its layers' offload groups chain in the order they run."""
+    _CHAIN.append(None)
+    try:
+        return inner(*args, **kwargs)
+    finally:
+        _CHAIN.pop()
+
+
 def _layer_scope(root: nn.Module, offload: set[str]) -> Callable:
     def run(inner: Callable, *args: object) -> torch.Tensor:
         scope = _Scope(_constants(root))
         scope.offload = offload
+        if _CHAIN and torch.is_grad_enabled():
+            scope.group.prev, _CHAIN[-1] = _CHAIN[-1], scope.group
         _SCOPES.append(scope)
         for m in _METERS:
             m.by_layer.append(0)
@@ -375,6 +397,7 @@ def apply_offload(model: nn.Module, modules: Iterable[str]) -> None:
     """Give every decoder layer its saved-tensor scope; what ops inside a module named in
     `modules` save goes to host memory. Every plan-named module is marked as a region, so
     the meter can also say where the bytes it counts come from."""
+    modules = set(modules)
     blocks = decoder_blocks(model)
     names = [n for n in _sites(blocks[0]) if n not in ("full", "layernorm")] if blocks else []
     for block in blocks:
@@ -382,7 +405,9 @@ def apply_offload(model: nn.Module, modules: Iterable[str]) -> None:
         for name in names:
             for obj, attr in sites[name]:
                 _wrap(obj, attr, _region(name))
-        _wrap(block, "forward", _layer_scope(model, set(modules)))
+        _wrap(block, "forward", _layer_scope(model, modules))
+    if modules and hasattr(model, "forward_chunk"):
+        _wrap(model, "forward_chunk", _chunk_scope)
 
 
 def apply_memory(model: nn.Module, recompute: Iterable[str], offload: Iterable[str],
