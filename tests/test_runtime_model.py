@@ -153,7 +153,7 @@ def test_cli_module_does_not_import_torch():
 def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkeypatch):
     """Deferred init: before `materialize_` the large weights take no memory; afterwards a
     tp rank 1 of 2 / ep rank 1 of 2 holds exactly its slices of the model every plan starts
-    from, and drew only its own experts."""
+    from, and drew only its own experts and the embedding rows of its vocabulary shard."""
     from moeplan.runtime import layers
     from moeplan.runtime.comm import SINGLE, Axis
     from moeplan.runtime.layers import materialize_, shard_info
@@ -161,6 +161,7 @@ def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkey
     from moeplan.specs import load_model
 
     spec = load_model(DATA / "tiny_qwen3_moe.yaml")
+    monkeypatch.setattr(layers, "ROW_BLOCK", 16)  # the 256-row embedding: 16 blocks
     full = {n: p.detach().clone() for n, p in Transformer(spec, seed=7).named_parameters()}
     model = Transformer(spec, seed=7, materialize=False)
     assert model.layers[1].mlp.experts.w_up.is_meta and model.embedding.weight.is_meta
@@ -181,3 +182,5 @@ def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkey
         assert not p.is_meta and torch.equal(p.detach(), want), name
     experts = [n for n in drawn if ".experts.w_up/" in n and n.startswith("layers.1.")]
     assert experts == [f"layers.1.mlp.experts.w_up/{e}" for e in range(4, 8)]
+    rows = [n for n in drawn if n.startswith("embedding.weight/")]  # vocab-parallel: dim 0
+    assert rows == [f"embedding.weight/{b}" for b in range(8, 16)]

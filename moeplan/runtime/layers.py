@@ -83,32 +83,44 @@ def _name_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
 
 
+ROW_BLOCK = 1024  # rows of a deferred 2-D weight drawn by one generator
+
+
 def _draw(name: str, p: torch.Tensor, seed: int) -> torch.Tensor:
-    """This rank's shard of the deferred weight `name` (see `materialize_`)."""
+    """This rank's shard of the deferred weight `name` (see `materialize_`).
+
+    A weight is drawn in blocks along dim 0, each from its own generator: one expert of a
+    stack, or ROW_BLOCK rows of a matrix. Only blocks overlapping this rank's dim-0 slice are
+    drawn, and each is cut to its other slices at once, so drawing never holds more than the
+    shard and one block.
+    """
     std, full = p.moeplan_init  # type: ignore[attr-defined]
     slices = list(getattr(p, "moeplan_slices", ()))
-    if len(full) == 3:  # a stack of experts: its dim-0 slices pick which ones to draw
-        lo, n = 0, full[0]
-        for _dim, start, size in [c for c in slices if c[0] == 0]:
-            lo, n = lo + start, size
-        slices = [c for c in slices if c[0] != 0]
-        t = torch.stack([torch.randn(full[1:], generator=_name_generator(seed, f"{name}/{e}"))
-                         for e in range(lo, lo + n)])
-    else:
-        t = torch.randn(full, generator=_name_generator(seed, name))
-    for dim, start, size in slices:
-        t = t.narrow(dim, start, size)
-    return (t * std).contiguous()
+    lo, n = 0, full[0]
+    for _dim, start, size in [c for c in slices if c[0] == 0]:
+        lo, n = lo + start, size
+    rest = [c for c in slices if c[0] != 0]
+    block = 1 if len(full) == 3 else ROW_BLOCK
+    parts = []
+    for b in range(lo // block, -(-(lo + n) // block)):
+        first = b * block
+        rows = min(block, full[0] - first)
+        t = torch.randn((rows, *full[1:]), generator=_name_generator(seed, f"{name}/{b}"))
+        t = t[max(lo, first) - first: min(lo + n, first + rows) - first]
+        for dim, start, size in rest:
+            t = t.narrow(dim, start, size)
+        parts.append(t.clone())
+    return (torch.cat(parts) * std).contiguous()
 
 
 def materialize_(model: nn.Module, seed: int) -> nn.Module:
     """Draw every deferred weight of `model` (`normal_weight`), only this rank's shard of it.
 
-    Each weight comes from its own generator, seeded by (seed, parameter name); a stack of
-    expert matrices (3-D) from one generator per expert, so a rank draws only its experts. A
-    sharded 2-D weight is drawn whole and sliced: one weight at a time, never the model. The
-    meta Parameters are replaced (a shared one, e.g. a tied embedding, by one new Parameter)
-    and keep their sharding attributes.
+    Each weight is drawn in blocks along dim 0 (one expert of a stack, ROW_BLOCK rows of a
+    matrix), each block from a generator seeded by (seed, parameter name, block), so a rank
+    draws only its experts and the row blocks its shard needs, and every plan gets the same
+    full weights. The meta Parameters are replaced (a shared one, e.g. a tied embedding, by one
+    new Parameter) and keep their sharding attributes.
     """
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
