@@ -59,6 +59,18 @@ def test_a_flat_range_cuts_into_boxes_that_cover_exactly_its_elements(shape):
         assert len(_boxes(a, b, shape)) <= 2 * len(shape) - 1
 
 
+def test_a_flat_range_splits_into_its_boxes_contents_in_order():
+    """Each box of a flat range is a contiguous run of it, so a rank writes (and reads back)
+    its optimizer slice without building the whole shard."""
+    from moeplan.runtime.checkpoint import _boxes, _index, _split
+
+    shape = (4, 3, 5)
+    full = torch.arange(60.0).view(shape)
+    boxes = _boxes(7, 53, shape)
+    for piece, box in zip(_split(full.reshape(-1)[7:53], boxes), boxes, strict=True):
+        assert torch.equal(piece, full[_index(box)])
+
+
 def test_the_complement_of_a_box_covers_the_rest_once():
     from moeplan.runtime.checkpoint import _complement, _index
 

@@ -12,9 +12,9 @@ shard, and for the optimizer states the part of that shard inside its data-paral
 family's flat buffer (a flat range, cut into at most a few boxes per dimension, `_boxes`). A box
 held by several ranks (replicas over dp, cp or tp) is written by the lowest of them; the boxes
 of a tensor cover it exactly once (checked). They go to DCP as ShardedTensors with the global
-layout of every box. Loading asks DCP for this rank's shard of each tensor under *its* plan, and
-DCP reads whatever saved boxes overlap it, so a checkpoint resumes under any plan: other tp, ep,
-etp, dp, pp or stage layout.
+layout of every box. Loading asks DCP for this rank's parameter shards and the boxes of its
+optimizer slice under *its* plan, and DCP reads whatever saved boxes overlap them, so a
+checkpoint resumes under any plan: other tp, ep, etp, dp, pp or stage layout.
 
 Pipeline stages need no renaming: `split_stage` keeps the full model's names (decoder layer i is
 `layers.i` on whichever stage holds it; MTP depths, final norm and output layer sit on the last
@@ -99,6 +99,17 @@ def _index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + z) for o, z in zip(*box, strict=True))
 
 
+def _shifted(boxes: list[Box], off: tuple[int, ...]) -> list[Box]:
+    return [(tuple(x + y for x, y in zip(o, off, strict=True)), z) for o, z in boxes]
+
+
+def _split(flat: torch.Tensor, boxes: list[Box]) -> list[torch.Tensor]:
+    """A flat range cut into the pieces `_boxes` gave for it: each box is a contiguous run of
+    the range, in order, so the pieces are consecutive slices reshaped to the boxes."""
+    sizes = [math.prod(z) for _, z in boxes]
+    return [t.reshape(z) for t, (_, z) in zip(torch.split(flat, sizes), boxes, strict=True)]
+
+
 def _placement(p: torch.Tensor, trainer: Trainer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets of this rank's shard of `p` in the global tensor, the global shape)."""
     g, info = trainer.groups, shard_info(p)
@@ -146,15 +157,12 @@ def _local_pieces(trainer: Trainer) -> dict[str, tuple[tuple[int, ...], torch.dt
         if name not in saved:
             continue
         off, shape = _placement(p, trainer)
+        boxes = _boxes(a, b, tuple(p.shape))
         for s in _STATES:
             state = joined[(id(f), s)]
-            local = torch.zeros(p.numel(), dtype=state.dtype)
-            local[a:b] = state[at: at + b - a]
-            local = local.view(p.shape)
-            entry = out.setdefault(f"optim/{s}/{name}", (shape, state.dtype, []))
-            for o, z in _boxes(a, b, tuple(p.shape)):
-                box = (tuple(x + y for x, y in zip(o, off, strict=True)), z)
-                entry[2].append((box, local[_index((o, z))].clone()))
+            pieces = _split(state[at: at + b - a].clone(), boxes)
+            out[f"optim/{s}/{name}"] = (shape, state.dtype,
+                                        list(zip(_shifted(boxes, off), pieces, strict=True)))
     return out
 
 
@@ -209,13 +217,14 @@ def sharded_state(trainer: Trainer) -> dict[str, object]:
     return out
 
 
-def _wanted(shape: tuple[int, ...], dtype: torch.dtype, box: Box) -> ShardedTensor:
-    """An empty ShardedTensor for loading `box` of a tensor of `shape` into this rank (the rest
-    of the tensor is described as held elsewhere, as the format requires)."""
+def _wanted(shape: tuple[int, ...], dtype: torch.dtype, mine: list[Box],
+            rest: list[Box]) -> ShardedTensor:
+    """An empty ShardedTensor for loading the boxes `mine` of a tensor of `shape` into this
+    rank; `rest` covers the remainder, described as held elsewhere, as the format requires."""
     rank = dist.get_rank()
-    others = [(b, (rank + 1) % dist.get_world_size()) for b in _complement(box, shape)]
-    return _sharded(shape, dtype, [(box, rank), *others],
-                    [(box, torch.empty(box[1], dtype=dtype))])
+    other = (rank + 1) % dist.get_world_size()
+    return _sharded(shape, dtype, [*((b, rank) for b in mine), *((b, other) for b in rest)],
+                    [(b, torch.empty(b[1], dtype=dtype)) for b in mine])
 
 
 def _template(trainer: Trainer) -> dict[str, object]:
@@ -227,10 +236,16 @@ def _template(trainer: Trainer) -> dict[str, object]:
     for name, p in trainer.model.named_parameters():
         off, shape = _placement(p, trainer)
         box = (off, tuple(p.shape))
-        out[f"model/{name}"] = _wanted(shape, p.dtype, box)
+        out[f"model/{name}"] = _wanted(shape, p.dtype, [box], _complement(box, shape))
+    for _, name, p, (a, b), _ in _flat_ranges(trainer):  # only this rank's optimizer slice
+        off, shape = _placement(p, trainer)
+        n, local = p.numel(), tuple(p.shape)
+        mine = _shifted(_boxes(a, b, local), off)
+        rest = (_complement((off, local), shape)
+                + _shifted(_boxes(0, a, local) + _boxes(b, n, local), off))
         for s in _STATES:
             out[f"optim/{s}/{name}"] = _wanted(shape, moments if s != "master" else torch.float32,
-                                               box)
+                                               mine, rest)
     for n, b in trainer.model.named_buffers():
         out[f"buffer/{n}"] = torch.empty_like(b, device="cpu")
     out["optim/step_count"] = torch.zeros((), dtype=torch.int64)
@@ -244,23 +259,27 @@ def _shard_of(t: object) -> torch.Tensor:
     return t.local_shards()[0].tensor if isinstance(t, ShardedTensor) else t  # type: ignore[return-value]
 
 
+def _flat_of(t: ShardedTensor) -> torch.Tensor:
+    """The local boxes of a `_wanted` optimizer state, back to its flat range (boxes in order
+    of their offsets are the range's consecutive runs)."""
+    shards = sorted(t.local_shards(), key=lambda sh: tuple(sh.metadata.shard_offsets))
+    return torch.cat([sh.tensor.reshape(-1) for sh in shards])
+
+
 @torch.no_grad()
 def load_state(trainer: Trainer, state: dict[str, object]) -> None:
     """Put what `_template` read into this rank's parameters and optimizer shards."""
     opt, model = trainer.optimizer, trainer.model
     for name, p in model.named_parameters():
         p.data.copy_(_shard_of(state[f"model/{name}"]).to(p.dtype))
-    for f in opt.families:
+    dsts = {(id(f), s): getattr(f, s) for f in opt.families for s in _STATES}
+    flats = {k: torch.zeros(d.numel(), dtype=d.dtype) for k, d in dsts.items()}
+    for f, name, _, (a, b), at in _flat_ranges(trainer):
         for s in _STATES:
-            dst = getattr(f, s)
-            flat = torch.zeros(dst.numel(), dtype=dst.dtype)
-            lo, hi = f.shard.start, f.shard.stop
-            for name, p, base in zip(f.names, f.params, f.offsets, strict=True):
-                a, b = max(lo, base) - base, min(hi, base + p.numel()) - base
-                if a < b:
-                    src = _shard_of(state[f"optim/{s}/{name}"]).reshape(-1)
-                    flat[base + a - lo: base + b - lo] = src[a:b].to(flat.dtype)
-            dst.copy_(flat.to(dst.device))
+            flat, got = flats[(id(f), s)], state[f"optim/{s}/{name}"]
+            flat[at: at + b - a] = _flat_of(got).to(flat.dtype)  # type: ignore[arg-type]
+    for k, dst in dsts.items():
+        dst.copy_(flats[k].to(dst.device))
     for n, b in model.named_buffers():
         b.copy_(_shard_of(state[f"buffer/{n}"]).to(b.dtype))
     opt.step_count = int(_shard_of(state["optim/step_count"]))
