@@ -38,6 +38,8 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     # capacity dropping is decided on each rank's own tokens: EP must not change it
     "dp2_capacity": (2, {"capacity": 1.0}),
     "dp2_ep2_capacity": (2, {"ep": 2, "capacity": 1.0}),
+    # two NVLink domains of 2 GPUs: the flex dispatcher's two-hop exchange across them
+    "ep4_flex_2_domains": (4, {"ep": 4, "dispatcher": "flex", "nvlink_domain": 2}),
 }
 
 
@@ -47,8 +49,12 @@ def make_plan(model: str, world: int, axes: dict):
     axes = dict(axes)
     training = TrainingSpec(seq_len=32, global_batch_size=8, lr=1e-2, warmup_steps=1,
                             moe_capacity_factor=axes.pop("capacity", None))
-    return Plan(model=load_model(DATA / f"{model}.yaml"),
-                cluster=load_cluster("h100", gpus=world), training=training,
+    cluster = load_cluster("h100", gpus=world)
+    domain = axes.pop("nvlink_domain", None)
+    if domain:
+        cluster = cluster.model_copy(update={"nvlink_domain_gpus": domain,
+                                             "gpus_per_node": domain})
+    return Plan(model=load_model(DATA / f"{model}.yaml"), cluster=cluster, training=training,
                 layout=Layout.build(world, 8, **axes))
 
 
@@ -77,7 +83,9 @@ def train_layouts(rank: int, port: int, world: int, out: str,
     init_world(rank, port, world)
     results: dict = {}
     for name, plans in layouts:
-        groups = build_groups(RankGrid.from_layout(next(iter(plans.values())).layout))
+        first = next(iter(plans.values()))
+        groups = build_groups(RankGrid.from_layout(first.layout),
+                              domain=first.cluster.usable_domain(first.layout.world_size))
         for m, plan in plans.items():
             if groups is None:
                 continue
@@ -90,7 +98,9 @@ def train_layouts(rank: int, port: int, world: int, out: str,
                 grads = grads if g is None else g
             waits = None if trainer.pipeline is None else trainer.pipeline.stats.history
             results[(name, m)] = {"losses": losses, "step_time_s": times, "grads": grads,
-                                  "grad_norm": metrics.grad_norm, "pipeline_wait": waits}
+                                  "grad_norm": metrics.grad_norm, "pipeline_wait": waits,
+                                  "dispatchers": sorted({type(moe.dispatcher).__name__
+                                                         for moe in trainer.model.moe_layers()})}
         dist.barrier()
     if rank == 0:
         torch.save(results, out)

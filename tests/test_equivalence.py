@@ -81,6 +81,14 @@ def test_allgather_dispatcher_matches_single_process(results, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_flex_dispatcher_across_two_nvlink_domains_matches_single_process(results, model):
+    """One copy per (token, remote domain) over the rail, fanned out inside the domain, and
+    one partial sum back: the same function as the all-to-all dispatcher."""
+    assert results[("ep4_flex_2_domains", model)]["dispatchers"] == ["FlexDispatcher"]
+    assert_matches_reference(results, "ep4_flex_2_domains", model)
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_order_tp_cp_ep_pp_dp_with_etp2_matches_single_process(results, model):
     assert_matches_reference(results, "tp2_ep2_etp2_order_pp_dp", model)
 

@@ -117,3 +117,15 @@ def test_the_cost_models_price_the_groups_the_runtime_builds(axes, order):
     grid = RankGrid.from_layout(layout)
     for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
         assert sorted(group_ranks(layout, axis).tolist()) == sorted(grid.groups(axis)), axis
+
+
+def test_an_ep_group_splits_by_nvlink_domain_into_domains_and_rails():
+    from moeplan.runtime.parallelize import ep_domains
+
+    assert ep_domains([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert ep_domains([8, 9, 10, 11, 12, 13, 14, 15], 4) == (
+        [[8, 9, 10, 11], [12, 13, 14, 15]], [[8, 12], [9, 13], [10, 14], [11, 15]])
+    # one domain, or a placement whose domains are not runs of one size: no split
+    assert ep_domains([0, 1, 2, 3], 8) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert ep_domains([0, 2, 1, 3], 2)[0] == [[0, 2, 1, 3]]
+    assert ep_domains([0, 1, 2], 2)[0] == [[0, 1, 2]]

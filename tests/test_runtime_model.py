@@ -133,13 +133,17 @@ def test_features_the_runtime_does_not_execute_are_named():
     qwen = _plan("qwen3-30b-a3b", 64, tp=2, ep=8)
     assert features_not_executed(qwen) == []
     refused = qwen.model_copy(update={
-        "layout": qwen.layout.model_copy(update={"ep_overlap": True, "dispatcher": "flex"}),
+        "layout": qwen.layout.model_copy(update={"ep_overlap": True, "dispatcher": "flex",
+                                                 "etp": 2}),
         "choices": Choices(recompute=["moe_act"], offload=["expert_fc1"]),
     })
     named = " ".join(features_not_executed(refused))
-    for word in ("overlap", "flex"):
+    for word in ("overlap", "dispatcher with etp > 1"):
         assert word in named
     assert "recompute" not in named and "offload" not in named  # executed (memory.py)
+    flex = qwen.model_copy(update={"layout": qwen.layout.model_copy(
+        update={"dispatcher": "flex"})})
+    assert features_not_executed(flex) == []  # etp = 1: FlexDispatcher
     assert any("sliding" in f for f in features_not_executed(_plan("gpt-oss-120b", 8, ep=8)))
 
 

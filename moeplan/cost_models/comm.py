@@ -44,20 +44,8 @@ def _topology_key(world: int, gpus_per_node: int, domain: int) -> tuple[int, ...
 
 
 def usable_domain(cluster: ClusterSpec, world: int) -> int:
-    """GPUs of one NVLink domain a job of `world` GPUs actually uses.
-
-    A job that fits in one domain uses it whole. A larger job fills its domains in equal
-    segments of whole nodes, as schedulers allocate NVL72 racks (256 GPUs run as 4 racks × 64,
-    leaving trays spare), so the segment is the largest multiple of gpus_per_node that divides
-    the job and fits the domain.
-    """
-    dom, node = cluster.nvlink_domain_gpus, cluster.gpus_per_node
-    if world <= dom:
-        return world
-    for d in range(dom - dom % node, node - 1, -node):
-        if world % d == 0:
-            return d
-    return node
+    """GPUs of one NVLink domain a job of `world` GPUs uses (`ClusterSpec.usable_domain`)."""
+    return cluster.usable_domain(world)
 
 
 def _grid(layout: Layout, expert: bool) -> tuple[list[str], list[int]]:

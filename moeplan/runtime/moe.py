@@ -213,6 +213,52 @@ class AllToAllDispatcher:
         return self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])
 
 
+class FlexDispatcher:
+    """Megatron's flex dispatcher (DeepEP / HybridEP) for an ep group spanning NVLink domains.
+
+    A token crosses to each *remote domain* that holds one of its experts once, to the rank at
+    its own position there (its rail), with the ids and probabilities of its experts in that
+    domain; that rank fans it out over NVLink like the all-to-all dispatcher. The combine sums
+    each domain's weighted expert outputs where they were fanned out and sends one partial sum
+    back per domain. So scale-out traffic is one copy per (token, remote domain), not one per
+    (token, expert): what the cost models price for `flex`. etp = 1.
+    """
+
+    def __init__(self, num_experts: int, backend: KernelBackend, domain: Axis, rail: Axis):
+        self.E, self.rail = num_experts, rail
+        self.E_dom = num_experts // rail.size  # experts of one domain: a contiguous range
+        self.inner = AllToAllDispatcher(self.E_dom, backend, domain, SINGLE, domain)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
+        ex, D = routing.experts, self.rail.size  # (T, k); id E marks a dropped copy
+        dom = torch.where(ex < self.E, ex // self.E_dom, D)  # (T, k) domain of each copy
+        idx = [(dom == d).any(1).nonzero().squeeze(1) for d in range(D)]  # tokens per domain
+        send = [int(i.numel()) for i in idx]
+        rows = torch.cat(idx)  # (R,) token of each row sent, grouped by destination domain
+        row_dom = torch.repeat_interleave(torch.arange(D, device=x.device),
+                                          torch.tensor(send, device=x.device))
+        hit = dom.index_select(0, rows) == row_dom[:, None]  # (R, k) copies for that domain
+        ids = torch.where(hit, ex.index_select(0, rows) - row_dom[:, None] * self.E_dom,
+                          self.E_dom)  # ids within the domain; others dropped there
+        probs = routing.probs.index_select(0, rows) * hit  # (R, k), gradient flows back
+        counts = all_gather_sizes(torch.tensor(send, device=x.device), self.rail)  # (D, D)
+        recv = counts[:, self.rail.rank].tolist()
+        xr = all_to_all(x.index_select(0, rows), self.rail, recv, send)
+        er = all_to_all(ids, self.rail, recv, send)  # integer ids: no gradient
+        pr = all_to_all(probs, self.rail, recv, send)
+        inner = Routing(er, pr, routing.aux_loss, routing.counts, may_drop=True)
+        y, local_counts, ctx = self.inner.dispatch(xr, inner)
+        return y, local_counts, {"inner": ctx, "rows": rows, "send": send, "recv": recv,
+                                 "T": x.shape[0]}
+
+    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # y (N, h) expert outputs → (T, h): each domain's weighted partial sum, summed at home
+        partial = self.inner.combine(y, ctx["inner"])  # (Σ recv, h)
+        back = all_to_all(partial, self.rail, ctx["send"], ctx["recv"])  # (R, h)
+        return back.new_zeros(ctx["T"], back.shape[1]).index_add(0, ctx["rows"], back)
+
+
 def _unsort(y: torch.Tensor, sort: torch.Tensor) -> torch.Tensor:
     """Inverse of `y_sorted = y.index_select(0, sort)`, differentiable."""
     inverse = torch.empty_like(sort)

@@ -31,7 +31,7 @@ from .layers import (
 )
 from .memory import apply_memory
 from .model import Transformer
-from .moe import AllGatherDispatcher, AllToAllDispatcher, GroupedExperts
+from .moe import AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, GroupedExperts
 
 # Axes the runtime builds groups for: the printed ones plus those the optimizer and loss need.
 RUNTIME_AXES = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "tp_cp_dp", "ep", "etp", "edp",
@@ -53,6 +53,10 @@ class ParallelGroups:
     etp: Axis = SINGLE
     edp: Axis = SINGLE
     tp_ep: Axis = SINGLE
+    # the ep group split by NVLink domain, for the flex dispatcher (`ep_domains`): this rank's
+    # ep peers inside its domain, and its "rail" (the peers at its position in other domains)
+    ep_domain: Axis = SINGLE
+    ep_rail: Axis = SINGLE
     world: Axis = SINGLE
     embd: Axis = SINGLE  # first and last pp rank of this pipeline (Megatron's embedding group)
     # one 2-rank group per pipeline edge and direction: (kind, sender's pp index, group), kind 0
@@ -60,17 +64,43 @@ class ParallelGroups:
     pp_links: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
 
 
-def build_groups(grid: RankGrid, offset: int = 0) -> ParallelGroups | None:
+def ep_domains(ep_ranks: list[int], domain: int) -> tuple[list[list[int]], list[list[int]]]:
+    """An ep group's ranks split by NVLink domain of `domain` GPUs: (one list per domain, one
+    rail per position in a domain). The flex dispatcher needs each domain to hold a run of
+    consecutive ep ranks of one size, so that a domain owns a contiguous range of experts; any
+    other placement gives one domain (the flex dispatcher then runs as the all-to-all one)."""
+    doms: dict[int, list[int]] = {}
+    for r in ep_ranks:
+        doms.setdefault(r // domain, []).append(r)
+    parts = list(doms.values())
+    size = len(parts[0])
+    if len(parts) == 1 or any(len(p) != size for p in parts) or \
+            [r for p in parts for r in p] != list(ep_ranks):
+        return [list(ep_ranks)], [[r] for r in ep_ranks]
+    return parts, [list(rail) for rail in zip(*parts, strict=True)]
+
+
+def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None
+                 ) -> ParallelGroups | None:
     """Create the torch.distributed groups of `grid` placed on global ranks offset..offset+world.
 
     Collective over the default process group: every process calls it with the same arguments
     (even those outside the grid, which get None), so several layouts can be carved out of one
-    spawned world. Size-1 groups are not created.
+    spawned world. Size-1 groups are not created. With `domain` (GPUs per NVLink domain the job
+    uses, `ClusterSpec.usable_domain`), the ep groups are also split by domain for the flex
+    dispatcher.
     """
     me = dist.get_rank()
     found: dict[str, Axis] = {}
-    for axis in (*RUNTIME_AXES, "world"):
-        groups = [list(range(grid.world))] if axis == "world" else grid.groups(axis)
+    split: dict[str, list[list[int]]] = {"ep_domain": [], "ep_rail": []}
+    if domain is not None and grid.ep > 1:
+        for ep_ranks in grid.groups("ep"):
+            doms, rails = ep_domains([r + offset for r in ep_ranks], domain)
+            split["ep_domain"] += [[r - offset for r in d] for d in doms]
+            split["ep_rail"] += [[r - offset for r in rail] for rail in rails]
+    for axis in (*RUNTIME_AXES, "ep_domain", "ep_rail", "world"):
+        groups = ([list(range(grid.world))] if axis == "world" else split[axis]
+                  if axis in split else grid.groups(axis))
         for ranks in groups:
             ranks = [r + offset for r in ranks]
             if len(ranks) == 1:
@@ -151,9 +181,10 @@ def apply_tp(model: Transformer, tp: Axis) -> None:
 
 
 def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
-             dispatcher: str) -> None:
-    """Experts split over ep (dim 0) and their FFN over etp; the dispatcher gets ep/etp/tp_ep;
-    the router's aux loss counts tokens over `seq` (the tp-cp group sharing a micro-batch)."""
+             dispatcher: str, ep_domain: Axis = SINGLE, ep_rail: Axis = SINGLE) -> None:
+    """Experts split over ep (dim 0) and their FFN over etp; the dispatcher gets ep/etp/tp_ep
+    (the flex one also the ep group's split by NVLink domain); the router's aux loss counts
+    tokens over `seq` (the tp-cp group sharing a micro-batch)."""
     for moe in model.moe_layers():
         ex: GroupedExperts = moe.experts
         for name in ("w_gate", "w_up", "w_down"):
@@ -167,7 +198,11 @@ def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
         E = moe.router.E
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(E, ex.backend, ep, tp_ep)
-        else:
+        elif dispatcher == "flex" and not ep_rail.trivial:
+            if not etp.trivial:
+                raise ValueError("the flex dispatcher runs with etp = 1 only")
+            moe.dispatcher = FlexDispatcher(E, ex.backend, ep_domain, ep_rail)
+        else:  # alltoall, or flex inside one NVLink domain (the same exchange)
             moe.dispatcher = AllToAllDispatcher(E, ex.backend, ep, etp, tp_ep)
         moe.router.seq_axis = seq
 
@@ -191,7 +226,8 @@ def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout,
     `layout`, then recompute / offload what `choices` name for its pipeline rank (stage sets
     are indexed by pp rank, shared by its virtual stages); the DP step is the optimizer's."""
     apply_tp(model, groups.tp)
-    apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher)
+    apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher,
+             groups.ep_domain, groups.ep_rail)
     apply_cp(model, groups.cp)
     if choices is not None:
         stage = groups.pp.rank

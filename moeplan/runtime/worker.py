@@ -50,7 +50,8 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
     if not dist.is_initialized():
         _init_process_group(device)
     rank0 = dist.get_rank() == 0
-    groups = build_groups(RankGrid.from_layout(running.layout))
+    groups = build_groups(RankGrid.from_layout(running.layout),
+                          domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
                       data=opts.data)

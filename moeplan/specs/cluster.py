@@ -89,6 +89,23 @@ class ClusterSpec(BaseModel):
                 )
         return self
 
+    def usable_domain(self, world: int) -> int:
+        """GPUs of one NVLink domain a job of `world` GPUs actually uses.
+
+        A job that fits in one domain uses it whole. A larger job fills its domains in equal
+        segments of whole nodes, as schedulers allocate NVL72 racks (256 GPUs run as 4 racks ×
+        64, leaving trays spare), so the segment is the largest multiple of gpus_per_node that
+        divides the job and fits the domain. The cost models price links and the runtime groups
+        ranks by the same segments.
+        """
+        dom, node = self.nvlink_domain_gpus, self.gpus_per_node
+        if world <= dom:
+            return world
+        for d in range(dom - dom % node, node - 1, -node):
+            if world % d == 0:
+                return d
+        return node
+
     def peak_tflops(self, precision: str) -> float | None:
         """Dense peak for a precision recipe's GEMMs, or None when the GPU lacks that format."""
         if precision in BLACKWELL_ONLY and self.architecture != "blackwell":
