@@ -40,6 +40,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_ep2_capacity": (2, {"ep": 2, "capacity": 1.0}),
     # two NVLink domains of 2 GPUs: the flex dispatcher's two-hop exchange across them
     "ep4_flex_2_domains": (4, {"ep": 4, "dispatcher": "flex", "nvlink_domain": 2}),
+    "ep2_etp2_flex_2_domains": (4, {"ep": 2, "etp": 2, "dispatcher": "flex", "nvlink_domain": 2}),
 }
 
 

@@ -80,12 +80,14 @@ def test_allgather_dispatcher_matches_single_process(results, model):
     assert_matches_reference(results, "tp2_ep4_allgather", model)
 
 
+@pytest.mark.parametrize("layout", ["ep4_flex_2_domains", "ep2_etp2_flex_2_domains"])
 @pytest.mark.parametrize("model", MODELS)
-def test_flex_dispatcher_across_two_nvlink_domains_matches_single_process(results, model):
-    """One copy per (token, remote domain) over the rail, fanned out inside the domain, and
-    one partial sum back: the same function as the all-to-all dispatcher."""
-    assert results[("ep4_flex_2_domains", model)]["dispatchers"] == ["FlexDispatcher"]
-    assert_matches_reference(results, "ep4_flex_2_domains", model)
+def test_flex_dispatcher_across_two_nvlink_domains_matches_single_process(results, model,
+                                                                          layout):
+    """One copy per (token, remote domain) over the rail, fanned out inside the domain (and
+    gathered over etp), one partial sum back: the same function as the all-to-all one."""
+    assert results[(layout, model)]["dispatchers"] == ["FlexDispatcher"]
+    assert_matches_reference(results, layout, model)
 
 
 @pytest.mark.parametrize("model", MODELS)

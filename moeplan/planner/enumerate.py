@@ -39,7 +39,6 @@ class SearchSpace:
     max_mbs: int = 4
     max_vpp: int = 8
     allow_ep_overlap: bool = True
-    flex_etp1_only: bool = False  # `moeplan run`'s flex dispatcher needs etp = 1
     allow_no_dist_opt: bool = True
     max_pp: int | None = None
     max_cp: int | None = None
@@ -138,9 +137,6 @@ def enumerate_layouts(
                                 continue
                             edp = world // n
                             for disp in dispatchers:
-                                if disp == "flex" and etp > 1 and space.flex_etp1_only:
-                                    pruned["flex_needs_etp1"] += 1
-                                    continue
                                 for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
                                     if ovl:
                                         if ep == 1:

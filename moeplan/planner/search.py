@@ -128,8 +128,8 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    if target == "moeplan":  # no EP overlap yet; the flex dispatcher with etp = 1 only
-        return SearchSpace(precisions=precisions, allow_ep_overlap=False, flex_etp1_only=True)
+    if target == "moeplan":  # no EP overlap yet
+        return SearchSpace(precisions=precisions, allow_ep_overlap=False)
     return SearchSpace(precisions=precisions)
 
 

@@ -221,13 +221,16 @@ class FlexDispatcher:
     domain; that rank fans it out over NVLink like the all-to-all dispatcher. The combine sums
     each domain's weighted expert outputs where they were fanned out and sends one partial sum
     back per domain. So scale-out traffic is one copy per (token, remote domain), not one per
-    (token, expert): what the cost models price for `flex`. etp = 1.
+    (token, expert): what the cost models price for `flex`. With etp > 1 each etp rank sends
+    its own tokens over its own rail, and the fan-out gathers them over etp as the all-to-all
+    dispatcher does (`tp_ep_domain`: the etp×ep ranks of this domain).
     """
 
-    def __init__(self, num_experts: int, backend: KernelBackend, domain: Axis, rail: Axis):
+    def __init__(self, num_experts: int, backend: KernelBackend, domain: Axis, rail: Axis,
+                 etp: Axis = SINGLE, tp_ep_domain: Axis | None = None):
         self.E, self.rail = num_experts, rail
         self.E_dom = num_experts // rail.size  # experts of one domain: a contiguous range
-        self.inner = AllToAllDispatcher(self.E_dom, backend, domain, SINGLE, domain)
+        self.inner = AllToAllDispatcher(self.E_dom, backend, domain, etp, tp_ep_domain or domain)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)

@@ -57,6 +57,7 @@ class ParallelGroups:
     # ep peers inside its domain, and its "rail" (the peers at its position in other domains)
     ep_domain: Axis = SINGLE
     ep_rail: Axis = SINGLE
+    tp_ep_domain: Axis = SINGLE  # the etp×ep group's ranks in this rank's domain (etp > 1)
     world: Axis = SINGLE
     embd: Axis = SINGLE  # first and last pp rank of this pipeline (Megatron's embedding group)
     # one 2-rank group per pipeline edge and direction: (kind, sender's pp index, group), kind 0
@@ -92,13 +93,19 @@ def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None
     """
     me = dist.get_rank()
     found: dict[str, Axis] = {}
-    split: dict[str, list[list[int]]] = {"ep_domain": [], "ep_rail": []}
+    split: dict[str, list[list[int]]] = {"ep_domain": [], "ep_rail": [], "tp_ep_domain": []}
     if domain is not None and grid.ep > 1:
         for ep_ranks in grid.groups("ep"):
             doms, rails = ep_domains([r + offset for r in ep_ranks], domain)
             split["ep_domain"] += [[r - offset for r in d] for d in doms]
             split["ep_rail"] += [[r - offset for r in rail] for rail in rails]
-    for axis in (*RUNTIME_AXES, "ep_domain", "ep_rail", "world"):
+        if grid.etp > 1:  # the counts exchange of the fan-out inside a domain spans etp too
+            for ranks in grid.groups("tp_ep"):
+                by_dom: dict[int, list[int]] = {}
+                for r in ranks:
+                    by_dom.setdefault((r + offset) // domain, []).append(r)
+                split["tp_ep_domain"] += list(by_dom.values())
+    for axis in (*RUNTIME_AXES, *split, "world"):
         groups = ([list(range(grid.world))] if axis == "world" else split[axis]
                   if axis in split else grid.groups(axis))
         for ranks in groups:
@@ -181,7 +188,8 @@ def apply_tp(model: Transformer, tp: Axis) -> None:
 
 
 def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
-             dispatcher: str, ep_domain: Axis = SINGLE, ep_rail: Axis = SINGLE) -> None:
+             dispatcher: str, ep_domain: Axis = SINGLE, ep_rail: Axis = SINGLE,
+             tp_ep_domain: Axis = SINGLE) -> None:
     """Experts split over ep (dim 0) and their FFN over etp; the dispatcher gets ep/etp/tp_ep
     (the flex one also the ep group's split by NVLink domain); the router's aux loss counts
     tokens over `seq` (the tp-cp group sharing a micro-batch)."""
@@ -199,9 +207,8 @@ def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(E, ex.backend, ep, tp_ep)
         elif dispatcher == "flex" and not ep_rail.trivial:
-            if not etp.trivial:
-                raise ValueError("the flex dispatcher runs with etp = 1 only")
-            moe.dispatcher = FlexDispatcher(E, ex.backend, ep_domain, ep_rail)
+            moe.dispatcher = FlexDispatcher(E, ex.backend, ep_domain, ep_rail, etp,
+                                            tp_ep_domain if not etp.trivial else ep_domain)
         else:  # alltoall, or flex inside one NVLink domain (the same exchange)
             moe.dispatcher = AllToAllDispatcher(E, ex.backend, ep, etp, tp_ep)
         moe.router.seq_axis = seq
@@ -227,7 +234,7 @@ def parallelize(model: Transformer, groups: ParallelGroups, layout: Layout,
     are indexed by pp rank, shared by its virtual stages); the DP step is the optimizer's."""
     apply_tp(model, groups.tp)
     apply_ep(model, groups.ep, groups.etp, groups.tp_ep, groups.tp_cp, layout.dispatcher,
-             groups.ep_domain, groups.ep_rail)
+             groups.ep_domain, groups.ep_rail, groups.tp_ep_domain)
     apply_cp(model, groups.cp)
     if choices is not None:
         stage = groups.pp.rank

@@ -36,8 +36,6 @@ def features_not_executed(plan: Plan) -> list[str]:
                        "loss L)")
     if L.ep_overlap:
         out.append("EP communication overlap (ep_overlap)")
-    if L.dispatcher == "flex" and L.etp > 1:
-        out.append("the flex (DeepEP/HybridEP) dispatcher with etp > 1")
     # activation recompute / offload and optimizer offload run as the choices say (memory.py,
     # optimizer.py)
     # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)
