@@ -38,3 +38,14 @@ def test_no_valid_layout_is_lost_except_by_named_placement_rule():
             continue
         assert (tp, cp, pp, ep, etp) in got, (tp, cp, pp, ep, etp)
     assert enum.pruned["tp_cp_within_nvlink"] > 0
+
+
+def test_flex_is_enumerated_only_where_the_ep_group_leaves_the_nvlink_domain():
+    """Inside one domain the flex dispatcher is the all-to-all exchange: the same plan twice."""
+    from moeplan.planner.enumerate import DISPATCHERS
+
+    enum = enumerate_layouts(MODEL, CLUSTER, TRAIN, 32, SPACE)
+    flex = enum.rows[enum.rows[:, COL["dispatcher"]] == DISPATCHERS.index("flex")]
+    assert len(flex) > 0 and enum.pruned["flex_inside_nvlink"] > 0
+    domain = CLUSTER.usable_domain(32)
+    assert all(domain % int(r[COL["ep"]] * r[COL["etp"]]) for r in flex)

@@ -90,6 +90,7 @@ def enumerate_layouts(
     ep_opts = divisors(experts) if experts else [1]
     etp_opts = [d for d in divisors(moe_ffn) if d <= nvl] if experts else [1]
     dispatchers = space.dispatchers if experts else ("alltoall",)
+    domain = cluster.usable_domain(world)
     for tp in divisors(world):
         if space.max_tp and tp > space.max_tp:
             pruned["target_max_tp"] += 1
@@ -137,6 +138,12 @@ def enumerate_layouts(
                                 continue
                             edp = world // n
                             for disp in dispatchers:
+                                # etp and ep are adjacent in both rank orders: an ep group
+                                # spanning etp·ep ranks that divides the domain stays inside
+                                # it, where flex is the all-to-all exchange (same plan twice)
+                                if disp == "flex" and domain % (etp * ep) == 0:
+                                    pruned["flex_inside_nvlink"] += 1
+                                    continue
                                 for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
                                     if ovl:
                                         if ep == 1:
