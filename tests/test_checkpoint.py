@@ -29,7 +29,7 @@ from moeplan.runtime.data import TokenData, write_tokens
 from moeplan.runtime.data import main as convert
 from moeplan.runtime.launch import RunOptions, check_resume
 from moeplan.runtime.storage import check_token_file, complete_steps, newest_checkpoint
-from moeplan.specs import load_plan
+from moeplan.specs import Choices, load_plan
 
 from .conftest import run_cli, run_world
 from .test_run_cli import write_plan
@@ -306,9 +306,10 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file_before_any_worker(saved
 # ------------------------------------------------------------------------- real launches (CLI)
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> dict:
-    """A world-2 plan (ep2), a token file and the uninterrupted run's losses."""
+    """A world-2 plan (ep2, half the optimizer states on the host, so resume restores both
+    parts), a token file and the uninterrupted run's losses."""
     root = tmp_path_factory.mktemp("launch")
-    plan = write_plan(root / "ep2.json", 2, ep=2)
+    plan = write_plan(root / "ep2.json", 2, choices=Choices(optimizer_offload_fraction=0.5), ep=2)
     (root / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     convert(["text", str(root / "a.txt"), "-o", str(root / "corpus.bin")])
     data = str(root / "corpus.bin")

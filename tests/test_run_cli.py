@@ -10,6 +10,7 @@ import time
 import pytest
 
 from moeplan.specs import (
+    Choices,
     Estimate,
     Layout,
     MemoryBreakdown,
@@ -33,10 +34,11 @@ ESTIMATE = Estimate(step_time_s=0.5, tokens_per_s_per_gpu=128.0, tflops_per_gpu=
 
 
 def write_plan(path, world: int, model: str = "tiny_qwen3_moe", estimate: Estimate | None = None,
-               **axes) -> str:
+               choices: Choices | None = None, **axes) -> str:
     training = TrainingSpec(seq_len=32, global_batch_size=4, lr=1e-2, warmup_steps=1)
     plan = Plan(model=load_model(DATA / f"{model}.yaml"), cluster=load_cluster("h100", gpus=world),
-                training=training, layout=Layout.build(world, 4, **axes), estimate=estimate)
+                training=training, layout=Layout.build(world, 4, **axes), estimate=estimate,
+                choices=choices or Choices())
     path.write_text(plan.model_dump_json())
     return str(path)
 
