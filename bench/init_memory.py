@@ -17,7 +17,6 @@ import sys
 
 CHILD = r"""
 import json, resource, sys
-import torch
 from moeplan.runtime.comm import SINGLE, Axis
 from moeplan.runtime.layers import materialize_
 from moeplan.runtime.model import Transformer

@@ -163,6 +163,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     except Exception as err:  # pydantic ValidationError
         return f"training settings invalid: {err}"
     layout: Layout | None = None
+    assumed: dict[str, Any] = {}
     why = ""
     from .specs import layout_violations
 
@@ -179,12 +180,11 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
             continue
         v = layout_violations(model, training, lay, gpus, None, cluster)
         if not v:
-            layout = lay
+            layout, assumed = lay, extra
             break
         why = "; ".join(f"[{r}] {w}" for r, w in v)
     if layout is None:
         return f"layout as published breaks a rule: {why}"
-    assumed = {k: getattr(layout, k) for k in recipe if getattr(layout, k) == recipe[k]}
     return RunCase(row["id"], model, cp_, training, layout, tokens, tflops,
                    _num(row.get("memory_gb")),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),

@@ -12,7 +12,6 @@ from moeplan.cost_models.comm import (
     p2p_time,
     placement,
     ring_time,
-    usable_domain,
 )
 from moeplan.specs import Layout, load_cluster
 
@@ -44,9 +43,9 @@ def test_placement_inside_and_across_nvlink():
 
 def test_nvl72_jobs_fill_racks_in_equal_segments():
     gb = load_cluster("gb200-nvl72")
-    assert usable_domain(gb, 64) == 64
-    assert usable_domain(gb, 256) == 64
-    assert usable_domain(gb, 144) == 72
+    assert gb.usable_domain(64) == 64
+    assert gb.usable_domain(256) == 64
+    assert gb.usable_domain(144) == 72
 
 
 def test_ring_time_by_hand():

@@ -43,11 +43,6 @@ def _topology_key(world: int, gpus_per_node: int, domain: int) -> tuple[int, ...
                  for r in range(world))
 
 
-def usable_domain(cluster: ClusterSpec, world: int) -> int:
-    """GPUs of one NVLink domain a job of `world` GPUs uses (`ClusterSpec.usable_domain`)."""
-    return cluster.usable_domain(world)
-
-
 def _grid(layout: Layout, expert: bool) -> tuple[list[str], list[int]]:
     """Axis names and sizes, fastest-varying first, of the attention or expert grid."""
     L = layout
@@ -106,7 +101,7 @@ def placement(layout: Layout, axis: str, cluster: ClusterSpec) -> GroupPlacement
     L = layout
     world = L.world_size
     return _placement(_Axes(L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.edp or 1, L.order, world),
-                      axis, cluster.gpus_per_node, usable_domain(cluster, world))
+                      axis, cluster.gpus_per_node, cluster.usable_domain(world))
 
 
 @lru_cache(maxsize=8192)

@@ -43,7 +43,7 @@ from .quant import (
     quantise_nvfp4,
     quantise_tensorwise,
 )
-from .torch_backend import TorchBackend
+from .torch_backend import NoTokens, TorchBackend
 
 FP8_RECIPES = ("fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4")
 DEFAULT_FP8_FORMAT = {"fp8-delayed": "hybrid", "fp8-tensorwise": "hybrid", "fp8-blockwise": "e4m3",
@@ -117,11 +117,6 @@ class QuantisedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe,
                 state: SiteState) -> torch.Tensor:
         # x (M, K), weight (N, K) → (M, N) in x's dtype
-        ctx.empty = x.shape[0] == 0
-        if ctx.empty:  # an expert without tokens: nothing to quantise or record
-            ctx.dtypes = (x.dtype, weight.dtype)
-            ctx.shapes = (x.shape, weight.shape)
-            return x.new_zeros(0, weight.shape[0])
         xq = recipe.quantise(x, "input", 1, state)
         wq = recipe.quantise(weight, "weight", 1, state)
         if recipe.per_tensor:
@@ -133,9 +128,6 @@ class QuantisedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.empty:
-            (xs, ws), (xd, wd) = ctx.shapes, ctx.dtypes
-            return dy.new_zeros(xs, dtype=xd), dy.new_zeros(ws, dtype=wd), None, None
         r: Recipe = ctx.recipe
         xq, wq, *orig = ctx.saved_tensors
         g = r.quantise(dy, "grad", 1, ctx.state)  # (M, N), blocks along N for dgrad
@@ -223,12 +215,10 @@ class EmulatedBackend(TorchBackend):
                    tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # x (N, in) grouped by expert, weight (E, in, out) → (N, out): one quantised GEMM per
         # expert (a loop over experts, never over tokens). An expert without tokens still gets
-        # an (empty) GEMM: every rank's autograd graph then has the same shape whatever its
-        # token counts, so backward reaches its TP and EP collectives in the same order on every
-        # rank (a missing node reorders independent branches and deadlocks the collectives).
+        # a GEMM node (`NoTokens`), so the graph's shape does not depend on the token counts.
         chunks = torch.split(x, tokens_per_expert.tolist(), dim=0)
         outs = [self._gemm(c, weight[e].t(), self.site_state(weight, e)) if c.shape[0]
-                else QuantisedLinear.apply(c, weight[e].t(), self.recipe, {})
+                else NoTokens.apply(c, weight[e].t(), weight.shape[2])
                 for e, c in enumerate(chunks)]
         if not outs:
             return x.new_zeros(0, weight.shape[2])

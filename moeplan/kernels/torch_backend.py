@@ -29,21 +29,24 @@ def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
-class _NoTokens(torch.autograd.Function):
-    """The grouped GEMM of a rank whose experts received no tokens: (0, out), zero gradients.
-    `torch._grouped_mm` cannot take zero rows in backward; a per-expert loop instead would give
-    this rank's autograd graph another shape than its peers', and backward could then reach the
-    TP and EP collectives in another order and deadlock."""
+class NoTokens(torch.autograd.Function):
+    """A GEMM without rows: (0, width) out, zero gradients, one autograd node.
+
+    Ranks whose experts received no tokens run this where their peers run a GEMM, so every
+    rank's autograd graph has the same shape and backward reaches the TP and EP collectives in
+    the same order (another shape reorders independent branches and deadlocks them).
+    `torch._grouped_mm` cannot take zero rows in backward, and skipping the GEMM drops the node.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
         ctx.shapes = (x.shape, weight.shape)
-        return x.new_zeros(0, weight.shape[2])
+        return x.new_zeros(0, width)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         xs, ws = ctx.shapes
-        return dy.new_zeros(xs), dy.new_zeros(ws)
+        return dy.new_zeros(xs), dy.new_zeros(ws), None
 
 
 class TorchBackend:
@@ -70,8 +73,8 @@ class TorchBackend:
                    tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # x (N, in) rows grouped by expert; weight (E, in, out); tokens_per_expert (E,) → (N, out)
         if self.use_grouped_mm and _grouped_mm_supported(x, weight):
-            if x.shape[0] == 0:  # one node, like the grouped GEMM, so every rank's graph has
-                return _NoTokens.apply(x, weight)  # one shape (see EmulatedBackend.grouped_mm)
+            if x.shape[0] == 0:  # one node, like the grouped GEMM (see NoTokens)
+                return NoTokens.apply(x, weight, weight.shape[2])
             offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
             y = torch._grouped_mm(x, weight, offs=offs)
             if y.requires_grad:

@@ -47,7 +47,6 @@ from .layers import shard_info
 from .storage import CKPT_FORMAT, publish, step_dir
 from .train import Trainer
 
-FORMAT = CKPT_FORMAT
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) inside a tensor
@@ -339,7 +338,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
     if dist.get_rank() == 0:
         (tmp / "plan.json").write_text(trainer.plan.model_dump_json(indent=1))
         (tmp / "meta.json").write_text(json.dumps({
-            "format": FORMAT, "step": step, "seed": trainer.seed, "time": time.time(),
+            "format": CKPT_FORMAT, "step": step, "seed": trainer.seed, "time": time.time(),
             "world_size": dist.get_world_size(), **(extra or {})}, indent=1))
         publish(tmp, final, keep)
     dist.barrier()
@@ -350,9 +349,9 @@ def load(trainer: Trainer, path: str | Path) -> int:
     """Restore `trainer` from a sealed step directory under its own plan; return the step."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
+    if meta.get("format") != CKPT_FORMAT:
         raise ValueError(f"{path} is a {meta.get('format')!r} checkpoint; this version reads "
-                         f"{FORMAT!r} (resume with the version that wrote it)")
+                         f"{CKPT_FORMAT!r} (resume with the version that wrote it)")
     state = _template(trainer)
     kernels = _kernel_template(path) if _same_plan(trainer, path) else {}
     state.update(kernels)

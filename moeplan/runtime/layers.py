@@ -58,12 +58,6 @@ def shard_(p: nn.Parameter, dim: int, axis: Axis) -> None:
     p.moeplan_slices = (*getattr(p, "moeplan_slices", ()), cut)  # type: ignore[attr-defined]
 
 
-def normal_init(w: torch.Tensor, std: float, gen: torch.Generator) -> None:
-    """N(0, std²) from `gen`, on the CPU, in place."""
-    with torch.no_grad():
-        w.copy_(torch.randn(w.shape, generator=gen) * std)
-
-
 def normal_weight(shape: tuple[int, ...], std: float, gen: torch.Generator | None
                   ) -> nn.Parameter:
     """A weight drawn from N(0, std²). With a generator: drawn now, in construction order (a
@@ -71,9 +65,7 @@ def normal_weight(shape: tuple[int, ...], std: float, gen: torch.Generator | Non
     and drawn later by `materialize_` from its parameter name, so a rank draws only the shards
     it keeps and every plan gets the same full weights."""
     if gen is not None:
-        w = nn.Parameter(torch.empty(shape))
-        normal_init(w, std, gen)
-        return w
+        return nn.Parameter(torch.randn(shape, generator=gen) * std)
     w = nn.Parameter(torch.empty(shape, device="meta"))
     w.moeplan_init = (std, tuple(shape))  # type: ignore[attr-defined]
     return w

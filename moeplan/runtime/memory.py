@@ -159,9 +159,9 @@ class _OffloadGroup:
     """One layer's host copies: the first one backward needs brings the whole layer back, and
     starts the copies of `prev`, the layer that ran before it in the same chunk's forward."""
 
-    def __init__(self, prev: _OffloadGroup | None = None) -> None:
+    def __init__(self) -> None:
         self.items: list[_Offloaded] = []
-        self.prev = prev
+        self.prev: _OffloadGroup | None = None  # set by the chunk's forward (`_layer_scope`)
 
     def fetch(self, item: _Offloaded) -> torch.Tensor:
         for it in self.items:  # ahead of use: the rest of the layer's backward needs them next

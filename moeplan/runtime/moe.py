@@ -227,10 +227,11 @@ class FlexDispatcher:
     """
 
     def __init__(self, num_experts: int, backend: KernelBackend, domain: Axis, rail: Axis,
-                 etp: Axis = SINGLE, tp_ep_domain: Axis | None = None):
+                 etp: Axis = SINGLE, tp_ep_domain: Axis = SINGLE):
         self.E, self.rail = num_experts, rail
         self.E_dom = num_experts // rail.size  # experts of one domain: a contiguous range
-        self.inner = AllToAllDispatcher(self.E_dom, backend, domain, etp, tp_ep_domain or domain)
+        self.inner = AllToAllDispatcher(self.E_dom, backend, domain, etp,
+                                        domain if etp.trivial else tp_ep_domain)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)

@@ -207,8 +207,7 @@ def apply_ep(model: Transformer, ep: Axis, etp: Axis, tp_ep: Axis, seq: Axis,
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(E, ex.backend, ep, tp_ep)
         elif dispatcher == "flex" and not ep_rail.trivial:
-            moe.dispatcher = FlexDispatcher(E, ex.backend, ep_domain, ep_rail, etp,
-                                            tp_ep_domain if not etp.trivial else ep_domain)
+            moe.dispatcher = FlexDispatcher(E, ex.backend, ep_domain, ep_rail, etp, tp_ep_domain)
         else:  # alltoall, or flex inside one NVLink domain (the same exchange)
             moe.dispatcher = AllToAllDispatcher(E, ex.backend, ep, etp, tp_ep)
         moe.router.seq_axis = seq
