@@ -17,6 +17,7 @@ Pure functions of the specs: no torch, no I/O (except `export`, which may read a
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -586,11 +587,42 @@ def to_megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     return a.argv, warn
 
 
+class ShellRef(str):
+    """A token the generated script must expand (`$MASTER_ADDR:$MASTER_PORT`), written in
+    double quotes. Only tokens built by this module are ShellRefs, and they may hold nothing but
+    `$NAME` references and `[A-Za-z0-9_.:/-]`; every other token (plan paths, names, flag
+    values) is single-quoted by shlex.quote, so no input can reach the shell as code."""
+
+    _SAFE = re.compile(r"(?:\$[A-Z_][A-Z0-9_]*|[A-Za-z0-9_.:/-])+")
+
+    def __new__(cls, text: str) -> ShellRef:
+        if not cls._SAFE.fullmatch(text):
+            raise ValueError(f"not a plain variable reference: {text!r}")
+        return super().__new__(cls, text)
+
+
+MASTER_ENDPOINT = ShellRef("$MASTER_ADDR:$MASTER_PORT")
+SLURM_JOB_ID = ShellRef("$SLURM_JOB_ID")
+
+
 def _sh(token: str) -> str:
-    """Shell-quote a token, leaving `$VAR` references expandable (double quotes)."""
-    if "$" in token:
-        return '"' + token.replace('"', '\\"') + '"'
+    """Shell-quote a token: ShellRefs in double quotes (expanded), all else literal."""
+    if isinstance(token, ShellRef):
+        return f'"{token}"'
     return shlex.quote(token)
+
+
+def _comment(text: str) -> str:
+    """One line of a `#` comment: control characters (a newline would end the comment and
+    start a command) become spaces."""
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
+def sbatch_value(text: str, limit: int = 64) -> str:
+    """A value safe on an `#SBATCH --opt=VALUE` line: sbatch reads these lines itself, not
+    through a shell, but a newline or space would still end or split the option."""
+    clean = re.sub(r"[^A-Za-z0-9_.:+-]", "_", text)[:limit]
+    return clean or "moeplan"
 
 
 def format_lines(argv: Sequence[str], indent: str = "") -> list[str]:
@@ -641,7 +673,7 @@ def torchrun_argv(
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
     plan_path: str = "plan.json",
-    rdzv_endpoint: str = "$MASTER_ADDR:$MASTER_PORT",
+    rdzv_endpoint: str = MASTER_ENDPOINT,
     rdzv_id: str = "moeplan",
     max_restarts: int = 0,
     run_args: Sequence[str] = (),
@@ -693,23 +725,23 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
     """An sbatch script: one task per node, each running torchrun, which starts the node's
     `moeplan run` workers; rendezvous on the first node of the allocation."""
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
-    name = job_name or f"moeplan-{plan.model.name}"
-    head = ["#!/bin/bash", f"# {_summary(plan)}", f"#SBATCH --job-name={name}",
+    name = sbatch_value(job_name or f"moeplan-{plan.model.name}")
+    head = ["#!/bin/bash", f"# {_comment(_summary(plan))}", f"#SBATCH --job-name={name}",
             f"#SBATCH --nodes={nnodes}", "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --gpus-per-node={nproc}", "#SBATCH --exclusive",
             "#SBATCH --output=%x-%j.out"]
     if time_limit:
-        head.append(f"#SBATCH --time={time_limit}")
+        head.append(f"#SBATCH --time={sbatch_value(time_limit)}")
     if partition:
-        head.append(f"#SBATCH --partition={partition}")
+        head.append(f"#SBATCH --partition={sbatch_value(partition)}")
     if account:
-        head.append(f"#SBATCH --account={account}")
+        head.append(f"#SBATCH --account={sbatch_value(account)}")
     argv = torchrun_argv(plan, nnodes, nproc, plan_path,
-                         rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT", rdzv_id="$SLURM_JOB_ID")
+                         rdzv_endpoint=MASTER_ENDPOINT, rdzv_id=SLURM_JOB_ID)
     if nnodes == 1:  # one node still rendezvouses through c10d so srun can relaunch it anywhere
         i = argv.index("--standalone")
-        argv[i:i + 1] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
-                         "--rdzv-id", "$SLURM_JOB_ID"]
+        argv[i:i + 1] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", MASTER_ENDPOINT,
+                         "--rdzv-id", SLURM_JOB_ID]
     body = [
         "",
         "set -euo pipefail",

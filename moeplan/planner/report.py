@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import SpecError
+from ..fsio import atomic_write_text
 from .whatif import Point, WhatIf
 
 MEMORY_PARTS = ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb")
@@ -256,9 +257,9 @@ def write_report(res: WhatIf, path: str | Path) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".md":
-        path.write_text(markdown(res))
+        atomic_write_text(path, markdown(res))
     elif suffix in (".html", ".htm"):
-        path.write_text(html_report(res))
+        atomic_write_text(path, html_report(res))
     else:
         raise SpecError(f"-o {path}: the report is .md (Markdown) or .html (self-contained "
                         "HTML with plots).")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
+from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .storage import CKPT_FORMAT, check_token_file, complete_steps, newest_checkpoint
 from .support import features_not_executed
@@ -204,7 +205,7 @@ def _save_plan(plan: Plan, out: Path) -> None:
     """OUT/plan.json: the plan next to its summary, so `moeplan calibrate --from-runs` can
     re-predict it (written once every check passed, right before workers start)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(plan.model_dump_json(indent=2))
+    write_json(out / "plan.json", plan.model_dump(mode="json"))
 
 
 def _run_forwarding_sigterm(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
@@ -233,7 +234,7 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
     if isinstance(plan, Plan):
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan.json"
-        path.write_text(plan.model_dump_json(indent=2))
+        write_json(path, plan.model_dump(mode="json"))
         plan = path
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--nnodes={opts.nnodes}"]
