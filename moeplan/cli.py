@@ -810,7 +810,9 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
 
 # ----------------------------------------------------------------------------------------- main
 def _one_paragraph(msg: str) -> str:
-    return " ".join(str(msg).split())
+    """One line, and never more than a few lines' worth: messages quote excerpts of the input,
+    and this cap holds even where one does not."""
+    return limits.clip(" ".join(str(msg).split()), 2000)
 
 
 def main(argv: list[str] | None = None) -> int:

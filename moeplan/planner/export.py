@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import LayoutError, SpecError
+from ..limits import excerpt
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
@@ -759,7 +760,7 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
     """The `moeplan export --json` document: {"format", "args", "warnings"} for megatron,
     {"format", "script"} for torchrun and slurm. `plan` is a Plan or a plan file path."""
     if format not in FORMATS:
-        raise SpecError(f"--format {format!r} is not one of {', '.join(FORMATS)}.")
+        raise SpecError(f"--format {excerpt(format)} is not one of {', '.join(FORMATS)}.")
     if not isinstance(plan, Plan):
         plan_path = plan_path or str(plan)
         plan = load_plan(plan)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from .. import limits
 from ..errors import SpecError
+from ..fsio import is_file
 from .cluster import ClusterSpec
 from .model import ModelSpec
 from .plan import Plan
@@ -86,6 +87,23 @@ class _BoundedLoader(yaml.SafeLoader):
         _check_expansion(node)
         return node
 
+    # Nesting is refused while scanning: PyYAML's scanner is quadratic in the flow depth, so
+    # `[[[[…` 100k deep would take seconds before the composer's recursion gave up.
+    def fetch_flow_collection_start(self, TokenClass):  # type: ignore[no-untyped-def]  # noqa: N803
+        super().fetch_flow_collection_start(TokenClass)
+        if self.flow_level > limits.MAX_NESTING:
+            raise _too_deep()
+
+    def add_indent(self, column):  # type: ignore[no-untyped-def]
+        if len(self.indents) >= limits.MAX_NESTING:
+            raise _too_deep()
+        return super().add_indent(column)
+
+
+def _too_deep() -> SpecError:
+    return SpecError(f"the document nests deeper than {limits.MAX_NESTING} levels; spec files "
+                     "are flat mappings of fields.")
+
 
 def _check_expansion(root: yaml.Node) -> None:
     """Raise SpecError when the document under `root` expands past the limits."""
@@ -127,10 +145,6 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number in strict JSON")
-
-
 def _first_nonfinite(data: Any, where: str = "") -> str | None:
     """The dotted path of the first NaN/inf in a parsed document, or None."""
     stack: list[tuple[Any, str]] = [(data, where)]
@@ -146,10 +160,11 @@ def _first_nonfinite(data: Any, where: str = "") -> str | None:
 
 
 def parse_text(text: str, source: str, as_json: bool) -> Any:
-    """Parse YAML or JSON text within the document limits; NaN and infinities refused."""
+    """Parse YAML or JSON text within the document limits; NaN and infinities (YAML `.nan`,
+    non-standard JSON `NaN`) are parsed, then refused naming the field they sit in."""
     kind = "JSON" if as_json else "YAML"
     try:
-        data = (json.loads(text, parse_constant=_refuse_constant) if as_json
+        data = (json.loads(text) if as_json
                 else yaml.load(text, Loader=_BoundedLoader))  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec files "
@@ -221,11 +236,11 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
         text = (_PRESETS / kind / f"{ref_s}.yaml").read_text()
         return parse_text(text, f"preset '{ref_s}'", False), f"preset '{ref_s}'"
     path = Path(ref_s)
-    if path.is_file():
+    if is_file(path):
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
     noun = "model" if kind == "models" else "cluster"
-    raise SpecError(f"unknown {noun} '{ref_s}': it is neither a preset nor a file. Presets: "
+    raise SpecError(f"unknown {noun} {limits.excerpt(ref_s)}: it is neither a preset nor a file. Presets: "
                     f"{names}. Pass one of them or the path of a YAML/JSON {noun} spec"
                     + (" or a Hugging Face config.json." if kind == "models" else "."))
 
@@ -263,7 +278,7 @@ def load_cluster(
         spec = spec.with_gpus(gpus)
     if calibration is not None:
         path = Path(str(calibration))
-        cal = read_document(path) if path.is_file() else None
+        cal = read_document(path) if is_file(path) else None
         if not isinstance(cal, dict):
             raise SpecError(f"--calibration {limits.clip(str(calibration))}: not a readable "
                             "calibration file (a YAML/JSON mapping). Pass a file written by "
@@ -295,7 +310,7 @@ def load_training(ref: str | Path | TrainingSpec | None = None, **overrides: Any
 def load_plan(path: str | Path) -> Plan:
     """A Plan JSON written by `moeplan search -o` or `moeplan estimate -o`."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"plan file {p} does not exist. Write one with `moeplan search -o "
+    if not is_file(p):
+        raise SpecError(f"plan file {limits.clip(str(p))} does not exist. Write one with `moeplan search -o "
                         "plan.json` or `moeplan estimate ... -o plan.json`.")
     return build(Plan, read_document(p), "plan", str(p))
