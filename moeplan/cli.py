@@ -476,6 +476,10 @@ def whatif(
     if output and Path(output).suffix.lower() != ".md":
         require_matplotlib()
     clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
+    for p in precisions:
+        if p != "auto" and p not in S.PRECISIONS:
+            raise SpecError(f"--precision {limits.excerpt(p)} is not one of "
+                            f"{', '.join(S.PRECISIONS)} or auto.")
     gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
     seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
     batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
