@@ -280,7 +280,9 @@ def validate(
 
     res = validate_rows(read_rows(runs_csv))
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
-                               "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb")}
+                               "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
+                               "coverage", "median_interval_width", "coverage_fit",
+                               "coverage_cross_validated")}
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -302,6 +304,9 @@ def validate(
         out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                   f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                   f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+        out.print(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
+                  f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), median "
+                  f"width {pct(res['median_interval_width'])} of the point")
 
     emit(doc, as_json, render)
 
@@ -328,6 +333,10 @@ def search(
                            "efficiency constants.")] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
                       ] = None,
+    objective: Annotated[str, typer.Option("--objective", help="robust: rank by the low end of "
+                         "the 80 % tokens/s/GPU interval, so a plan wins only if it still wins "
+                         "when its unvalidated effects disappoint; expected: rank by the point "
+                         "estimate.")] = "robust",
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
@@ -346,7 +355,7 @@ def search(
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
-                     calibration=calibration, progress=progress)
+                     calibration=calibration, progress=progress, objective=objective)
     if output:
         Path(output).write_text(res.plans[0].model_dump_json(indent=2))
     if res.stopped_early:
