@@ -446,6 +446,59 @@ def test_a_v2_checkpoint_is_refused_naming_its_format(hostile):
     assert _has(said, "is a moeplan-ckpt-v2 checkpoint") and _has(said, "moeplan-ckpt-v3")
 
 
+def _edit_index(step: Path, edit) -> None:
+    index = json.loads((step / "index.json").read_text())
+    edit(index)
+    (step / "index.json").write_text(json.dumps(index))
+
+
+def _first_box(index: dict) -> list:
+    return next(t for k, t in index["tensors"].items() if k.startswith("optim/"))["boxes"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage,needle", [
+    (lambda s: (s / "meta.json").write_text('{"format": "moeplan-ckpt-v3", "step": NaN}'),
+     "meta.json is not strict JSON"),
+    (lambda s: (s / "meta.json").write_text('{"step": 3, "step": 3}'), "a key appears twice"),
+    (lambda s: (s / "index.json").write_text("[" * 100_000 + "]" * 100_000),
+     "index.json is not"),
+    (lambda s: _edit_index(s, lambda i: _first_box(i)[3].__setitem__(0, 10**9)),
+     "leaves the shape"),
+    (lambda s: _edit_index(s, lambda i: _first_box(i).__setitem__(0, 99)),
+     "each box must be [file number"),
+    (lambda s: _edit_index(s, lambda i: i["tensors"].__setitem__("x", {
+        "shape": [4], "dtype": "F32", "boxes": [[0, "y", [0], [2]]]})), "hold 2 elements"),
+    (lambda s: _edit_index(s, lambda i: i["tensors"].__setitem__("x", {
+        "shape": [1], "dtype": "PICKLE", "boxes": [[0, "y", [0], [1]]]})), "is not one of"),
+    (lambda s: _edit_index(s, lambda i: i["files"].append("../../etc/passwd")),
+     "must be distinct rank_NNNNN.safetensors names"),
+])
+def test_hostile_json_in_a_checkpoint_is_refused_by_the_launcher_check(saved, tmp_path, damage,
+                                                                        needle):
+    """Malformed, non-strict, deeply nested or out-of-bounds metadata, sealed into a consistent
+    manifest, is refused by `verify` (what the launcher runs) with a SpecError, never a crash."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "ckpt", ckpt)
+    step = ckpt / "step_00000003"
+    damage(step)
+    _reseal(step, "meta.json", "index.json")
+    with pytest.raises(SpecError) as e:
+        verify(step)
+    assert needle in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_symlinked_checkpoint_file_is_refused(saved, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "ckpt", ckpt)
+    step = ckpt / "step_00000003"
+    (step / "plan.json").unlink()
+    (step / "plan.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(SpecError, match="plan.json is missing"):
+        verify(step)
+
+
 def test_workers_load_exactly_the_step_the_launcher_verified(tmp_path, monkeypatch):
     """The launcher hands the workers the step it verified and its manifest digest: a newer
     sealed step written since is not what they load, and a step rewritten since is refused."""

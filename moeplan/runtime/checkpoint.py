@@ -225,7 +225,7 @@ def all_gather_json(obj: object, device: torch.device) -> list:
     buf[: mine.numel()] = mine
     bufs = [torch.empty_like(buf) for _ in sizes]
     dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[: int(s)].cpu().tolist())) for b, s in zip(bufs, sizes, strict=True)]
+    return [json.loads(b[: int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
 
 def broadcast_json(obj: object, device: torch.device, src: int = 0) -> object:
@@ -236,7 +236,7 @@ def broadcast_json(obj: object, device: torch.device, src: int = 0) -> object:
     buf = mine if mine is not None else torch.empty(int(n), dtype=torch.uint8, device=device)
     if int(n):
         dist.broadcast(buf, src=src)
-    return json.loads(bytes(buf.cpu().tolist()))
+    return json.loads(buf.cpu().numpy().tobytes())
 
 
 def _owned(every: list[dict]) -> list[dict[str, list[list]]]:

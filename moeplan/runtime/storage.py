@@ -223,7 +223,7 @@ def _legacy_format(path: Path) -> str | None:
         meta = json.loads(m.read_bytes().decode("utf-8")) if small else None
         if isinstance(meta, dict) and meta.get("format") in LEGACY_FORMATS:
             fmt = meta["format"]
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
     return fmt or ("moeplan-ckpt-v2" if dcp_files else None)
 
