@@ -171,16 +171,24 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def read_json(path: Path, limit: int, step: Path) -> object:
     """Strict JSON (no NaN/Infinity, no repeated keys, UTF-8) of at most `limit` bytes."""
+    return parse_json(_read_bounded(path, limit, step), path.name, step)
+
+
+def _read_bounded(path: Path, limit: int, step: Path) -> bytes:
+    if path.is_symlink() or not path.is_file():
+        raise _refuse(step, f"{path.name} is missing or not a plain file.")
+    if path.stat().st_size > limit:
+        raise _refuse(step, f"{path.name} has {path.stat().st_size} bytes, more than the "
+                      f"{limit} a checkpoint's {path.name} may have.")
+    return path.read_bytes()
+
+
+def parse_json(data: bytes, name: str, step: Path) -> object:
     try:
-        if path.is_symlink() or not path.is_file():
-            raise _refuse(step, f"{path.name} is missing or not a plain file.")
-        if path.stat().st_size > limit:
-            raise _refuse(step, f"{path.name} has {path.stat().st_size} bytes, more than the "
-                          f"{limit} a checkpoint's {path.name} may have.")
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant,
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant,
                           object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
-        raise _refuse(step, f"{path.name} is not strict JSON ({str(e)[:120]}).") from None
+        raise _refuse(step, f"{name} is not strict JSON ({str(e)[:120]}).") from None
 
 
 def _whole(x: object) -> bool:
@@ -488,8 +496,8 @@ def verify(path: str | Path, full: bool = True) -> Verified:
             "another --ckpt-dir. Nothing was run.")
     if not (path / MANIFEST).is_file():
         raise _refuse(path, f"it has no {MANIFEST}, so it is not a complete checkpoint.")
-    raw = (path / MANIFEST).read_bytes()[: SMALL_JSON_BYTES + 1]
-    files = _manifest_files(path, read_json(path / MANIFEST, SMALL_JSON_BYTES, path))
+    raw = _read_bounded(path / MANIFEST, SMALL_JSON_BYTES, path)  # one read: checked and hashed
+    files = _manifest_files(path, parse_json(raw, MANIFEST, path))
     _listed(path, files)
     for name, want in files.items():
         if (full or name.endswith(".json")) and _sha256(path / name) != want["sha256"]:
@@ -524,7 +532,8 @@ def _headers_match(path: Path, index: dict) -> None:
 def manifest_sha256(path: str | Path) -> str:
     """SHA-256 of a step's manifest: the worker's check that it loads the step the launcher
     verified, not one rewritten since."""
-    return hashlib.sha256((Path(path) / MANIFEST).read_bytes()[: SMALL_JSON_BYTES + 1]).hexdigest()
+    path = Path(path)
+    return hashlib.sha256(_read_bounded(path / MANIFEST, SMALL_JSON_BYTES, path)).hexdigest()
 
 
 def newest_checkpoint(ckpt_dir: str | Path, check: bool = True) -> Path | None:
