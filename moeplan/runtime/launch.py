@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
 from ..specs import Plan, check_layout, load_plan
-from .storage import CKPT_FORMAT, check_token_file, complete_steps, newest_checkpoint
+from .storage import check_token_file, held_steps, resume_point, verify
 from .support import features_not_executed
 
 
@@ -44,6 +44,10 @@ class RunOptions:
     max_restarts: int = 0
     ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
     max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
+    # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
+    # digest of its manifest; workers load exactly that step
+    resume_step: int | None = None
+    resume_manifest: str | None = None
 
 
 class RunFailed(Exception):
@@ -93,41 +97,49 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
 
 
 def check_resume(running: Plan, opts: RunOptions) -> int:
-    """The step a run with `--resume` starts from (0: no checkpoint yet), after verifying the
-    newest complete checkpoint's checksums and that it holds the same model and seed; without
-    `--resume`, a --ckpt-dir holding checkpoints is refused.
+    """The step a run with `--resume` starts from (0: no checkpoint yet); see `verified_resume`."""
+    return verified_resume(running, opts)[0]
 
-    Runs in the launcher, before any worker starts: a corrupt checkpoint is refused by file
-    name instead of failing (or silently diverging) inside the workers.
+
+def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
+    """(the step a run with `--resume` starts from, 0 if none; the SHA-256 of that step's
+    manifest), after verifying the newest checkpoint completely (`storage.verify`) and that it
+    holds the same model and seed; without `--resume`, a --ckpt-dir holding checkpoints is
+    refused.
+
+    Runs in the launcher, before any worker starts: a corrupt, tampered or older-format
+    checkpoint is refused by file name instead of failing (or silently diverging) inside the
+    workers, which then load exactly this step. Newer `step_*` directories without a manifest
+    are not checkpoints: they are named on stderr, passed over, and removed at the next save.
     """
     if not opts.resume:
-        old = complete_steps(opts.ckpt_dir) if opts.ckpt_dir else []
+        old = held_steps(opts.ckpt_dir) if opts.ckpt_dir else []
         if old:  # a fresh run would mix its checkpoints with another run's
             raise SpecError(f"--ckpt-dir {opts.ckpt_dir} already holds checkpoints (newest: "
                             f"step {old[-1]}); pass --resume to continue from it, or give "
                             "another --ckpt-dir. Nothing was run.")
-        return 0
-    path = newest_checkpoint(opts.ckpt_dir or "")
+        return 0, None
+    path, skipped = resume_point(opts.ckpt_dir or "")
+    for s in skipped:
+        print(f"warning: {s} has no manifest.json, so it is not a checkpoint (never sealed, or "
+              "its manifest was removed); it is passed over"
+              + (f" for {path.name}" if path else "") + " and removed at the next save.",
+              file=sys.stderr)
     if path is None:
-        return 0
+        return 0, None
+    v = verify(path)
     saved = load_plan(path / "plan.json")
     if saved.model != running.model:
         raise SpecError(f"checkpoint {path} holds model {saved.model.name!r} with other "
                         f"dimensions than the plan's {running.model.name!r}; resume under a plan "
                         "of the same model (its layout may differ).")
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != CKPT_FORMAT:
-        raise SpecError(f"checkpoint {path} has format {meta.get('format')!r}; this version "
-                        f"reads {CKPT_FORMAT!r}. Resume with the moeplan version that wrote it, "
-                        "or start a fresh run in another --ckpt-dir. Nothing was run.")
-    step = int(meta["step"])
-    if meta.get("seed", opts.seed) != opts.seed:
-        raise SpecError(f"checkpoint {path} was trained with --seed {meta['seed']}; resume with "
-                        f"the same seed (got {opts.seed}), or the data order would change.")
-    if step >= opts.steps:
-        raise SpecError(f"checkpoint {path} is already at step {step}; --steps {opts.steps} is "
-                        "the step to reach, so there is nothing to train.")
-    return step
+    if v.meta["seed"] != opts.seed:
+        raise SpecError(f"checkpoint {path} was trained with --seed {v.meta['seed']}; resume "
+                        f"with the same seed (got {opts.seed}), or the data order would change.")
+    if v.step >= opts.steps:
+        raise SpecError(f"checkpoint {path} is already at step {v.step}; --steps {opts.steps} "
+                        "is the step to reach, so there is nothing to train.")
+    return v.step, v.manifest_sha256
 
 
 def _joined_environment() -> dict[str, str] | None:
@@ -157,7 +169,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     """
     opts = RunOptions(**options)  # type: ignore[arg-type]
     given, running = prepare_plan(plan, opts)
-    check_resume(running, opts)
+    opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
     world = running.layout.world_size
     out = Path(opts.out) if opts.out else default_out(plan)
     joined = _joined_environment()
@@ -248,10 +260,10 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
         cmd.append(f"--max-restarts={opts.max_restarts}")
     worker_opts = {k: v for k, v in asdict(opts).items() if k in (
         "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
-        "ckpt_keep", "max_nonfinite_steps")}
+        "ckpt_keep", "max_nonfinite_steps", "resume_step", "resume_manifest")}
     return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
             "--options", json.dumps(worker_opts)]
 
 
 __all__ = ["MoeplanError", "RunFailed", "RunOptions", "check_resume", "prepare_plan", "run",
-           "torchrun_command"]
+           "torchrun_command", "verified_resume"]

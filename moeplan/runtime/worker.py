@@ -23,7 +23,7 @@ from . import checkpoint
 from .grid import RankGrid
 from .launch import RunOptions, prepare_plan
 from .parallelize import build_groups
-from .storage import newest_checkpoint
+from .storage import manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
 
 SPEC_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_gpu",
@@ -149,28 +149,36 @@ def _init_process_group(device: torch.device) -> None:
 
 
 def _resume(trainer: Trainer, opts: RunOptions) -> int:
-    """Load the newest complete checkpoint when resuming or restarted by torchrun; return the
-    step to continue from (0 when there is none yet).
+    """Load the step the launcher verified (`opts.resume_step`, checked against its manifest
+    digest), or after a torchrun restart the newest checkpoint, which rank 0 verifies
+    completely; return the step to continue from (0 when there is none).
 
-    The launcher verified the checkpoint of `--resume`; after a restart, rank 0 verifies the
-    newest one (written by this run) and every rank loads the same directory.
+    Rank 0 decides and every rank loads that one directory: no rank picks a checkpoint alone.
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not opts.ckpt_dir or not (opts.resume or restarted):
         return 0
-    found: list[str | None] = [None]
+    found: dict = {"path": None, "manifest": opts.resume_manifest}
     if dist.get_rank() == 0:
         try:
-            path = newest_checkpoint(opts.ckpt_dir, check=restarted)
-            found = [str(path) if path else None]
+            if restarted or opts.resume_step is None:  # a checkpoint written by this run, or
+                path = newest_checkpoint(opts.ckpt_dir)  # a worker started without a launcher
+                found["manifest"] = manifest_sha256(path) if path else None
+            else:
+                path = step_dir(opts.ckpt_dir, opts.resume_step) if opts.resume_step else None
+            if path is not None and opts.resume_step and \
+                    int(path.name.removeprefix("step_")) < opts.resume_step:
+                raise SpecError(f"{path} is older than step {opts.resume_step}, which the "
+                                "launcher verified; the checkpoint directory changed.")
+            found["path"] = str(path) if path else None
         except SpecError as e:
-            found = [f"error: {e}"]
-    dist.broadcast_object_list(found, src=0)
-    if found[0] is None:
+            found = {"error": str(e)}
+    found = checkpoint.broadcast_json(found, trainer.device)  # type: ignore[assignment]
+    if "error" in found:
+        raise SpecError(found["error"])
+    if found["path"] is None:
         return 0
-    if found[0].startswith("error: "):
-        raise SpecError(found[0].removeprefix("error: "))
-    return checkpoint.load(trainer, found[0])
+    return checkpoint.load(trainer, found["path"], manifest_sha256=found["manifest"])
 
 
 class _StopOnSigterm:
