@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from moeplan.planner.export import to_slurm
 from moeplan.runtime.guard import (
     Devices,
     mem_available_gb,
@@ -27,7 +28,15 @@ from moeplan.runtime.guard import (
 )
 from moeplan.runtime.lifecycle import INTERRUPTED_EXIT
 from moeplan.runtime.support import features_not_executed
-from moeplan.specs import Choices, Layout, Plan, TrainingSpec, load_cluster, load_model
+from moeplan.specs import (
+    Choices,
+    Layout,
+    Plan,
+    TrainingSpec,
+    load_cluster,
+    load_model,
+    load_plan,
+)
 
 from .test_run_cli import write_plan
 
@@ -255,9 +264,18 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _slurm_launch_line(plan: str) -> str:
+    """The command `moeplan export --format slurm` has srun run once per node."""
+    script = to_slurm(load_plan(plan), nnodes=2, plan_path=plan)
+    srun = script[script.index("srun "):].replace("\\\n", " ")
+    return srun.split("--ntasks-per-node=1 ", 1)[1].replace("moeplan run", f"{sys.executable} "
+                                                           "-m moeplan run", 1).strip()
+
+
 @pytest.mark.slow
 def test_two_localhost_nodes_of_two_ranks_match_the_single_process_losses(cli, tmp_path):
-    """tp2·ep2·dp2 over two `moeplan run` launchers (a c10d rendezvous on 127.0.0.1): the dp
+    """tp2·ep2·dp2 over two `moeplan run` launchers, each started as the exported Slurm script
+    starts it on its node (SLURM_* set, rendezvous on the first node: here 127.0.0.1). The dp
     and edp groups cross the node boundary; fp32 losses equal one process's."""
     steps = "3"
     single = tmp_path / "single"
@@ -265,13 +283,15 @@ def test_two_localhost_nodes_of_two_ranks_match_the_single_process_losses(cli, t
             "--out", str(single), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     plan = write_plan(tmp_path / "w4.json", 4, tp=2, ep=2)
-    out, port = tmp_path / "two-nodes", _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "moeplan", "run", plan, "--steps", steps, "--seed", "7",
-         "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for k in (0, 1)]
+    out = tmp_path / "two-nodes"
+    line = f"{_slurm_launch_line(plan)} --steps {steps} --seed 7 --out {out}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": "localhost"}
+    nodes = [subprocess.Popen(["bash", "-c", line], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**env, "SLURM_PROCID": str(k), "SLURM_NODEID": str(k)})
+             for k in (0, 1)]
     results = [node.communicate(timeout=400) for node in nodes]
     for node, (_, err) in zip(nodes, results, strict=True):
         assert node.returncode == 0, err[-3000:]
