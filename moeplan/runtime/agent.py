@@ -14,6 +14,7 @@ differences a launcher needs:
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -42,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
-    os.environ.setdefault("LOGLEVEL", "ERROR")  # torchrun's info/warning chatter
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    for name in list(logging.root.manager.loggerDict):  # created at import, level from env
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # this module reports failures
     args = parse_args([f"--signals-to-handle={HARD_STOP}",
                        *(sys.argv[1:] if argv is None else argv)])
     try:

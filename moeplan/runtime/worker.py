@@ -313,6 +313,14 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         raise SystemExit(e.exit_code) from None
+    except RuntimeError as e:  # a peer died mid-collective: the agent names it, in one line
+        if not isinstance(e, dist.DistError) and not any(
+                k in str(e) for k in ("closed by peer", "reset by peer", "Broken pipe")):
+            raise
+        why = str(e).splitlines()[0].split("] ", 1)[-1].split(". ")[0]  # gloo: "[file:line] ..."
+        print(f"worker rank {os.environ.get('RANK', '?')}: lost a peer ({why[:120]})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     # stopped by a signal: exit 0 all the same, so the agent ends quietly; the launcher reports
 
 
