@@ -18,14 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from moeplan.errors import SpecError
 from moeplan.planner.export import to_slurm
 from moeplan.runtime.guard import (
     Devices,
+    detect_devices,
     mem_available_gb,
     node_ranks,
     price_ranks,
     shortfall,
 )
+from moeplan.runtime.launch import RunOptions, guard_memory
 from moeplan.runtime.lifecycle import INTERRUPTED_EXIT
 from moeplan.runtime.support import features_not_executed
 from moeplan.specs import (
@@ -200,6 +203,32 @@ def test_the_guard_prices_fp32_and_host_copies_above_the_gpu_bf16_figure():
     full = price_ranks(plan.model_copy(update={"choices": Choices()}), [0], "bf16", "cuda")[0]
     assert cpu.static_gb > full.static_gb > gpu.static_gb  # host share and fp32 weights kept
     assert cpu.activations_gb == pytest.approx(2 * gpu.activations_gb)
+
+
+def test_gpus_are_read_from_nvidia_smi_as_cuda_visible_devices_leaves_them(tmp_path,
+                                                                          monkeypatch):
+    """A stand-in nvidia-smi (same query, same CSV) on PATH: GPU 1 is the only visible one, so
+    a 2-rank node is refused, and the one rank of a world-1 plan is priced against its 70 GB."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,name,memory.free ] || exit 9\n"
+                   "echo '0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81000'\n"
+                   "echo '1, GPU-bbbb, NVIDIA H100 80GB HBM3, 66758'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    devices = detect_devices()
+    assert devices.kind == "cuda" and devices.names == ("NVIDIA H100 80GB HBM3",)
+    assert devices.free_gb == pytest.approx((66758 * 2**20 / 1e9,))
+    with pytest.raises(SpecError, match="only 1 GPUs are visible"):
+        guard_memory(_qwen_plan(2, ep=2), RunOptions(), nproc=2, devices=devices)
+    big = Plan(model=load_model("llama3-70b"), cluster=load_cluster("h100", gpus=1),
+               training=TrainingSpec(seq_len=4096, global_batch_size=1),
+               layout=Layout.build(1, 1))
+    with pytest.raises(SpecError) as e:
+        guard_memory(big, RunOptions(), nproc=1, devices=devices)
+    said = str(e.value)
+    assert "GPU 0 (NVIDIA H100 80GB HBM3) has 70.0 GB free" in said and "bf16" in said
+    assert "--scale-down" in said and "more nodes" not in said  # one rank: no node to add
 
 
 def test_every_node_is_priced_when_the_rendezvous_decides_the_node_rank():
