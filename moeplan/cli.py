@@ -518,7 +518,8 @@ def run(
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
             max_nonfinite_steps=max_nonfinite_steps, cluster=cluster)
     except RunFailed as e:  # workers failed, or a signal stopped them (one line either way)
-        err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
+        if str(e):
+            err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     if not summary:
         return

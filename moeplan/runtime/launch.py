@@ -74,21 +74,23 @@ class Stopped(RunFailed):
 
     prefix = ""
 
-    def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None):
-        import signal
-
+    def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None,
+                 quiet: bool = False):
         name = signal.Signals(signum).name
-        summary = summary or {}
-        at = summary.get("preempted_at") or 0
-        where = f"at step {at}" if at else "before any step finished"
-        saved = summary.get("stop_checkpoint")
+        code = stop_exit_code(signum)
+        if quiet:  # a rank other than 0 of a joined launch: rank 0 says it
+            super().__init__(code, "")
+            self.signum = signum
+            return
+        at = (summary or {}).get("preempted_at") or 0
+        where = f"at step {at}" if at else "before the workers reached a step boundary"
+        saved = (summary or {}).get("stop_checkpoint")
         if saved:
             then = f"checkpoint {saved}; continue with --resume"
         elif ckpt_dir:
             then = "no new checkpoint (nothing trained since the last one)"
         else:
             then = "no checkpoint (no --ckpt-dir)"
-        code = stop_exit_code(signum)
         super().__init__(code, f"stopped by {name} {where}; {then} (exit {code})")
         self.signum = signum
 
@@ -256,7 +258,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         rank0 = joined.get("RANK", "0") == "0"
         summary = _read_summary(out / "summary.json") if rank0 else None
         if signum:
-            raise Stopped(signum, summary, opts.ckpt_dir)
+            raise Stopped(signum, summary, opts.ckpt_dir, quiet=not rank0)
         return summary or {}  # rank 0 reports for the run
     nproc = opts.nproc_per_node or world // max(1, opts.nnodes)
     if nproc * opts.nnodes != world:
