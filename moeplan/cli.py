@@ -510,6 +510,9 @@ def run(
     max_nonfinite_steps: Annotated[int, typer.Option(
         "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
                                    ] = 3,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="This machine as a ClusterSpec (preset or `moeplan calibrate -o` "
+        "file), for the predictions a --scale-down run is compared with.")] = None,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     from .runtime.launch import RunFailed
@@ -522,9 +525,10 @@ def run(
             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
             rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps)
-    except RunFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster)
+    except RunFailed as e:  # workers failed, or a signal stopped them (one line either way)
+        if str(e):
+            err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     if not summary:
         return
