@@ -1,0 +1,433 @@
+"""Hugging Face checkpoints in and out: `run --init-from HF_DIR` and `checkpoint export --to hf`.
+
+Loading: every parameter of this rank's (already split and sharded, still meta) model is
+mapped to the HF tensor(s) it comes from, and only the box this rank keeps is read, through
+`safetensors.safe_open(...).get_slice` (the file is memory-mapped; nothing else is touched),
+so no rank ever holds the whole model. Layout differences are exact re-indexings:
+
+- experts: HF v5 stores them fused, `gate_up_proj (E, 2f, h)` and `down_proj (E, h, f)`; hub
+  checkpoints per expert, `experts.{e}.gate_proj.weight (f, h)` (Mixtral v4: w1/w3/w2);
+  moeplan keeps `w_gate, w_up (E, h, f)` and `w_down (E, f, h)` (grouped-GEMM layout).
+- DeepSeek RoPE: with `rope_interleave` HF's rotary dims are interleaved pairs (x0, x1), (x2,
+  x3), ...; moeplan rotates halves, so the rotary rows of q_b_proj / q_proj and of
+  kv_a_proj_with_mqa are permuted evens-then-odds, which gives the same q·k exactly.
+- MTP depth k (DeepSeek-V3): `model.layers.{L+k}.{enorm, hnorm, eh_proj, shared_head.norm}`
+  and that layer's own block weights.
+
+A tensor missing from the checkpoint, or of another shape than the plan's model needs, is a
+SpecError naming the tensor (exit 2), found by `check_hf_dir` from the file headers before any
+worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import SpecError
+from ..specs import ModelSpec
+
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
+MAX_INDEX_BYTES = 64 << 20  # index.json of the largest public checkpoints is a few MB
+
+
+# ------------------------------------------------------------------------------ the files
+def read_json(path: Path, limit: int) -> dict[str, Any]:
+    """A strict JSON object from `path` (size-bounded, NaN/Infinity refused)."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise SpecError(f"{path} is {size:,} bytes, more than the {limit:,} a "
+                            "Hugging Face file of this kind can be; check the path.")
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError(f"cannot read {path}: {err.strerror}. Check the path.") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path} is not UTF-8 text; it is not a Hugging Face JSON file.") from None
+
+    def no_constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError) as err:
+        raise SpecError(f"{path} is not valid JSON: {str(err)[:120]}. Fix the file.") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path} must hold a JSON object.")
+    return data
+
+
+def hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    """The config.json of an HF checkpoint directory."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise SpecError(f"--init-from {d}: not a directory; pass a Hugging Face checkpoint "
+                        "directory (config.json and *.safetensors).")
+    return read_json(d / "config.json", MAX_CONFIG_BYTES)
+
+
+def hf_model_spec(hf_dir: str | Path) -> ModelSpec:
+    """The ModelSpec of an HF checkpoint directory's config.json."""
+    from ..specs.hf import model_from_hf_config
+
+    d = Path(hf_dir)
+    return model_from_hf_config(hf_config(d), str(d / "config.json"), name=d.name or "hf")
+
+
+class HFWeights:
+    """The tensors of an HF checkpoint directory, by name: `model.safetensors.index.json` when
+    present (its weight_map says which file holds which tensor), else every *.safetensors.
+    Files are opened lazily; a read takes only the asked box (safetensors slicing)."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir, self._open, self._files = Path(hf_dir), safe_open, {}
+        index = self.dir / "model.safetensors.index.json"
+        self.where: dict[str, str] = {}
+        if index.is_file():
+            wm = read_json(index, MAX_INDEX_BYTES).get("weight_map")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise SpecError(f"{index}: weight_map must map tensor names to file names.")
+            for name, file in wm.items():
+                if Path(file).name != file:
+                    raise SpecError(f"{index}: file {file[:80]!r} of {name[:80]!r} is not a "
+                                    "plain file name in the checkpoint directory.")
+            self.where = dict(wm)
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise SpecError(f"{self.dir}: no *.safetensors file; --init-from needs the "
+                                "weights in safetensors (pickled .bin files are never loaded).")
+            for f in files:
+                for name in self._file(f).keys():  # noqa: SIM118 (safe_open is not iterable)
+                    self.where[name] = f
+
+    def _file(self, name: str):
+        if name not in self._files:
+            path = self.dir / name
+            try:
+                self._files[name] = self._open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise SpecError(f"{path}: not a readable safetensors file "
+                                f"({str(err)[:120]}).") from None
+        return self._files[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.where:
+            raise SpecError(f"{self.dir}: the checkpoint has no tensor {name!r}, which the "
+                            "plan's model needs; is it the checkpoint of this config.json?")
+        try:
+            return tuple(self._file(self.where[name]).get_slice(name).get_shape())
+        except SpecError:
+            raise
+        except Exception:
+            raise SpecError(f"{self.dir}: tensor {name!r} is listed in the index but "
+                            f"missing from {self.where[name]}.") from None
+
+    def read(self, name: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """HF tensor `name` cut to `box` ((start, stop) per dim), as fp32."""
+        self.shape(name)
+        sl = self._file(self.where[name]).get_slice(name)
+        t = sl[tuple(slice(a, b) for a, b in box)] if box else sl[:]
+        return t.to(torch.float32)
+
+
+# ------------------------------------------------------------------------- name mapping
+def rope_perm(n: int) -> torch.Tensor:
+    """Evens then odds: HF interleaved rotary pairs → moeplan's rotate-half layout."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
+@dataclass(frozen=True)
+class Direct:
+    """moeplan tensor = HF tensor `name`, its dim-0 rows taken through `rows` when given."""
+
+    name: str
+    rows: torch.Tensor | None = None
+
+    def shape(self, w: HFWeights) -> tuple[int, ...]:
+        return w.shape(self.name)
+
+    def read(self, w: HFWeights, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if self.rows is None:
+            return w.read(self.name, box)
+        idx = self.rows[box[0][0]: box[0][1]]
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        t = w.read(self.name, ((lo, hi), *box[1:]))
+        return t[idx - lo]
+
+    def to_hf(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.rows is None:
+            return {self.name: full}
+        out = torch.empty_like(full)
+        out[self.rows] = full
+        return {self.name: out}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """moeplan w_gate / w_up (E, h, f) or w_down (E, f, h) from HF fused or per-expert tensors.
+
+    `fused`: `{prefix}.gate_up_proj (E, 2f, h)` (gate rows first) / `{prefix}.down_proj (E, h, f)`;
+    else `{prefix}.{e}.{sub}.weight` per expert, (f, h) for gate/up and (h, f) for down."""
+
+    prefix: str
+    part: str  # gate | up | down
+    E: int
+    f: int
+    h: int
+    fused: bool
+    sub: str  # per-expert tensor name (gate_proj / w1, ...)
+
+    def shape(self, w: HFWeights) -> tuple[int, ...]:
+        E, f, h = self.E, self.f, self.h
+        if self.fused:
+            name = f"{self.prefix}.{'down_proj' if self.part == 'down' else 'gate_up_proj'}"
+            want = (E, h, f) if self.part == "down" else (E, 2 * f, h)
+            _expect(w, name, want)
+        else:
+            for e in range(E):
+                _expect(w, self._name(e), (h, f) if self.part == "down" else (f, h))
+        return (E, f, h) if self.part == "down" else (E, h, f)
+
+    def _name(self, e: int) -> str:
+        return f"{self.prefix}.{e}.{self.sub}.weight"
+
+    def read(self, w: HFWeights, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        (e0, e1), (a0, a1), (b0, b1) = box  # moeplan dims: (E, h, f) or (E, f, h)
+        if self.fused:
+            if self.part == "down":  # HF (E, h, f) ↔ moeplan (E, f, h)
+                return w.read(f"{self.prefix}.down_proj", ((e0, e1), (b0, b1), (a0, a1))
+                              ).transpose(1, 2)
+            off = 0 if self.part == "gate" else self.f  # HF (E, 2f, h) ↔ moeplan (E, h, f)
+            return w.read(f"{self.prefix}.gate_up_proj",
+                          ((e0, e1), (b0 + off, b1 + off), (a0, a1))).transpose(1, 2)
+        per = [w.read(self._name(e), ((b0, b1), (a0, a1))).t() for e in range(e0, e1)]
+        return torch.stack(per)
+
+    def to_hf(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per expert, or this part of the fused tensor (the caller concatenates gate, up)."""
+        if self.fused:
+            key = "down_proj" if self.part == "down" else "gate_up_proj"
+            return {f"{self.prefix}.{key}#{self.part}": full.transpose(1, 2).contiguous()}
+        return {self._name(e): full[e].t().contiguous() for e in range(self.E)}
+
+
+def _expect(w: HFWeights, name: str, want: tuple[int, ...]) -> None:
+    got = w.shape(name)
+    if got != want:
+        raise SpecError(f"{w.dir}: tensor {name!r} has shape {list(got)} but the plan's model "
+                        f"needs {list(want)}; the checkpoint does not match its config.")
+
+
+_ATTN = {"q_down": "q_a_proj", "q_down_norm": "q_a_layernorm", "q_up": "q_b_proj",
+         "kv_down": "kv_a_proj_with_mqa", "kv_down_norm": "kv_a_layernorm",
+         "kv_up": "kv_b_proj"}
+_MTP = {"emb_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj",
+        "final_norm": "shared_head.norm"}
+
+
+class Mapping:
+    """moeplan parameter/buffer name → its HF source, for one model and checkpoint layout."""
+
+    def __init__(self, spec: ModelSpec, config: dict[str, Any], weights: HFWeights | None):
+        self.spec, self.w = spec, weights
+        self.interleave = spec.attention == "mla" and bool(config.get("rope_interleave", True))
+        self.moe_prefix = "mlp"
+        if weights is not None and any(".block_sparse_moe." in n for n in weights.where):
+            self.moe_prefix = "block_sparse_moe"  # Mixtral checkpoints written by v4
+
+    def _rows(self, kind: str) -> torch.Tensor | None:
+        """Row permutation of MLA's projections holding rotary dims (see module doc)."""
+        s = self.spec
+        if not self.interleave:
+            return None
+        r = s.qk_rope_head_dim or 0
+        if kind == "q":  # (a·(nope + rope), ·): the rope rows of every head
+            qk = (s.qk_nope_head_dim or 0) + r
+            head = torch.cat([torch.arange(s.qk_nope_head_dim or 0),
+                              (s.qk_nope_head_dim or 0) + rope_perm(r)])
+            return torch.cat([head + i * qk for i in range(s.num_attention_heads)])
+        kvr = s.kv_lora_rank or 0  # (kv_rank + rope, ·)
+        return torch.cat([torch.arange(kvr), kvr + rope_perm(r)])
+
+    def _experts(self, layer: str, part: str) -> Experts:
+        s = self.spec
+        prefix = f"{layer}.{self.moe_prefix}.experts"
+        fused = self.w is None or self.w.has(f"{prefix}.down_proj")
+        old = self.moe_prefix == "block_sparse_moe"
+        sub = {"gate": "w1" if old else "gate_proj", "up": "w3" if old else "up_proj",
+               "down": "w2" if old else "down_proj"}[part]
+        return Experts(prefix, part, s.num_experts, s.moe_ffn_hidden_size or 0, s.hidden_size,
+                       fused, sub)
+
+    def layer_source(self, layer: str, rest: str) -> Direct | Experts | None:
+        """The source of `rest` (a name inside a Block) in HF decoder layer `layer`."""
+        parts = rest.split(".")
+        if rest == "attn_norm.weight":
+            return Direct(f"{layer}.input_layernorm.weight")
+        if rest == "mlp_norm.weight":
+            return Direct(f"{layer}.post_attention_layernorm.weight")
+        if parts[0] == "attention":
+            mod, leaf = parts[1], ".".join(parts[2:])
+            name = f"{layer}.self_attn.{_ATTN.get(mod, mod)}.{leaf}"
+            rows = None
+            if (mod in ("q_up", "q_proj") and self.spec.attention == "mla"
+                    and leaf == "weight"):
+                rows = self._rows("q")
+            elif mod == "kv_down":
+                rows = self._rows("kv")
+            return Direct(name, rows)
+        if parts[0] != "mlp":
+            return None
+        if parts[1] == "experts":
+            part = {"w_gate": "gate", "w_up": "up", "w_down": "down"}[parts[2]]
+            return self._experts(layer, part)
+        if parts[1] == "router":
+            leaf = {"weight": "weight", "bias": "bias",
+                    "expert_bias": "e_score_correction_bias"}[parts[2]]
+            return Direct(f"{layer}.{self.moe_prefix}.gate.{leaf}")
+        if parts[1] == "shared":
+            if parts[2] == "out_gate":
+                return Direct(f"{layer}.mlp.shared_expert_gate.weight")
+            shared = "shared_experts" if self.spec.attention == "mla" else "shared_expert"
+            return Direct(f"{layer}.mlp.{shared}.{'.'.join(parts[2:])}")
+        return Direct(f"{layer}.mlp.{'.'.join(parts[1:])}")  # dense MLP
+
+    def source(self, name: str) -> Direct | Experts:
+        """The HF source of moeplan tensor `name` (SpecError if moeplan has no HF name for it)."""
+        src: Direct | Experts | None = None
+        if name == "embedding.weight":
+            src = Direct("model.embed_tokens.weight")
+        elif name == "output":
+            src = Direct("lm_head.weight")
+        elif name == "final_norm.weight":
+            src = Direct("model.norm.weight")
+        elif m := re.fullmatch(r"layers\.(\d+)\.(.+)", name):
+            src = self.layer_source(f"model.layers.{m[1]}", m[2])
+        elif m := re.fullmatch(r"mtp\.(\d+)\.(.+)", name):
+            layer = f"model.layers.{self.spec.num_layers + int(m[1])}"
+            head, _, rest = m[2].partition(".")
+            if head == "block":
+                src = self.layer_source(layer, rest)
+            elif head in _MTP:
+                src = Direct(f"{layer}.{_MTP[head]}.{rest}")
+        if src is None:
+            raise SpecError(f"moeplan tensor {name!r} has no Hugging Face counterpart; this "
+                            "model cannot be loaded from or exported to Hugging Face.")
+        return src
+
+
+# ------------------------------------------------------------------------------ loading
+def _box(full: tuple[int, ...], cuts: tuple[tuple[int, int, int], ...]
+         ) -> tuple[tuple[int, int], ...]:
+    """(start, stop) per dim of the piece that successive narrows `cuts` keep of `full`."""
+    box = [(0, n) for n in full]
+    for dim, start, size in cuts:
+        lo = box[dim][0] + start
+        box[dim] = (lo, lo + size)
+    return tuple(box)
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor, bool]]:
+    """(full name, owning module, key, tensor, is_buffer) of every parameter and persistent
+    buffer holding model state (norms, biases, expert-bias), each shared tensor once."""
+    out = []
+    for mod_name, module in model.named_modules():
+        for key, t in [*((k, v) for k, v in module._parameters.items()),
+                       *((k, v) for k, v in module._buffers.items()
+                         if k not in module._non_persistent_buffers_set)]:
+            if t is None:
+                continue
+            full = f"{mod_name}.{key}" if mod_name else key
+            out.append((full, module, key, t, key in module._buffers))
+    return out
+
+
+def expected_names(model: nn.Module) -> list[str]:
+    return [n for n, *_ in _tensors(model)]
+
+
+def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> nn.Module:
+    """Fill every parameter and buffer of `model` (this rank's stages and shards, big weights
+    still on the meta device) from the HF checkpoint in `hf_dir`, reading only this rank's
+    boxes. Replaces meta Parameters as `layers.materialize_` does, keeping their attributes."""
+    w = HFWeights(hf_dir)
+    mapping = Mapping(spec, hf_config(hf_dir), w)
+    done: dict[int, torch.Tensor] = {}
+    for name, module, key, t, is_buffer in _tensors(model):
+        if id(t) in done:
+            module._parameters[key] = done[id(t)]  # type: ignore[assignment]
+            continue
+        src = mapping.source(name)
+        full = src.shape(w)
+        want = getattr(t, "moeplan_init", (None, None))[1]
+        box = _box(full, getattr(t, "moeplan_slices", ()))
+        local = tuple(b - a for a, b in box)
+        if (want is not None and tuple(want) != full) or local != tuple(t.shape):
+            raise SpecError(f"{hf_dir}: tensor for {name!r} has shape {list(full)} in the "
+                            f"checkpoint but the plan's model needs "
+                            f"{list(want or t.shape)}; the checkpoint does not match the plan.")
+        value = src.read(w, box).contiguous()
+        if is_buffer:
+            module._buffers[key] = value.to(t.dtype)
+            continue
+        new = nn.Parameter(value, requires_grad=t.requires_grad)
+        new.__dict__.update(t.__dict__)
+        done[id(t)] = new
+        module._parameters[key] = new
+    return model
+
+
+def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
+    """Refuse (SpecError, exit 2) an HF directory whose config or tensors do not match `spec`,
+    from config.json and the safetensors headers only; run before any worker starts."""
+    from .model import Transformer
+
+    other = hf_model_spec(hf_dir)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+              "ffn_hidden_size", "vocab_size", "num_experts", "moe_ffn_hidden_size",
+              "attention", "kv_lora_rank", "q_lora_rank", "tie_embeddings")
+    for f in fields:
+        a, b = getattr(spec, f), getattr(other, f)
+        if a != b:
+            raise SpecError(f"--init-from {hf_dir}: its config has {f}={b!r} but the plan's "
+                            f"model has {f}={a!r}; plan with that config.json as the model "
+                            f"(`moeplan search --model {Path(hf_dir) / 'config.json'} ...`).")
+    with torch.device("meta"):
+        model = Transformer(spec, materialize=False)
+    w = HFWeights(hf_dir)
+    mapping = Mapping(spec, hf_config(hf_dir), w)
+    for name, _module, _key, t, _buf in _tensors(model):
+        full = mapping.source(name).shape(w)
+        want = tuple(getattr(t, "moeplan_init", (None, tuple(t.shape)))[1])
+        if full != want:
+            raise SpecError(f"{hf_dir}: tensor for {name!r} has shape {list(full)} but the "
+                            f"plan's model needs {list(want)}; the checkpoint does not match "
+                            "the plan.")
+
+
+def describe_objective(spec: ModelSpec, aux_coeff: float) -> str:
+    """One line on what a run trains (the loss terms and their weights)."""
+    terms = ["cross-entropy"]
+    if spec.is_moe and aux_coeff:
+        terms.append(f"{aux_coeff:g} × switch load-balancing loss per MoE layer")
+    if spec.router_expert_bias:
+        terms.append("aux-loss-free expert-bias balancing")
+    if spec.mtp_layers:
+        terms.append(f"{spec.mtp_layers} MTP depth(s)")
+    return " + ".join(terms)
+
+
+__all__ = ["HFWeights", "Mapping", "check_hf_dir", "describe_objective", "hf_config",
+           "hf_model_spec", "load_hf_"]
