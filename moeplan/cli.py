@@ -501,6 +501,9 @@ def run(
     max_nonfinite_steps: Annotated[int, typer.Option(
         "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
                                    ] = 3,
+    init_from: Annotated[str | None, typer.Option(
+        "--init-from", help="Start from a Hugging Face checkpoint directory (config.json + "
+        "*.safetensors); each rank reads only its own slices.")] = None,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     from .runtime.launch import RunFailed
@@ -513,7 +516,7 @@ def run(
             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
             rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps)
+            max_nonfinite_steps=max_nonfinite_steps, init_from=init_from)
     except RunFailed as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(e.exit_code) from None

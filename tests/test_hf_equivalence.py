@@ -95,3 +95,97 @@ def test_the_comparison_fails_without_the_feature(hf_dirs, reference, model, upd
     assert abs(moeplan_loss(hf_dirs[model]) - reference[model]) <= RTOL * reference[model]
     wrong = moeplan_loss(hf_dirs[model], **update)
     assert abs(wrong - reference[model]) > 10 * RTOL * reference[model]
+
+
+def test_imported_specs_count_transformers_parameters(hf_dirs):
+    from transformers import AutoModelForCausalLM
+
+    for name, d in hf_dirs.items():
+        hf = AutoModelForCausalLM.from_pretrained(d)
+        assert hf_model_spec(d).total_params() == hf.num_parameters(), name
+
+
+ROPE_CASES = {
+    "linear": {"factor": 4.0},
+    "dynamic": {"factor": 4.0},
+    "yarn": {"factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
+                 "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_CASES))
+@pytest.mark.parametrize("seq", [8, 64])
+def test_rope_scaling_frequencies_equal_transformers(kind, seq):
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moeplan.runtime.layers import rope_frequencies
+    from moeplan.specs.hf import model_from_hf_config
+
+    params = {"rope_type": kind, "rope_theta": 5e5, **ROPE_CASES[kind]}
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=32,
+                      rope_parameters=params)
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq)
+    spec = model_from_hf_config(cfg.to_dict(), "cfg")
+    inv, factor = rope_frequencies(spec.head_dim_, spec.rope_theta, spec.rope_scaling, seq)
+    torch.testing.assert_close(inv, ref_inv.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_cli_run_init_from_trains_from_transformers_weights(cli, hf_dirs, reference, tmp_path):
+    plan = make_plan(hf_dirs["qwen3_moe"], 2, {"ep": 2})
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    out = tmp_path / "run"
+    r = cli("run", str(path), "--steps", "2", "--out", str(out), "--init-from",
+            str(hf_dirs["qwen3_moe"]), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    ref = reference["qwen3_moe"]
+    assert abs(summary["measured"]["first_loss"] - ref) <= RTOL * ref
+    assert any(n.startswith("objective: cross-entropy") for n in summary["notes"])
+
+
+def _broken_copy(src, dst, edit):
+    """A copy of checkpoint `src` whose tensors `edit` changed (a dict → dict)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    save_file(edit(load_file(f)), f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.gate.weight"},
+     "model.layers.1.mlp.gate.weight"),
+    (lambda t: {**t, "model.norm.weight": t["model.norm.weight"][:-1]}, "model.norm.weight"),
+    (lambda t: {k: v for k, v in t.items() if "experts.3.up_proj" not in k},
+     "model.layers.0.mlp.experts.3.up_proj.weight"),
+])
+def test_init_from_a_checkpoint_not_matching_the_plan_exits_2_naming_the_tensor(
+        cli, hf_dirs, tmp_path, edit, named):
+    bad = _broken_copy(hf_dirs["qwen3_moe"], tmp_path / "bad", edit)
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan(hf_dirs["qwen3_moe"], 1, {}).model_dump_json())
+    r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"), "--init-from",
+            str(bad))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_init_from_another_models_checkpoint_exits_2_naming_the_field(cli, hf_dirs, tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan(hf_dirs["qwen3_moe"], 1, {}).model_dump_json())
+    r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"), "--init-from",
+            str(hf_dirs["mixtral_top2"]))
+    assert r.returncode == 2 and "its config has" in r.stderr and "Traceback" not in r.stderr

@@ -158,6 +158,9 @@ class Direct:
     def shape(self, w: HFWeights) -> tuple[int, ...]:
         return w.shape(self.name)
 
+    def label(self) -> str:
+        return repr(self.name)
+
     def read(self, w: HFWeights, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if self.rows is None:
             return w.read(self.name, box)
@@ -199,6 +202,10 @@ class Experts:
             for e in range(E):
                 _expect(w, self._name(e), (h, f) if self.part == "down" else (f, h))
         return (E, f, h) if self.part == "down" else (E, h, f)
+
+    def label(self) -> str:
+        part = "down_proj" if self.part == "down" else "gate_up_proj"
+        return repr(f"{self.prefix}.{part}" if self.fused else self._name(0)) + " (and peers)"
 
     def _name(self, e: int) -> str:
         return f"{self.prefix}.{e}.{self.sub}.weight"
@@ -375,9 +382,9 @@ def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> nn.Module
         box = _box(full, getattr(t, "moeplan_slices", ()))
         local = tuple(b - a for a, b in box)
         if (want is not None and tuple(want) != full) or local != tuple(t.shape):
-            raise SpecError(f"{hf_dir}: tensor for {name!r} has shape {list(full)} in the "
-                            f"checkpoint but the plan's model needs "
-                            f"{list(want or t.shape)}; the checkpoint does not match the plan.")
+            raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} in the "
+                            f"checkpoint but the plan's model needs {list(want or t.shape)} "
+                            f"for its {name!r}; the checkpoint does not match the plan.")
         value = src.read(w, box).contiguous()
         if is_buffer:
             module._buffers[key] = value.to(t.dtype)
@@ -389,44 +396,64 @@ def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> nn.Module
     return model
 
 
+def _function_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The ModelSpec fields that define the function (not its name or training objective),
+    with defaults resolved (head_dim None and head_dim = h/a are the same model)."""
+    d = spec.model_dump(exclude={"name", "moe_aux_loss_coeff"})
+    if spec.attention == "gqa":
+        d.update(head_dim=spec.head_dim_, num_kv_heads=spec.kv_heads)
+    return d
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:80] + "…"
+
+
 def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     """Refuse (SpecError, exit 2) an HF directory whose config or tensors do not match `spec`,
     from config.json and the safetensors headers only; run before any worker starts."""
     from .model import Transformer
 
     other = hf_model_spec(hf_dir)
-    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-              "ffn_hidden_size", "vocab_size", "num_experts", "moe_ffn_hidden_size",
-              "attention", "kv_lora_rank", "q_lora_rank", "tie_embeddings")
-    for f in fields:
-        a, b = getattr(spec, f), getattr(other, f)
-        if a != b:
-            raise SpecError(f"--init-from {hf_dir}: its config has {f}={b!r} but the plan's "
-                            f"model has {f}={a!r}; plan with that config.json as the model "
-                            f"(`moeplan search --model {Path(hf_dir) / 'config.json'} ...`).")
+    a, b = _function_fields(spec), _function_fields(other)
+    for f in a:
+        if a[f] != b[f]:
+            raise SpecError(f"--init-from {hf_dir}: its config has {f}={_short(b[f])} but the "
+                            f"plan's model has {f}={_short(a[f])}; plan with that config.json "
+                            f"as the model (`moeplan search --model "
+                            f"{Path(hf_dir) / 'config.json'} ...`).")
     with torch.device("meta"):
         model = Transformer(spec, materialize=False)
     w = HFWeights(hf_dir)
     mapping = Mapping(spec, hf_config(hf_dir), w)
     for name, _module, _key, t, _buf in _tensors(model):
-        full = mapping.source(name).shape(w)
+        src = mapping.source(name)
+        full = src.shape(w)
         want = tuple(getattr(t, "moeplan_init", (None, tuple(t.shape)))[1])
         if full != want:
-            raise SpecError(f"{hf_dir}: tensor for {name!r} has shape {list(full)} but the "
-                            f"plan's model needs {list(want)}; the checkpoint does not match "
-                            "the plan.")
+            raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} but the "
+                            f"plan's model needs {list(want)} for its {name!r}; the "
+                            "checkpoint does not match the plan.")
 
 
 def describe_objective(spec: ModelSpec, aux_coeff: float) -> str:
-    """One line on what a run trains (the loss terms and their weights)."""
+    """What a run trains, in one line: its loss terms and their weights, and where the
+    model's own config names another load-balancing coefficient (HF router_aux_loss_coef,
+    DeepSeek aux_loss_alpha), that one and how to follow it."""
     terms = ["cross-entropy"]
     if spec.is_moe and aux_coeff:
-        terms.append(f"{aux_coeff:g} × switch load-balancing loss per MoE layer")
+        terms.append(f"{aux_coeff:g} × switch load-balancing loss summed over MoE layers")
     if spec.router_expert_bias:
         terms.append("aux-loss-free expert-bias balancing")
     if spec.mtp_layers:
         terms.append(f"{spec.mtp_layers} MTP depth(s)")
-    return " + ".join(terms)
+    line = "objective: " + " + ".join(terms)
+    own = spec.moe_aux_loss_coeff
+    if spec.is_moe and own is not None and own != aux_coeff:
+        line += (f" (the model's config names a load-balancing coefficient of {own:g}; set "
+                 f"training moe_aux_loss_coeff: {own:g} to train its own objective)")
+    return line
 
 
 __all__ = ["HFWeights", "Mapping", "check_hf_dir", "describe_objective", "hf_config",

@@ -44,6 +44,7 @@ class RunOptions:
     max_restarts: int = 0
     ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
     max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
+    init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
 
 class RunFailed(Exception):
@@ -89,6 +90,13 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         check_layout(running.model, running.training, running.layout, choices=running.choices)
     if opts.data != "synthetic":
         check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
+    if opts.init_from:
+        if opts.scale_down:
+            raise SpecError("--init-from loads the checkpoint's full-size weights; drop "
+                            "--scale-down (or plan a smaller model). Nothing was run.")
+        from .hf_io import check_hf_dir
+
+        check_hf_dir(running.model, opts.init_from)
     return plan, running
 
 
@@ -248,7 +256,7 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
         cmd.append(f"--max-restarts={opts.max_restarts}")
     worker_opts = {k: v for k, v in asdict(opts).items() if k in (
         "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
-        "ckpt_keep", "max_nonfinite_steps")}
+        "ckpt_keep", "max_nonfinite_steps", "init_from")}
     return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
             "--options", json.dumps(worker_opts)]
 

@@ -54,7 +54,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                           domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
-                      data=opts.data)
+                      data=opts.data, init_from=opts.init_from)
     start = _resume(trainer, opts)
     stop = _StopOnSigterm(device)
     if rank0:
@@ -67,6 +67,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
                       + (f", resumed at step {start}" if start else ""))
         console.print(f"kernels: {trainer.kernels.reason}")
+        console.print(objective_line(running))
     history: list[StepMetrics] = []
     bad, preempted_at = 0, 0
     for step in range(start, opts.steps):
@@ -213,7 +214,9 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
         "step_time_s": est.step_time_s, "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
         "tflops_per_gpu": est.tflops_per_gpu, "peak_mem_gb": est.memory.peak_gb,
     }
-    notes = []
+    notes = [objective_line(running)]
+    if opts.init_from:
+        notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
     if opts.scale_down:
         notes.append("scaled down: measured figures are for the smaller model and batch, "
                      "predicted ones for the full plan")
@@ -240,6 +243,12 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
         },
         "notes": notes,
     }
+
+
+def objective_line(plan: Plan) -> str:
+    from .hf_io import describe_objective
+
+    return describe_objective(plan.model, plan.training.moe_aux_loss_coeff)
 
 
 def _ratio(measured: float, predicted: float) -> float | None:
