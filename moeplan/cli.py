@@ -31,6 +31,9 @@ app = typer.Typer(
 specs_app = typer.Typer(help="List, show and validate model and cluster specs.",
                         no_args_is_help=True)
 app.add_typer(specs_app, name="specs")
+checkpoint_app = typer.Typer(help="List checkpoints and export them to Hugging Face.",
+                             no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
 
 out = Console()
 err = Console(stderr=True)
@@ -733,6 +736,43 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
 # ----------------------------------------------------------------------------------------- main
 def _one_paragraph(msg: str) -> str:
     return " ".join(str(msg).split())
+
+
+@checkpoint_app.command("list")
+def checkpoint_list(
+    ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Each complete step: its plan and whether every file matches the manifest."""
+    from .runtime.hf_io import list_checkpoints
+
+    rows = list_checkpoints(ckpt_dir)
+
+    def render() -> None:
+        t = Table("step", "model", "layout", "verified", title=f"checkpoints in {ckpt_dir}")
+        for r in rows:
+            t.add_row(str(r["step"]), r["model"], r["layout"],
+                      "yes" if r["verified"] else f"no: {r['problem']}")
+        out.print(t if rows else f"no complete checkpoint in {ckpt_dir}")
+
+    emit({"checkpoints": rows}, as_json, render)
+
+
+@checkpoint_app.command("export")
+def checkpoint_export(
+    ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
+    to: Annotated[str, typer.Option("--to", help="Target format: hf (Hugging Face).")],
+    output: Annotated[str, typer.Option("-o", "--output", help="New directory to write.")],
+    step: Annotated[int | None, typer.Option("--step", help="Step (default: newest).")] = None,
+) -> None:
+    """Write a checkpoint as config.json + sharded safetensors that transformers loads."""
+    if to != "hf":
+        raise SpecError(f"--to takes hf (Hugging Face), got {to!r}.")
+    from .runtime.hf_io import export_checkpoint
+
+    path = export_checkpoint(ckpt_dir, output, step)
+    err.print(f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)",
+              highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

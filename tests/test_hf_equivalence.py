@@ -189,3 +189,76 @@ def test_init_from_another_models_checkpoint_exits_2_naming_the_field(cli, hf_di
     r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"), "--init-from",
             str(hf_dirs["mixtral_top2"]))
     assert r.returncode == 2 and "its config has" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_import_then_export_without_training_is_bit_identical(hf_dirs, tmp_path, model):
+    """Every tensor transformers wrote comes back bit for bit, under the same names (MLA's
+    RoPE rows permuted and back, experts split and stacked and back), in several shards."""
+    import torch
+    from safetensors.torch import load_file
+
+    from moeplan.runtime.hf_io import HFWeights, write_hf
+    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.train import Trainer
+
+    d = hf_dirs[model]
+    plan = make_plan(d, 1, {})
+    trainer = Trainer(plan, local_groups(), seed=0, init_from=str(d))
+    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    state.update({n: b for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")})
+    out = write_hf(plan.model, state, tmp_path / "out", max_shard_bytes=20_000)
+    w = HFWeights(out)
+    assert len(set(w.where.values())) > 1  # sharded, with an index
+    original = load_file(d / "model.safetensors")
+    assert set(w.where) == set(original)
+    for name, t in original.items():
+        assert torch.equal(w.read(name, ()), t), name
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+@pytest.mark.slow
+def test_exported_checkpoint_in_transformers_gives_the_next_steps_loss(cli, hf_dirs, tmp_path):
+    """Train DeepSeek-V3 2 steps from HF weights under tp2, export step 2, and transformers'
+    loss on step 3's batch equals the loss the resumed moeplan run computes at step 3."""
+    d = hf_dirs["deepseek_v3"]
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan(d, 2, {"tp": 2}).model_dump_json())
+    ckpt, hf_out = tmp_path / "ckpt", tmp_path / "hf_out"
+    r = cli("run", str(path), "--steps", "2", "--out", str(tmp_path / "r1"), "--init-from",
+            str(d), "--ckpt-dir", str(ckpt), "--ckpt-every", "2", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    listed = cli("checkpoint", "list", str(ckpt), "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert [(row["step"], row["verified"]) for row in rows] == [(2, True)]
+    r = cli("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(hf_out), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("run", str(path), "--steps", "3", "--out", str(tmp_path / "r2"), "--ckpt-dir",
+            str(ckpt), "--resume", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r2" / "metrics.jsonl").read_text()
+            .splitlines()]
+    step3 = next(row["loss"] for row in rows if row["step"] == 3)
+    tokens, targets = next(iter(MarkovData(64, SEQ, GBS, 0).micro_batches(2, 0, 1, GBS)))
+    ref = hf_loss(hf_out, tokens, targets)
+    assert abs(step3 - ref) <= RTOL * ref, (step3, ref)
+
+
+def test_export_refuses_an_existing_directory_and_a_missing_step(cli, tmp_path):
+    r = cli("checkpoint", "export", str(tmp_path), "--to", "hf", "-o", str(tmp_path / "x"))
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr
+    r = cli("checkpoint", "export", str(tmp_path), "--to", "gguf", "-o", str(tmp_path / "x"))
+    assert r.returncode == 2 and "--to takes hf" in r.stderr
+
+
+def test_export_refuses_a_model_no_transformers_architecture_computes():
+    from moeplan import SpecError, load_model
+    from moeplan.runtime.hf_io import hf_config_for
+
+    from .conftest import DATA
+
+    spec = load_model(DATA / "tiny_deepseek_v3.yaml").model_copy(
+        update={"router_expert_bias": False})
+    with pytest.raises(SpecError, match="router_expert_bias"):
+        hf_config_for(spec)

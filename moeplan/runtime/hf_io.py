@@ -458,3 +458,256 @@ def describe_objective(spec: ModelSpec, aux_coeff: float) -> str:
 
 __all__ = ["HFWeights", "Mapping", "check_hf_dir", "describe_objective", "hf_config",
            "hf_model_spec", "load_hf_"]
+
+
+# ------------------------------------------------------------------------------ export
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
+
+
+_ROPE_KEYS = {
+    "linear": ("factor",), "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "longrope": ("factor", "short_factor", "long_factor", "original_max_position_embeddings",
+                 "attention_factor"),
+}
+
+
+def _rope_parameters(spec: ModelSpec) -> dict[str, Any]:
+    """v5 `rope_parameters`: θ, and the scaling keys transformers reads for its rope_type."""
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    r = spec.rope_scaling
+    if r is not None:
+        out["rope_type"] = r.kind
+        out.update({k: getattr(r, k) for k in _ROPE_KEYS[r.kind] if getattr(r, k) is not None})
+    return out
+
+
+def _hf_architecture(spec: ModelSpec) -> str:
+    """The transformers architecture that computes exactly `spec` (SpecError if none does)."""
+    if spec.attention == "mla":
+        return "DeepseekV3ForCausalLM"
+    if spec.is_moe:
+        return "Qwen3MoeForCausalLM" if spec.qk_norm else "MixtralForCausalLM"
+    return "Qwen3ForCausalLM" if spec.qk_norm else "LlamaForCausalLM"
+
+
+def hf_config_for(spec: ModelSpec) -> dict[str, Any]:
+    """config.json (v5 keys) of the HF architecture computing `spec`; checked by importing it
+    back: a model no HF architecture computes exactly is refused, naming the field."""
+    from ..specs.hf import ARCHITECTURES, HIDDEN_ACT
+
+    arch = _hf_architecture(spec)
+    act = {v: k for k, v in reversed(list(HIDDEN_ACT.items()))}.get(spec.activation)
+    max_pos = ((spec.rope_scaling.max_position_embeddings if spec.rope_scaling else None)
+               or (spec.rope_scaling.original_max_position_embeddings
+                   if spec.rope_scaling and spec.rope_scaling.kind == "dynamic" else None)
+               or 32768)
+    c: dict[str, Any] = {
+        "architectures": [arch], "model_type": ARCHITECTURES[arch],
+        "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads, "intermediate_size": spec.ffn_hidden_size,
+        "vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tie_embeddings,
+        "rms_norm_eps": spec.norm_eps, "hidden_act": act or spec.activation,
+        "rope_parameters": _rope_parameters(spec), "max_position_embeddings": max_pos,
+        "attention_bias": spec.attn_out_bias, "torch_dtype": "float32",
+    }
+    if spec.attention == "gqa":
+        c.update(num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim_)
+    if arch == "LlamaForCausalLM":
+        c["mlp_bias"] = spec.mlp_bias
+    if spec.is_moe:
+        c.update(num_experts_per_tok=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
+        if spec.moe_aux_loss_coeff is not None:
+            c["router_aux_loss_coef"] = spec.moe_aux_loss_coeff
+    if arch == "MixtralForCausalLM":
+        c["num_local_experts"] = spec.num_experts
+    elif arch == "Qwen3MoeForCausalLM":
+        moe = spec.moe_layers()
+        c.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+                 decoder_sparse_step=1, mlp_only_layers=[i for i, m in enumerate(moe) if not m])
+    elif arch == "DeepseekV3ForCausalLM":
+        c.pop("attention_bias")
+        c.update(num_key_value_heads=spec.num_attention_heads, q_lora_rank=spec.q_lora_rank,
+                 kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
+                 qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+                 n_routed_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+                 n_shared_experts=spec.num_shared_experts,
+                 first_k_dense_replace=spec.first_k_dense, n_group=spec.router_num_groups or 1,
+                 topk_group=spec.router_groups_per_token or 1,
+                 routed_scaling_factor=spec.routed_scaling_factor,
+                 attention_bias=spec.attn_out_bias, rope_interleave=True,
+                 num_nextn_predict_layers=0)
+        if spec.mtp_layers:  # DeepSeek's own format: MTP weights as model.layers.{L+k}
+            c.update(num_nextn_predict_layers=spec.mtp_layers, topk_method="noaux_tc",
+                     scoring_func="sigmoid")
+    from ..specs.hf import model_from_hf_config
+
+    back = _function_fields(model_from_hf_config(c, "export"))
+    want = _function_fields(spec)
+    for f in want:
+        if want[f] != back[f]:
+            raise SpecError(f"model {spec.name!r}: {f}={_short(want[f])} has no exact "
+                            f"counterpart in transformers' {arch} (it would run "
+                            f"{f}={_short(back[f])}); this checkpoint cannot be exported to "
+                            "Hugging Face.")
+    return c
+
+
+def hf_tensors(spec: ModelSpec, full: dict[str, torch.Tensor],
+               per_expert: bool = True) -> dict[str, torch.Tensor]:
+    """moeplan's full tensors (by moeplan name) → HF tensors (by HF name, HF layout): the hub
+    layout save_pretrained writes (experts one by one; Mixtral's as block_sparse_moe w1/w3/w2),
+    or v5's fused expert tensors with `per_expert=False`."""
+    mapping = Mapping(spec, {"rope_interleave": True}, None)
+    if per_expert and _hf_architecture(spec) == "MixtralForCausalLM":
+        mapping.moe_prefix = "block_sparse_moe"
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in full.items():
+        src = mapping.source(name)
+        if isinstance(src, Experts) and per_expert:
+            src = Experts(src.prefix, src.part, src.E, src.f, src.h, False, src.sub)
+        for key, v in src.to_hf(t.detach().float().cpu()).items():
+            base, _, part = key.partition("#")
+            if part:
+                fused.setdefault(base, {})[part] = v
+            else:
+                out[key] = v.contiguous()
+    for base, parts in fused.items():  # gate rows first, then up (HF chunk(2) order)
+        out[base] = (parts["down"] if "down" in parts
+                     else torch.cat([parts["gate"], parts["up"]], dim=1)).contiguous()
+    return out
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        import os
+
+        os.fsync(f.fileno())
+
+
+def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """config.json + sharded safetensors + model.safetensors.index.json, atomically: written
+    into a temporary sibling directory, each file fsynced, then renamed to `out_dir` (which
+    must not exist yet), so a failed export leaves nothing behind."""
+    import os
+    import shutil
+    import uuid
+
+    from safetensors.torch import save
+
+    out = Path(out_dir)
+    if out.exists():
+        raise SpecError(f"-o {out}: it already exists; export into a new directory.")
+    if not out.parent.is_dir():
+        raise SpecError(f"-o {out}: the parent directory {out.parent} does not exist.")
+    config = hf_config_for(spec)
+    tensors = hf_tensors(spec, full)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name in sorted(tensors):
+            n = tensors[name].numel() * tensors[name].element_size()
+            if shards[-1] and size + n > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensors[name]
+            size += n
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _fsync_write(tmp / file, save(shard, metadata={"format": "pt"}))
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _fsync_write(tmp / "model.safetensors.index.json",
+                     json.dumps(index, indent=1, allow_nan=False).encode())
+        _fsync_write(tmp / "config.json", json.dumps(config, indent=1, allow_nan=False).encode())
+        os.rename(tmp, out)
+        fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SpecError(f"-o {out}: cannot write the export ({err.strerror}).") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_checkpoint(path: Path):
+    """(plan, every parameter and router buffer at full size) of a sealed step directory, read
+    by a single-process Trainer through the checkpoint module's own reshardable load (so the
+    model is gathered on this one process)."""
+    import torch.distributed as dist
+
+    from ..specs import Choices, Layout, load_plan
+    from . import checkpoint
+    from .parallelize import local_groups
+    from .train import Trainer
+
+    plan = load_plan(path / "plan.json")
+    plan = plan.model_copy(update={
+        "layout": Layout.build(1, plan.training.global_batch_size), "choices": Choices(),
+        "cluster": plan.cluster.model_copy(update={"num_gpus": 1})})
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    trainer = Trainer(plan, local_groups(), seed=0)
+    checkpoint.load(trainer, path)
+    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    for name, b in trainer.model.named_buffers():
+        if name.endswith("expert_bias") and b is not None:
+            state[name] = b.detach()
+    return plan, state
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
+    """Each complete step of `ckpt_dir`: step, model, layout, verified (and the problem)."""
+    from ..specs import load_plan
+    from .storage import complete_steps, step_dir, verify
+
+    if not Path(ckpt_dir).is_dir():
+        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
+    rows = []
+    for s in complete_steps(ckpt_dir):
+        path = step_dir(ckpt_dir, s)
+        row: dict[str, Any] = {"step": s, "path": str(path), "model": "?", "layout": "?",
+                               "verified": True, "problem": None}
+        try:
+            verify(path)
+            plan = load_plan(path / "plan.json")
+            L = plan.layout
+            row.update(model=plan.model.name, layout=f"tp{L.tp} cp{L.cp} ep{L.ep} etp{L.etp} "
+                       f"pp{L.pp} dp{L.dp}")
+        except SpecError as e:
+            row.update(verified=False, problem=str(e)[:200])
+        rows.append(row)
+    return rows
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | None = None,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """`moeplan checkpoint export CKPT_DIR --to hf -o OUT_DIR [--step N]`."""
+    from .storage import complete_steps, step_dir, verify
+
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        raise SpecError(f"{ckpt_dir}: no complete checkpoint to export.")
+    if step is not None and step not in steps:
+        raise SpecError(f"{ckpt_dir}: no complete checkpoint of step {step}; complete steps: "
+                        f"{', '.join(map(str, steps[-10:]))}.")
+    path = step_dir(ckpt_dir, step if step is not None else steps[-1])
+    verify(path)
+    plan, state = read_checkpoint(path)
+    return write_hf(plan.model, state, out_dir, max_shard_bytes)
