@@ -764,6 +764,7 @@ def checkpoint_export(
     to: Annotated[str, typer.Option("--to", help="Target format: hf (Hugging Face).")],
     output: Annotated[str, typer.Option("-o", "--output", help="New directory to write.")],
     step: Annotated[int | None, typer.Option("--step", help="Step (default: newest).")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint as config.json + sharded safetensors that transformers loads."""
     if to != "hf":
@@ -771,8 +772,8 @@ def checkpoint_export(
     from .runtime.hf_io import export_checkpoint
 
     path = export_checkpoint(ckpt_dir, output, step)
-    err.print(f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)",
-              highlight=False)
+    emit({"path": str(path)}, as_json, lambda: err.print(
+        f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)", highlight=False))
 
 
 def main(argv: list[str] | None = None) -> int:
