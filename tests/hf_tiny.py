@@ -46,6 +46,35 @@ def configs() -> dict:
     }
 
 
+def variant_configs() -> dict:
+    """More features, checked at world 1 only (in process, cheap)."""
+    import transformers as T
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16}
+    return {
+        # no q LoRA (q_proj path), halves RoPE layout, yarn without mscale_all_dim
+        "deepseek_no_qlora": T.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=16,
+            n_shared_experts=2, n_routed_experts=4, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=1, topk_group=1,
+            num_experts_per_tok=2, first_k_dense_replace=0, rope_interleave=False,
+            max_position_embeddings=64, rope_parameters=yarn),
+        # dense layers among MoE ones, no renormalisation, tied embeddings
+        "qwen3_moe_mixed": T.Qwen3MoeConfig(
+            **{**COMMON, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=8,
+            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=False, mlp_only_layers=[1]),
+        "llama_dynamic_gelu_tanh": T.LlamaConfig(
+            **COMMON, hidden_act="gelu_pytorch_tanh", attention_bias=True, mlp_bias=True,
+            max_position_embeddings=16,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        "qwen3_linear_gelu": T.Qwen3Config(
+            **COMMON, head_dim=8, hidden_act="gelu", attention_bias=True,
+            rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+    }
+
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
              "kv_a_proj_with_mqa", "kv_b_proj")
 
@@ -69,12 +98,13 @@ def redraw_(model: torch.nn.Module, seed: int) -> None:
             b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def write_models(root: Path, names: list[str] | None = None) -> dict[str, Path]:
-    """Save each tiny model under root/NAME; returns name → directory."""
+def write_models(root: Path, names: list[str] | None = None,
+                 variants: bool = False) -> dict[str, Path]:
+    """Save each tiny model (or variant) under root/NAME; returns name → directory."""
     from transformers import AutoModelForCausalLM
 
     out = {}
-    for i, (name, cfg) in enumerate(configs().items()):
+    for i, (name, cfg) in enumerate((variant_configs() if variants else configs()).items()):
         if names is not None and name not in names:
             continue
         torch.manual_seed(i)

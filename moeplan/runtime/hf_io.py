@@ -89,6 +89,7 @@ class HFWeights:
         from safetensors import safe_open
 
         self.dir, self._open, self._files = Path(hf_dir), safe_open, {}
+        self.elements_read = 0  # what the slicing actually read (the tests check it)
         index = self.dir / "model.safetensors.index.json"
         self.where: dict[str, str] = {}
         if index.is_file():
@@ -139,6 +140,7 @@ class HFWeights:
         self.shape(name)
         sl = self._file(self.where[name]).get_slice(name)
         t = sl[tuple(slice(a, b) for a, b in box)] if box else sl[:]
+        self.elements_read += t.numel()
         return t.to(torch.float32)
 
 
@@ -365,11 +367,12 @@ def expected_names(model: nn.Module) -> list[str]:
     return [n for n, *_ in _tensors(model)]
 
 
-def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> nn.Module:
+def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec,
+             weights: HFWeights | None = None) -> nn.Module:
     """Fill every parameter and buffer of `model` (this rank's stages and shards, big weights
     still on the meta device) from the HF checkpoint in `hf_dir`, reading only this rank's
     boxes. Replaces meta Parameters as `layers.materialize_` does, keeping their attributes."""
-    w = HFWeights(hf_dir)
+    w = weights or HFWeights(hf_dir)
     mapping = Mapping(spec, hf_config(hf_dir), w)
     done: dict[int, torch.Tensor] = {}
     for name, module, key, t, is_buffer in _tensors(model):

@@ -35,6 +35,9 @@ METADATA = frozenset({
 })
 HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
               "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh"}
+# Fields where transformers reads an explicit null as "none" (not as the class default).
+NULLABLE = frozenset({"q_lora_rank", "head_dim", "num_key_value_heads", "sliding_window",
+                      "n_group", "topk_group"})
 _REQUIRED = object()
 _SHOWN = 60  # characters of a bad value quoted in a message
 
@@ -59,9 +62,12 @@ class Config:
 
     def get(self, key: str, kind: type | str, default: Any = _REQUIRED) -> Any:
         """The value of `key` as `kind` (int, float, bool, str, dict, "ints", "floats"); a
-        missing or null value gives `default` (HF's class default), or is refused if none."""
+        missing or null value gives `default` (HF's class default), or is refused if none;
+        a null NULLABLE field gives None."""
         self.used.add(key)
         v = self.data.get(key)
+        if v is None and key in NULLABLE and key in self.data:
+            return None  # an explicit null is meaningful here (e.g. no q LoRA)
         if v is None:
             if default is _REQUIRED:
                 raise SpecError(f"{self.source}: the {self.arch} config lacks the field {key!r}, "
