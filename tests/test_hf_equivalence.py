@@ -11,6 +11,7 @@ loaded under world 1, tp2·ep2, pp2·dp2·ep2 and cp2 (one spawned world of 4,
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -170,15 +171,14 @@ def _broken_copy(src, dst, edit):
     (lambda t: {k: v for k, v in t.items() if "experts.3.up_proj" not in k},
      "model.layers.0.mlp.experts.3.up_proj.weight"),
 ])
-def test_init_from_a_checkpoint_not_matching_the_plan_exits_2_naming_the_tensor(
-        cli, hf_dirs, tmp_path, edit, named):
+def test_a_checkpoint_not_matching_the_plan_is_refused_naming_the_tensor(hf_dirs, tmp_path,
+                                                                         edit, named):
+    from moeplan import SpecError
+    from moeplan.runtime.hf_io import check_hf_dir
+
     bad = _broken_copy(hf_dirs["qwen3_moe"], tmp_path / "bad", edit)
-    path = tmp_path / "plan.json"
-    path.write_text(make_plan(hf_dirs["qwen3_moe"], 1, {}).model_dump_json())
-    r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"), "--init-from",
-            str(bad))
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert named in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(SpecError, match=re.escape(named)):
+        check_hf_dir(hf_model_spec(hf_dirs["qwen3_moe"]), bad)
 
 
 def test_init_from_another_models_checkpoint_exits_2_naming_the_field(cli, hf_dirs, tmp_path):
@@ -217,37 +217,47 @@ def test_import_then_export_without_training_is_bit_identical(hf_dirs, tmp_path,
 
 @pytest.mark.slow
 def test_exported_checkpoint_in_transformers_gives_the_next_steps_loss(cli, hf_dirs, tmp_path):
-    """Train DeepSeek-V3 2 steps from HF weights under tp2, export step 2, and transformers'
-    loss on step 3's batch equals the loss the resumed moeplan run computes at step 3."""
+    """Train DeepSeek-V3 from HF weights under tp2, checkpointing step 2; export step 2, and
+    transformers' loss on step 3's batch equals the loss the run computed at step 3."""
     d = hf_dirs["deepseek_v3"]
     path = tmp_path / "plan.json"
     path.write_text(make_plan(d, 2, {"tp": 2}).model_dump_json())
-    ckpt, hf_out = tmp_path / "ckpt", tmp_path / "hf_out"
-    r = cli("run", str(path), "--steps", "2", "--out", str(tmp_path / "r1"), "--init-from",
-            str(d), "--ckpt-dir", str(ckpt), "--ckpt-every", "2", timeout=300)
+    ckpt, hf_out, run = tmp_path / "ckpt", tmp_path / "hf_out", tmp_path / "run"
+    r = cli("run", str(path), "--steps", "3", "--out", str(run), "--init-from", str(d),
+            "--ckpt-dir", str(ckpt), "--ckpt-every", "2", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     listed = cli("checkpoint", "list", str(ckpt), "--json")
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["checkpoints"]
-    assert [(row["step"], row["verified"]) for row in rows] == [(2, True)]
-    r = cli("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(hf_out), timeout=300)
+    assert [(row["step"], row["verified"]) for row in rows] == [(2, True), (3, True)]
+    r = cli("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(hf_out), "--step", "2",
+            timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = cli("run", str(path), "--steps", "3", "--out", str(tmp_path / "r2"), "--ckpt-dir",
-            str(ckpt), "--resume", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "r2" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step3 = next(row["loss"] for row in rows if row["step"] == 3)
     tokens, targets = next(iter(MarkovData(64, SEQ, GBS, 0).micro_batches(2, 0, 1, GBS)))
     ref = hf_loss(hf_out, tokens, targets)
     assert abs(step3 - ref) <= RTOL * ref, (step3, ref)
 
 
-def test_export_refuses_an_existing_directory_and_a_missing_step(cli, tmp_path):
-    r = cli("checkpoint", "export", str(tmp_path), "--to", "hf", "-o", str(tmp_path / "x"))
-    assert r.returncode == 2 and "no complete checkpoint" in r.stderr
+def test_export_refuses_another_format_an_existing_directory_and_a_missing_step(cli, tmp_path):
+    from moeplan import SpecError
+    from moeplan.runtime.hf_io import export_checkpoint, write_hf
+
     r = cli("checkpoint", "export", str(tmp_path), "--to", "gguf", "-o", str(tmp_path / "x"))
-    assert r.returncode == 2 and "--to takes hf" in r.stderr
+    assert r.returncode == 2 and "--to takes hf" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(SpecError, match="no complete checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "x")
+    with pytest.raises(SpecError, match="already exists"):
+        write_hf(_tiny_deepseek(), {}, tmp_path)
+
+
+def _tiny_deepseek():
+    from moeplan import load_model
+
+    from .conftest import DATA
+
+    return load_model(DATA / "tiny_deepseek_v3.yaml")
 
 
 def test_export_refuses_a_model_no_transformers_architecture_computes():
@@ -311,3 +321,35 @@ def test_more_features_at_world1_give_transformers_loss(variant_dirs, model):
     ref = hf_loss(d, *batch(d))
     got = moeplan_loss(d)
     assert abs(got - ref) <= RTOL * ref, (got, ref)
+
+
+def test_mtp_weights_round_trip_as_deepseeks_model_layers_n(tmp_path):
+    """A moeplan DeepSeek-V3 with an MTP depth exports it as model.layers.{L}.{enorm, hnorm,
+    eh_proj, shared_head.norm, ...} in DeepSeek's own config format, and --init-from reads it
+    back bit for bit (MTP module included)."""
+    import torch
+
+    from moeplan import load_model
+    from moeplan.runtime.hf_io import HFWeights, check_hf_dir, load_hf_, write_hf
+    from moeplan.runtime.model import Transformer
+
+    from .conftest import DATA
+
+    spec = load_model(DATA / "tiny_deepseek_v3.yaml")
+    seeded = Transformer(spec, seed=3)
+    state = {n: p.detach() for n, p in seeded.named_parameters()}
+    state.update({n: b + 0.01 * i for i, (n, b) in enumerate(seeded.named_buffers())
+                  if n.endswith("expert_bias")})
+    out = write_hf(spec, state, tmp_path / "hf")
+    L = spec.num_layers
+    assert {f"model.layers.{L}.enorm.weight", f"model.layers.{L}.eh_proj.weight",
+            f"model.layers.{L}.shared_head.norm.weight"} <= set(HFWeights(out).where)
+    assert hf_model_spec(out).mtp_layers == 1
+    check_hf_dir(spec, out)
+    loaded = Transformer(spec, materialize=False)
+    load_hf_(loaded, out, spec)
+    got = {n: p for n, p in loaded.named_parameters()}
+    got.update({n: b for n, b in loaded.named_buffers() if n.endswith("expert_bias")})
+    assert got.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(got[name], t), name
