@@ -416,9 +416,18 @@ def _short(v: Any) -> str:
 def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     """Refuse (SpecError, exit 2) an HF directory whose config or tensors do not match `spec`,
     from config.json and the safetensors headers only; run before any worker starts."""
+    import logging
+    import os
+
     from .model import Transformer
 
-    other = hf_model_spec(hf_dir)
+    hf_log = logging.getLogger("moeplan.hf")
+    was = hf_log.disabled
+    hf_log.disabled = was or "RANK" in os.environ  # workers repeat the launcher's check quietly
+    try:
+        other = hf_model_spec(hf_dir)
+    finally:
+        hf_log.disabled = was
     a, b = _function_fields(spec), _function_fields(other)
     for f in a:
         if a[f] != b[f]:
