@@ -325,10 +325,16 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--swiglu")
     elif m.activation == "squared_relu":
         a.add("--squared-relu")
+    elif m.activation in ("geglu", "geglu_tanh"):
+        warn.append("the gated GELU MLP (HF hidden_act gelu*) has no Megatron flag; it is "
+                    "exported as a plain GELU MLP.")
     a.add("--normalization", "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm")
     a.add("--norm-epsilon", _num(m.norm_eps))
     if m.position_embedding == "rope":
         a.add("--position-embedding-type", "rope")
+        if m.rope_scaling is not None:
+            warn.append(f"RoPE {m.rope_scaling.kind} scaling is not exported; add Megatron's "
+                        "flags for it by hand (--use-rope-scaling for llama3).")
         theta = round(m.rope_theta)
         if theta != m.rope_theta:
             warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "

@@ -61,6 +61,7 @@ class RunOptions:
     resume_step: int | None = None
     resume_manifest: str | None = None
     cluster: str | None = None  # ClusterSpec of this machine, for predictions (calibrate -o)
+    init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
 
 class RunFailed(Exception):
@@ -129,6 +130,13 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         check_layout(running.model, running.training, running.layout, choices=running.choices)
     if opts.data != "synthetic":
         check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
+    if opts.init_from:
+        if opts.scale_down:
+            raise SpecError("--init-from loads the checkpoint's full-size weights; drop "
+                            "--scale-down (or plan a smaller model). Nothing was run.")
+        from .hf_io import check_hf_dir
+
+        check_hf_dir(running.model, opts.init_from)
     return plan, running
 
 
@@ -390,7 +398,8 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
         cmd.append(f"--max-restarts={opts.max_restarts}")
     worker_opts = {k: v for k, v in asdict(opts).items() if k in (
         "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
-        "ckpt_keep", "max_nonfinite_steps", "resume_step", "resume_manifest", "cluster")}
+        "ckpt_keep", "max_nonfinite_steps", "resume_step", "resume_manifest", "cluster",
+        "init_from")}
     return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
             "--options", json.dumps(worker_opts)]
 

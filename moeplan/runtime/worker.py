@@ -60,7 +60,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | No
                           domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
-                      data=opts.data)
+                      data=opts.data, init_from=opts.init_from)
     start = _resume(trainer, opts)
     stop.on(device)
     if rank0:
@@ -73,6 +73,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | No
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
                       + (f", resumed at step {start}" if start else ""))
         console.print(f"kernels: {trainer.kernels.reason}")
+        console.print(objective_line(running))
     history: list[StepMetrics] = []
     bad, preempted_at, stop_sig, stop_ckpt = 0, 0, 0, None
     for step in range(start, opts.steps):
@@ -245,6 +246,12 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
             gpus = given.cluster.num_gpus or given.layout.world_size
             notes.append(f"predicted figures are for {gpus} × {given.cluster.gpu}; measured on "
                          f"{device.type}")
+        if est is not None and est.interval is not None:
+            predicted["step_time_interval_s"] = list(est.interval.step_time_s)
+    notes = [objective_line(running), *notes]
+    if opts.init_from:
+        notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
+    band = (predicted or {}).get("step_time_interval_s")
     return {
         "model": running.model.name, "world_size": world, "layout": _layout_str(running),
         "steps": opts.steps, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
@@ -262,6 +269,7 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
             key: _ratio(value, predicted[key]) for key, value in
             (("step_time_s", step_s), ("peak_mem_gb", max(peaks_gb))) if key in predicted
         },
+        "inside_interval": None if not band else band[0] <= step_s <= band[1],
         "notes": notes,
     }
 
@@ -296,12 +304,20 @@ def _predicted_here(running: Plan, device: torch.device, dtype: torch.dtype,
         predicted.update(step_time_s=est.step_time_s,
                          tokens_per_s_per_gpu=est.tokens_per_s_per_gpu,
                          tflops_per_gpu=est.tflops_per_gpu)
+        if est.interval is not None:
+            predicted["step_time_interval_s"] = list(est.interval.step_time_s)
         notes.append(f"predicted step time: the cost model on {world} × {cluster.gpu} "
                      f"({cluster.name})")
     elif cluster is None:
         notes.append("no step-time prediction: no description of this machine; write one "
                      "with `moeplan calibrate -o local.yaml` and pass `--cluster local.yaml`")
     return predicted, notes
+
+
+def objective_line(plan: Plan) -> str:
+    from .hf_io import describe_objective
+
+    return describe_objective(plan.model, plan.training.moe_aux_loss_coeff)
 
 
 def _ratio(measured: float, predicted: float) -> float | None:
