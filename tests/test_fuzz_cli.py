@@ -108,7 +108,7 @@ EST_BASE = ["estimate", "--model", TINY, "--cluster", "h100", "--gpus", "8", "--
             "--gbs", "16"]
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=60)
 @given(flag=st.sampled_from(EST_FLAGS), value=FLAG_VALUE)
 def test_one_hostile_estimate_flag_never_crashes(flag, value, capsys):
     check_run([*EST_BASE, flag, value, "--json"], capsys)
@@ -163,7 +163,7 @@ def write_doc(path: Path, doc: Any, as_yaml: bool) -> None:
         path.write_text(json.dumps(doc))  # may hold NaN/Infinity: the loader must refuse them
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=60)
 @given(changes=st.dictionaries(st.sampled_from(MODEL_FIELDS), FIELD_VALUE, min_size=1,
                                max_size=3),
        as_yaml=st.booleans(), command=st.sampled_from(["show", "validate", "estimate"]))
@@ -182,7 +182,7 @@ H100 = yaml.safe_load((Path(__file__).parents[1] / "moeplan/specs/presets/cluste
                       .read_text())
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=50)
 @given(changes=st.dictionaries(st.sampled_from(sorted(H100) + ["calibration", "hbm_eff",
                                                                  "gemm_eff_max"]),
                                FIELD_VALUE, min_size=1, max_size=3), as_calibration=st.booleans())
