@@ -18,7 +18,7 @@ from typing import Any
 
 from moeplan.validation import ape, read_rows, validate_rows
 
-GENERATION = {"A100": "Ampere (A100)", "Ampere": "Ampere (A100)", "H100": "Hopper (H100/H200)", "H200": "Hopper (H100/H200)",
+GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)", "H100": "Hopper (H100/H200)", "H200": "Hopper (H100/H200)",
               "B200": "Blackwell HGX (B200/B300)", "B300": "Blackwell HGX (B200/B300)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 

@@ -134,9 +134,10 @@ def explain(robust: SearchResult, expected: SearchResult, theirs: Plan | None,
                  ("compute_s", "pp_bubble_s", "recompute_s", "offload_s", "exposed_comm_s")}
             terms = ", ".join(f"{k.removesuffix('_s').replace('pp_', '')} {v:+.2f} s"
                               for k, v in d.items() if abs(v) >= 0.005)
-            lines.append(f"- The {name} winner's step is {te.step_time_s - e.step_time_s:+.2f} s "
-                         f"shorter than the published layout's: {terms or 'no single term'} "
-                         "(published minus ours, per term).")
+            gap = te.step_time_s - e.step_time_s
+            lines.append(f"- The {name} winner's step is {abs(gap):.2f} s "
+                         f"{'shorter' if gap >= 0 else 'longer'} than the published layout's; "
+                         f"per term, published minus ours: {terms or 'no single term'}.")
     same = describe(rw) == describe(ew)
     we = ew.estimate
     re_ = rw.estimate
