@@ -315,7 +315,7 @@ def validate(
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
-                               "coverage_cross_validated")}
+                               "coverage_cross_validated", "ranking")}
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -337,6 +337,9 @@ def validate(
         out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                   f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                   f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+        rk = res["ranking"]
+        out.print(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
+                  f"{rk['pairs']}")
         out.print(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
                   f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), median "
                   f"width {pct(res['median_interval_width'])} of the point")
