@@ -8,6 +8,7 @@ of the same search in that process. The search is single-threaded, so its proces
 what the wall time would be on an idle core; both are printed with the load average.
 
     python bench/search_speed.py [--only mixtral|deepseek] [--repeat N]
+                                 [--objective robust|expected|both]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ CASES = {
 }
 
 
-def run_case(name: str, repeat: int) -> None:
+def run_case(name: str, repeat: int, objective: str = "robust") -> None:
     from moeplan import load_cluster, load_model, load_training
     from moeplan.planner.search import search
 
@@ -34,12 +35,13 @@ def run_case(name: str, repeat: int) -> None:
     walls, cpus = [], []
     for _ in range(1 + repeat):
         t0, c0 = time.perf_counter(), time.process_time()
-        res = search(m, c, tr, gpus)
+        res = search(m, c, tr, gpus, objective=objective)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     best = res.plans[0].estimate
     warm = f", warm {min(walls[1:]):.2f} s" if repeat else ""
-    print(f"{model} on {gpus} × {cluster} (seq {seq}, gbs {gbs}): {walls[0]:.2f} s cold{warm} "
+    print(f"{model} on {gpus} × {cluster} (seq {seq}, gbs {gbs}, --objective {objective}): "
+          f"{walls[0]:.2f} s cold{warm} "
           f"[process CPU {cpus[0]:.2f} s: the wall time on an idle core] "
           f"(bar {bar:g} s, {'met' if walls[0] <= bar else 'MISSED'}); "
           f"{res.layouts} layouts enumerated, {sum(res.pruned.values())} pruned, "
@@ -54,13 +56,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=sorted(CASES))
     ap.add_argument("--repeat", type=int, default=0)
+    ap.add_argument("--objective", choices=("robust", "expected", "both"), default="both")
     args = ap.parse_args()
-    if args.only:
-        run_case(args.only, args.repeat)
+    objectives = ("expected", "robust") if args.objective == "both" else (args.objective,)
+    if args.only and len(objectives) == 1:
+        run_case(args.only, args.repeat, objectives[0])
         return
-    for name in CASES:
-        subprocess.run([sys.executable, __file__, "--only", name, "--repeat", str(args.repeat)],
-                       check=True)
+    for name in [args.only] if args.only else CASES:
+        for obj in objectives:
+            subprocess.run([sys.executable, __file__, "--only", name, "--repeat",
+                            str(args.repeat), "--objective", obj], check=True)
 
 
 if __name__ == "__main__":
