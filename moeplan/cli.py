@@ -16,9 +16,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from . import specs as S
 from .errors import InfeasibleError, MoeplanError, SpecError
+from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
     name="moeplan",
@@ -47,6 +49,17 @@ def emit(data: Any, as_json: bool, render: Callable[[], None]) -> None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         render()
+
+
+def _width(console: Console) -> int:
+    return screen_width(console.is_terminal, console.width)
+
+
+def print_lines(lines: list[Line], console: Console | None = None) -> None:
+    """Print lines laid out by `moeplan.terminal` (already fitted: rich must not re-wrap)."""
+    console = console or out
+    for line in lines:
+        console.print(Text(line.text, style=line.style or ""), soft_wrap=True)
 
 
 def csv_ints(value: str | None, flag: str) -> list[int] | None:
@@ -243,30 +256,34 @@ def estimate(
         err.print(f"wrote {output}")
 
     def render() -> None:
-        L = plan.layout
-        t = Table(title=f"{plan.model.name} on {L.world_size}× {plan.cluster.gpu}: "
-                  f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp} vpp{L.vpp} ep{L.ep} etp{L.etp} "
-                  f"mbs{L.mbs} × {L.num_microbatches}", show_header=False)
-        t.add_row("step time", f"{est.step_time_s:.3f} s")
-        t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
-        t.add_row("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f}  (MFU {est.mfu:.1%})")
-        mem = est.memory
-        t.add_row("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} "
-                  f"({'fits' if est.fits else 'does NOT fit'})")
-        t.add_row("  weights / grads / optimizer",
-                  f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB")
-        t.add_row("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")
-        for k, v in est.time.model_dump().items():
-            if v:
-                t.add_row(f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s")
-        t.add_row("bottleneck", est.bottleneck)
-        if est.confidence:
-            t.add_row("confidence", f"{est.confidence.label}: {est.confidence.reason}")
-        out.print(t)
+        print_lines(pairs_lines(f"{plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
+                                f"{plan.summary()}", estimate_pairs(plan), _width(out)))
         for w in est.warnings:
-            err.print(f"[yellow]warning:[/] {w}")
+            err.print(f"[yellow]warning:[/] {escape(w)}")
 
     emit(est, as_json, render)
+
+
+def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
+    """The estimate as (label, value) rows: the numbers `estimate --json` carries, formatted."""
+    est = plan.estimate
+    assert est is not None
+    mem = est.memory
+    rows = [("step time", f"{est.step_time_s:.3f} s"),
+            ("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
+            ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%})"),
+            ("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB "
+             f"({'fits' if est.fits else 'does NOT fit'})"),
+            ("  weights / grads / optimizer",
+             f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB"),
+            ("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")]
+    for k, v in est.time.model_dump().items():
+        if v:
+            rows.append((f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s"))
+    rows.append(("bottleneck", est.bottleneck))
+    if est.confidence:
+        rows.append(("confidence", f"{est.confidence.label}: {est.confidence.reason}"))
+    return rows
 
 
 @app.command()
@@ -341,48 +358,69 @@ def search(
         now = _time.monotonic()
         if now - shown["t"] > 1.0:
             shown["t"] = now
-            err.print(f"searching: {done}/{total} candidate layouts bounded or solved",
-                      highlight=False)
+            # the search counts each candidate layout's two visits (bounded, then solved)
+            err.print(f"searching: {min(done / total, 1):.0%} of the candidate layouts "
+                      "examined", highlight=False)
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
                      calibration=calibration, progress=progress)
     if output:
         Path(output).write_text(res.plans[0].model_dump_json(indent=2))
+        err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
                   "found so far", highlight=False)
 
     def render() -> None:
-        t = Table(title=f"{res.plans[0].model.name} on {res.plans[0].world_size} × "
-                  f"{res.plans[0].cluster.gpu}: best {len(res.plans)} of {res.layouts} layouts "
-                  f"({res.seconds:.1f} s)")
-        for col in ("#", "layout", "choices", "step s", "tok/s/GPU", "TFLOPS", "MFU",
-                    "peak GB", "bottleneck"):
-            t.add_column(col, no_wrap=col != "choices", overflow="fold")
-        for i, p in enumerate(res.plans):
-            e = p.estimate
-            assert e is not None
-            L, c = p.layout, p.choices
-            lay = (f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
-                   + (f" ep{L.ep} etp{L.etp} {L.dispatcher}" if p.model.is_moe else "")
-                   + f" mbs{L.mbs}" + (" ovl" if L.ep_overlap else "") + f" {p.training.precision}")
-            rec = c.stage_recompute or [c.recompute]
-            off = c.stage_offload or [c.offload]
-            ch = ("rc=" + "|".join(",".join(r) or "-" for r in rec) if any(rec) else "")
-            ch += (" off=" + "|".join(",".join(o) or "-" for o in off) if any(off) else "")
-            if c.optimizer_offload_fraction:
-                ch += f" opt-off={c.optimizer_offload_fraction:g}"
-            t.add_row(str(i + 1), lay, ch or "-", f"{e.step_time_s:.3g}",
-                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}",
-                      f"{e.mfu:.1%}", f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}",
-                      e.bottleneck)
-        wide = out if out.is_terminal else Console(width=200)
-        wide.print(t)
-        for line in res.plans[0].explanation[2:]:
-            wide.print(line, highlight=False)
+        width = _width(out)
+        best = res.plans[0]
+        print_lines(table_lines(f"{best.model.name} on {best.world_size} × {best.cluster.gpu}: "
+                                f"best {len(res.plans)} of {res.layouts} layouts "
+                                f"({res.seconds:.1f} s)", SEARCH_COLUMNS,
+                                [search_row(i, p) for i, p in enumerate(res.plans)], width))
+        for line in best.explanation[2:]:
+            print_lines([Line(s) for s in wrap(line, width, "  ")])
+        print_lines([Line(s, "dim") for s in wrap(_next_steps(output), width, "  ")])
 
     emit(res.to_json(), as_json, render)
+
+
+SEARCH_COLUMNS = [Column("#", right=True), Column("layout", fold=2), Column("choices", fold=1),
+                  Column("step s", right=True), Column("tok/s/GPU", right=True),
+                  Column("TFLOPS", right=True), Column("MFU", right=True),
+                  Column("peak GB", right=True, fold=3), Column("bottleneck", fold=0)]
+
+
+def search_row(i: int, p: S.Plan) -> list[str]:
+    """One plan as the search table's cells (`Plan.layout_summary`/`choices_summary` words)."""
+    e = p.estimate
+    assert e is not None
+    return [str(i + 1), p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g}",
+            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+            f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}", e.bottleneck]
+
+
+def _next_steps(output: str | None) -> str:
+    """The one line after a search: how to keep the best plan and what to do with it."""
+    if output:
+        return (f"next: moeplan estimate {output} (breakdown), moeplan export {output} --format "
+                f"megatron|torchrun|slurm, or moeplan run {output} --scale-down (a small "
+                "local run).")
+    return ("next: add -o plan.json to keep the best plan, then moeplan estimate plan.json, "
+            "moeplan export plan.json --format megatron, or moeplan run plan.json.")
+
+
+# what-if columns: the point's key and its headline numbers stay in the row, the rest fold
+WHATIF_COLUMNS = {
+    "cluster": Column("cluster"), "GPUs": Column("GPUs", right=True),
+    "seq": Column("seq", right=True, fold=4), "gbs": Column("gbs", right=True, fold=3),
+    "layout": Column("layout", fold=1), "tok/s/GPU": Column("tok/s/GPU", right=True),
+    "MFU": Column("MFU", right=True, fold=5), "step s": Column("step s", right=True, fold=6),
+    "days": Column("days", right=True), "GPU-hours": Column("GPU-hours", right=True, fold=7),
+    "cost": Column("cost", right=True, fold=8), "scaling": Column("scaling", right=True, fold=2),
+    "pareto": Column("pareto"), "why": Column("why", fold=0),
+}
 
 
 @app.command()
@@ -443,23 +481,19 @@ def whatif(
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 
     def render() -> None:
-        from rich.markup import escape
-
         from .planner.report import answers
 
         table = rows(res)
-        t = Table(title=f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
-                  f"({res.seconds:.1f} s); ★ Pareto front (time vs "
-                  f"{'cost' if res.priced else 'GPU-hours'})")
-        for col in (table[0] if table else {}):
-            t.add_column(col, no_wrap=col not in ("why", "layout"), overflow="fold")
-        for p, r in zip(res.points, table, strict=True):
-            t.add_row(*map(escape, r.values()),
-                      style="bold" if p.pareto else ("dim" if not p.fits else None))
-        wide = out if out.is_terminal else Console(width=220)
-        wide.print(t)
+        cols = [WHATIF_COLUMNS.get(c, Column(c, fold=0)) for c in (table[0] if table else {})]
+        width = _width(out)
+        print_lines(table_lines(
+            f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
+            f"({res.seconds:.1f} s); ★ Pareto front (time vs "
+            f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
+            width, ["bold" if p.pareto else ("dim" if not p.fits else None)
+                    for p in res.points]))
         for line in answers(res):
-            wide.print(line, highlight=False, markup=False)
+            print_lines([Line(s) for s in wrap(line, width, "  ")])
 
     emit(res.to_json(), as_json, render)
     if not res.any_fits:

@@ -25,13 +25,31 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def _layout(p: Point) -> str:
-    if not p.plan:
-        return "-"
-    L = p.plan.layout
-    s = f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
-    if p.plan.model.is_moe:
-        s += f" ep{L.ep} etp{L.etp}"
-    return s + f" mbs{L.mbs} {p.plan.training.precision}"
+    """The best plan in the shared vocabulary (`Plan.summary`), or '-' without one."""
+    return p.plan.summary() if p.plan else "-"
+
+
+def money(x: float | None) -> str:
+    """US dollars with thousands separators: `$1,234,567`."""
+    return "-" if x is None else f"${x:,.0f}"
+
+
+def _why(p: Point, res: WhatIf) -> str:
+    """Why a point is not a choice: what stopped it fitting, or which point beats it."""
+    if not p.fits:
+        return p.why or "no plan fits (the search found none)"
+    if p.stopped_early:
+        return "stopped at the time limit"
+    if p.pareto or p.days_to_train is None or p.price_axis is None:
+        return ""
+    better = [q for q in (res.points[i] for i in res.pareto)
+              if q.days_to_train is not None and q.price_axis is not None
+              and q.days_to_train <= p.days_to_train and q.price_axis <= p.price_axis]
+    if not better:
+        return ""
+    q = min(better, key=lambda q: q.days_to_train or 0.0)
+    cheaper = "no dearer" if res.priced else "no more GPU-hours"
+    return f"off the front: {q.label} GPUs is no slower and {cheaper}"
 
 
 def rows(res: WhatIf) -> list[dict[str, str]]:
@@ -44,9 +62,9 @@ def rows(res: WhatIf) -> list[dict[str, str]]:
             "tok/s/GPU": _num(p.tokens_per_s_per_gpu, ",.0f"),
             "MFU": _num(p.mfu, ".1%"), "step s": _num(p.step_time_s, ".3g"),
             "days": _num(p.days_to_train, ",.1f"), "GPU-hours": _num(p.gpu_hours, ",.0f"),
-            "cost $": _num(p.cost_usd, ",.0f"), "scaling": _num(p.scaling_efficiency, ".0%"),
+            "cost": money(p.cost_usd), "scaling": _num(p.scaling_efficiency, ".0%"),
             "pareto": "★" if p.pareto else "",
-            "why": p.why or ("stopped at the time limit" if p.stopped_early else ""),
+            "why": _why(p, res),
         })
     return out
 
@@ -147,8 +165,11 @@ def plots(res: WhatIf) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    thousands = FuncFormatter(lambda x, _: f"{x:,.0f}" if abs(x) >= 10 else f"{x:g}")
+    dollars = FuncFormatter(lambda x, _: f"${x:,.0f}")
     out: dict[str, str] = {}
     series = _series(res.points)
 
@@ -165,9 +186,11 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.minorticks_off()
         ax.set_xlabel("GPUs")
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)  # a ratio is read off these axes: a 1 % drop must look like 1 %
+        ax.yaxis.set_major_formatter(thousands)
         ax.grid(alpha=0.3)
-    if series:
-        ax1.legend()
+        if series:
+            ax.legend()
     fig.suptitle("Throughput against GPU count")
     out["throughput"] = _svg(fig)
 
@@ -180,7 +203,8 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.scatter([p.price_axis for p in pts], [p.days_to_train for p in pts], label=name,
                    alpha=0.8)
         for p in pts:
-            ax.annotate(str(p.gpus), (p.price_axis, p.days_to_train), fontsize=7,
+            ax.annotate(f"{p.cluster} × {p.gpus} GPUs", (p.price_axis, p.days_to_train),
+                        fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     front = [res.points[i] for i in res.pareto]
     if front:
@@ -190,6 +214,9 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.scatter([p.price_axis for p in front], [p.days_to_train for p in front], s=140,
                    facecolors="none", edgecolors="red", linewidths=1.5, label="Pareto front")
     ax.set_xlabel("cost (USD)" if res.priced else "GPU-hours")
+    ax.xaxis.set_major_formatter(dollars if res.priced else thousands)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("days to train")
     ax.set_title(f"Time to train {res.tokens:.3g} tokens against "
                  f"{'cost' if res.priced else 'GPU-hours'}")
@@ -207,7 +234,8 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.barh(labels, vals, left=left, label=part.removesuffix("_gb"))
         left = [a + b for a, b in zip(left, vals, strict=True)]
     for y, p in enumerate(fit):
-        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2)  # type: ignore
+        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2,  # type: ignore
+                label="HBM" if y == 0 else None)
     ax.set_xlabel("GB per GPU (most loaded GPU; black tick: HBM)")
     ax.set_title("Memory of each best plan")
     ax.invert_yaxis()
