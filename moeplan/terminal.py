@@ -142,6 +142,6 @@ def pairs_lines(title: str | None, pairs: list[tuple[str, str]], width: int) -> 
             lines = wrap(v, width, " " * (label_w + len(GAP)), k + " " * (label_w - cell_len(k))
                          + GAP)
         else:
-            lines = [k] + wrap(v, width, INDENT, INDENT)
+            lines = wrap(k, width, "  ") + wrap(v, width, INDENT, INDENT)
         out += [Line(s) for s in lines]
     return out
