@@ -7,8 +7,10 @@ stderr, InfeasibleError → 3; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +40,15 @@ out = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+AXIS_HELP = {
+    "tp": "Tensor parallel size (attention and dense MLP; sequence parallel when > 1).",
+    "pp": "Pipeline parallel size.",
+    "vpp": "Virtual pipeline stages per pipeline rank (interleaved schedule).",
+    "cp": "Context parallel size (attention only).",
+    "ep": "Expert parallel size.",
+    "etp": "Expert tensor parallel size.",
+    "mbs": "Micro-batch size in sequences.",
+}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
@@ -87,9 +98,19 @@ def csv_names(value: str | None) -> list[str]:
     return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"moeplan {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     _state["debug"] = debug
 
@@ -196,13 +217,13 @@ def estimate(
     seq: Annotated[int | None, typer.Option("--seq", min=1, help="Sequence length.")] = None,
     gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences).")
                    ] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
-    vpp: Annotated[int, typer.Option("--vpp", min=1)] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
-    mbs: Annotated[int, typer.Option("--mbs", min=1)] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
+    vpp: Annotated[int, typer.Option("--vpp", min=1, help=AXIS_HELP["vpp"])] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
+    mbs: Annotated[int, typer.Option("--mbs", min=1, help=AXIS_HELP["mbs"])] = 1,
     recompute: Annotated[str | None, typer.Option("--recompute", help="e.g. core_attn,moe_act "
                                                   "or full.")] = None,
     offload: Annotated[str | None, typer.Option("--offload", help="e.g. expert_fc1,moe_act.")
@@ -535,46 +556,84 @@ def run(
     max_nonfinite_steps: Annotated[int, typer.Option(
         "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
                                    ] = 3,
+    as_json: JsonOpt = False,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
+    require_torch("moeplan run")
     from .runtime.launch import RunFailed
     from .runtime.launch import run as run_plan
 
     try:
-        summary = run_plan(
-            plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
-            scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
-            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-            rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
-            max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps)
+        with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
+            summary = run_plan(
+                plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
+                scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+                rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+                max_restarts=max_restarts, ckpt_keep=ckpt_keep,
+                max_nonfinite_steps=max_nonfinite_steps)
     except RunFailed as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(e.exit_code) from None
-    if not summary:
+    if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return
-    t = Table("", "measured", "predicted", title=f"moeplan run: {summary['model']}")
-    meas, pred = summary["measured"], summary["predicted"] or {}
-    for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
-                            ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
-                            ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
-                            ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
-        t.add_row(label, fmt.format(meas[key]), fmt.format(pred[key]) if key in pred else "—")
-    t.add_row("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}", "")
-    err.print(t)
-    for note in summary.get("notes", []):
-        err.print(f"note: {note}", highlight=False)
+
+    def render() -> None:
+        meas, pred = summary["measured"], summary["predicted"] or {}
+        pairs = []
+        for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
+                                ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
+                                ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
+                                ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
+            pred_s = fmt.format(pred[key]) if key in pred else "—"
+            pairs.append((label, f"{fmt.format(meas[key])} measured, {pred_s} predicted"))
+        pairs.append(("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}"))
+        print_lines(pairs_lines(f"moeplan run: {summary['model']}", pairs, _width(err)), err)
+        for note in summary.get("notes", []):
+            err.print(f"note: {note}", highlight=False, markup=False)
+
+    emit(summary, as_json, render)
+
+
+def require_torch(command: str) -> None:
+    """Exit 2 with what to install when torch is missing: the planner never needs it, so a
+    planner-only install (`pip install moeplan`) is normal, not broken."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SpecError(f"{command} trains with PyTorch, which is not installed (the planner "
+                        "commands do not need it). Install the runtime: pip install "
+                        "'moeplan[run]' (on a CPU-only machine first pip install "
+                        "torch==2.13.0; on a GPU machine the CUDA build of torch for your "
+                        "driver).") from None
+
+
+@contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Point file descriptor 1 at stderr (children inherit it) while the block runs."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @app.command()
 def groups(
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="World size.")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
     order: Annotated[str, typer.Option("--order", help="tp-cp-ep-dp-pp or tp-cp-ep-pp-dp.")] = (
         "tp-cp-ep-dp-pp"),
     as_json: JsonOpt = False,
@@ -670,8 +729,7 @@ def calibrate(
         raise SpecError("--eval needs --from-runs (the runs the constants are fitted on).")
     if dtype not in (None, "fp32", "bf16"):
         raise SpecError(f"--dtype takes fp32 or bf16, got {dtype!r}.")
-    import os
-
+    require_torch("moeplan calibrate")
     import torch
     import yaml
 
