@@ -664,6 +664,12 @@ def export(
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", help="Processes (GPUs) per node; default: the cluster's GPUs per "
         "node.")] = None,
+    train_iters: Annotated[int | None, typer.Option(
+        "--train-iters", min=1, help="megatron: iterations to train; warm-up and decay keep "
+        "their TrainingSpec fractions.")] = None,
+    train_tokens: Annotated[float | None, typer.Option(
+        "--train-tokens", help="megatron: tokens to train (e.g. 1e12), as iterations at the "
+        "plan's global batch.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a plan as Megatron-LM flags, a torchrun line or a Slurm script.
@@ -672,7 +678,8 @@ def export(
     """
     from . import export as export_plan
 
-    doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node)
+    doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node,
+                      train_iters=train_iters, train_tokens=train_tokens)
     for w in doc.get("warnings", []):
         err.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
 
@@ -680,7 +687,7 @@ def export(
         if doc["format"] == "megatron":
             from .planner.export import format_megatron
 
-            sys.stdout.write(format_megatron(doc["args"]) + "\n")
+            sys.stdout.write(format_megatron(doc["args"], doc["comments"]) + "\n")
         else:
             sys.stdout.write(doc["script"])
 

@@ -7,6 +7,7 @@ parameter counts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ def _common(c: dict[str, Any]) -> dict[str, Any]:
         "head_dim": c.get("head_dim"),
         "ffn_hidden_size": c["intermediate_size"],
         "vocab_size": c["vocab_size"],
+        "max_position_embeddings": c.get("max_position_embeddings"),
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "rope_theta": float(c.get("rope_theta", 10000.0)),
         "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
@@ -192,4 +194,23 @@ def model_from_hf_config(config: dict[str, Any], source: str, name: str = "hf") 
         raise SpecError(f"{source}: the {arch} config lacks the field {err.args[0]!r}, which "
                         "moeplan needs; add it from the model's published config.json.") from None
     fields = {k: v for k, v in fields.items() if v is not None}
-    return build(ModelSpec, {"name": name, **fields}, "model spec", source)
+    spec = build(ModelSpec, {"name": _hf_name(config, name) or "hf", **fields}, "model spec",
+                 source)
+    if _hf_name(config, name) is None:  # no name anywhere: say what it is, e.g. qwen3_moe-30.5b
+        kind = str(config.get("model_type") or arch.removesuffix("ForCausalLM"))
+        spec = spec.model_copy(update={"name": _safe(f"{kind}-{spec.total_params() / 1e9:.3g}b")})
+    return spec
+
+
+def _safe(text: str) -> str:
+    """A name fit for titles, job names and file names: letters, digits, `._-`, ≤ 64."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:64]
+
+
+def _hf_name(config: dict[str, Any], stem: str) -> str | None:
+    """The model's own name: `_name_or_path`'s last part (`Qwen/Qwen3-30B-A3B` →
+    `Qwen3-30B-A3B`), else the file's stem unless it is the generic `config`."""
+    ref = config.get("_name_or_path")
+    if isinstance(ref, str) and _safe(ref.rstrip("/").rsplit("/", 1)[-1]):
+        return _safe(ref.rstrip("/").rsplit("/", 1)[-1])
+    return _safe(stem) if stem and stem not in ("config", "hf") and _safe(stem) else None

@@ -55,7 +55,8 @@ class ModelSpec(BaseModel):
     tie_embeddings: bool = Field(False, description="Output layer shares the embedding weights.")
     position_embedding: Literal["rope", "learned"] = Field("rope", description="Positions.")
     max_position_embeddings: int | None = Field(
-        None, gt=0, description="Rows of the learned position table (learned positions only)."
+        None, gt=0, description="Positions the model is built for: rows of the learned table, "
+        "or a RoPE model's context length (HF max_position_embeddings; exported to Megatron)."
     )
     normalization: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Norm kind.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base θ.")
