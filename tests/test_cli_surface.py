@@ -104,3 +104,15 @@ def test_version_and_help_on_every_option():
 
     walk(typer.main.get_command(app), "moeplan")
     assert not missing, missing
+
+
+def test_run_json_is_one_document_on_stdout(cli, tmp_path):
+    plan = tmp_path / "small.json"
+    r = cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "2",
+            "--gbs", "8", "--ep", "2", "-o", str(plan))
+    assert r.returncode == 0, r.stderr
+    r = cli("run", str(plan), "--steps", "2", "--scale-down", "--out", str(tmp_path / "run"),
+            "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)  # the workers' step lines went to stderr
+    assert doc["measured"]["step_time_s"] > 0 and "step    2/2" in r.stderr
