@@ -40,6 +40,27 @@ out = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+REPORT_HELP = ("Write a self-contained HTML page: the plans side by side, the chosen plan's "
+               "memory per pipeline rank and step-time breakdown as plots.")
+
+
+def _check_report(path: str | None) -> None:
+    """Refuse a bad --report before the work, not after it."""
+    if path is None:
+        return
+    from .planner.report import require_matplotlib
+
+    if Path(path).suffix.lower() not in (".html", ".htm"):
+        raise SpecError(f"--report {path}: the plan report is an .html file (self-contained).")
+    require_matplotlib()
+
+
+def _write_plan_report(plans: list[S.Plan], title: str, path: str) -> None:
+    from .planner.report import write_plan_report
+
+    err.print(f"wrote {write_plan_report(plans, title, path)}", highlight=False, markup=False)
+
+
 AXIS_HELP = {
     "tp": "Tensor parallel size (attention and dense MLP; sequence parallel when > 1).",
     "pp": "Pipeline parallel size.",
@@ -246,9 +267,11 @@ def estimate(
                            ] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
                       ] = None,
+    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict step time, throughput and memory of one layout."""
+    _check_report(report)
     from .api import estimate as api_estimate
     from .api import plan_from_options
 
@@ -272,6 +295,9 @@ def estimate(
                                  calibration)
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
+    if report:
+        _write_plan_report([plan], f"{plan.model.name} on {plan.world_size} × "
+                           f"{plan.cluster.gpu}: estimate", report)
     if output:
         Path(output).write_text(plan.model_dump_json(indent=2) + "\n")
         err.print(f"wrote {output}")
@@ -366,9 +392,11 @@ def search(
                            "efficiency constants.")] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
                       ] = None,
+    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
+    _check_report(report)
     import time as _time
 
     from . import search as api_search
@@ -389,6 +417,10 @@ def search(
     if output:
         Path(output).write_text(res.plans[0].model_dump_json(indent=2))
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
+    if report:
+        best = res.plans[0]
+        _write_plan_report(res.plans, f"{best.model.name} on {best.world_size} × "
+                           f"{best.cluster.gpu}: best {len(res.plans)} plans", report)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
                   "found so far", highlight=False)

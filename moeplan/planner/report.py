@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import SpecError
+from ..specs import Plan
 from .whatif import Point, WhatIf
 
 MEMORY_PARTS = ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb")
@@ -290,4 +291,130 @@ def write_report(res: WhatIf, path: str | Path) -> Path:
     else:
         raise SpecError(f"-o {path}: the report is .md (Markdown) or .html (self-contained "
                         "HTML with plots).")
+    return path
+
+
+# ------------------------------------------------------------------------ plan report (search)
+TIME_BARS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("offload_s", "offload"),
+             ("pp_bubble_s", "pipeline bubble"), ("exposed_comm_s", "exposed communication"))
+COMM_BARS = (("tp_comm_s", "TP"), ("cp_comm_s", "CP"), ("ep_comm_s", "EP"), ("dp_comm_s", "DP"))
+
+
+def rank_memory(plan: Plan) -> list[dict[str, float]]:
+    """Per pipeline rank: weights, grads, optimizer, activations, buffers (GB), from the cost
+    model's own per-rank accounting (the peak in the Estimate is the largest of these)."""
+    from ..cost_models.estimate import estimate_breakdown
+    from ..cost_models.memory import GB
+
+    b = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
+                           check=False)
+    return [{"weights": r.static.weights / GB, "grads": r.static.grads / GB,
+             "optimizer": r.static.optimizer / GB, "activations": r.activation_bytes / GB,
+             "buffers": r.buffer_bytes / GB} for r in b.ranks]
+
+
+def plan_plots(plan: Plan) -> dict[str, str]:
+    """The chosen plan's memory per pipeline rank and step-time breakdown, as inline SVG."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    est = plan.estimate
+    assert est is not None
+    out: dict[str, str] = {}
+    ranks = rank_memory(plan)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * max(3, len(ranks)) + 1.4))
+    labels = [f"pp rank {i}" for i in range(len(ranks))]
+    left = [0.0] * len(ranks)
+    for part in ("weights", "grads", "optimizer", "activations", "buffers"):
+        vals = [r[part] for r in ranks]
+        ax.barh(labels, vals, left=left, label=part)
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    ax.axvline(plan.cluster.hbm_gb, color="k", lw=2, label=f"HBM {plan.cluster.hbm_gb:g} GB")
+    from ..cost_models.calibration import calibration_for
+
+    reserve = calibration_for(dict(plan.cluster.calibration or {})).reserve_gb
+    if reserve > 0:
+        ax.axvline(plan.cluster.hbm_gb - reserve, color="k", ls="--", lw=1,
+                   label=f"budget (HBM − {reserve:g} GB reserve)")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("GB per GPU")
+    ax.set_title("Memory per pipeline rank")
+    ax.invert_yaxis()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    out["memory"] = _svg(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    t = est.time
+    names = [n for _, n in TIME_BARS] + [f"{n} comm (alone)" for _, n in COMM_BARS]
+    vals = [getattr(t, k) for k, _ in TIME_BARS] + [getattr(t, k) for k, _ in COMM_BARS]
+    colors = ["C0"] * len(TIME_BARS) + ["C7"] * len(COMM_BARS)
+    ax.barh(names, vals, color=colors)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.axvline(est.step_time_s, color="k", lw=1.5)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("seconds per step")
+    ax.set_title("Step time breakdown")
+    ax.invert_yaxis()
+    ax.legend(handles=[Patch(color="C0", label="in the step (exposed parts)"),
+                       Patch(color="C7", label="communication alone (partly hidden)"),
+                       Line2D([], [], color="k", label=f"step {est.step_time_s:.3g} s")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    out["time"] = _svg(fig)
+    return out
+
+
+def _plan_cells(i: int, p: Plan) -> list[str]:
+    e = p.estimate
+    assert e is not None
+    return [f"#{i + 1}", p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g} s",
+            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+            f"{e.memory.peak_gb:.1f} / {p.cluster.hbm_gb:g} GB", e.bottleneck]
+
+
+PLAN_ROWS = ("plan", "layout", "choices", "step time", "tokens/s/GPU", "TFLOPS/GPU", "MFU",
+             "peak memory", "bottleneck")
+
+
+def plan_report(plans: Sequence[Plan], title: str) -> str:
+    """One self-contained HTML page: the plans side by side (one column each), then the chosen
+    (first) plan's memory per pipeline rank and step-time breakdown, its explanation, and its
+    assumptions and interval where the estimate carries them."""
+    cells = [_plan_cells(i, p) for i, p in enumerate(plans)]
+    rows_html = "".join(
+        f"<tr><th>{html.escape(name)}</th>"
+        + "".join(f"<td>{html.escape(c[j])}</td>" for c in cells) + "</tr>"
+        for j, name in enumerate(PLAN_ROWS))
+    best = plans[0]
+    figs = plan_plots(best)
+    captions = {"memory": "Memory of the chosen plan per pipeline rank, against HBM",
+                "time": "Where the chosen plan's step time goes"}
+    fig_html = "".join(f'<figure id="{k}">{v}<figcaption>{html.escape(captions[k])}'
+                       "</figcaption></figure>" for k, v in figs.items())
+    notes = list(best.explanation)
+    est = best.estimate
+    for extra in ("interval", "assumptions"):  # shown once estimates carry them
+        value = getattr(est, extra, None)
+        if value:
+            notes.append(f"{extra}: {value}")
+    notes += [f"warning: {w}" for w in (est.warnings if est else [])]
+    said = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
+            f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+            f"<h2>Plans</h2><table>{rows_html}</table>"
+            f"<h2>The chosen plan: {html.escape(best.summary())}</h2>{fig_html}"
+            + (f"<ul>{said}</ul>" if said else "") + "</body></html>\n")
+
+
+def write_plan_report(plans: Sequence[Plan], title: str, path: str | Path) -> Path:
+    """`search|estimate --report PATH.html`."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise SpecError(f"--report {path}: the plan report is an .html file.")
+    path.write_text(plan_report(plans, title))
     return path
