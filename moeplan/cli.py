@@ -171,10 +171,9 @@ def specs_list(as_json: JsonOpt = False) -> None:
     presets = S.list_presets()
 
     def render() -> None:
-        t = Table("kind", "presets")
-        t.add_row("models", ", ".join(presets["models"]))
-        t.add_row("clusters", ", ".join(presets["clusters"]))
-        out.print(t)
+        print_lines(pairs_lines(None, [("models", ", ".join(presets["models"])),
+                                       ("clusters", ", ".join(presets["clusters"]))],
+                                _width(out)))
 
     emit(presets, as_json, render)
 
@@ -189,16 +188,13 @@ def specs_show(
     doc = _spec_document(ref, seq)
 
     def render() -> None:
-        t = Table(title=f"{doc['kind']} {doc['name']}", show_header=False)
-        for k, v in doc["spec"].items():
-            if v not in (None, {}, []):
-                t.add_row(k, str(v))
+        pairs = [(k, str(v)) for k, v in doc["spec"].items() if v not in (None, {}, [])]
         d = doc["derived"]
         if d:
-            t.add_row("[b]total params", f"{d['total_params'] / 1e9:.2f} B")
-            t.add_row("[b]active params", f"{d['active_params'] / 1e9:.2f} B")
-            t.add_row(f"[b]FLOPs/token (s={seq})", f"{d['flops_per_token'] / 1e9:.1f} GFLOP")
-        out.print(t)
+            pairs += [("total params", f"{d['total_params'] / 1e9:.2f} B"),
+                      ("active params", f"{d['active_params'] / 1e9:.2f} B"),
+                      (f"FLOPs/token (s={seq})", f"{d['flops_per_token'] / 1e9:.1f} GFLOP")]
+        print_lines(pairs_lines(f"{doc['kind']} {doc['name']}", pairs, _width(out)))
 
     emit(doc, as_json, render)
 
@@ -350,22 +346,29 @@ def validate(
         return "-" if x is None else f"{x:.1%}"
 
     def render() -> None:
-        t = Table("id", "split", "model", "gpu", "precision", "tok/s/GPU pred", "published",
-                  "error", title=f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
-                  "skipped")
+        width = _width(out)
+        cols = [Column("id"), Column("split", fold=3), Column("model", fold=2),
+                Column("gpu", fold=1), Column("precision", fold=0),
+                Column("tok/s/GPU pred", right=True), Column("published", right=True),
+                Column("error", right=True)]
+        body = []
         for r in res["rows"]:
             pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
             e = f"{pred / pub - 1:+.1%}" if pub else "-"
-            t.add_row(r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
-                      r["gpu"], r["precision"], f"{pred:,.0f}", f"{pub:,.0f}" if pub else "-", e)
-        out.print(t)
+            body.append([r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
+                         r["gpu"], r["precision"], f"{pred:,.0f}",
+                         f"{pub:,.0f}" if pub else "-", e])
+        print_lines(table_lines(f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
+                                "skipped", cols, body, width))
+        notes = [f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
+                 f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
+                 f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
         if any(r.get("assumed") for r in res["rows"]):
-            out.print("* priced with settings its source's recipe documents but the row does "
-                      "not print (EP overlap and the flex dispatcher of Megatron-Bridge's 26.06+ "
-                      "MXFP8 MoE recipes; `assumed` in --json)")
-        out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
-                  f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
-                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+            notes.insert(0, "* priced with settings its source's recipe documents but the row "
+                         "does not print (EP overlap and the flex dispatcher of "
+                         "Megatron-Bridge's 26.06+ MXFP8 MoE recipes; `assumed` in --json)")
+        for note in notes:
+            print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
 
@@ -676,12 +679,12 @@ def groups(
     doc = layout_groups(plan, gpus=gpus, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
 
     def render() -> None:
-        t = Table("axis", "groups", title="process groups (global ranks)")
+        pairs = []
         for axis, members in doc.items():
-            shown = " ".join(str(g) for g in members[:16])
+            shown = " ".join(str(g).replace(", ", ",") for g in members[:16])
             more = f" … ({len(members)} groups)" if len(members) > 16 else ""
-            t.add_row(axis, shown.replace(", ", ",") + more)
-        out.print(t)
+            pairs.append((axis, shown + more))
+        print_lines(pairs_lines("process groups (global ranks)", pairs, _width(out)))
 
     emit(doc, as_json, render)
 
