@@ -14,6 +14,7 @@ prints the lines they return.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from rich.cells import cell_len
@@ -21,6 +22,7 @@ from rich.cells import cell_len
 PIPE_WIDTH = 200  # piped output (no terminal, no COLUMNS): wide, as before, for grep and logs
 GAP = "  "
 INDENT = "    "
+GLUE = "\0"
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,35 @@ def screen_width(is_terminal: bool, console_width: int) -> int:
     return PIPE_WIDTH
 
 
+def _pieces(word: str, room: int) -> list[str]:
+    """A word too long for a line, split after `,` or `|` (list separators, never inside a
+    number) into pieces of at most `room` cells where it can be; else the word whole."""
+    if cell_len(word) <= room:
+        return [word]
+    parts = re.findall(r"[^,|]*[,|]|[^,|]+$", word)
+    out, cur = [], ""
+    for p in parts:
+        if cur and cell_len(cur + p) > room:
+            out.append(cur)
+            cur = p
+        else:
+            cur += p
+    pieces = [*out, cur] if cur else out
+    return pieces[:1] + [GLUE + p for p in pieces[1:]]  # GLUE: joins without a space
+
+
 def wrap(text: str, width: int, indent: str = "", first: str = "") -> list[str]:
-    """Greedy word wrap at spaces only; `first` prefixes line one, `indent` the others."""
+    """Greedy word wrap at spaces (and inside an over-long list at its separators); `first`
+    prefixes line one, `indent` the others."""
     lines, cur = [], first
-    for word in text.split(" "):
+    room = max(8, width - cell_len(indent))
+    words = [p for w in text.split(" ") for p in _pieces(w, room)]
+    for word in words:
         if not word:
             continue
+        glued, word = word.startswith(GLUE), word.removeprefix(GLUE)
         bare = cur in (first, indent)
-        cand = cur + word if bare else f"{cur} {word}"
+        cand = cur + word if bare or glued else f"{cur} {word}"
         if cell_len(cand) <= width or bare:
             cur = cand
         else:
