@@ -10,6 +10,7 @@ held-out rows are listed.
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -17,9 +18,13 @@ from typing import Any
 
 from moeplan.validation import ape, read_rows, validate_rows
 
-GENERATION = {"A100": "Ampere (A100)", "H100": "Hopper (H100/H200)", "H200": "Hopper (H100/H200)",
+GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)", "H100": "Hopper (H100/H200)", "H200": "Hopper (H100/H200)",
               "B200": "Blackwell HGX (B200/B300)", "B300": "Blackwell HGX (B200/B300)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
+
+
+RAW: dict[str, dict[str, str]] = {}
+CSV_NAME = "shared/data/published_runs.csv"
 
 
 def generation(gpu: str) -> str:
@@ -53,66 +58,124 @@ def table(rows: list[dict[str, Any]], key, previous: dict[str, float] | None = N
     return out
 
 
+def release_name(r: dict[str, Any]) -> str:
+    from moeplan.validation import release_of
+
+    row = RAW[r["id"]]
+    rel = release_of(row)
+    src = (row.get("source") or "")[:40]
+    return f"{src} {rel[0]}.{rel[1]:02d}" if rel else src
+
+
+def dense_a100(rows: list[dict[str, Any]]) -> list[str]:
+    sel = [r for r in rows if generation(r["gpu"]) == "Ampere (A100)"
+           or r["gpu"].startswith("Ampere")]
+    out = ["| id | model | GPUs | split | predicted | published | error |",
+           "|---|---|---:|---|---:|---:|---:|"]
+    for r in sorted(sel, key=lambda r: r["id"]):
+        out.append(f"| {r['id']} | {r['model']} | {RAW[r['id']]['num_gpus']} | {r['split']} | "
+                   f"{r['predicted_tokens_per_s_per_gpu']:,.1f} | "
+                   f"{r['published_tokens_per_s_per_gpu']:,.1f} | {100 * err(r):+.1f}% |")
+    held = [abs(err(r)) for r in sel if r["split"] == "held-out"]
+    out += ["", f"MAPE: all {_pct([abs(err(r)) for r in sel])} ({len(sel)} rows), held-out "
+            f"{_pct(held)} ({len(held)} rows)."]
+    return out
+
+
+def ranking_section(res: dict[str, Any]) -> list[str]:
+    rk = res["ranking"]
+    out = ["## Layout ranking within a release", "",
+           "Pairs of published layouts of one model, cluster, GPU count, precision, sequence",
+           "length and software release (one layout published twice is not a pair), and whether",
+           f"moeplan orders them as measured: **{rk['ordered']} of {rk['pairs']}** "
+           f"({100 * (rk['share'] or 0):.0f}%). Every misordered pair:", "",
+           "| rows | published tokens/s/GPU | predicted |", "|---|---|---|"]
+    for w in rk["misordered"]:
+        out.append(f"| {' vs '.join(w['ids'])} | {w['published'][0]:,.0f} vs "
+                   f"{w['published'][1]:,.0f} | {w['predicted'][0]:,.0f} vs "
+                   f"{w['predicted'][1]:,.0f} |")
+    return out
+
+
+def interval_section(res: dict[str, Any]) -> list[str]:
+    from moeplan.cost_models.uncertainty import default_profile
+
+    prof = default_profile()
+    cv = prof.cross_validated
+    out = ["## Prediction intervals", "",
+           "Every estimate carries an 80 % interval of tokens/s/GPU (split conformal on the",
+           "held-out rows' log errors, per regime, backing off to a broader regime below "
+           f"{10} rows; `python bench/fit_intervals.py {CSV_NAME}` writes",
+           "`moeplan/cost_models/intervals.json`). Its low end is also priced with every effect",
+           "no fit row backs (EP overlap on this fabric, flex across domains, host offload)",
+           "disappointing.", "",
+           f"- Cross-validated (5 folds of held-out rows; each fold's intervals built from the "
+           f"other folds only): coverage **{100 * cv['coverage']:.1f}%**, median width "
+           f"**{100 * cv['median_width']:.1f}%** of the point, over {cv['rows']} rows.",
+           f"- With the shipped bounds: held-out coverage {100 * (res['coverage'] or 0):.1f}%, "
+           f"fit rows {100 * (res['coverage_fit'] or 0):.1f}%, median width "
+           f"{100 * (res['median_interval_width'] or 0):.1f}%.",
+           f"- Memory margin: {prof.memory_evidence}; margin = that share of the peak plus the "
+           "reserve.", "",
+           "| regime (cross-validated) | held-out rows | coverage |", "|---|---:|---:|"]
+    for k, v in cv["by_regime"].items():
+        out.append(f"| {k} | {v['rows']} | {100 * v['coverage']:.0f}% |")
+    out += ["", "| regime (shipped bounds) | rows | low end | high end |", "|---|---:|---:|---:|"]
+    for k, (lo, hi, n) in prof.regimes.items():
+        out.append(f"| {k} | {n} | {100 * (math.exp(lo) - 1):+.1f}% | "
+                   f"{100 * (math.exp(hi) - 1):+.1f}% |")
+    return out
+
+
 def _pct(v: list[float]) -> str:
     return f"{100 * sum(v) / len(v):.1f}%" if v else "–"
 
 
-# MAPE of the previous revision (the cost models and profile of commit cbb2962, as its report
-# printed them), for the "What changed" comparison.
-PREVIOUS = {"held-out": 15.5, "held-out, tokens/s published directly": 16.0,
-            "held-out, gpt-oss-120b excluded (see gaps)": 13.0, "fit (not evidence)": 15.5,
-            "all": 15.5}
-PREVIOUS_FAMILY = {"deepseek-v3": 17.6, "gpt-oss-120b": 37.2, "gpt3-175b": 16.0, "kimi-k2": 4.2,
-                   "llama3-405b": 10.2, "llama3-70b": 5.4, "llama3-8b": 9.0,
-                   "mixtral-8x22b": 18.6, "mixtral-8x7b": 9.8, "qwen2-57b-a14b": 14.3,
-                   "qwen3-235b-a22b": 9.4, "qwen3-30b-a3b": 20.8}
+# MAPE of the previous revision (cost models and profile of commit 6cdb609, measured with
+# `moeplan validate --json` at that commit), for the "What changed" comparison.
+PREVIOUS = {"held-out": 14.4, "held-out, tokens/s published directly": 14.7,
+            "held-out, gpt-oss-120b excluded (see gaps)": 11.0, "fit (not evidence)": 14.1,
+            "all": 14.2}
+PREVIOUS_FAMILY = {"deepseek-v3": 16.0, "gpt-oss-120b": 44.1, "gpt3-175b": 15.2, "kimi-k2": 10.3,
+                   "llama3-405b": 7.6, "llama3-70b": 4.2, "llama3-8b": 8.0,
+                   "mixtral-8x22b": 19.2, "mixtral-8x7b": 6.2, "qwen2-57b-a14b": 13.2,
+                   "qwen3-235b-a22b": 12.8, "qwen3-30b-a3b": 10.2}
 
 CHANGES = """## What changed
 
 Against the previous revision (held-out MAPE in the last column of the tables above and below):
 
-- **Settings a row's source documents but the row does not print.** From release 26.06 on,
-  Megatron-Bridge's MXFP8 recipes for MoE models on Blackwell run the experts through the fused
-  CuTe-DSL grouped MLP (grouped GEMM + SwiGLU + quantisation; Megatron-Bridge issue #2885, moved
-  to and enabled in 26.06). The recipe variants that set it (`FP8_MX` in
-  `scripts/performance/configs/*/*_workload_base_configs.py`) also set `moe_a2a_overlap` and the
-  HybridEP flex dispatcher. Those rows are now priced with EP overlap and the flex dispatcher
-  (`moeplan.validation.recipe_settings`). This covers every MoE MXFP8 row from a Megatron-Bridge
-  release ≥ 26.06 on a Blackwell GPU, in both splits. A layout Megatron refuses the overlap for
-  (pp > 1 without virtual stages) keeps the defaults. The fused MLP itself is not modelled
-  apart from the overlap.
-- **The profile was refitted** on the same fit rows, with the same objective and grid, held-out
-  rows unread. It moved the GEMM constants together again: `gemm_half_dim` 768 → 384, peak
-  efficiency H100 0.925 → 0.775, GB300 0.9 → 0.75, B300 0.575 → 0.525, GB200 and B200
-  0.675/0.65 → 0.65. It also moved FP8 gain 0.8 → 0.9, NVFP4 gain 0.4 → 0.5, `tp_exposed`
-  0.5 → 0.3 and the per-layer launch overhead 0.2 → 0.5 ms. Mean |log error| on the fit rows
-  went 0.143 → 0.129.
-- **Effect on the late-release MoE rows.** Re-published configurations no longer straddle one
-  prediction:
-  - Qwen3-30B-A3B and Qwen3-235B-A22B at 26.06–26.08: from −23…−35% to −8…+2%.
-  - DeepSeek-V3 on GB300 at 26.06–26.08: from −30…−32% to −13…−17%. Its recipe also runs FP8
-    attention, which is not modelled.
-  - Two rows went the other way (see gaps):
-    - gpt-oss-120b MXFP8: from +10…+14% to +30…+41%.
-    - Kimi-K2's 26.06 row (R0053): from +2% to +34%. It was published at MBS 2, the shape of
-      the earlier recipe, whose current MXFP8 variant is MBS 1. The rule goes by release, not
-      by row, so this row is left as a miss rather than special-cased.
-- **Not done:** reading the other recipe settings (recompute modules, dispatcher, overlap) from
-  the current config files into rows of earlier releases. The files are one snapshot, and the
-  settings cannot be dated. For example, DeepSeek-V3's GB200 MXFP8 recipe now sets EP overlap,
-  yet its 26.02–26.04.01 rows are within 2–8% without it.
-- **Kept from earlier revisions:**
-  - Attention is timed by the 128-key tiles a flash kernel computes (`compute.attended_keys`).
-  - Attention efficiency depends on head dim (`compute.attention_head_dim_factor`, a
-    FlashAttention-3 prior).
-  - Context-parallel ring merge cost.
-  - The fit runs to convergence on the fit rows only.
+- **Overlap is physics** (`moeplan/cost_models/overlap.py`). Every hidden term is priced as
+  exposed = max(comm − the compute actually beside it, (1 − η)·comm): EP all-to-all under EP
+  overlap can hide at most the other micro-batch's compute of the same layer, TP communication
+  at most the layer's GEMMs, DP reduce-scatter/all-gather at most one micro-batch's backward /
+  forward, offload copies at most the chunk's compute. Hiding costs the compute beside it the
+  SM share the communication kernels take (`comm_sm_fraction`, per architecture). Under EP
+  overlap the warm-up and cool-down micro-batches have no partner and expose all of their
+  all-to-all (`overlap.edge_weight`). No communication class can be longer than the step.
+- **Host work is priced.** Optimizer offload costs the host Adam step (the host's memory
+  bandwidth per GPU, a new ClusterSpec field with a datasheet figure per preset) plus both
+  copies, against the GPU's own share.
+- **The steady-state pipeline boundary.** Each chunk pass of the steady state ends at a stage
+  boundary; `pp_boundary_s` (fitted) is what a rank loses there, so more virtual stages are
+  no longer free.
+- **Published recompute is read** (`recompute` column: full → `full`, selective →
+  `core_attn`), and **GPT models a row spells out** (`GPT 18.4B (heads 48, hidden 6144,
+  layers 40)`, vocabulary from the notes) are built as Megatron's GPT, so Narayanan et al.
+  2021 and MegaScale's Megatron-LM rows are scored (MegaScale's "Ampere A100-class" is priced
+  as `a100-80g`, recorded as assumed; its own-system rows change the architecture and are
+  skipped). Rows whose source does not state the precision are skipped.
+- **Unfolded expert TP.** The MoE Parallel Folding paper's "MCore" baseline rows leave etp
+  empty; that Megatron ran experts at the attention's TP, so they are priced with etp = tp.
+- **Refit** on the fit rows only (same objective and grid, plus `pp_boundary_s` and the
+  Blackwell SM share).
 """.splitlines()
 
 ASSUMPTIONS = """## Assumptions and known gaps
 
 - Published layouts are taken as printed; missing vpp/cp/mbs mean 1, a missing etp means 1
-  (or tp when etp = 1 breaks a rule), dp is derived. Unpublished settings take moeplan's
+  (or tp when etp = 1 breaks a rule, and tp first for the Parallel Folding paper's unfolded
+  "MCore" baseline), dp is derived. Unpublished settings take moeplan's
   defaults (alltoall dispatcher, no EP overlap, no recompute, distributed optimizer), except
   the documented 26.06 MXFP8 MoE recipe rule above.
 - Rows whose notes say Megatron-FSDP (FSDP=N>0), FSDP2, ZeRO-3 or FSDP-only are skipped, as are
@@ -185,7 +248,8 @@ def anatomy() -> list[str]:
 
 
 OWN_SECTIONS = ("Headline", "What changed", "By GPU generation", "By model family",
-                "Worst held-out rows", "Memory: DeepSeek-V3 anatomy", "Assumptions and known gaps",
+                "By software release", "Dense A100 rows", "Layout ranking within a release",
+                "Prediction intervals", "Worst held-out rows", "Memory: DeepSeek-V3 anatomy", "Assumptions and known gaps",
                 "Skipped rows")
 
 
@@ -209,7 +273,11 @@ def main() -> None:
     ap.add_argument("--csv-name", default="shared/data/published_runs.csv",
                     help="how the CSV is named in the document")
     args = ap.parse_args()
-    res = validate_rows(read_rows(args.csv))
+    global RAW, CSV_NAME
+    raw = read_rows(args.csv)
+    RAW = {r["id"]: r for r in raw}
+    CSV_NAME = args.csv_name
+    res = validate_rows(raw)
     rows = [r for r in res["rows"] if r["published_tokens_per_s_per_gpu"]]
     held = [r for r in rows if r["split"] == "held-out"]
     fit = [r for r in rows if r["split"] == "fit"]
@@ -235,6 +303,8 @@ def main() -> None:
         "```",
         f"python bench/fit_calibration.py {args.csv_name}   # writes moeplan/cost_models/"
         "calibration.json from fit rows",
+        f"python bench/fit_intervals.py {args.csv_name}     # writes moeplan/cost_models/"
+        "intervals.json (80% intervals, memory margin)",
         f"python bench/accuracy_report.py {args.csv_name}   # this file",
         f"moeplan validate {args.csv_name} --json           # the same numbers, per row",
         "```",
@@ -273,7 +343,22 @@ def main() -> None:
         "",
         "## By model family",
         "",
-        *table(rows, lambda r: r["model"], PREVIOUS_FAMILY),
+        *table(rows, lambda r: r["model"] if r["family"] != "gpt-dense"
+              else "GPT at the row's own dimensions", PREVIOUS_FAMILY),
+        "",
+        "## By software release",
+        "",
+        *table(rows, lambda r: release_name(r)),
+        "",
+        "## Dense A100 rows",
+        "",
+        "Narayanan et al. 2021 (Table 1, full recomputation) and MegaScale's Megatron-LM runs.",
+        "",
+        *dense_a100(rows),
+        "",
+        *ranking_section(res),
+        "",
+        *interval_section(res),
         "",
         "## Worst held-out rows",
         "",

@@ -51,6 +51,7 @@ START: dict[str, Any] = {
     # SMs on H100; HybridEP on Blackwell fewer of 148)
     "comm_sm_fraction": {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.1},
     "host_mem_eff": 0.7,
+    "pp_boundary_s": 0.0,
     "step_overhead_s": 0.05, "layer_overhead_s": 2e-4,
     "frag_frac": 0.05, "workspace_gb": 1.5, "reserve_gb": 2.0,
     "calibrated": [],
@@ -66,6 +67,7 @@ GRID: list[tuple[str, list[float]]] = [
     ("lowp_gain.nvfp4", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6]),
     ("tp_exposed", [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]),
     ("comm_sm_fraction.blackwell", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]),
+    ("pp_boundary_s", [0.0, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4]),
     ("a2a_nvlink_eff", [0.4, 0.55, 0.7, 0.85, 1.0]),
     ("a2a_scaleout_eff", [0.5, 0.7, 0.9, 1.0]),
     ("membound_scale", [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),

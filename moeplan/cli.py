@@ -354,7 +354,7 @@ def validate(
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
-                               "coverage_cross_validated")}
+                               "coverage_cross_validated", "ranking")}
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -381,6 +381,9 @@ def validate(
             notes.insert(0, "* priced with settings its source's recipe documents but the row "
                          "does not print (EP overlap and the flex dispatcher of "
                          "Megatron-Bridge's 26.06+ MXFP8 MoE recipes; `assumed` in --json)")
+        rk = res["ranking"]
+        notes.append(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
+                     f"{rk['pairs']}")
         notes.append(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
                      f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), "
                      f"median width {pct(res['median_interval_width'])} of the point")

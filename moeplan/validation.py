@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LayoutError, MoeplanError, SpecError
-from .specs import Layout, TrainingSpec, list_presets, load_cluster, load_model
+from .specs import Choices, Layout, TrainingSpec, list_presets, load_cluster, load_model
 from .specs.model import ModelSpec
 
 FSDP_PAT = re.compile(r"megatron-fsdp|fsdp2|fsdp only|zero-3|method=fsdp|fsdp degree", re.I)
@@ -60,6 +60,7 @@ class RunCase:
     family: str
     row: dict[str, str]
     assumed: dict[str, Any] = field(default_factory=dict)  # unprinted settings from the recipe
+    choices: Choices = field(default_factory=Choices)  # recompute as the row publishes it
 
 
 def _num(v: str | None) -> float | None:
@@ -123,12 +124,58 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
     return rows
 
 
+GPT_DIMS = re.compile(r"GPT[\w-]* ([\d.]+)B \(heads (\d+), hidden (\d+), layers (\d+)\)")
+VOCAB = re.compile(r"vocab (\d+)")
+# GPUs a row names only by class, and the preset that stands for them (recorded as assumed)
+GPU_CLASS = {"Ampere A100-class": "a100-80g"}
+
+
+def described_gpt(row: dict[str, str]) -> ModelSpec | None:
+    """The GPT model a row spells out in its `model` column ("GPT 18.4B (heads 48, hidden 6144,
+    layers 40)", the vocabulary in its notes): Megatron-LM's GPT (Narayanan et al. 2021, MegaScale)
+    is GPT-3's architecture at those sizes — learned positions, LayerNorm, GeLU MLP of 4h, biases,
+    tied embeddings. None when the row does not describe one."""
+    m = GPT_DIMS.search(row.get("model", "") or "")
+    if not m:
+        return None
+    size, heads, hidden, layers = m.group(1), *map(int, m.groups()[1:])
+    v = VOCAB.search(row.get("other_notes", "") or "")
+    vocab = int(v.group(1)) if v else 51200
+    return ModelSpec(name=f"gpt-{size}b", num_layers=layers, hidden_size=hidden,
+                     num_attention_heads=heads, ffn_hidden_size=4 * hidden, vocab_size=vocab,
+                     activation="gelu", normalization="layernorm", position_embedding="learned",
+                     max_position_embeddings=int(float(row.get("seq_len") or 2048)),
+                     qkv_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+                     norm_eps=1e-5)
+
+
+def published_recompute(row: dict[str, str]) -> Choices:
+    """The recompute a row publishes: full recomputation (Megatron's `--recompute-granularity
+    full`), or selective (Megatron's default selective module, core attention)."""
+    text = (row.get("recompute") or "").lower()
+    if "full" in text:
+        return Choices(recompute=["full"])
+    if "selective" in text:
+        return Choices(recompute=["core_attn"])
+    return Choices()
+
+
 def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str:
     """The RunCase for a row, or the reason it cannot be predicted."""
     notes = row.get("other_notes", "") or ""
     mp, cp_ = (row.get("model_preset") or "").strip(), (row.get("cluster_preset") or "").strip()
-    if not mp or mp not in presets["models"]:
+    described = described_gpt(row)
+    assumed_cluster: dict[str, Any] = {}
+    if "system=megascale" in notes.lower():
+        return ("MegaScale's own system changes the model (parallel block, sliding-window "
+                "attention, LAMB); not Megatron's architecture")
+    if "precision not stated" in notes.lower():
+        return "the source does not state the precision"
+    if not described and (not mp or mp not in presets["models"]):
         return f"model preset {mp!r} unknown" if mp else "no model preset"
+    if not cp_ and (row.get("gpu") or "").startswith(tuple(GPU_CLASS)):
+        cp_ = next(v for k, v in GPU_CLASS.items() if row["gpu"].startswith(k))
+        assumed_cluster = {"cluster": cp_}
     if not cp_ or cp_ not in presets["clusters"]:
         return f"cluster preset {cp_!r} unknown" if cp_ else "no cluster preset"
     if FINETUNE_PAT.search(notes):
@@ -149,7 +196,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     mfu = _num(row.get("mfu"))
     if tokens is None and tflops is None and mfu is None:
         return "no throughput published"
-    model = load_model(mp)
+    model = described or load_model(mp)
     if "w/o mtp" in notes.lower() and model.mtp_layers:
         model = model.model_copy(update={"mtp_layers": 0})
     cluster = load_cluster(cp_, gpus)
@@ -170,15 +217,18 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     recipe = recipe_settings(row, model, prec, cluster.architecture)
     # a documented setting the published layout cannot take (Megatron's EP overlap needs
     # virtual pipeline stages when pp > 1) was not in that run's recipe
-    candidates = [(c, r) for c in ([etp] if etp else [1, tp]) for r in ([recipe, {}] if recipe
-                                                                          else [{}])]
+    # an unpublished etp is 1, or TP where the source's Megatron predates Parallel Folding (the
+    # folding paper's "MCore" baseline: expert TP follows attention TP)
+    unfolded = "method=mcore" in notes.lower() and "folding" not in notes.lower()
+    etps = [etp] if etp else ([tp, 1] if unfolded else [1, tp])
+    candidates = [(c, r) for c in etps for r in ([recipe, {}] if recipe else [{}])]
     for cand, extra in candidates:
         try:
             lay = Layout.build(gpus, gbs, etp=cand, **axes, **extra)
         except (LayoutError, MoeplanError) as err:
             why = str(err)
             continue
-        v = layout_violations(model, training, lay, gpus, None, cluster)
+        v = layout_violations(model, training, lay, gpus, published_recompute(row), cluster)
         if not v:
             layout, assumed = lay, extra
             break
@@ -188,7 +238,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     return RunCase(row["id"], model, cp_, training, layout, tokens, tflops,
                    _num(row.get("memory_gb")),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
-                   family_of(mp), row, assumed)
+                   family_of(mp) if not described else "gpt-dense", row,
+                   {**assumed, **assumed_cluster}, published_recompute(row))
 
 
 def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | None:
@@ -216,7 +267,8 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
     from .cost_models.estimate import estimate
 
     cluster = load_cluster(case.cluster_name, case.layout.world_size)
-    est = estimate(case.model, cluster, case.training, case.layout, calibration=calibration)
+    est = estimate(case.model, cluster, case.training, case.layout, case.choices,
+                   calibration=calibration)
     fpt_ours = case.model.flops_per_token(case.training.seq_len)
     fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
     pred_tflops_conv = (est.tflops_per_gpu * fpt_conv / fpt_ours) if fpt_conv else None
@@ -226,7 +278,6 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         pub_tokens = case.published_tflops * 1e12 / fpt_conv
         derived = True
     from .cost_models import uncertainty as U
-    from .specs import Choices
 
     iv = est.interval
     return {
@@ -236,7 +287,7 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         "pessimistic_tokens_per_s_per_gpu": iv.pessimistic_tokens_per_s_per_gpu if iv else None,
         "regimes": U.regime_keys(case.model, cluster, case.training.precision, case.layout),
         "assumption_keys": U.assumption_keys(case.model, cluster, case.training, case.layout,
-                                             Choices()),
+                                             case.choices),
         "published_tokens_per_s_per_gpu": pub_tokens,
         "predicted_tflops_per_gpu": pred_tflops_conv,
         "published_tflops_per_gpu": case.published_tflops,
@@ -291,6 +342,38 @@ def median_width(rows: list[dict[str, Any]]) -> float | None:
     return w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
 
 
+def release_group(case_row: dict[str, str], r: dict[str, Any]) -> tuple:
+    """Rows whose order is a claim about layouts alone: one model, cluster, GPU count,
+    precision, sequence length and software release (the source, and its release if named)."""
+    rel = release_of(case_row)
+    return (r["model"], case_row.get("cluster_preset") or case_row.get("gpu"),
+            case_row.get("num_gpus"), r["precision"], case_row.get("seq_len"),
+            case_row.get("source"), rel if rel else case_row.get("source_detail"))
+
+
+def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """How many pairs of published layouts within one release group the model orders as
+    measured (a planner lives by ranking); ties in the published figure are left out."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["published_tokens_per_s_per_gpu"]:
+            groups.setdefault(release_group(raw[r["id"]], r), []).append(r)
+    pairs, wrong = 0, []
+    for members in groups.values():
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                pa, pb = a["published_tokens_per_s_per_gpu"], b["published_tokens_per_s_per_gpu"]
+                if pa == pb or config_key(raw[a["id"]]) == config_key(raw[b["id"]]):
+                    continue  # a tie, or one layout published twice (no ordering claim)
+                pairs += 1
+                qa, qb = a["predicted_tokens_per_s_per_gpu"], b["predicted_tokens_per_s_per_gpu"]
+                if (qa - qb) * (pa - pb) <= 0:
+                    wrong.append({"ids": [a["id"], b["id"]], "published": [pa, pb],
+                                  "predicted": [qa, qb]})
+    return {"pairs": pairs, "ordered": pairs - len(wrong),
+            "share": (pairs - len(wrong)) / pairs if pairs else None, "misordered": wrong}
+
+
 def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
     """Predict every predictable row; {"rows", "mape_tokens_per_s", "skipped", ...}."""
@@ -311,6 +394,7 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
 
     return {
         "rows": out,
+        "ranking": layout_pairs(out, {r.get("id", "?"): r for r in rows}),
         "coverage": coverage(held),
         "median_interval_width": median_width(held),
         "coverage_fit": coverage(fit),

@@ -61,6 +61,9 @@ class Calibration:
         default_factory=lambda: {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.1})
     # achieved fraction of the host's memory bandwidth for the host Adam step (optimizer offload)
     host_mem_eff: float = 0.7
+    # seconds a pipeline rank loses at each chunk pass's stage boundary in the steady state
+    # (p2p handshake and the next chunk's start), per forward or backward pass of a chunk
+    pp_boundary_s: float = 0.0
 
     def sm_fraction(self, arch: str) -> float:
         return self.comm_sm_fraction.get(arch, 0.15)

@@ -230,7 +230,10 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     n_sp = L.mbs * training.seq_len / L.cp / L.tp
     pp_place = C.placement(L, "pp", cluster)
     p2p = C.p2p_time(BF16 * n_sp * model.hidden_size, not pp_place.inside_nvlink, cluster, cal)
-    pp_exposed = 2 * (L.pp * L.vpp - 1) * p2p if L.pp > 1 else 0.0
+    # warm-up and cool-down transfers wait in full; every chunk pass of the steady state also
+    # ends at a stage boundary (send/recv handshake, the next chunk's launch): pp_boundary_s each
+    pp_exposed = (2 * (L.pp * L.vpp - 1) * p2p
+                  + 2 * L.num_microbatches * L.vpp * cal.pp_boundary_s) if L.pp > 1 else 0.0
     dp_place = C.placement(L, "dp", cluster)
     dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain,
                                 max(dp_place.domains, C.placement(L, "cp", cluster).domains))
@@ -440,14 +443,18 @@ def estimate(
     imbalance: float = 1.0,
     routing_histogram: dict[str, Any] | None = None,
     calibration: dict[str, Any] | None = None,
+    with_interval: bool = True,
 ) -> Estimate:
-    """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4).
+    """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4), with
+    its 80 % interval and assumptions unless `with_interval` is False (a search ranking by the
+    point adds them to the plans it keeps).
 
     Raises LayoutError naming every broken Megatron rule; a valid layout that does not fit
     returns `fits=False`.
     """
     return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
-                              routing_histogram, calibration).estimate
+                              routing_histogram, calibration,
+                              with_interval=with_interval).estimate
 
 
 # ----------------------------------------------------------------------------- lower bound

@@ -261,6 +261,18 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     return out
 
 
+def pessimistic_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                       layout: Layout, profile: IntervalProfile | None = None) -> Layout | None:
+    """The layout an interval's low end prices when the layout's own effects (EP overlap,
+    flex across domains) are unvalidated; None when none is. Choices (offload) aside: this
+    is what a search can bound before it has chosen any."""
+    L = layout
+    for t in assumptions(model, cluster, training, layout, Choices(), profile):
+        if t.pessimistic in (_no_overlap, _alltoall) and not t.assumption.validated:
+            L = t.pessimistic(L, Choices(), cluster)[0]
+    return None if L is layout else L
+
+
 def unvalidated_words(assumptions_: Sequence[Assumption]) -> str:
     """The unvalidated terms of an estimate, in one phrase for tables and explanations."""
     terms = [a.term for a in assumptions_ if not a.validated]

@@ -40,7 +40,7 @@ from ..cost_models.estimate import (
     static_activation_budget_bytes,
 )
 from ..cost_models.memory import GB
-from ..cost_models.uncertainty import max_peak_gb
+from ..cost_models.uncertainty import max_peak_gb, pessimistic_layout
 from ..errors import InfeasibleError, SpecError
 from ..specs import (
     OFFLOAD_MODULES,
@@ -276,26 +276,43 @@ def search(
 
     def push(plan: Plan, idx: int) -> None:
         nonlocal best_validated
-        entry = (-rank_key(plan), -idx, plan)
+        entry = (-rank_key(plan), -plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
         if len(best) < top_k:
             heapq.heappush(best, entry)
         elif entry > best[0]:
             heapq.heapreplace(best, entry)
-        if all(a.validated for a in plan.estimate.assumptions) and (  # type: ignore[union-attr]
-                best_validated is None or rank_key(plan) < rank_key(best_validated)):
+        if _validated_only(plan) and (best_validated is None or (
+                rank_key(plan), plan.estimate.step_time_s) < (  # type: ignore[union-attr]
+                rank_key(best_validated), best_validated.estimate.step_time_s)):  # type: ignore[union-attr]
             best_validated = plan
+
+    def table_key(layout: Layout, tr: TrainingSpec) -> tuple:
+        key = (sig, layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
+               layout.ep_overlap, tr.precision, model.tie_embeddings and layout.pp == 1,
+               tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
+        if key not in tables:
+            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
+        return key
 
     def row_setup(idx: int) -> tuple[Layout, TrainingSpec, tuple]:
         row = enum.rows[idx]
         prec = enum.precisions[int(row[COL["precision"]])]
         layout = Layout(**_layout(row))
-        key = (sig, layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
-               layout.ep_overlap, prec, model.tie_embeddings and layout.pp == 1,
-               tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
         tr = training.model_copy(update={"precision": prec})
-        if key not in tables:
-            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
-        return layout, tr, key
+        return layout, tr, table_key(layout, tr)
+
+    def bound_work(idx: int) -> float:
+        """One micro-batch's time over all layers, the tighter bound's unit. Under the robust
+        objective a layout whose overlap or dispatcher no fit row backs is ranked by its
+        pessimistic variant (uncertainty.pessimistic_layout), so that variant's time bounds it."""
+        layout, tr, key = row_setup(idx)
+        w = tables[key].total_time_s(cal.layer_overhead_s, model.mtp_layers)
+        if objective == "robust":
+            worse = pessimistic_layout(model, cluster, tr, layout)
+            if worse is not None:
+                w = max(w, tables[table_key(worse, tr)].total_time_s(cal.layer_overhead_s,
+                                                                      model.mtp_layers))
+        return w
 
     # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
     # layout's tighter bound (every layer's time spread perfectly over the pipeline) needs them:
@@ -327,8 +344,7 @@ def search(
         if not tight:
             j = int(key_of[idx])
             if j not in work:
-                key = row_setup(idx)[2]
-                work[j] = tables[key].total_time_s(cal.layer_overhead_s, model.mtp_layers)
+                work[j] = bound_work(idx)
             lb[idx] = max(bound, float(fill[idx]) * work[j])
             heapq.heappush(heap, (float(lb[idx]), idx, True))
             continue
@@ -339,7 +355,8 @@ def search(
         layout, tr, key = row_setup(idx)
         plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
                                      sets_cache, result, balanced=True,
-                                     lb_pipe=float(lb[idx]), cutoff=kth())
+                                     lb_pipe=float(lb[idx]), cutoff=kth(),
+                                     with_interval=objective == "robust")
         if status == "infeasible":
             pruned["memory_milp"] += 1
             if not best:  # only while nothing fits is the closest candidate of any use
@@ -356,25 +373,30 @@ def search(
         refine.append((idx, layout, tr, key))
     # screening used balanced stages; for the plans on top, the MILP also places the layers:
     # uneven first and last stages can beat the balanced split (embedding, loss, MTP)
-    on_top = {-e[1] for e in best}
+    on_top = {-e[2] for e in best}
     for idx, layout, tr, key in refine:
         if idx not in on_top:
             continue
-        k = next(i for i, e in enumerate(best) if -e[1] == idx)
-        screened = best[k][2]
+        k = next(i for i, e in enumerate(best) if -e[2] == idx)
+        screened = best[k][3]
         plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
                                 sets_cache, result, lb_pipe=float(lb[idx]),
-                                fractions=(screened.choices.optimizer_offload_fraction,))
+                                fractions=(screened.choices.optimizer_offload_fraction,),
+                                with_interval=objective == "robust")
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             continue
-        if rank_key(plan) < -best[k][0]:
-            best[k] = (-rank_key(plan), -idx, plan)
+        if (rank_key(plan), plan.estimate.step_time_s) < (  # type: ignore[union-attr]
+                -best[k][0], -best[k][1]):
+            best[k] = (-rank_key(plan), -plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
             heapq.heapify(best)
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
                                                   cal, closest))
-    plans = [p for _, _, p in sorted(best, key=lambda e: (e[0], e[1]), reverse=True)]
+    plans = [e[3] for e in sorted(best, key=lambda e: e[:3], reverse=True)]
+    if objective == "expected":  # ranked by the point: intervals only for what is reported
+        plans = [_with_interval(p) for p in plans]
+        best_validated = _with_interval(best_validated) if best_validated else None
     result.objective = objective
     result.best_validated = best_validated
     result.plans = explain_plans(plans, result)
@@ -382,6 +404,24 @@ def search(
 
 
 OBJECTIVES = ("robust", "expected")
+
+
+def _validated_only(plan: Plan) -> bool:
+    """Whether every modelled effect the plan rests on is backed by fit rows."""
+    from ..cost_models.uncertainty import assumptions
+
+    e = plan.estimate
+    terms = e.assumptions if e is not None and e.interval is not None else [
+        t.assumption for t in assumptions(plan.model, plan.cluster, plan.training, plan.layout,
+                                          plan.choices)]
+    return all(a.validated for a in terms)
+
+
+def _with_interval(plan: Plan) -> Plan:
+    if plan.estimate is not None and plan.estimate.interval is not None:
+        return plan
+    est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices)
+    return plan.model_copy(update={"estimate": est})
 
 
 def _least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
@@ -436,7 +476,8 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                   layout: Layout, cal: Calibration, table: LayerTable, options: tuple[str, ...],
                   key: tuple, sets_cache: dict, result: SearchResult,
                   balanced: bool = False, lb_pipe: float = 0.0, cutoff: float = math.inf,
-                  fractions: tuple[float, ...] | None = None) -> tuple[Plan | None, str]:
+                  fractions: tuple[float, ...] | None = None, with_interval: bool = True
+                  ) -> tuple[Plan | None, str]:
     """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
     optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
 
@@ -481,7 +522,8 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit):
             choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
                                P.chunk_layers(sol.layers))
-            est = estimate(model, cluster, training, layout, choices)
+            est = estimate(model, cluster, training, layout, choices,
+                           with_interval=with_interval)
             if est.fits and est.step_time_s < limit:
                 best = Plan(model=model, cluster=cluster, training=training, layout=layout,
                             choices=choices, estimate=est)

@@ -113,6 +113,29 @@ class Point:
     def label(self) -> str:
         return f"{self.cluster} × {self.gpus}"
 
+    @property
+    def tokens_interval(self) -> tuple[float, float] | None:
+        """The best plan's 80 % interval of tokens/s/GPU."""
+        e = self.plan.estimate if self.plan is not None else None
+        return None if e is None or e.interval is None else e.interval.tokens_per_s_per_gpu
+
+    @property
+    def days_interval(self) -> tuple[float, float] | None:
+        """Days to train at the interval's high and low end of throughput."""
+        iv = self.tokens_interval
+        if iv is None or not self.tokens:
+            return None
+        return (self.tokens / (iv[1] * self.gpus) / SECONDS_PER_DAY,
+                self.tokens / (iv[0] * self.gpus) / SECONDS_PER_DAY)
+
+    @property
+    def cost_interval(self) -> tuple[float, float] | None:
+        d = self.days_interval
+        if d is None or self.gpu_hour_price is None:
+            return None
+        return (d[0] * 24 * self.gpus * self.gpu_hour_price,
+                d[1] * 24 * self.gpus * self.gpu_hour_price)
+
     def to_json(self, with_plan: bool = True) -> dict[str, Any]:
         """One entry of `points` in the `moeplan whatif --json` document (SPEC §4)."""
 
@@ -128,6 +151,10 @@ class Point:
             "step_time_s": r(self.step_time_s, 4), "days_to_train": r(self.days_to_train, 4),
             "gpu_hours": r(self.gpu_hours, 1), "gpu_hour_price": self.gpu_hour_price,
             "cost_usd": r(self.cost_usd, 2), "scaling_efficiency": r(self.scaling_efficiency, 4),
+            "days_to_train_interval": (None if self.days_interval is None
+                                       else [round(x, 4) for x in self.days_interval]),
+            "cost_usd_interval": (None if self.cost_interval is None
+                                  else [round(x, 2) for x in self.cost_interval]),
             "pareto": self.pareto, "why": self.why,
             "search_seconds": round(self.search_seconds, 3), "stopped_early": self.stopped_early,
         }
