@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from .errors import SpecError
+from .fsio import is_file
+from .limits import excerpt
 from .specs import (
     Choices,
     ClusterSpec,
@@ -26,23 +28,23 @@ from .specs import (
     load_plan,
     load_training,
 )
-from .specs.loader import build, format_validation_error
+from .specs.loader import build, format_validation_error, parse_text, read_document, read_text
 
 
 def load_routing_histogram(path: str | Path) -> dict[str, Any]:
     """Read `{"layers": [{"layer": i, "tokens_per_expert": [...]}, ...]}` (as `moeplan run`
     writes routing.json), with a clear error when the shape is wrong."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except OSError as err:
-        raise SpecError(f"--routing-histogram {path}: cannot read it ({err.strerror}).") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(f"--routing-histogram {path}: not valid JSON ({err.msg}).") from None
+    if not is_file(p):
+        raise SpecError(f"--routing-histogram {excerpt(str(path))}: not a readable file. Pass "
+                        "the routing.json `moeplan run` writes.")
+    data = parse_text(read_text(p, "routing histogram"), f"--routing-histogram {p}", True)
     layers = data.get("layers") if isinstance(data, dict) else None
     ok = isinstance(layers, list) and all(
         isinstance(e, dict) and isinstance(e.get("layer"), int)
-        and isinstance(e.get("tokens_per_expert"), list) for e in layers)
+        and isinstance(e.get("tokens_per_expert"), list)
+        and all(isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0
+                for n in e["tokens_per_expert"]) for e in layers)
     if not ok:
         raise SpecError(f"--routing-histogram {path}: expected {{\"layers\": [{{\"layer\": i, "
                         "\"tokens_per_expert\": [...]}, ...]}} (the routing.json `moeplan run` "
@@ -103,8 +105,8 @@ def estimate(
     """
     from .cost_models import estimate as _estimate
 
-    if isinstance(model, (str, Path)) and str(model).endswith(".json") and Path(model).is_file():
-        data = json.loads(Path(model).read_text())
+    if isinstance(model, (str, Path)) and str(model).endswith(".json") and is_file(model):
+        data = read_document(Path(model))
         if isinstance(data, dict) and {"model", "cluster", "layout"} <= data.keys():
             model = load_plan(model)
     if isinstance(model, Plan):
@@ -116,9 +118,9 @@ def estimate(
         m, c, t, lay, ch = load_model(model), load_cluster(cluster), training, layout, choices
         if c.num_gpus is None:
             c = c.with_gpus(lay.world_size)
-    if imbalance < 1.0:
+    if not 1.0 <= imbalance < math.inf:  # also refuses NaN, which compares false
         raise SpecError(f"--imbalance {imbalance}: the busiest rank gets at least the mean, so "
-                        "the factor must be ≥ 1.0.")
+                        "the factor must be a finite number ≥ 1.0.")
     hist = (load_routing_histogram(routing_histogram)
             if isinstance(routing_histogram, (str, Path)) else routing_histogram)
     return _estimate(m, c, t, lay, ch, imbalance=imbalance, routing_histogram=hist,

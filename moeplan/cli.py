@@ -6,7 +6,7 @@ stderr, InfeasibleError → 3; `--debug` shows the traceback instead.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,8 +20,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from . import limits
 from . import specs as S
 from .errors import InfeasibleError, MoeplanError, SpecError
+from .fsio import check_writable, is_file, strict_dumps, write_json
 from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
@@ -81,7 +83,7 @@ def emit(data: Any, as_json: bool, render: Callable[[], None]) -> None:
     if as_json:
         if hasattr(data, "model_dump"):
             data = data.model_dump(mode="json")
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.write(strict_dumps(data) + "\n")
     else:
         render()
 
@@ -97,13 +99,34 @@ def print_lines(lines: list[Line], console: Console | None = None) -> None:
         console.print(Text(line.text, style=line.style or ""), soft_wrap=True)
 
 
-def csv_ints(value: str | None, flag: str) -> list[int] | None:
-    """Parse '64,128,256' or '64-256' (powers of two in between) into ints, with a clear error."""
+def require_finite(**flags: float | None) -> None:
+    """Refuse NaN and infinities in float options (click parses `nan` and `inf`), which would
+    otherwise flow into every prediction and come out as non-JSON `NaN`."""
+    for name, value in flags.items():
+        if value is not None and not math.isfinite(value):
+            raise SpecError(f"--{name.replace('_', '-')} {value}: not a finite number; give a "
+                            "finite value.")
+
+
+def csv_ints(value: str | None, flag: str, limit: int) -> list[int] | None:
+    """Parse '64,128,256' or '64-256' (powers of two in between) into ints, with a clear error.
+
+    Every value must be in 1..`limit`, and there are at most limits.MAX_SWEEP_POINTS of them,
+    checked before any list is built (a range doubles from lo, so lo must be positive).
+    """
     if value is None:
         return None
+    shown = limits.excerpt(value)
+    if len(value) > 20 * limits.MAX_SWEEP_POINTS:
+        raise SpecError(f"{flag}: the list is longer than {limits.MAX_SWEEP_POINTS} values "
+                        f"(got {shown}); give fewer values.")
     try:
         if "-" in value and "," not in value:
             lo, hi = (int(x) for x in value.split("-"))
+            if lo <= 0 or hi < lo:
+                raise SpecError(f"{flag} range lo-hi needs 1 ≤ lo ≤ hi (values double from lo), "
+                                f"got {shown}.")
+            limits.check(flag, hi, limit, f"give a range up to {limit:,}")
             vals, n = [], lo
             while n <= hi:
                 vals.append(n)
@@ -112,9 +135,12 @@ def csv_ints(value: str | None, flag: str) -> list[int] | None:
             vals = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise SpecError(f"{flag} takes whole numbers separated by commas (e.g. 64,128) or a "
-                        f"range lo-hi, got {value!r}.") from None
+                        f"range lo-hi, got {shown}.") from None
     if not vals or any(v <= 0 for v in vals):
-        raise SpecError(f"{flag} takes positive whole numbers, got {value!r}.")
+        raise SpecError(f"{flag} takes positive whole numbers, got {shown}.")
+    limits.check(f"{flag} count of values", len(vals), limits.MAX_SWEEP_POINTS,
+                 "give fewer values")
+    limits.check(flag, max(vals), limit, f"give values up to {limit:,}")
     return vals
 
 
@@ -162,7 +188,7 @@ def _spec_document(ref: str, seq: int) -> dict[str, Any]:
 
 def _looks_like_cluster(ref: str) -> bool:
     path = Path(ref)
-    if not path.is_file():
+    if not is_file(path):
         return False
     data = S.loader.read_document(path)
     return isinstance(data, dict) and "bf16_tflops" in data
@@ -209,9 +235,10 @@ def specs_validate(
 ) -> None:
     """Check a spec file; exits 2 with the offending field when it is invalid."""
     p = Path(path)
-    data = S.loader.read_document(p) if p.is_file() else None
+    data = S.loader.read_document(p) if is_file(p) else None
     if data is None:
-        raise SpecError(f"{path} is not a readable file. Pass the path of a YAML/JSON spec.")
+        raise SpecError(f"{limits.clip(path)} is not a readable file. Pass the path of a "
+                        "YAML/JSON spec.")
     if isinstance(data, dict) and {"model", "cluster", "layout"} <= data.keys():
         kind, name = "plan", S.load_plan(p).model.name
     elif isinstance(data, dict) and "bf16_tflops" in data:
@@ -274,6 +301,9 @@ def estimate(
     from .api import estimate as api_estimate
     from .api import plan_from_options
 
+    require_finite(imbalance=imbalance)
+    if output:
+        check_writable(output)
     if routing_histogram and imbalance != 1.0:
         raise SpecError("give either --imbalance or --routing-histogram, not both.")
     if plan_file:
@@ -298,8 +328,8 @@ def estimate(
         _write_plan_report([plan], f"{plan.model.name} on {plan.world_size} × "
                            f"{plan.cluster.gpu}: estimate", report)
     if output:
-        Path(output).write_text(plan.model_dump_json(indent=2) + "\n")
-        err.print(f"wrote {output}")
+        write_json(output, plan.model_dump(mode="json"))
+        err.print(f"wrote {output}", markup=False, highlight=False)
 
     def render() -> None:
         print_lines(pairs_lines(f"{plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
@@ -428,6 +458,10 @@ def search(
 
     from . import search as api_search
 
+    require_finite(time_limit=time_limit, imbalance=imbalance)
+    limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
+    if output:
+        check_writable(output)
     shown = {"t": _time.monotonic()}  # quiet for the first second: most searches end by then
 
     def progress(done: int, total: int) -> None:
@@ -442,7 +476,7 @@ def search(
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
                      calibration=calibration, progress=progress, objective=objective)
     if output:
-        Path(output).write_text(res.plans[0].model_dump_json(indent=2))
+        write_json(output, res.plans[0].model_dump(mode="json"))
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
     if report:
         best = res.plans[0]
@@ -540,20 +574,40 @@ def whatif(
     from . import whatif as api_whatif
     from .planner.report import require_matplotlib, rows, write_report
 
+    require_finite(tokens=tokens, days=days, budget=budget, time_limit=time_limit)
     try:
         prices = ([float(x) for x in csv_names(gpu_hour_price)] if gpu_hour_price is not None
                   else None)
     except ValueError:
         raise SpecError(f"--gpu-hour-price takes numbers separated by commas, got "
-                        f"{gpu_hour_price!r}.") from None
+                        f"{limits.excerpt(gpu_hour_price)}.") from None
+    for price in prices or []:
+        require_finite(gpu_hour_price=price)
+    limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
+    limits.check("--workers", workers, limits.max_cpu_procs(),
+                 f"use at most {limits.PROCS_PER_CORE} per CPU core (0: one per core)")
     if output and Path(output).suffix.lower() not in (".md", ".html", ".htm"):
-        raise SpecError(f"-o {output}: the report is .md (Markdown) or .html (self-contained "
-                        "HTML with plots).")
+        raise SpecError(f"-o {limits.clip(output)}: the report is .md (Markdown) or .html "
+                        "(self-contained HTML with plots).")
+    if output:
+        check_writable(output)
     if output and Path(output).suffix.lower() != ".md":
         require_matplotlib()
-    res = api_whatif(model, csv_names(cluster), csv_ints(gpus, "--gpus"),
-                     seqs=csv_ints(seq, "--seq") or [4096], gbs=csv_ints(gbs, "--gbs"),
-                     precisions=csv_names(precision) or ["bf16"], tokens=tokens,
+    clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
+    for p in precisions:
+        if p != "auto" and p not in S.PRECISIONS:
+            raise SpecError(f"--precision {limits.excerpt(p)} is not one of "
+                            f"{', '.join(S.PRECISIONS)} or auto.")
+    gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
+    seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
+    batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
+    points = (len(clusters) * len(gpu_counts or [1]) * len(seqs) * len(batches or [1])
+              * len(precisions))
+    limits.check("sweep points (clusters × --gpus × --seq × --gbs × --precision)", points,
+                 limits.MAX_SWEEP_POINTS, "sweep fewer values at once")
+    res = api_whatif(model, clusters, gpu_counts,
+                     seqs=seqs, gbs=batches,
+                     precisions=precisions, tokens=tokens,
                      gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
                      time_limit_s=time_limit, workers=workers,
                      progress=lambda msg: err.print(msg, highlight=False, markup=False))
@@ -624,6 +678,8 @@ def run(
     as_json: JsonOpt = False,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
+    if out_dir is not None:
+        _check_out_dir(out_dir)
     require_torch("moeplan run")
     from .runtime.launch import RunFailed
     from .runtime.launch import run as run_plan
@@ -697,6 +753,21 @@ def _stdout_to_stderr(active: bool) -> Iterator[None]:
         os.close(saved)
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """`run --out`: refuse a path that is, or lies under, an existing non-directory."""
+    path = Path(out_dir)
+    for p in (path, *path.parents):
+        try:
+            if p.exists() and not p.is_dir():
+                raise SpecError(f"--out {limits.clip(out_dir)}: {p} is a file, not a directory. "
+                                "Give a directory (it is created if missing).")
+        except (OSError, ValueError) as err:
+            raise SpecError(f"--out {limits.clip(out_dir)}: not a usable directory ({err}). "
+                            "Give another directory.") from None
+        if p.exists():
+            return
+
+
 @app.command()
 def groups(
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
@@ -713,6 +784,10 @@ def groups(
     """Print the process groups of a layout (identical to Megatron Core's)."""
     from . import groups as layout_groups
 
+    if plan is None and gpus is not None:
+        if gpus <= 0:
+            raise SpecError(f"--gpus {gpus}: the world size must be a positive whole number.")
+        limits.check("--gpus", gpus, limits.MAX_GPUS, "print the groups of a smaller layout")
     doc = layout_groups(plan, gpus=gpus, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
 
     def render() -> None:
@@ -797,6 +872,9 @@ def calibrate(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure this machine and write a calibrated ClusterSpec, or refit it from measured runs."""
+    require_finite(prior_weight=prior_weight)
+    if output:
+        check_writable(output)
     if runs and not from_runs:
         raise SpecError(f"unexpected argument {runs[0]!r}: run directories follow --from-runs "
                         "(moeplan calibrate --from-runs DIR [DIR ...]).")
@@ -807,7 +885,11 @@ def calibrate(
     if eval_runs:
         raise SpecError("--eval needs --from-runs (the runs the constants are fitted on).")
     if dtype not in (None, "fp32", "bf16"):
-        raise SpecError(f"--dtype takes fp32 or bf16, got {dtype!r}.")
+        raise SpecError(f"--dtype takes fp32 or bf16, got {limits.excerpt(dtype)}.")
+    cpu_max = limits.max_cpu_procs()
+    if nproc is not None:  # refused before torch loads when no host could have that many devices
+        limits.check("--nproc", nproc, max(cpu_max, limits.MAX_DEVICES_PER_NODE),
+                     "pass at most the devices present")
     require_torch("moeplan calibrate")
     import torch
     import yaml
@@ -818,9 +900,12 @@ def calibrate(
     n = nproc or (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
     if gpu and n > torch.cuda.device_count():
         raise SpecError(f"--nproc {n}: only {torch.cuda.device_count()} GPUs are present.")
+    if not gpu:
+        limits.check("--nproc", n, cpu_max, f"on CPU use at most {limits.PROCS_PER_CORE} "
+                     f"processes per core ({os.cpu_count()} cores here)")
     mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
     if mode not in ("quick", "full", "tiny"):
-        raise SpecError(f"--grid takes quick, full or tiny, got {mode!r}.")
+        raise SpecError(f"--grid takes quick, full or tiny, got {limits.excerpt(mode)}.")
     name = Path(output).stem if output else "local"
     doc, report = calibrate_machine(mode, n, dtype, name,
                                     progress=lambda s: err.print(f"calibrate: {s}",
@@ -900,7 +985,9 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
 
 # ----------------------------------------------------------------------------------------- main
 def _one_paragraph(msg: str) -> str:
-    return " ".join(str(msg).split())
+    """One line, and never more than a few lines' worth: messages quote excerpts of the input,
+    and this cap holds even where one does not."""
+    return limits.clip(" ".join(str(msg).split()), 2000)
 
 
 @checkpoint_app.command("list")

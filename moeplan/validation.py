@@ -20,6 +20,8 @@ releases) on the same side, so no held-out row has a fitted twin.
 from __future__ import annotations
 
 import csv
+import io
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LayoutError, MoeplanError, SpecError
+from .limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, excerpt
 from .specs import Choices, Layout, TrainingSpec, list_presets, load_cluster, load_model
 from .specs.model import ModelSpec
 
@@ -41,6 +44,8 @@ RELEASE_PAT = re.compile(r"release (\d+)\.(\d+)")
 # dispatcher (scripts/performance/configs/*/_workload_base_configs.py, the `FP8_MX` variants).
 # The published rows print neither setting, so rows of those releases are priced with them.
 OVERLAP_RECIPE_FROM = (26, 6)
+_INT_LIMITS = {"seq_len": MAX_SEQ_LEN, "global_batch_seqs": MAX_GLOBAL_BATCH,
+               "micro_batch": MAX_GLOBAL_BATCH}
 
 
 @dataclass(frozen=True)
@@ -63,19 +68,47 @@ class RunCase:
     choices: Choices = field(default_factory=Choices)  # recompute as the row publishes it
 
 
-def _num(v: str | None) -> float | None:
-    v = (v or "").strip()
+def _cell(row: dict[str, str], col: str) -> str:
+    """A cell's text, stripped (None where the row is short)."""
+    return (row.get(col) or "").strip()
+
+
+def _bad_cell(row: dict[str, str], col: str, want: str) -> SpecError:
+    return SpecError(f"row {excerpt(row.get('id', '?'))}, column `{col}`: "
+                     f"{excerpt(_cell(row, col))} is not {want}; fix the cell or leave it empty "
+                     "(unpublished).")
+
+
+def _float(row: dict[str, str], col: str) -> float | None:
+    """A published measurement: empty (None) or a finite non-negative number, else SpecError."""
+    v = _cell(row, col)
     if not v:
         return None
     try:
-        return float(v)
+        x = float(v)
     except ValueError:
-        return None
+        raise _bad_cell(row, col, "a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise _bad_cell(row, col, "a finite non-negative number")
+    return x
 
 
 def _int(row: dict[str, str], col: str, default: int | None = None) -> int | None:
-    v = _num(row.get(col))
-    return default if v is None else int(v)
+    """A size (GPUs, seq, batch, parallel degree): empty (`default`) or a whole number in
+    1..limit, else SpecError naming the row and column, before any spec is built."""
+    v = _cell(row, col)
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise _bad_cell(row, col, "a whole number") from None
+    if not math.isfinite(x) or x != int(x) or x < 1:
+        raise _bad_cell(row, col, "a positive whole number")
+    n, limit = int(x), _INT_LIMITS.get(col, MAX_GPUS)
+    if n > limit:
+        raise _bad_cell(row, col, f"at most {limit:,} (moeplan's limit)")
+    return n
 
 
 def release_of(row: dict[str, str]) -> tuple[int, int] | None:
@@ -112,12 +145,20 @@ def family_of(model_preset: str) -> str:
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """The CSV's rows as dicts; SpecError for a missing, oversized, non-UTF-8 or malformed file
+    (cells are checked per row, in `case_of`)."""
+    from .fsio import is_file
+    from .specs.loader import read_text
+
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"{path} is not a readable CSV file. Pass a file shaped like "
-                        "published_runs.csv.")
-    with p.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    if not is_file(p):
+        raise SpecError(f"{excerpt(str(path))} is not a readable CSV file. Pass a file shaped "
+                        "like published_runs.csv.")
+    text = read_text(p, "CSV file")
+    try:
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as err:
+        raise SpecError(f"{p} is not a valid CSV file ({err}); fix the file.") from None
     if rows and "id" not in rows[0]:
         raise SpecError(f"{path}: no `id` column; the CSV must have the columns of "
                         "published_runs.csv (id, model_preset, cluster_preset, tp, pp, ...).")
@@ -192,8 +233,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     if tp is None or pp is None:
         return "tensor/pipeline parallel sizes not published"
     prec = (row.get("precision_preset") or "").strip() or "bf16"
-    tokens, tflops = _num(row.get("tokens_per_s_per_gpu")), _num(row.get("tflops_per_gpu"))
-    mfu = _num(row.get("mfu"))
+    tokens, tflops = _float(row, "tokens_per_s_per_gpu"), _float(row, "tflops_per_gpu")
+    mfu = _float(row, "mfu")
     if tokens is None and tflops is None and mfu is None:
         return "no throughput published"
     model = described or load_model(mp)
@@ -225,7 +266,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     for cand, extra in candidates:
         try:
             lay = Layout.build(gpus, gbs, etp=cand, **axes, **extra)
-        except (LayoutError, MoeplanError) as err:
+        except (LayoutError, MoeplanError, ValueError) as err:  # ValueError: pydantic's
             why = str(err)
             continue
         v = layout_violations(model, training, lay, gpus, published_recompute(row), cluster)
@@ -235,8 +276,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
         why = "; ".join(f"[{r}] {w}" for r, w in v)
     if layout is None:
         return f"layout as published breaks a rule: {why}"
-    return RunCase(row["id"], model, cp_, training, layout, tokens, tflops,
-                   _num(row.get("memory_gb")),
+    return RunCase(str(row.get("id") or "?"), model, cp_, training, layout, tokens, tflops,
+                   _float(row, "memory_gb"),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
                    {**assumed, **assumed_cluster}, published_recompute(row))
@@ -382,7 +423,7 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
     for row in rows:
         case = case_of(row, presets)
         if isinstance(case, str):
-            skipped.append({"id": row.get("id", "?"), "why": case})
+            skipped.append({"id": row.get("id") or "?", "why": case})
             continue
         try:
             out.append(predict_case(case, calibration))

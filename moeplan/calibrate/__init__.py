@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from ..fsio import atomic_write_text
+
 HEADER = ("# Written by `moeplan calibrate`{how}. Use as --cluster FILE, or overlay its\n"
           "# `calibration` constants onto a preset with --calibration FILE.\n")
 
@@ -30,7 +32,7 @@ def write_cluster_yaml(doc: dict[str, Any], path: str | Path, how: str = "") -> 
     """Write a ClusterSpec document as YAML, validated first (a bad file is never written)."""
     validate_cluster(doc)
     text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
-    Path(path).write_text(HEADER.format(how=how) + text)
+    atomic_write_text(path, HEADER.format(how=how) + text)
 
 
 def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str = "local",

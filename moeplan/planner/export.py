@@ -18,12 +18,14 @@ Pure functions of the specs: no torch, no I/O (except `export`, which may read a
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import LayoutError, SpecError
+from ..limits import excerpt
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
@@ -230,7 +232,7 @@ class _Args:
         want = spec.nargs
         assert (want == "+" and values) or want == len(values), (flag, values)
         self.argv.append(flag)
-        self.argv.extend(str(v) for v in values)
+        self.argv.extend(v if isinstance(v, str) else str(v) for v in values)  # keep ShellRefs
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -626,11 +628,11 @@ def check_exportable(plan: Plan) -> None:
 
 def _user_args(a: _Args) -> None:
     """The flags only the user can fill, as `${VAR:?}` placeholders (PLACEHOLDERS)."""
-    a.add("--data-path", "${DATA_PATH:?}")
+    a.add("--data-path", ShellRef("${DATA_PATH:?}"))
     a.add("--tokenizer-type", "HuggingFaceTokenizer")
-    a.add("--tokenizer-model", "${TOKENIZER_MODEL:?}")
-    a.add("--save", "${CHECKPOINT_DIR:?}")
-    a.add("--load", "${CHECKPOINT_DIR:?}")
+    a.add("--tokenizer-model", ShellRef("${TOKENIZER_MODEL:?}"))
+    a.add("--save", ShellRef("${CHECKPOINT_DIR:?}"))
+    a.add("--load", ShellRef("${CHECKPOINT_DIR:?}"))
 
 
 def to_megatron_args(plan: Plan, train_iters: int | None = None) -> tuple[list[str], list[str]]:
@@ -670,11 +672,43 @@ def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
     return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
 
 
+class ShellRef(str):
+    """A token the generated script must expand (`$MASTER_ADDR:$MASTER_PORT`), written in
+    double quotes. Only tokens built by this module are ShellRefs, and they may hold nothing but
+    `$NAME` references and `[A-Za-z0-9_.:/-]`; every other token (plan paths, names, flag
+    values) is single-quoted by shlex.quote, so no input can reach the shell as code."""
+
+    # `${NAME:?}`: a placeholder the user must set (the shell stops, naming it, if unset)
+    _SAFE = re.compile(r"(?:\$[A-Z_][A-Z0-9_]*|\$\{[A-Z_][A-Z0-9_]*:\?\}|[A-Za-z0-9_.:/-])+")
+
+    def __new__(cls, text: str) -> ShellRef:
+        if not cls._SAFE.fullmatch(text):
+            raise ValueError(f"not a plain variable reference: {text!r}")
+        return super().__new__(cls, text)
+
+
+MASTER_ENDPOINT = ShellRef("$MASTER_ADDR:$MASTER_PORT")
+SLURM_JOB_ID = ShellRef("$SLURM_JOB_ID")
+
+
 def _sh(token: str) -> str:
-    """Shell-quote a token, leaving `$VAR` references expandable (double quotes)."""
-    if "$" in token:
-        return '"' + token.replace('"', '\\"') + '"'
+    """Shell-quote a token: ShellRefs in double quotes (expanded), all else literal."""
+    if isinstance(token, ShellRef):
+        return f'"{token}"'
     return shlex.quote(token)
+
+
+def _comment(text: str) -> str:
+    """One line of a `#` comment: control characters (a newline would end the comment and
+    start a command) become spaces."""
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
+def sbatch_value(text: str, limit: int = 64) -> str:
+    """A value safe on an `#SBATCH --opt=VALUE` line: sbatch reads these lines itself, not
+    through a shell, but a newline or space would still end or split the option."""
+    clean = re.sub(r"[^A-Za-z0-9_.:+-]", "_", text)[:limit]
+    return clean or "moeplan"
 
 
 def format_lines(argv: Sequence[str], indent: str = "") -> list[str]:
@@ -726,7 +760,7 @@ def torchrun_argv(
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
     plan_path: str = "plan.json",
-    rdzv_endpoint: str = "$MASTER_ADDR:$MASTER_PORT",
+    rdzv_endpoint: str = MASTER_ENDPOINT,
     rdzv_id: str = "moeplan",
     max_restarts: int = 0,
     run_args: Sequence[str] = (),
@@ -778,21 +812,21 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
     """An sbatch script: one task per node, each a `moeplan run` launcher that starts the node's
     workers through torchrun's agent; rendezvous on the first node of the allocation."""
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
-    name = job_name or f"moeplan-{plan.model.name}"
-    head = ["#!/bin/bash", f"# {_summary(plan)}", f"#SBATCH --job-name={name}",
+    name = sbatch_value(job_name or f"moeplan-{plan.model.name}")
+    head = ["#!/bin/bash", f"# {_comment(_summary(plan))}", f"#SBATCH --job-name={name}",
             f"#SBATCH --nodes={nnodes}", "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --gpus-per-node={nproc}", "#SBATCH --exclusive",
             "#SBATCH --output=%x-%j.out"]
     if time_limit:
-        head.append(f"#SBATCH --time={time_limit}")
+        head.append(f"#SBATCH --time={sbatch_value(time_limit)}")
     if partition:
-        head.append(f"#SBATCH --partition={partition}")
+        head.append(f"#SBATCH --partition={sbatch_value(partition)}")
     if account:
-        head.append(f"#SBATCH --account={account}")
+        head.append(f"#SBATCH --account={sbatch_value(account)}")
     # one `moeplan run` launcher per node (its memory guard, lifecycle and exit codes apply);
     # each starts its node's torchrun agent, all rendezvous on the first node
     argv = ["moeplan", "run", plan_path, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
+            "--rdzv-endpoint", MASTER_ENDPOINT, "--rdzv-id", SLURM_JOB_ID]
     body = [
         "",
         "set -euo pipefail",
@@ -813,7 +847,7 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
     "placeholders", "schedule"} for megatron, {"format", "script"} for torchrun and slurm.
     `plan` is a Plan or a plan file path; `train_iters`/`train_tokens` scale the schedule."""
     if format not in FORMATS:
-        raise SpecError(f"--format {format!r} is not one of {', '.join(FORMATS)}.")
+        raise SpecError(f"--format {excerpt(format)} is not one of {', '.join(FORMATS)}.")
     if not isinstance(plan, Plan):
         plan_path = plan_path or str(plan)
         plan = load_plan(plan)

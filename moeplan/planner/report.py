@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import SpecError
+from ..fsio import atomic_write_text
 from ..specs import Plan
 from .whatif import Point, WhatIf
 
@@ -285,9 +286,9 @@ def write_report(res: WhatIf, path: str | Path) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".md":
-        path.write_text(markdown(res))
+        atomic_write_text(path, markdown(res))
     elif suffix in (".html", ".htm"):
-        path.write_text(html_report(res))
+        atomic_write_text(path, html_report(res))
     else:
         raise SpecError(f"-o {path}: the report is .md (Markdown) or .html (self-contained "
                         "HTML with plots).")
@@ -416,5 +417,5 @@ def write_plan_report(plans: Sequence[Plan], title: str, path: str | Path) -> Pa
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise SpecError(f"--report {path}: the plan report is an .html file.")
-    path.write_text(plan_report(plans, title))
+    atomic_write_text(path, plan_report(plans, title))
     return path

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
+from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
 from .storage import check_token_file, held_steps, resume_point, verify
@@ -320,7 +321,7 @@ def _save_plan(plan: Plan, out: Path) -> None:
     """OUT/plan.json: the plan next to its summary, so `moeplan calibrate --from-runs` can
     re-predict it (written once every check passed, right before workers start)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(plan.model_dump_json(indent=2))
+    write_json(out / "plan.json", plan.model_dump(mode="json"))
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -383,7 +384,7 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
     if isinstance(plan, Plan):
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan.json"
-        path.write_text(plan.model_dump_json(indent=2))
+        write_json(path, plan.model_dump(mode="json"))
         plan = path
     cmd = [sys.executable, "-m", "moeplan.runtime.agent", f"--nproc-per-node={nproc}",
            f"--nnodes={opts.nnodes}"]

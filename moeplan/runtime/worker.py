@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoeplanError, SpecError
+from ..fsio import finite_or_null, strict_dumps, write_json
 from ..specs import Plan
 from . import checkpoint
 from .grid import RankGrid
@@ -82,9 +83,9 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | No
         bad = bad + 1 if metrics.skipped else 0
         if rank0:
             with open(out / "metrics.jsonl", "a") as f:  # appended, never truncated
-                f.write(json.dumps({**{k: getattr(metrics, k) for k in SPEC_KEYS},
-                                    "aux_loss": metrics.aux_loss}
-                                   | ({"skipped": True} if metrics.skipped else {})) + "\n")
+                f.write(strict_dumps(finite_or_null(
+                    {**{k: getattr(metrics, k) for k in SPEC_KEYS}, "aux_loss": metrics.aux_loss}
+                    | ({"skipped": True} if metrics.skipped else {})), indent=None) + "\n")
             console.print(
                 f"step {metrics.step:>4}/{opts.steps}  loss {metrics.loss:.4f}  "
                 f"{metrics.tokens_per_s:,.0f} tok/s  {metrics.tflops_per_gpu:.3g} TFLOPS/GPU  "
@@ -125,14 +126,14 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | No
             {"layer": i, "tokens_per_expert": trainer.routing_totals[j].tolist()}
             for j, i in enumerate(trainer.moe_layer_numbers)  # MTP depth k: layer L + k
         ], "steps": opts.steps}
-        (out / "routing.json").write_text(json.dumps(routing, indent=1))
+        write_json(out / "routing.json", routing, indent=1)
         summary = _summary(given, running, history, [float(p) for p in peaks], device, dtype,
                            opts)
         summary.update(resumed_from=start, preempted_at=preempted_at,
                        stopped_by=signal.Signals(stop_sig).name if stop_sig else None,
                        stop_checkpoint=stop_ckpt, precision=running.training.precision,
                        kernel_backend=trainer.kernels.backend.name)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(out / "summary.json", finite_or_null(summary))
     dist.barrier()
     dist.destroy_process_group()
     return stop_sig or None

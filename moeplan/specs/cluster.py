@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .. import limits
 
 PRECISION_PEAK_FIELD = {
     "bf16": "bf16_tflops",
@@ -20,6 +23,11 @@ BLACKWELL_ONLY = frozenset({"mxfp8", "nvfp4"})
 CPU_CALIBRATION_KEYS = ("gemm_eff_max", "attn_fwd_eff", "attn_bwd_eff")
 
 
+def _constant(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0)
+
+
 class ClusterSpec(BaseModel):
     """A homogeneous GPU cluster: datasheet peaks per GPU, links, and where GPUs sit.
 
@@ -27,10 +35,10 @@ class ClusterSpec(BaseModel):
     lives in the calibration profile, never here.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    name: str = Field("custom", description="Preset name or file stem.")
-    gpu: str = Field(description="GPU model, e.g. 'H100-SXM'.")
+    name: str = Field("custom", max_length=200, description="Preset name or file stem.")
+    gpu: str = Field(max_length=200, description="GPU model, e.g. 'H100-SXM'.")
     architecture: Literal["ampere", "hopper", "blackwell", "cpu"] = Field(
         description="GPU generation; decides which low-precision recipes exist (MXFP8 and NVFP4 "
         "need Blackwell, FP8 needs Hopper or newer). 'cpu': a CPU host measured by `moeplan "
@@ -38,7 +46,8 @@ class ClusterSpec(BaseModel):
         "must carry its own GEMM and attention efficiencies."
     )
     num_gpus: int | None = Field(
-        None, gt=0, description="GPUs in the cluster (None: given on the command line by --gpus)."
+        None, gt=0, le=limits.MAX_GPUS,
+        description="GPUs in the cluster (None: given on the command line by --gpus)."
     )
     bf16_tflops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU.")
     fp8_tflops: float | None = Field(None, gt=0, description="Dense FP8 peak (None: no FP8).")
@@ -49,8 +58,10 @@ class ClusterSpec(BaseModel):
     hbm_gb: float = Field(gt=0, description="Usable HBM per GPU, GB (10^9 bytes).")
     hbm_tb_s: float = Field(gt=0, description="HBM bandwidth per GPU, TB/s.")
     nvlink_gb_s: float = Field(gt=0, description="NVLink bandwidth per GPU per direction, GB/s.")
-    nvlink_domain_gpus: int = Field(gt=0, description="GPUs sharing one NVLink/NVSwitch domain.")
-    gpus_per_node: int = Field(gt=0, description="GPUs per server (tray for NVL72).")
+    nvlink_domain_gpus: int = Field(gt=0, le=limits.MAX_GPUS,
+                                    description="GPUs sharing one NVLink/NVSwitch domain.")
+    gpus_per_node: int = Field(gt=0, le=limits.MAX_GPUS,
+                               description="GPUs per server (tray for NVL72).")
     scaleout_gb_s: float = Field(gt=0, description="Scale-out network bandwidth per GPU, GB/s.")
     scaleout_latency_us: float = Field(5.0, ge=0, description="Scale-out α per message, µs.")
     nvlink_latency_us: float = Field(2.0, ge=0, description="NVLink α per message, µs.")
@@ -69,6 +80,30 @@ class ClusterSpec(BaseModel):
         "(written by `moeplan calibrate`).",
     )
     sources: dict[str, str] = Field(default_factory=dict, description="Where each figure is from.")
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration_shape(cls, cal: dict[str, Any]) -> dict[str, Any]:
+        """Each constant must have the shape of the shipped one (number, table of numbers, or
+        list of names) and be finite and non-negative: the cost models divide by them."""
+        from ..cost_models.calibration import default_calibration
+
+        shipped = default_calibration().to_dict()
+        for key, value in cal.items():
+            ref = shipped.get(key)
+            if isinstance(ref, list):
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                want = "a list of names"
+            elif isinstance(ref, dict) or (ref is None and isinstance(value, dict)):
+                ok = isinstance(value, dict) and all(_constant(v) for v in value.values())
+                want = "a mapping of names to finite non-negative numbers"
+            else:
+                ok = _constant(value)
+                want = "a finite non-negative number"
+            if not ok:
+                raise ValueError(f"`{key}` must be {want}, got "
+                                 f"{limits.excerpt(value)}; rewrite it with `moeplan calibrate`")
+        return cal
 
     @model_validator(mode="after")
     def _check(self) -> ClusterSpec:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from ..errors import LayoutError
+from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from .cluster import ClusterSpec
 from .model import ModelSpec
 from .training import TrainingSpec
@@ -35,7 +36,7 @@ class Layout(BaseModel):
     etp may differ from tp. Sequence parallelism is on whenever tp > 1 (required with MoE).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     tp: int = Field(1, gt=0, description="Tensor parallel size (attention and dense MLP).")
     cp: int = Field(1, gt=0, description="Context parallel size (attention only).")
@@ -67,6 +68,21 @@ class Layout(BaseModel):
                     raise ValueError(f"{k}: given {v} but the axes imply {getattr(derived, k)}; "
                                      f"drop `{k}` (it is derived) or fix the axes")
         return data
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Layout:
+        """Sizes stay within moeplan.limits, so group building and pricing stay bounded."""
+        if self.world_size > MAX_GPUS:
+            raise ValueError(f"world_size: tp·cp·dp·pp = {self.world_size:,} is above the limit "
+                             f"of {MAX_GPUS:,} GPUs; plan a smaller cluster")
+        for k in ("ep", "etp", "vpp"):
+            if getattr(self, k) > MAX_GPUS:
+                raise ValueError(f"{k}: {getattr(self, k):,} is above the limit of "
+                                 f"{MAX_GPUS:,}; use a smaller size")
+        if self.mbs * self.num_microbatches > MAX_GLOBAL_BATCH:
+            raise ValueError(f"mbs: mbs × num_microbatches is above the limit of "
+                             f"{MAX_GLOBAL_BATCH:,} sequences per replica; use a smaller batch")
+        return self
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -119,7 +135,7 @@ class Choices(BaseModel):
     in-flight micro-batches).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     recompute: list[RecomputeModule] = Field(default_factory=list, description="Recomputed modules.")
     offload: list[OffloadModule] = Field(default_factory=list, description="Offloaded activations.")

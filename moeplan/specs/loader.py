@@ -7,6 +7,7 @@ so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,7 +15,9 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from .. import limits
 from ..errors import SpecError
+from ..fsio import is_file
 from .cluster import ClusterSpec
 from .model import ModelSpec
 from .plan import Plan
@@ -44,12 +47,17 @@ def format_validation_error(err: ValidationError, what: str, source: str) -> str
             parts.append(f"field `{loc}` is required but missing")
         elif e["type"] == "extra_forbidden":
             parts.append(f"field `{loc}` is not a {what} field (check its spelling)")
+        elif e["type"] == "less_than_equal":
+            parts.append(f"field `{loc}`: {limits.excerpt(e.get('input'))} is above the limit "
+                         f"of {e.get('ctx', {}).get('le')} (moeplan bounds every size; see "
+                         "the README's Limits)")
         elif not loc and ": " in msg:  # a cross-field rule names its field first
             field, _, rest = msg.partition(": ")
             parts.append(f"field `{field}`: {rest}")
         else:
             got = e.get("input")
-            shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+            shown = (f" (got {limits.excerpt(got)})" if got is not None
+                     and not isinstance(got, dict) else "")
             parts.append(f"field `{loc}`: {msg}{shown}" if loc else msg)
     return (f"invalid {what} in {source}: " + "; ".join(parts)
             + f". Fix the {what} and try again (`moeplan specs validate FILE` checks a file).")
@@ -66,19 +74,155 @@ def build(cls: type[T], data: Any, what: str, source: str) -> T:
         raise SpecError(format_validation_error(err, what, source)) from None
 
 
-def read_document(path: Path) -> Any:
-    """Parse a YAML or JSON file, with a clear error on unreadable or malformed content."""
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing documents whose alias expansion is too large.
+
+    Why: aliases let a few hundred bytes stand for billions of values (`a: &a [x, x]`,
+    `b: [*a, *a]`, ...). Composing keeps one node per anchor, so the expanded size is counted on
+    the node graph (each node once, memoised) before anything is constructed.
+    """
+
+    def compose_document(self):  # type: ignore[no-untyped-def]
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+    # Nesting is refused while scanning: PyYAML's scanner is quadratic in the flow depth, so
+    # `[[[[…` 100k deep would take seconds before the composer's recursion gave up.
+    def fetch_flow_collection_start(self, TokenClass):  # type: ignore[no-untyped-def]  # noqa: N803
+        super().fetch_flow_collection_start(TokenClass)
+        if self.flow_level > limits.MAX_NESTING:
+            raise _too_deep()
+
+    def add_indent(self, column):  # type: ignore[no-untyped-def]
+        if len(self.indents) >= limits.MAX_NESTING:
+            raise _too_deep()
+        return super().add_indent(column)
+
+
+def _too_deep() -> SpecError:
+    return SpecError(f"the document nests deeper than {limits.MAX_NESTING} levels; spec files "
+                     "are flat mappings of fields.")
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Raise SpecError when the document under `root` expands past the limits."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        kids = _children(node)
+        if done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            if size[key] > limits.MAX_DOCUMENT_NODES:
+                raise SpecError(f"the document expands to more than "
+                                f"{limits.MAX_DOCUMENT_NODES:,} values (YAML aliases repeat "
+                                "content); write the values out or use fewer aliases.")
+            if depth[key] > limits.MAX_NESTING:
+                raise SpecError(f"the document nests deeper than {limits.MAX_NESTING} levels; "
+                                "spec files are flat mappings of fields.")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise SpecError("the document refers to itself through a YAML alias; spec files "
+                            "cannot be recursive.")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _first_nonfinite(data: Any, where: str = "") -> str | None:
+    """The dotted path of the first NaN/inf in a parsed document, or None."""
+    stack: list[tuple[Any, str]] = [(data, where)]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return at or "(the document)"
+        if isinstance(value, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def parse_text(text: str, source: str, as_json: bool) -> Any:
+    """Parse YAML or JSON text within the document limits; NaN and infinities (YAML `.nan`,
+    non-standard JSON `NaN`) are parsed, then refused naming the field they sit in."""
+    kind = "JSON" if as_json else "YAML"
     try:
-        text = path.read_text()
+        data = (json.loads(text) if as_json
+                else yaml.load(text, Loader=_BoundedLoader))  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec files "
+                        "are flat mappings of fields.") from None
+    except (ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SpecError(f"{source} is not valid {kind}: {limits.clip(first, 160)}. "
+                        "Fix the syntax.") from None
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}") from None
+    if as_json:  # JSON has no aliases; bound its size and depth the same way as YAML's
+        _check_json_shape(data, source)
+    bad = _first_nonfinite(data)
+    if bad is not None:
+        raise SpecError(f"{source}: field `{bad}` is not a finite number (NaN or infinity); "
+                        "give a finite value.")
+    return data
+
+
+def _check_json_shape(data: Any, source: str) -> None:
+    count, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        count += 1
+        if count > limits.MAX_DOCUMENT_NODES:
+            raise SpecError(f"{source} holds more than {limits.MAX_DOCUMENT_NODES:,} values; "
+                            "spec files are small.")
+        if level > limits.MAX_NESTING:
+            raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec "
+                            "files are flat mappings of fields.")
+        children = (value.values() if isinstance(value, dict)
+                    else value if isinstance(value, list) else ())
+        stack.extend((c, level + 1) for c in children)
+
+
+def read_text(path: Path, what: str = "file") -> str:
+    """A file's UTF-8 text, refused (SpecError) when missing, too large or not UTF-8."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(limits.MAX_FILE_BYTES + 1)
     except OSError as err:
-        raise SpecError(f"cannot read {path}: {err.strerror}. Check the path.") from None
+        reason = err.strerror or type(err).__name__
+        raise SpecError(f"cannot read {what} {path}: {reason}. Check the path.") from None
+    if len(raw) > limits.MAX_FILE_BYTES:
+        raise SpecError(f"{what} {path} is larger than the limit of "
+                        f"{limits.MAX_FILE_BYTES // 2**20} MiB; spec, plan and CSV files are "
+                        "small text files. Check that this is the file you meant.")
     try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise SpecError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                        f"{str(err).splitlines()[0]}. Fix the syntax.") from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{what} {path} is not UTF-8 text (byte {err.start} is "
+                        f"{raw[err.start]:#04x}); pass a YAML, JSON or CSV text file.") from None
+
+
+def read_document(path: Path) -> Any:
+    """Parse a YAML or JSON file, with a clear error on unreadable, oversized or malformed
+    content (size, alias expansion and nesting bounded; NaN and infinities refused)."""
+    return parse_text(read_text(path), str(path), path.suffix == ".json")
 
 
 def is_hf_config(data: Any) -> bool:
@@ -90,13 +234,13 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     ref_s = str(ref)
     if ref_s in _preset_names(kind):
         text = (_PRESETS / kind / f"{ref_s}.yaml").read_text()
-        return yaml.safe_load(text), f"preset '{ref_s}'"
+        return parse_text(text, f"preset '{ref_s}'", False), f"preset '{ref_s}'"
     path = Path(ref_s)
-    if path.is_file():
+    if is_file(path):
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
     noun = "model" if kind == "models" else "cluster"
-    raise SpecError(f"unknown {noun} '{ref_s}': it is neither a preset nor a file. Presets: "
+    raise SpecError(f"unknown {noun} {limits.excerpt(ref_s)}: it is neither a preset nor a file. Presets: "
                     f"{names}. Pass one of them or the path of a YAML/JSON {noun} spec"
                     + (" or a Hugging Face config.json." if kind == "models" else "."))
 
@@ -129,15 +273,23 @@ def load_cluster(
         spec = build(ClusterSpec, data, "cluster spec", source)
     if gpus is not None:
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus <= 0:
-            raise SpecError(f"--gpus must be a positive whole number, got {gpus!r}.")
+            raise SpecError(f"--gpus must be a positive whole number, got {limits.excerpt(gpus)}.")
+        limits.check("--gpus", gpus, limits.MAX_GPUS, "plan a smaller cluster")
         spec = spec.with_gpus(gpus)
     if calibration is not None:
-        cal = read_document(Path(calibration)) if Path(str(calibration)).is_file() else None
+        path = Path(str(calibration))
+        cal = read_document(path) if is_file(path) else None
         if not isinstance(cal, dict):
-            raise SpecError(f"--calibration {calibration}: not a readable calibration file. "
-                            "Pass a file written by `moeplan calibrate -o FILE`.")
+            raise SpecError(f"--calibration {limits.clip(str(calibration))}: not a readable "
+                            "calibration file (a YAML/JSON mapping). Pass a file written by "
+                            "`moeplan calibrate -o FILE`.")
         constants = cal.get("calibration", cal)
-        spec = spec.model_copy(update={"calibration": {**spec.calibration, **constants}})
+        if not isinstance(constants, dict):
+            raise SpecError(f"--calibration {path}: `calibration` must be a mapping of "
+                            f"constants, got {type(constants).__name__}. Pass a file written by "
+                            "`moeplan calibrate -o FILE`.")
+        doc = {**spec.model_dump(), "calibration": {**spec.calibration, **constants}}
+        spec = build(ClusterSpec, doc, "calibration", f"--calibration {path}")
     return spec
 
 
@@ -158,7 +310,7 @@ def load_training(ref: str | Path | TrainingSpec | None = None, **overrides: Any
 def load_plan(path: str | Path) -> Plan:
     """A Plan JSON written by `moeplan search -o` or `moeplan estimate -o`."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"plan file {p} does not exist. Write one with `moeplan search -o "
+    if not is_file(p):
+        raise SpecError(f"plan file {limits.clip(str(p))} does not exist. Write one with `moeplan search -o "
                         "plan.json` or `moeplan estimate ... -o plan.json`.")
     return build(Plan, read_document(p), "plan", str(p))

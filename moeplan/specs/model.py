@@ -12,6 +12,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..limits import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_MTP_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+)
+
 Activation = Literal["swiglu", "geglu", "geglu_tanh", "gelu", "squared_relu"]
 GATED = ("swiglu", "geglu", "geglu_tanh")
 
@@ -25,7 +36,7 @@ class RopeScaling(BaseModel):
     the FLOPs or the parameters.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     kind: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = Field(
         description="HF rope_type.")
@@ -72,47 +83,57 @@ class RopeScaling(BaseModel):
 class ModelSpec(BaseModel):
     """A decoder-only transformer, dense or Mixture-of-Experts, GQA or MLA attention."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    name: str = Field("custom", description="Human-readable name (preset name or file stem).")
-    num_layers: int = Field(gt=0, description="Decoder layers, MTP modules not included.")
-    hidden_size: int = Field(gt=0, description="Model width h.")
-    num_attention_heads: int = Field(gt=0, description="Query heads a.")
+    name: str = Field("custom", max_length=200,
+                      description="Human-readable name (preset name or file stem).")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS,
+                            description="Decoder layers, MTP modules not included.")
+    hidden_size: int = Field(gt=0, le=MAX_HIDDEN, description="Model width h.")
+    num_attention_heads: int = Field(gt=0, le=MAX_HEADS, description="Query heads a.")
     num_kv_heads: int | None = Field(
-        None, gt=0, description="KV heads g for GQA (None: equal to the query heads, MHA)."
+        None, gt=0, le=MAX_HEADS,
+        description="KV heads g for GQA (None: equal to the query heads, MHA)."
     )
     head_dim: int | None = Field(
-        None, gt=0, description="Per-head dim d for GQA/MHA (None: hidden_size / heads)."
+        None, gt=0, le=MAX_HIDDEN,
+        description="Per-head dim d for GQA/MHA (None: hidden_size / heads)."
     )
     attention: Literal["gqa", "mla"] = Field("gqa", description="GQA/MHA or DeepSeek MLA.")
-    q_lora_rank: int | None = Field(None, gt=0, description="MLA query down-projection rank.")
-    kv_lora_rank: int | None = Field(None, gt=0, description="MLA KV down-projection rank.")
-    qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA non-rotary q/k head dim.")
-    qk_rope_head_dim: int | None = Field(None, gt=0, description="MLA rotary q/k head dim.")
-    v_head_dim: int | None = Field(None, gt=0, description="MLA value head dim.")
+    q_lora_rank: int | None = Field(None, gt=0, le=MAX_HIDDEN,
+                                    description="MLA query down-projection rank.")
+    kv_lora_rank: int | None = Field(None, gt=0, le=MAX_HIDDEN,
+                                     description="MLA KV down-projection rank.")
+    qk_nope_head_dim: int | None = Field(None, gt=0, le=MAX_HIDDEN,
+                                         description="MLA non-rotary q/k head dim.")
+    qk_rope_head_dim: int | None = Field(None, gt=0, le=MAX_HIDDEN,
+                                         description="MLA rotary q/k head dim.")
+    v_head_dim: int | None = Field(None, gt=0, le=MAX_HIDDEN, description="MLA value head dim.")
     qkv_bias: bool = Field(False, description="Bias on the Q, K, V projections (Qwen2, gpt-oss); "
                            "with MLA on the q and kv down-projections (DeepSeek attention_bias).")
     attn_out_bias: bool = Field(False, description="Bias on the attention output projection.")
     qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3).")
     attention_sinks: bool = Field(False, description="Learned per-head attention sink (gpt-oss).")
     sliding_window: int | None = Field(
-        None, gt=0, description="Sliding-window size in tokens for the layers the pattern marks."
+        None, gt=0, le=MAX_POSITIONS,
+        description="Sliding-window size in tokens for the layers the pattern marks."
     )
     attention_pattern: str | None = Field(
-        None,
+        None, max_length=MAX_LAYERS,
         description="Per-layer attention kind tiled over the layers: 'S' sliding window, 'F' full "
         "(e.g. 'SF' alternates, starting with sliding). None: all full.",
     )
 
-    ffn_hidden_size: int = Field(gt=0, description="Dense MLP intermediate size f.")
+    ffn_hidden_size: int = Field(gt=0, le=MAX_FFN, description="Dense MLP intermediate size f.")
     activation: Activation = Field("swiglu", description="MLP activation.")
     mlp_bias: bool = Field(False, description="Bias on MLP and expert linears (GPT-3, gpt-oss).")
-    vocab_size: int = Field(gt=0, description="Vocabulary size V.")
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB, description="Vocabulary size V.")
     tie_embeddings: bool = Field(False, description="Output layer shares the embedding weights.")
     position_embedding: Literal["rope", "learned"] = Field("rope", description="Positions.")
     max_position_embeddings: int | None = Field(
-        None, gt=0, description="Positions the model is built for: rows of the learned table, "
-        "or a RoPE model's context length (HF max_position_embeddings; exported to Megatron)."
+        None, gt=0, le=MAX_POSITIONS,
+        description="Positions the model is built for: rows of the learned table, or a RoPE "
+        "model's context length (HF max_position_embeddings; exported to Megatron)."
     )
     normalization: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Norm kind.")
     rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base θ.")
@@ -120,16 +141,22 @@ class ModelSpec(BaseModel):
         None, description="RoPE frequency scaling (yarn, llama3, ...); None: plain RoPE.")
     norm_eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
 
-    num_experts: int = Field(0, ge=0, description="Routed experts E per MoE layer (0: dense).")
-    moe_top_k: int = Field(0, ge=0, description="Experts each token is routed to.")
-    moe_ffn_hidden_size: int | None = Field(None, gt=0, description="Expert intermediate size.")
-    num_shared_experts: int = Field(0, ge=0, description="Shared experts per MoE layer.")
+    num_experts: int = Field(0, ge=0, le=MAX_EXPERTS,
+                             description="Routed experts E per MoE layer (0: dense).")
+    moe_top_k: int = Field(0, ge=0, le=MAX_EXPERTS, description="Experts each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(None, gt=0, le=MAX_FFN,
+                                            description="Expert intermediate size.")
+    num_shared_experts: int = Field(0, ge=0, le=MAX_EXPERTS,
+                                    description="Shared experts per MoE layer.")
     shared_expert_ffn_hidden_size: int | None = Field(
-        None, gt=0, description="Total intermediate size of all shared experts together."
+        None, gt=0, le=MAX_FFN,
+        description="Total intermediate size of all shared experts together."
     )
     shared_expert_gate: bool = Field(False, description="Sigmoid gate on the shared expert.")
-    first_k_dense: int = Field(0, ge=0, description="Leading layers with a dense MLP.")
-    moe_layer_freq: int = Field(1, gt=0, description="Every n-th layer (after first_k_dense) is MoE.")
+    first_k_dense: int = Field(0, ge=0, le=MAX_LAYERS,
+                               description="Leading layers with a dense MLP.")
+    moe_layer_freq: int = Field(1, gt=0, le=MAX_LAYERS,
+                                description="Every n-th layer (after first_k_dense) is MoE.")
     moe_layer_pattern: list[int] | None = Field(
         None, description="Explicit 0/1 per layer (1 = MoE); overrides first_k_dense and freq."
     )
@@ -138,13 +165,16 @@ class ModelSpec(BaseModel):
     router_expert_bias: bool = Field(
         False, description="Aux-loss-free load-balancing bias on expert selection (DeepSeek-V3)."
     )
-    router_num_groups: int | None = Field(None, gt=0, description="Group-limited routing groups.")
+    router_num_groups: int | None = Field(None, gt=0, le=MAX_EXPERTS,
+                                          description="Group-limited routing groups.")
     router_groups_per_token: int | None = Field(
-        None, gt=0, description="Groups a token may route into (group-limited routing)."
+        None, gt=0, le=MAX_EXPERTS,
+        description="Groups a token may route into (group-limited routing)."
     )
     routed_scaling_factor: float = Field(1.0, gt=0, description="Scale on routed expert output.")
     norm_topk_prob: bool = Field(True, description="Renormalise the top-k probabilities.")
-    mtp_layers: int = Field(0, ge=0, description="Multi-token-prediction modules (DeepSeek-V3).")
+    mtp_layers: int = Field(0, ge=0, le=MAX_MTP_LAYERS,
+                            description="Multi-token-prediction modules (DeepSeek-V3).")
     moe_aux_loss_coeff: float | None = Field(
         None, ge=0, allow_inf_nan=False,
         description="The source model's own load-balancing loss coefficient (HF "

@@ -15,7 +15,7 @@ from .training import TrainingSpec
 class MemoryBreakdown(BaseModel):
     """Peak memory of the most loaded GPU, GB of 10^9 bytes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     peak_gb: float
     weights_gb: float
@@ -33,7 +33,7 @@ class MemoryBreakdown(BaseModel):
 class TimeBreakdown(BaseModel):
     """Per-step time components in seconds (exposed_comm_s is what overlap did not hide)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     compute_s: float
     tp_comm_s: float = 0.0
@@ -73,7 +73,7 @@ class Assumption(BaseModel):
 
 
 class Confidence(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     label: Literal["calibrated", "extrapolated"]
     reason: str
@@ -82,7 +82,7 @@ class Confidence(BaseModel):
 class Estimate(BaseModel):
     """What the cost models predict for one plan (SPEC §4 `moeplan estimate`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     step_time_s: float
     tokens_per_s_per_gpu: float
@@ -101,7 +101,7 @@ class Estimate(BaseModel):
 class Plan(BaseModel):
     """A self-contained plan: the specs it was made for, the layout, the choices, the forecast."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: ModelSpec
     cluster: ClusterSpec

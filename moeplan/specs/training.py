@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+
 Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
 
@@ -13,10 +15,11 @@ PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
 class TrainingSpec(BaseModel):
     """What one optimizer step trains on and how: the planner keeps it fixed, layouts vary."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    seq_len: int = Field(4096, gt=0, description="Tokens per sequence s.")
-    global_batch_size: int = Field(gt=0, description="Sequences per optimizer step (gbs).")
+    seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN, description="Tokens per sequence s.")
+    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH,
+                                   description="Sequences per optimizer step (gbs).")
     precision: Precision = Field("bf16", description="GEMM precision recipe.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     min_lr: float = Field(3e-5, ge=0, description="Final learning rate of the cosine decay.")

@@ -1,0 +1,64 @@
+"""Upper bounds on every size a user can give, checked before any work starts.
+
+Why: each planner step is polynomial in these sizes, but a typo (`--gpus 1000000000000`,
+`num_layers: 1000000000`) or a crafted file (a YAML alias bomb) would otherwise run for minutes
+and eat gigabytes before failing. Each bound sits one to two orders of magnitude above the
+largest published model or cluster, so no real input is refused; the README's "Limits" table
+lists them. Model sizes are enforced as pydantic field bounds in `specs/`, the rest by the
+loader and the CLI through `check`.
+
+No torch, no I/O: importable from the planner.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import SpecError
+
+# ---------------------------------------------------------------- cluster and batch
+MAX_GPUS = 131_072  # 2^17; the largest published training run used ~100k GPUs
+MAX_SEQ_LEN = 16_777_216  # 16M tokens per sequence
+MAX_GLOBAL_BATCH = 16_777_216  # sequences per step
+MAX_SWEEP_POINTS = 1024  # whatif: clusters × GPU counts × seqs × batches × precisions
+
+MAX_TOP_PLANS = 1000  # search/whatif --top
+
+# ---------------------------------------------------------------- model shape (specs/model.py)
+MAX_LAYERS = 1024  # largest published decoder: 126 layers (Llama 3 405B)
+MAX_HIDDEN = 131_072  # model width, head dims and LoRA ranks
+MAX_FFN = 1_048_576  # dense and expert intermediate sizes
+MAX_HEADS = 4096
+MAX_EXPERTS = 16_384  # routed experts per MoE layer (Kimi K2: 384)
+MAX_VOCAB = 4_194_304  # largest published vocabulary: 262k (Gemma 3)
+MAX_MTP_LAYERS = 64
+MAX_POSITIONS = MAX_SEQ_LEN
+
+# ---------------------------------------------------------------- files and processes
+MAX_FILE_BYTES = 8 * 1024 * 1024  # spec, plan, calibration, routing and CSV files
+MAX_DOCUMENT_NODES = 200_000  # YAML/JSON values after alias expansion
+MAX_NESTING = 64  # mapping/list depth of a spec document
+PROCS_PER_CORE = 4  # calibrate --nproc on CPU: oversubscription beyond this measures nothing
+MAX_DEVICES_PER_NODE = 64  # calibrate --nproc before torch tells whether GPUs are present
+EXCERPT_CHARS = 60  # longest piece of user input an error message quotes
+
+
+def max_cpu_procs() -> int:
+    """Most processes `calibrate --nproc` / `whatif --workers` may start on this host."""
+    return PROCS_PER_CORE * (os.cpu_count() or 1)
+
+
+def clip(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """`text` cut to `limit` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """`repr(value)`, cut to `limit` characters, so an error never echoes a huge input back."""
+    return clip(repr(value), limit)
+
+
+def check(field: str, value: int, limit: int, fix: str) -> None:
+    """Refuse `value` above `limit` with a message naming the field, the limit and the fix."""
+    if value > limit:
+        raise SpecError(f"{field} {value:,} is above the limit of {limit:,}; {fix}.")

@@ -1,0 +1,404 @@
+"""Hostile input is normal input: each case a user (or an attacker) can type is refused with
+exit 2, one short paragraph naming the field, and no traceback, within a second; every file
+the CLI writes appears atomically or not at all; exported scripts run no injected command."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import moeplan.api
+import moeplan.planner.search
+import moeplan.planner.whatif  # noqa: F401 (imported up front: the timings measure refusals)
+from moeplan import fsio, limits
+from moeplan.cli import main
+from moeplan.errors import SpecError
+from moeplan.specs import load_plan
+
+from .conftest import run_cli
+
+EST = ["estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", "--seq", "4096",
+       "--gbs", "64"]
+MAX_MESSAGE = 2500  # an error never echoes the input back at length
+
+
+def refused(args: list[str], capsys, *needles: str, code: int = 2) -> str:
+    """Run the CLI in-process; assert a fast, clean refusal mentioning each needle."""
+    t0 = time.perf_counter()
+    got = main(args)
+    elapsed = time.perf_counter() - t0
+    cap = capsys.readouterr()
+    assert got == code, (got, cap.err[-2000:])
+    assert cap.out == ""  # nothing half-printed, no partial JSON document
+    assert "Traceback" not in cap.err and len(cap.err) < MAX_MESSAGE, cap.err[:3000]
+    assert elapsed < 1.0, f"refusal took {elapsed:.2f} s"
+    for needle in needles:
+        assert needle.lower() in cap.err.lower(), cap.err
+    return cap.err
+
+
+# ------------------------------------------------------------------------ non-finite numbers
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_estimate_imbalance_nan_or_inf_exits_2(value, capsys):
+    refused([*EST, "--imbalance", value, "--json"], capsys, "--imbalance", "finite")
+
+
+def test_whatif_tokens_nan_exits_2(capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+             "--tokens", "nan", "--json"], capsys, "--tokens", "finite")
+
+
+@pytest.mark.parametrize("flag", ["--days", "--budget", "--gpu-hour-price"])
+def test_whatif_inf_money_and_time_exit_2(flag, capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", flag, "inf"],
+            capsys, "finite")
+
+
+def test_rope_theta_inf_in_yaml_spec_exits_2(tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                    "ffn_hidden_size: 128\nvocab_size: 100\nrope_theta: .inf\n")
+    refused(["specs", "show", str(spec), "--json"], capsys, "rope_theta", "finite")
+
+
+def test_nan_in_json_plan_exits_2(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    plan.write_text(plan.read_text().replace('"lr": 0.0003', '"lr": NaN'))
+    refused(["export", str(plan)], capsys, "lr")
+
+
+# ------------------------------------------------------------------------ bounded sizes
+@pytest.mark.parametrize("cmd", [
+    ["search", "--model", "llama3-8b", "--cluster", "h100"],
+    EST[:5],
+])
+def test_trillion_gpus_refused_before_any_search(cmd, capsys):
+    refused([*cmd, "--gpus", "1000000000000", "--gbs", "64"], capsys, "--gpus", "131,072")
+
+
+def test_whatif_gpu_range_from_zero_refused(capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "0-8"], capsys,
+            "--gpus", "lo")
+
+
+def test_whatif_gpu_range_above_limit_refused(capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus",
+             "1-99999999999999999999"], capsys, "--gpus", "limit")
+
+
+def test_whatif_sweep_too_many_points_refused(capsys):
+    gpus = ",".join(str(8 * i) for i in range(1, 100))
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100,h200,b200", "--gpus", gpus,
+             "--seq", "1024,2048,4096,8192,16384"], capsys, "sweep points", "1,024")
+
+
+def test_num_layers_billion_refused(tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("num_layers: 1000000000\nhidden_size: 64\nnum_attention_heads: 4\n"
+                    "ffn_hidden_size: 128\nvocab_size: 100\n")
+    refused(["specs", "validate", str(spec)], capsys, "num_layers", "1024", "limit")
+
+
+@pytest.mark.parametrize("field,value", [("num_experts", 10**7), ("hidden_size", 10**9),
+                                         ("vocab_size", 10**10)])
+def test_model_sizes_above_limits_refused(field, value, tmp_path, capsys):
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "ffn_hidden_size": 128, "vocab_size": 100}
+    spec = tmp_path / "m.json"
+    spec.write_text(json.dumps({**base, field: value}))
+    refused(["specs", "validate", str(spec)], capsys, field, "limit")
+
+
+def test_seq_and_batch_above_limits_refused(capsys):
+    refused([*EST[:7], "--seq", str(10**9), "--gbs", "64"], capsys, "seq_len", "limit")
+    refused([*EST[:9], "--gbs", str(10**12)], capsys, "global_batch_size", "limit")
+
+
+def alias_bomb() -> str:
+    """The billion-laughs shape: nine levels, each nine references to the one below."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, cur in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"{cur}: &{cur} [" + ",".join([f"*{prev}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_bomb_refused_fast_with_short_message(tmp_path, capsys):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 500
+    err = refused(["specs", "validate", str(bomb)], capsys, "aliases", "200,000")
+    assert "lol" not in err
+
+
+def test_recursive_yaml_alias_refused(tmp_path, capsys):
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("a: &a [*a]\n")
+    refused(["specs", "validate", str(loop)], capsys)
+
+
+def test_yaml_aliases_within_limits_still_load(tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("num_layers: &n 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                    "ffn_hidden_size: 128\nvocab_size: 100\nmoe_layer_freq: *n\n")
+    assert main(["specs", "validate", str(spec)]) == 0
+
+
+def test_calibrate_nproc_1000_refused_before_starting_anything(capsys):
+    refused(["calibrate", "--nproc", "1000"], capsys, "--nproc", "limit")
+
+
+def test_whatif_workers_above_cores_refused(capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+             "--workers", "100000"], capsys, "--workers")
+
+
+@pytest.mark.parametrize("gpus,needle", [("100000000", "131,072"), ("0", "positive"),
+                                         ("-8", "positive")])
+def test_groups_huge_zero_or_negative_world_refused(gpus, needle, capsys):
+    refused(["groups", "--gpus", gpus], capsys, "--gpus", needle)
+
+
+def test_plan_file_with_huge_layout_refused(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    doc = json.loads(plan.read_text())
+    doc["layout"].update(dp=10**9)
+    for derived in ("world_size", "edp", "sequence_parallel"):
+        doc["layout"].pop(derived, None)
+    plan.write_text(json.dumps(doc))
+    refused(["groups", str(plan)], capsys, "world_size", "131,072")
+
+
+def test_spec_file_above_size_limit_refused(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"# " + b"x" * limits.MAX_FILE_BYTES + b"\n")
+    refused(["specs", "validate", str(big)], capsys, "MiB")
+
+
+def test_binary_spec_refused(tmp_path, capsys):
+    blob = tmp_path / "blob.json"
+    blob.write_bytes(bytes(range(256)) * 8)
+    refused(["specs", "validate", str(blob)], capsys, "UTF-8")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_100k_deep_spec_refused(suffix, tmp_path, capsys):
+    deep = tmp_path / f"deep{suffix}"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    refused(["specs", "validate", str(deep)], capsys, "nest")
+
+
+def test_huge_argument_quoted_as_short_excerpt(capsys):
+    refused(["search", "--model", "x" * 100_000, "--cluster", "h100"], capsys, "unknown model")
+
+
+# ------------------------------------------------------------------------ CSV cells
+HEADER = ("id,model_preset,cluster_preset,num_gpus,seq_len,global_batch_seqs,micro_batch,tp,pp,"
+          "tokens_per_s_per_gpu,flops_convention\n")
+GOOD = {"id": "r1", "model_preset": "llama3-8b", "cluster_preset": "h100", "num_gpus": "8",
+        "seq_len": "4096", "global_batch_seqs": "64", "micro_batch": "1", "tp": "1", "pp": "1",
+        "tokens_per_s_per_gpu": "10000", "flops_convention": "causal_halved"}
+
+
+def runs_csv(tmp_path: Path, **cells: str) -> Path:
+    row = {**GOOD, **cells}
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + ",".join(row[c] for c in HEADER.strip().split(",")) + "\n")
+    return path
+
+
+def test_valid_csv_row_is_predicted(tmp_path, capsys):
+    assert main(["validate", str(runs_csv(tmp_path)), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 1
+
+
+@pytest.mark.parametrize("col,value", [("tp", "0"), ("tp", "nan"), ("seq_len", "inf"),
+                                       ("tokens_per_s_per_gpu", "nan"), ("pp", "-1"),
+                                       ("num_gpus", "2.5"), ("num_gpus", "1e30"),
+                                       ("tp", "two")])
+def test_bad_csv_cell_exits_2_naming_row_and_column(col, value, tmp_path, capsys):
+    refused(["validate", str(runs_csv(tmp_path, **{col: value}))], capsys, "r1", col)
+
+
+def test_non_utf8_csv_exits_2(tmp_path, capsys):
+    path = tmp_path / "runs.csv"
+    path.write_bytes(HEADER.encode() + b"r1,\xff\xfe\xfa,h100\n")
+    refused(["validate", str(path)], capsys, "UTF-8")
+
+
+# ------------------------------------------------------------------------ --calibration
+@pytest.mark.parametrize("text", [
+    "calibration: 5\n", "- 1\n- 2\n", "hbm_eff: abc\n", "hbm_eff: .nan\n",
+    "gemm_eff_max: 0.7\n", "gemm_eff_max: {hopper: [1]}\n", "calibrated: 3\n", "{{{\n",
+])
+def test_malformed_calibration_exits_2(text, tmp_path, capsys):
+    path = tmp_path / "cal.yaml"
+    path.write_text(text)
+    refused([*EST, "--calibration", str(path)], capsys, "calibration")
+
+
+def test_calibration_that_is_a_directory_exits_2(tmp_path, capsys):
+    refused([*EST, "--calibration", str(tmp_path)], capsys, "calibration")
+
+
+# ------------------------------------------------------------------------ outputs
+def test_output_into_missing_directory_exits_2(tmp_path, capsys):
+    target = tmp_path / "no" / "such" / "plan.json"
+    refused([*EST, "-o", str(target)], capsys, str(target), "does not exist")
+    assert not target.parent.exists()
+
+
+def test_output_onto_a_directory_exits_2(tmp_path, capsys):
+    refused([*EST, "-o", str(tmp_path)], capsys, str(tmp_path), "directory")
+
+
+def test_output_into_read_only_location_exits_2(capsys):
+    refused([*EST, "-o", "/proc/moeplan-plan.json"], capsys, "/proc/moeplan-plan.json")
+
+
+def test_report_output_into_missing_directory_exits_2_before_searching(tmp_path, capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", "-o",
+             str(tmp_path / "no" / "r.md")], capsys, "does not exist")
+
+
+def test_calibrate_output_into_missing_directory_exits_2_before_measuring(tmp_path, capsys):
+    refused(["calibrate", "-o", str(tmp_path / "no" / "c.yaml")], capsys, "does not exist")
+
+
+def test_run_out_onto_a_file_exits_2(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    refused(["run", str(plan), "--out", str(afile)], capsys, "--out", "not a directory")
+    refused(["run", str(plan), "--out", str(afile / "sub")], capsys, "not a directory")
+    assert afile.read_text() == "keep"
+
+
+def test_failed_write_keeps_old_file_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "plan.json"
+    target.write_text("old contents")
+
+    def disk_full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fsio.os, "fsync", disk_full)
+    with pytest.raises(SpecError, match="No space left on device") as info:
+        fsio.atomic_write_text(target, "new contents " * 1000)
+    assert str(target) in str(info.value)
+    assert target.read_text() == "old contents"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_interrupted_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    target = tmp_path / "report.md"
+
+    def interrupted(src: object, dst: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fsio.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fsio.atomic_write_text(target, "text")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rewritten_output_keeps_the_file_mode(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    plan.chmod(0o640)
+    assert main([*EST, "-o", str(plan)]) == 0
+    assert stat.S_IMODE(plan.stat().st_mode) == 0o640
+    assert load_plan(plan).model.name == "llama3-8b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_json_with_nan_is_refused_on_output():
+    with pytest.raises(Exception, match="non-finite"):
+        fsio.strict_dumps({"x": float("nan")})
+
+
+# ------------------------------------------------------------------------ no traceback, ever
+@pytest.mark.parametrize("args", [
+    ["groups", "--gpus", "0"],
+    ["estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", "--seq", "4096",
+     "--gbs", "64", "--imbalance", "nan", "--json"],
+])
+def test_refusals_print_no_traceback_in_a_real_process(args):
+    proc = run_cli(*args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# ------------------------------------------------------------------------ shell-safe exports
+HOSTILE_PLAN = "x;$(touch PWNED2).json"
+HOSTILE_MODEL = "mx\ntouch PWNED5\n#"
+STUB = """#!/bin/sh
+# stands in for torchrun/srun/scontrol: records its arguments, one per line, and runs nothing
+for a in "$@"; do printf '%s\\n' "$a"; done >> "$STUB_LOG"
+echo node0
+"""
+
+
+def test_exported_scripts_with_hostile_names_run_no_injected_command(tmp_path, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("torchrun", "srun", "scontrol"):
+        (bin_dir / tool).write_text(STUB)
+        (bin_dir / tool).chmod(0o755)
+    src = work / "plain.json"
+    assert main([*EST, "-o", str(src)]) == 0
+    doc = json.loads(src.read_text())
+    doc["model"]["name"] = HOSTILE_MODEL
+    doc["cluster"]["name"] = "c`touch PWNED6`"
+    (work / HOSTILE_PLAN).write_text(json.dumps(doc))
+    capsys.readouterr()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n0",
+           "SLURM_JOB_ID": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for fmt in ("torchrun", "slurm"):
+        log = tmp_path / f"{fmt}.log"
+        assert main(["export", str(work / HOSTILE_PLAN), "--format", fmt]) == 0
+        script = capsys.readouterr().out
+        (tmp_path / f"{fmt}.sh").write_text(script)
+        subprocess.run(["bash", str(tmp_path / f"{fmt}.sh")], cwd=work, check=True, timeout=30,
+                       env={**env, "STUB_LOG": str(log)})
+        assert not list(work.glob("PWNED*")) and not list(tmp_path.glob("PWNED*"))
+        argv = log.read_text().splitlines()
+        assert str(work / HOSTILE_PLAN) in argv  # the name arrives intact, as one argument
+        if fmt == "slurm":
+            assert "127.0.0.1:29500" in argv or "node0:29500" in argv  # $VARs still expand
+            job = next(line for line in script.splitlines() if "--job-name" in line)
+            assert job.startswith("#SBATCH --job-name=") and " " not in job.split("=", 1)[1]
+            comment = script.splitlines()[1]
+            assert comment.startswith("# ") and "touch PWNED5" in comment  # stays in the comment
+
+
+def test_megatron_export_quotes_every_value():
+    from moeplan.planner.export import format_megatron
+
+    line = format_megatron(["--data-path", "$(touch PWNED)", "--x", "a b;c"])
+    assert "'$(touch PWNED)'" in line and "'a b;c'" in line
+
+
+@pytest.mark.parametrize("imbalance", [float("nan"), float("inf"), 0.5])
+def test_python_api_refuses_non_finite_imbalance(imbalance):
+    plan = moeplan.api.plan_from_options("llama3-8b", "h100", 8, 4096, 64)
+    with pytest.raises(SpecError, match="imbalance"):
+        moeplan.api.estimate(plan, imbalance=imbalance)
+
+
+if sys.platform != "linux":  # /proc and the bash stubs are Linux-specific
+    pytestmark = pytest.mark.skip("Linux-only checks")
