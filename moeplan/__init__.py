@@ -36,15 +36,19 @@ def export(
     format: str = "megatron",  # noqa: A002 (the CLI option's name)
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
+    train_iters: int | None = None,
+    train_tokens: float | None = None,
 ) -> dict:
     """Export a Plan (or plan file) as Megatron-LM flags, a torchrun line or a Slurm script.
 
     Returns the `moeplan export --json` document. Imported lazily so that `import moeplan`
-    stays light; see `moeplan.planner.export` for the flag mapping.
+    stays light; see `moeplan.planner.export` for the flag mapping (and `train_iters` /
+    `train_tokens`, which scale the Megatron schedule).
     """
     from .planner.export import export as _export
 
-    return _export(plan, format, nnodes=nnodes, nproc_per_node=nproc_per_node)
+    return _export(plan, format, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                   train_iters=train_iters, train_tokens=train_tokens)
 
 
 __all__ += ["groups", "run"]

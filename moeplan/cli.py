@@ -7,8 +7,10 @@ stderr, InfeasibleError → 3; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,11 +18,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from . import limits
 from . import specs as S
 from .errors import InfeasibleError, MoeplanError, SpecError
 from .fsio import check_writable, is_file, strict_dumps, write_json
+from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
     name="moeplan",
@@ -41,6 +45,36 @@ out = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+REPORT_HELP = ("Write a self-contained HTML page: the plans side by side, the chosen plan's "
+               "memory per pipeline rank and step-time breakdown as plots.")
+
+
+def _check_report(path: str | None) -> None:
+    """Refuse a bad --report before the work, not after it."""
+    if path is None:
+        return
+    from .planner.report import require_matplotlib
+
+    if Path(path).suffix.lower() not in (".html", ".htm"):
+        raise SpecError(f"--report {path}: the plan report is an .html file (self-contained).")
+    require_matplotlib()
+
+
+def _write_plan_report(plans: list[S.Plan], title: str, path: str) -> None:
+    from .planner.report import write_plan_report
+
+    err.print(f"wrote {write_plan_report(plans, title, path)}", highlight=False, markup=False)
+
+
+AXIS_HELP = {
+    "tp": "Tensor parallel size (attention and dense MLP; sequence parallel when > 1).",
+    "pp": "Pipeline parallel size.",
+    "vpp": "Virtual pipeline stages per pipeline rank (interleaved schedule).",
+    "cp": "Context parallel size (attention only).",
+    "ep": "Expert parallel size.",
+    "etp": "Expert tensor parallel size.",
+    "mbs": "Micro-batch size in sequences.",
+}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
@@ -52,6 +86,17 @@ def emit(data: Any, as_json: bool, render: Callable[[], None]) -> None:
         sys.stdout.write(strict_dumps(data) + "\n")
     else:
         render()
+
+
+def _width(console: Console) -> int:
+    return screen_width(console.is_terminal, console.width)
+
+
+def print_lines(lines: list[Line], console: Console | None = None) -> None:
+    """Print lines laid out by `moeplan.terminal` (already fitted: rich must not re-wrap)."""
+    console = console or out
+    for line in lines:
+        console.print(Text(line.text, style=line.style or ""), soft_wrap=True)
 
 
 def require_finite(**flags: float | None) -> None:
@@ -103,9 +148,19 @@ def csv_names(value: str | None) -> list[str]:
     return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"moeplan {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     _state["debug"] = debug
 
@@ -145,10 +200,9 @@ def specs_list(as_json: JsonOpt = False) -> None:
     presets = S.list_presets()
 
     def render() -> None:
-        t = Table("kind", "presets")
-        t.add_row("models", ", ".join(presets["models"]))
-        t.add_row("clusters", ", ".join(presets["clusters"]))
-        out.print(t)
+        print_lines(pairs_lines(None, [("models", ", ".join(presets["models"])),
+                                       ("clusters", ", ".join(presets["clusters"]))],
+                                _width(out)))
 
     emit(presets, as_json, render)
 
@@ -163,16 +217,13 @@ def specs_show(
     doc = _spec_document(ref, seq)
 
     def render() -> None:
-        t = Table(title=f"{doc['kind']} {doc['name']}", show_header=False)
-        for k, v in doc["spec"].items():
-            if v not in (None, {}, []):
-                t.add_row(k, str(v))
+        pairs = [(k, str(v)) for k, v in doc["spec"].items() if v not in (None, {}, [])]
         d = doc["derived"]
         if d:
-            t.add_row("[b]total params", f"{d['total_params'] / 1e9:.2f} B")
-            t.add_row("[b]active params", f"{d['active_params'] / 1e9:.2f} B")
-            t.add_row(f"[b]FLOPs/token (s={seq})", f"{d['flops_per_token'] / 1e9:.1f} GFLOP")
-        out.print(t)
+            pairs += [("total params", f"{d['total_params'] / 1e9:.2f} B"),
+                      ("active params", f"{d['active_params'] / 1e9:.2f} B"),
+                      (f"FLOPs/token (s={seq})", f"{d['flops_per_token'] / 1e9:.1f} GFLOP")]
+        print_lines(pairs_lines(f"{doc['kind']} {doc['name']}", pairs, _width(out)))
 
     emit(doc, as_json, render)
 
@@ -213,13 +264,13 @@ def estimate(
     seq: Annotated[int | None, typer.Option("--seq", min=1, help="Sequence length.")] = None,
     gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences).")
                    ] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
-    vpp: Annotated[int, typer.Option("--vpp", min=1)] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
-    mbs: Annotated[int, typer.Option("--mbs", min=1)] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
+    vpp: Annotated[int, typer.Option("--vpp", min=1, help=AXIS_HELP["vpp"])] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
+    mbs: Annotated[int, typer.Option("--mbs", min=1, help=AXIS_HELP["mbs"])] = 1,
     recompute: Annotated[str | None, typer.Option("--recompute", help="e.g. core_attn,moe_act "
                                                   "or full.")] = None,
     offload: Annotated[str | None, typer.Option("--offload", help="e.g. expert_fc1,moe_act.")
@@ -242,9 +293,11 @@ def estimate(
                            ] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
                       ] = None,
+    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict step time, throughput and memory of one layout."""
+    _check_report(report)
     from .api import estimate as api_estimate
     from .api import plan_from_options
 
@@ -271,35 +324,51 @@ def estimate(
                                  calibration)
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
+    if report:
+        _write_plan_report([plan], f"{plan.model.name} on {plan.world_size} × "
+                           f"{plan.cluster.gpu}: estimate", report)
     if output:
         write_json(output, plan.model_dump(mode="json"))
         err.print(f"wrote {output}", markup=False, highlight=False)
 
     def render() -> None:
-        L = plan.layout
-        t = Table(title=f"{plan.model.name} on {L.world_size}× {plan.cluster.gpu}: "
-                  f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp} vpp{L.vpp} ep{L.ep} etp{L.etp} "
-                  f"mbs{L.mbs} × {L.num_microbatches}", show_header=False)
-        t.add_row("step time", f"{est.step_time_s:.3f} s")
-        t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
-        t.add_row("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f}  (MFU {est.mfu:.1%})")
-        mem = est.memory
-        t.add_row("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} "
-                  f"({'fits' if est.fits else 'does NOT fit'})")
-        t.add_row("  weights / grads / optimizer",
-                  f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB")
-        t.add_row("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")
-        for k, v in est.time.model_dump().items():
-            if v:
-                t.add_row(f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s")
-        t.add_row("bottleneck", est.bottleneck)
-        if est.confidence:
-            t.add_row("confidence", f"{est.confidence.label}: {est.confidence.reason}")
-        out.print(t)
+        print_lines(pairs_lines(f"{plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
+                                f"{plan.summary()}", estimate_pairs(plan), _width(out)))
         for w in est.warnings:
-            err.print(f"[yellow]warning:[/] {w}")
+            err.print(f"[yellow]warning:[/] {escape(w)}")
 
     emit(est, as_json, render)
+
+
+def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
+    """The estimate as (label, value) rows: the numbers `estimate --json` carries, formatted."""
+    est = plan.estimate
+    assert est is not None
+    mem = est.memory
+    rows = [("step time", f"{est.step_time_s:.3f} s"),
+            ("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
+            ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%})"),
+            ("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB "
+             f"({'fits' if est.fits else 'does NOT fit'})"),
+            ("  weights / grads / optimizer",
+             f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB"),
+            ("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")]
+    for k, v in est.time.model_dump().items():
+        if v:
+            rows.append((f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s"))
+    rows.append(("  headroom / margin", f"{mem.headroom_gb:.1f} / {mem.margin_gb:.1f} GB "
+                 "(fits when headroom ≥ margin)"))
+    rows.append(("bottleneck", est.bottleneck))
+    if est.interval is not None:
+        (lo, hi), (slo, shi) = est.interval.tokens_per_s_per_gpu, est.interval.step_time_s
+        rows.append((f"{est.interval.level:.0%} interval", f"{lo:,.0f}–{hi:,.0f} tokens/s/GPU, "
+                     f"{slo:.3f}–{shi:.3f} s per step"))
+    weak = [a.term for a in est.assumptions if not a.validated]
+    if weak:
+        rows.append(("not validated", "; ".join(weak)))
+    if est.confidence:
+        rows.append(("confidence", f"{est.confidence.label}: {est.confidence.reason}"))
+    return rows
 
 
 @app.command()
@@ -321,28 +390,35 @@ def validate(
         return "-" if x is None else f"{x:.1%}"
 
     def render() -> None:
-        t = Table("id", "split", "model", "gpu", "precision", "tok/s/GPU pred", "published",
-                  "error", title=f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
-                  "skipped")
+        width = _width(out)
+        cols = [Column("id"), Column("split", fold=3), Column("model", fold=2),
+                Column("gpu", fold=1), Column("precision", fold=0),
+                Column("tok/s/GPU pred", right=True), Column("published", right=True),
+                Column("error", right=True)]
+        body = []
         for r in res["rows"]:
             pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
             e = f"{pred / pub - 1:+.1%}" if pub else "-"
-            t.add_row(r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
-                      r["gpu"], r["precision"], f"{pred:,.0f}", f"{pub:,.0f}" if pub else "-", e)
-        out.print(t)
+            body.append([r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
+                         r["gpu"], r["precision"], f"{pred:,.0f}",
+                         f"{pub:,.0f}" if pub else "-", e])
+        print_lines(table_lines(f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
+                                "skipped", cols, body, width))
+        notes = [f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
+                 f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
+                 f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
         if any(r.get("assumed") for r in res["rows"]):
-            out.print("* priced with settings its source's recipe documents but the row does "
-                      "not print (EP overlap and the flex dispatcher of Megatron-Bridge's 26.06+ "
-                      "MXFP8 MoE recipes; `assumed` in --json)")
-        out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
-                  f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
-                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+            notes.insert(0, "* priced with settings its source's recipe documents but the row "
+                         "does not print (EP overlap and the flex dispatcher of "
+                         "Megatron-Bridge's 26.06+ MXFP8 MoE recipes; `assumed` in --json)")
         rk = res["ranking"]
-        out.print(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
-                  f"{rk['pairs']}")
-        out.print(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
-                  f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), median "
-                  f"width {pct(res['median_interval_width'])} of the point")
+        notes.append(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
+                     f"{rk['pairs']}")
+        notes.append(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
+                     f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), "
+                     f"median width {pct(res['median_interval_width'])} of the point")
+        for note in notes:
+            print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
 
@@ -369,6 +445,7 @@ def search(
                            "efficiency constants.")] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
                       ] = None,
+    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
     objective: Annotated[str, typer.Option("--objective", help="robust: rank by the low end of "
                          "the 80 % tokens/s/GPU interval, so a plan wins only if it still wins "
                          "when its unvalidated effects disappoint; expected: rank by the point "
@@ -376,6 +453,7 @@ def search(
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
+    _check_report(report)
     import time as _time
 
     from . import search as api_search
@@ -390,48 +468,73 @@ def search(
         now = _time.monotonic()
         if now - shown["t"] > 1.0:
             shown["t"] = now
-            err.print(f"searching: {done}/{total} candidate layouts bounded or solved",
-                      highlight=False)
+            # the search counts each candidate layout's two visits (bounded, then solved)
+            err.print(f"searching: {min(done / total, 1):.0%} of the candidate layouts "
+                      "examined", highlight=False)
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
                      calibration=calibration, progress=progress, objective=objective)
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
+        err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
+    if report:
+        best = res.plans[0]
+        _write_plan_report(res.plans, f"{best.model.name} on {best.world_size} × "
+                           f"{best.cluster.gpu}: best {len(res.plans)} plans", report)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
                   "found so far", highlight=False)
 
     def render() -> None:
-        t = Table(title=f"{res.plans[0].model.name} on {res.plans[0].world_size} × "
-                  f"{res.plans[0].cluster.gpu}: best {len(res.plans)} of {res.layouts} layouts "
-                  f"({res.seconds:.1f} s)")
-        for col in ("#", "layout", "choices", "step s", "tok/s/GPU", "TFLOPS", "MFU",
-                    "peak GB", "bottleneck"):
-            t.add_column(col, no_wrap=col != "choices", overflow="fold")
-        for i, p in enumerate(res.plans):
-            e = p.estimate
-            assert e is not None
-            L, c = p.layout, p.choices
-            lay = (f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
-                   + (f" ep{L.ep} etp{L.etp} {L.dispatcher}" if p.model.is_moe else "")
-                   + f" mbs{L.mbs}" + (" ovl" if L.ep_overlap else "") + f" {p.training.precision}")
-            rec = c.stage_recompute or [c.recompute]
-            off = c.stage_offload or [c.offload]
-            ch = ("rc=" + "|".join(",".join(r) or "-" for r in rec) if any(rec) else "")
-            ch += (" off=" + "|".join(",".join(o) or "-" for o in off) if any(off) else "")
-            if c.optimizer_offload_fraction:
-                ch += f" opt-off={c.optimizer_offload_fraction:g}"
-            t.add_row(str(i + 1), lay, ch or "-", f"{e.step_time_s:.3g}",
-                      f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}",
-                      f"{e.mfu:.1%}", f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}",
-                      e.bottleneck)
-        wide = out if out.is_terminal else Console(width=200)
-        wide.print(t)
-        for line in res.plans[0].explanation[2:]:
-            wide.print(line, highlight=False)
+        width = _width(out)
+        best = res.plans[0]
+        print_lines(table_lines(f"{best.model.name} on {best.world_size} × {best.cluster.gpu}: "
+                                f"best {len(res.plans)} of {res.layouts} layouts "
+                                f"({res.seconds:.1f} s)", SEARCH_COLUMNS,
+                                [search_row(i, p) for i, p in enumerate(res.plans)], width))
+        for line in best.explanation[2:]:
+            print_lines([Line(s) for s in wrap(line, width, "  ")])
+        print_lines([Line(s, "dim") for s in wrap(_next_steps(output), width, "  ")])
 
     emit(res.to_json(), as_json, render)
+
+
+SEARCH_COLUMNS = [Column("#", right=True), Column("layout", fold=2), Column("choices", fold=1),
+                  Column("step s", right=True), Column("tok/s/GPU", right=True),
+                  Column("TFLOPS", right=True), Column("MFU", right=True),
+                  Column("peak GB", right=True, fold=3), Column("bottleneck", fold=0)]
+
+
+def search_row(i: int, p: S.Plan) -> list[str]:
+    """One plan as the search table's cells (`Plan.layout_summary`/`choices_summary` words)."""
+    e = p.estimate
+    assert e is not None
+    return [str(i + 1), p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g}",
+            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+            f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}", e.bottleneck]
+
+
+def _next_steps(output: str | None) -> str:
+    """The one line after a search: how to keep the best plan and what to do with it."""
+    if output:
+        return (f"next: moeplan estimate {output} (breakdown), moeplan export {output} --format "
+                f"megatron|torchrun|slurm, or moeplan run {output} --scale-down (a small "
+                "local run).")
+    return ("next: add -o plan.json to keep the best plan, then moeplan estimate plan.json, "
+            "moeplan export plan.json --format megatron, or moeplan run plan.json.")
+
+
+# what-if columns: the point's key and its headline numbers stay in the row, the rest fold
+WHATIF_COLUMNS = {
+    "cluster": Column("cluster"), "GPUs": Column("GPUs", right=True),
+    "seq": Column("seq", right=True, fold=4), "gbs": Column("gbs", right=True, fold=3),
+    "layout": Column("layout", fold=1), "tok/s/GPU": Column("tok/s/GPU", right=True),
+    "MFU": Column("MFU", right=True, fold=5), "step s": Column("step s", right=True, fold=6),
+    "days": Column("days", right=True), "GPU-hours": Column("GPU-hours", right=True, fold=7),
+    "cost": Column("cost", right=True, fold=8), "scaling": Column("scaling", right=True, fold=2),
+    "pareto": Column("pareto"), "why": Column("why", fold=0),
+}
 
 
 @app.command()
@@ -512,23 +615,19 @@ def whatif(
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 
     def render() -> None:
-        from rich.markup import escape
-
         from .planner.report import answers
 
         table = rows(res)
-        t = Table(title=f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
-                  f"({res.seconds:.1f} s); ★ Pareto front (time vs "
-                  f"{'cost' if res.priced else 'GPU-hours'})")
-        for col in (table[0] if table else {}):
-            t.add_column(col, no_wrap=col not in ("why", "layout"), overflow="fold")
-        for p, r in zip(res.points, table, strict=True):
-            t.add_row(*map(escape, r.values()),
-                      style="bold" if p.pareto else ("dim" if not p.fits else None))
-        wide = out if out.is_terminal else Console(width=220)
-        wide.print(t)
+        cols = [WHATIF_COLUMNS.get(c, Column(c, fold=0)) for c in (table[0] if table else {})]
+        width = _width(out)
+        print_lines(table_lines(
+            f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
+            f"({res.seconds:.1f} s); ★ Pareto front (time vs "
+            f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
+            width, ["bold" if p.pareto else ("dim" if not p.fits else None)
+                    for p in res.points]))
         for line in answers(res):
-            wide.print(line, highlight=False, markup=False)
+            print_lines([Line(s) for s in wrap(line, width, "  ")])
 
     emit(res.to_json(), as_json, render)
     if not res.any_fits:
@@ -576,43 +675,82 @@ def run(
     init_from: Annotated[str | None, typer.Option(
         "--init-from", help="Start from a Hugging Face checkpoint directory (config.json + "
         "*.safetensors); each rank reads only its own slices.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     if out_dir is not None:
         _check_out_dir(out_dir)
+    require_torch("moeplan run")
     from .runtime.launch import RunFailed
     from .runtime.launch import run as run_plan
 
     try:
-        summary = run_plan(
-            plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
-            scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
-            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-            rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
-            max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
+        with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
+            summary = run_plan(
+                plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
+                scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+                rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+                max_restarts=max_restarts, ckpt_keep=ckpt_keep,
+                max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
     except RunFailed as e:  # workers failed, or a signal stopped them (one line either way)
         if str(e):
             err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
-    if not summary:
+    if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return
-    t = Table("", "measured", "predicted", title=f"moeplan run: {summary['model']}")
-    meas, pred = summary["measured"], summary["predicted"] or {}
-    for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
-                            ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
-                            ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
-                            ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
-        t.add_row(label, fmt.format(meas[key]), fmt.format(pred[key]) if key in pred else "—")
-    t.add_row("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}", "")
-    err.print(t)
-    band = (summary.get("predicted") or {}).get("step_time_interval_s")
-    if band:
-        where = "inside" if summary.get("inside_interval") else "outside"
-        out.print(f"measured step time {summary['measured']['step_time_s']:.3g} s is {where} the "
-                  f"plan's 80% interval {band[0]:.3g}–{band[1]:.3g} s", highlight=False)
-    for note in summary.get("notes", []):
-        err.print(f"note: {note}", highlight=False)
+
+    def render() -> None:
+        meas, pred = summary["measured"], summary["predicted"] or {}
+        pairs = []
+        for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
+                                ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
+                                ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
+                                ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
+            pred_s = fmt.format(pred[key]) if key in pred else "—"
+            pairs.append((label, f"{fmt.format(meas[key])} measured, {pred_s} predicted"))
+        pairs.append(("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}"))
+        print_lines(pairs_lines(f"moeplan run: {summary['model']}", pairs, _width(err)), err)
+        band = pred.get("step_time_interval_s")
+        if band:
+            where = "inside" if summary.get("inside_interval") else "outside"
+            print_lines([Line(x) for x in wrap(
+                f"measured step time {meas['step_time_s']:.3g} s is {where} the plan's 80% "
+                f"interval {band[0]:.3g}–{band[1]:.3g} s", _width(out), "  ")])
+        for note in summary.get("notes", []):
+            err.print(f"note: {note}", highlight=False, markup=False)
+
+    emit(summary, as_json, render)
+
+
+def require_torch(command: str) -> None:
+    """Exit 2 with what to install when torch is missing: the planner never needs it, so a
+    planner-only install (`pip install moeplan`) is normal, not broken."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SpecError(f"{command} trains with PyTorch, which is not installed (the planner "
+                        "commands do not need it). Install the runtime: pip install "
+                        "'moeplan[run]' (on a CPU-only machine first pip install "
+                        "torch==2.13.0; on a GPU machine the CUDA build of torch for your "
+                        "driver).") from None
+
+
+@contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Point file descriptor 1 at stderr (children inherit it) while the block runs."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _check_out_dir(out_dir: str) -> None:
@@ -634,11 +772,11 @@ def _check_out_dir(out_dir: str) -> None:
 def groups(
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="World size.")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1)] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1)] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1)] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
+    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
     order: Annotated[str, typer.Option("--order", help="tp-cp-ep-dp-pp or tp-cp-ep-pp-dp.")] = (
         "tp-cp-ep-dp-pp"),
     as_json: JsonOpt = False,
@@ -653,12 +791,12 @@ def groups(
     doc = layout_groups(plan, gpus=gpus, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
 
     def render() -> None:
-        t = Table("axis", "groups", title="process groups (global ranks)")
+        pairs = []
         for axis, members in doc.items():
-            shown = " ".join(str(g) for g in members[:16])
+            shown = " ".join(str(g).replace(", ", ",") for g in members[:16])
             more = f" … ({len(members)} groups)" if len(members) > 16 else ""
-            t.add_row(axis, shown.replace(", ", ",") + more)
-        out.print(t)
+            pairs.append((axis, shown + more))
+        print_lines(pairs_lines("process groups (global ranks)", pairs, _width(out)))
 
     emit(doc, as_json, render)
 
@@ -673,6 +811,12 @@ def export(
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", help="Processes (GPUs) per node; default: the cluster's GPUs per "
         "node.")] = None,
+    train_iters: Annotated[int | None, typer.Option(
+        "--train-iters", min=1, help="megatron: iterations to train; warm-up and decay keep "
+        "their TrainingSpec fractions.")] = None,
+    train_tokens: Annotated[float | None, typer.Option(
+        "--train-tokens", help="megatron: tokens to train (e.g. 1e12), as iterations at the "
+        "plan's global batch.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a plan as Megatron-LM flags, a torchrun line or a Slurm script.
@@ -681,7 +825,8 @@ def export(
     """
     from . import export as export_plan
 
-    doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node)
+    doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node,
+                      train_iters=train_iters, train_tokens=train_tokens)
     for w in doc.get("warnings", []):
         err.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
 
@@ -689,7 +834,7 @@ def export(
         if doc["format"] == "megatron":
             from .planner.export import format_megatron
 
-            sys.stdout.write(format_megatron(doc["args"]) + "\n")
+            sys.stdout.write(format_megatron(doc["args"], doc["comments"]) + "\n")
         else:
             sys.stdout.write(doc["script"])
 
@@ -745,8 +890,7 @@ def calibrate(
     if nproc is not None:  # refused before torch loads when no host could have that many devices
         limits.check("--nproc", nproc, max(cpu_max, limits.MAX_DEVICES_PER_NODE),
                      "pass at most the devices present")
-    import os
-
+    require_torch("moeplan calibrate")
     import torch
     import yaml
 

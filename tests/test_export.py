@@ -433,7 +433,9 @@ def plan_file(tmp_path):
 def test_cli_megatron_text_and_json(cli, plan_file):
     r = cli("export", str(plan_file), "--format", "megatron")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.rstrip("\n").split("\n")
+    comments = [line for line in r.stdout.split("\n") if line.startswith("# ")]
+    assert any("DATA_PATH" in c for c in comments)  # the placeholders to set, listed
+    lines = r.stdout.rstrip("\n").split("\n")[len(comments):]
     assert all(line.endswith(" \\") for line in lines[:-1]) and not lines[-1].endswith("\\")
     assert all(line.startswith("--") for line in lines)
     assert "warning:" in r.stderr and "union" in r.stderr

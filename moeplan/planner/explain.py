@@ -16,39 +16,37 @@ TIME_PARTS = {
 
 
 def describe(plan: Plan) -> str:
-    L, c = plan.layout, plan.choices
-    parts = [f"tp{L.tp}", f"cp{L.cp}", f"dp{L.dp}", f"pp{L.pp}"]
-    if L.vpp > 1:
-        parts.append(f"vpp{L.vpp}")
-    if plan.model.is_moe:
-        parts += [f"ep{L.ep}", f"etp{L.etp}", f"edp{L.edp}", L.dispatcher]
-    parts.append(f"mbs{L.mbs}")
-    if L.ep_overlap:
-        parts.append("ep-overlap")
-    if not L.distributed_optimizer:
-        parts.append("no-dist-opt")
-    text = " ".join(parts) + f" {plan.training.precision}"
-    rec = c.stage_recompute or ([c.recompute] if c.recompute else [])
-    off = c.stage_offload or ([c.offload] if c.offload else [])
-    if any(rec):
-        text += " recompute=" + "|".join(",".join(r) or "-" for r in rec)
-    if any(off):
-        text += " offload=" + "|".join(",".join(o) or "-" for o in off)
-    if c.optimizer_offload_fraction:
-        text += f" optimizer-offload={c.optimizer_offload_fraction:g}"
-    return text
+    """The plan in the shared vocabulary (`Plan.summary`), so a sentence names a choice with
+    the same word as the table above it and the README."""
+    return plan.summary()
 
 
 def _why(best: Plan, other: Plan) -> str:
+    """Why `best` beats `other`: the step-time difference and the components that make it up,
+    gains and losses both, so the parts add up to the difference the user sees."""
     a, b = best.estimate, other.estimate
     assert a is not None and b is not None
     gain = b.step_time_s / a.step_time_s - 1
-    diffs = {name: getattr(b.time, k) - getattr(a.time, k) for k, name in TIME_PARTS.items()}
-    name, delta = max(diffs.items(), key=lambda kv: kv[1])
-    reason = (f"its {name} is {delta:.3g} s shorter per step" if delta > 0
-              else "its components add up shorter")
-    return (f"{gain:.1%} faster than the runner-up ({describe(other)}): {reason}; peak "
+    step_delta = b.step_time_s - a.step_time_s
+    diffs = [(name, getattr(b.time, k) - getattr(a.time, k)) for k, name in TIME_PARTS.items()]
+    moved = sorted((d for d in diffs if abs(d[1]) >= 5e-4 * b.step_time_s),
+                   key=lambda d: -abs(d[1]))[:3]
+    parts = [f"{name} {abs(d):.3g} s {'shorter' if d > 0 else 'longer'}" for name, d in moved]
+    reason = ("per step: " + ", ".join(parts)) if parts else "its components add up shorter"
+    choices = _distinct(best, other)
+    head = (f"{gain:.1%} ({step_delta:.3g} s per step) faster than the runner-up" if gain >= 0
+            else f"ranked above the runner-up by its interval's low end, though "
+                 f"{-gain:.1%} ({-step_delta:.3g} s per step) slower at the point estimate")
+    return (f"{head} ({describe(other)}){choices}: {reason}; peak "
             f"{a.memory.peak_gb:.1f} GB vs {b.memory.peak_gb:.1f} GB")
+
+
+def _distinct(best: Plan, other: Plan) -> str:
+    """The layout and choice tokens in which the two plans differ, as ` (differs in: …)`."""
+    mine = best.layout_summary().split() + best.choice_tokens()
+    theirs = set(other.layout_summary().split() + other.choice_tokens())
+    diff = [t for t in mine if t not in theirs]
+    return f", this plan has {' '.join(diff)}" if diff else ""
 
 
 def interval_sentence(e: Estimate) -> str:

@@ -17,6 +17,7 @@ Pure functions of the specs: no torch, no I/O (except `export`, which may read a
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Sequence
@@ -185,7 +186,24 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--adam-beta2": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--adam-eps": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--clip-grad": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
+    "--train-iters": MegatronFlag(1, int, None, _A + "_add_training_args"),
+    # ---- supplied by the user (placeholders, see PLACEHOLDERS)
+    "--data-path": MegatronFlag("+", str, None, _A + "_add_data_args"),
+    "--tokenizer-type": MegatronFlag(1, str, None, _A + "_add_tokenizer_args"),
+    "--tokenizer-model": MegatronFlag(1, str, None, _A + "_add_tokenizer_args"),
+    "--save": MegatronFlag(1, str, None, _A + "_add_checkpointing_args"),
+    "--load": MegatronFlag(1, str, None, _A + "_add_checkpointing_args"),
 }
+
+# What a plan cannot know: shell variables the user sets before running. `${VAR:?}` makes the
+# shell stop with "VAR: parameter null or not set" instead of starting Megatron without them.
+PLACEHOLDERS: dict[str, str] = {
+    "DATA_PATH": "--data-path: prefix of the preprocessed dataset (Megatron's "
+                 "tools/preprocess_data.py output, without .bin/.idx)",
+    "TOKENIZER_MODEL": "--tokenizer-model: the Hugging Face tokenizer name or directory",
+    "CHECKPOINT_DIR": "--save and --load: the checkpoint directory",
+}
+MAX_TRAIN_ITERS = 10**9
 
 # precision recipe → (format flag, format, recipe flag, recipe); Megatron's low-precision guide
 # (docs/user-guide/features/low_precision_training.md) pairs mxfp8 and blockwise with e4m3.
@@ -214,7 +232,7 @@ class _Args:
         want = spec.nargs
         assert (want == "+" and values) or want == len(values), (flag, values)
         self.argv.append(flag)
-        self.argv.extend(str(v) for v in values)
+        self.argv.extend(v if isinstance(v, str) else str(v) for v in values)  # keep ShellRefs
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -342,7 +360,8 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
             warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
                         f"--rotary-base takes an int; exported {theta}.")
         a.add("--rotary-base", theta)
-        max_pos = t.seq_len
+        # the context the model was built for (HF max_position_embeddings), never below seq
+        max_pos = max(m.max_position_embeddings or 0, t.seq_len)
     else:
         a.add("--position-embedding-type", "learned_absolute")
         table = m.max_position_embeddings or t.seq_len
@@ -547,15 +566,50 @@ def _precision_args(a: _Args, plan: Plan) -> None:
         a.add(rec[2], rec[3])
 
 
-def _optimizer_args(a: _Args, plan: Plan) -> None:
+def schedule(plan: Plan, train_iters: int | None = None) -> tuple[int, int, int]:
+    """(train iters, warm-up iters, decay-end iter) for Megatron.
+
+    Without `train_iters` the TrainingSpec's own schedule (warm-up + decay steps). With it, the
+    spec's warm-up share of its schedule is kept as a fraction of `train_iters` and the cosine
+    decay runs to the last step (Megatron counts --lr-decay-iters from step 0, warm-up
+    included), so a 5,000-step run gets a 5,000-step schedule, not the spec's.
+    """
     t = plan.training
+    total = t.warmup_steps + t.decay_steps
+    if train_iters is None:
+        return total, t.warmup_steps, total
+    warm = round(train_iters * t.warmup_steps / total)
+    if t.warmup_steps and train_iters > 1:
+        warm = min(max(warm, 1), train_iters - 1)
+    return train_iters, warm, train_iters
+
+
+def train_iters_for(plan: Plan, train_iters: int | None, train_tokens: float | None
+                    ) -> int | None:
+    """--train-iters N, or the steps that --train-tokens T takes at the plan's batch."""
+    if train_iters is not None and train_tokens is not None:
+        raise SpecError("give either --train-iters or --train-tokens, not both.")
+    if train_tokens is not None:
+        if not math.isfinite(train_tokens) or train_tokens <= 0:
+            raise SpecError(f"--train-tokens takes a positive number of tokens (e.g. 1e12), "
+                            f"got {train_tokens!r}.")
+        train_iters = math.ceil(train_tokens / plan.training.tokens_per_step)
+    if train_iters is not None and not 1 <= train_iters <= MAX_TRAIN_ITERS:
+        raise SpecError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS:,} steps, got "
+                        f"{train_iters:,}; check --train-iters or --train-tokens.")
+    return train_iters
+
+
+def _optimizer_args(a: _Args, plan: Plan, train_iters: int | None) -> None:
+    t = plan.training
+    iters, warm, decay_end = schedule(plan, train_iters)
+    a.add("--train-iters", iters)
     a.add("--optimizer", "adam")  # Megatron's Adam has decoupled weight decay (AdamW)
     a.add("--lr", _num(t.lr))
     a.add("--min-lr", _num(t.min_lr))
     a.add("--lr-decay-style", "cosine")
-    a.add("--lr-warmup-iters", t.warmup_steps)
-    # Megatron counts --lr-decay-iters from step 0, warm-up included.
-    a.add("--lr-decay-iters", t.warmup_steps + t.decay_steps)
+    a.add("--lr-warmup-iters", warm)
+    a.add("--lr-decay-iters", decay_end)
     a.add("--weight-decay", _num(t.weight_decay))
     a.add("--adam-beta1", _num(t.adam_beta1))
     a.add("--adam-beta2", _num(t.adam_beta2))
@@ -572,12 +626,22 @@ def check_exportable(plan: Plan) -> None:
         raise LayoutError(v)
 
 
-def to_megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
+def _user_args(a: _Args) -> None:
+    """The flags only the user can fill, as `${VAR:?}` placeholders (PLACEHOLDERS)."""
+    a.add("--data-path", ShellRef("${DATA_PATH:?}"))
+    a.add("--tokenizer-type", "HuggingFaceTokenizer")
+    a.add("--tokenizer-model", ShellRef("${TOKENIZER_MODEL:?}"))
+    a.add("--save", ShellRef("${CHECKPOINT_DIR:?}"))
+    a.add("--load", ShellRef("${CHECKPOINT_DIR:?}"))
+
+
+def to_megatron_args(plan: Plan, train_iters: int | None = None) -> tuple[list[str], list[str]]:
     """Megatron-LM `pretrain_gpt.py` flags (as argv tokens) reproducing the plan, and warnings.
 
     The flags fix the model, the parallel layout, the batch, memory choices, dispatcher,
-    precision and optimizer; data, tokenizer, iteration count and checkpoint flags are left to
-    the user. Each warning names a plan choice Megatron cannot express and what was emitted.
+    precision, optimizer and schedule (`schedule`); data, tokenizer and checkpoint directories
+    are `${VAR:?}` placeholders (PLACEHOLDERS) the user sets. Each warning names a plan choice
+    Megatron cannot express and what was emitted.
     """
     check_exportable(plan)
     a, warn = _Args(), []
@@ -590,8 +654,22 @@ def to_megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     _batch_args(a, plan)
     _memory_args(a, plan, warn)
     _precision_args(a, plan)
-    _optimizer_args(a, plan)
+    _optimizer_args(a, plan, train_iters)
+    _user_args(a)
     return a.argv, warn
+
+
+def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
+    """The comment printed above the flags: the plan, the schedule, the variables to set."""
+    iters, warm, decay_end = schedule(plan, train_iters)
+    source = ("scaled from the TrainingSpec" if train_iters is not None else
+              "the TrainingSpec's own; pass --train-iters N or --train-tokens T to scale it")
+    lines = [f"plan: {plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
+             f"{plan.summary()}",
+             f"schedule: {iters:,} iterations, {warm:,} warm-up, cosine decay to iteration "
+             f"{decay_end:,} ({source})",
+             "set before running (placeholders below):"]
+    return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
 
 
 class ShellRef(str):
@@ -600,7 +678,8 @@ class ShellRef(str):
     `$NAME` references and `[A-Za-z0-9_.:/-]`; every other token (plan paths, names, flag
     values) is single-quoted by shlex.quote, so no input can reach the shell as code."""
 
-    _SAFE = re.compile(r"(?:\$[A-Z_][A-Z0-9_]*|[A-Za-z0-9_.:/-])+")
+    # `${NAME:?}`: a placeholder the user must set (the shell stops, naming it, if unset)
+    _SAFE = re.compile(r"(?:\$[A-Z_][A-Z0-9_]*|\$\{[A-Z_][A-Z0-9_]*:\?\}|[A-Za-z0-9_.:/-])+")
 
     def __new__(cls, text: str) -> ShellRef:
         if not cls._SAFE.fullmatch(text):
@@ -643,9 +722,10 @@ def format_lines(argv: Sequence[str], indent: str = "") -> list[str]:
     return [indent + " ".join(_sh(t) for t in line) for line in lines]
 
 
-def format_megatron(argv: Sequence[str]) -> str:
-    """Flags one per line with trailing backslashes, ready to paste after `pretrain_gpt.py`."""
-    return " \\\n".join(format_lines(argv))
+def format_megatron(argv: Sequence[str], comments: Sequence[str] = ()) -> str:
+    """Flags one per line with trailing backslashes, ready to paste after `pretrain_gpt.py`,
+    under `# ` comment lines."""
+    return "".join(f"# {c}\n" for c in comments) + " \\\n".join(format_lines(argv))
 
 
 def _procs(plan: Plan, nnodes: int | None, nproc_per_node: int | None) -> tuple[int, int]:
@@ -761,20 +841,30 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
 
 
 def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None = None,
-           nproc_per_node: int | None = None, plan_path: str | None = None) -> dict[str, Any]:
-    """The `moeplan export --json` document: {"format", "args", "warnings"} for megatron,
-    {"format", "script"} for torchrun and slurm. `plan` is a Plan or a plan file path."""
+           nproc_per_node: int | None = None, plan_path: str | None = None,
+           train_iters: int | None = None, train_tokens: float | None = None) -> dict[str, Any]:
+    """The `moeplan export --json` document: {"format", "args", "warnings", "comments",
+    "placeholders", "schedule"} for megatron, {"format", "script"} for torchrun and slurm.
+    `plan` is a Plan or a plan file path; `train_iters`/`train_tokens` scale the schedule."""
     if format not in FORMATS:
         raise SpecError(f"--format {excerpt(format)} is not one of {', '.join(FORMATS)}.")
     if not isinstance(plan, Plan):
         plan_path = plan_path or str(plan)
         plan = load_plan(plan)
     path = plan_path or "plan.json"
+    if format != "megatron" and (train_iters is not None or train_tokens is not None):
+        raise SpecError("--train-iters and --train-tokens set Megatron's schedule: use them with "
+                        "--format megatron (`moeplan run` takes --steps).")
     if format == "megatron":
         if nnodes is not None or nproc_per_node is not None:
             _procs(plan, nnodes, nproc_per_node)  # still check them: a typo should not pass
-        args, warnings = to_megatron_args(plan)
-        return {"format": format, "args": args, "warnings": warnings}
+        iters = train_iters_for(plan, train_iters, train_tokens)
+        args, warnings = to_megatron_args(plan, iters)
+        total, warm, decay_end = schedule(plan, iters)
+        return {"format": format, "args": args, "warnings": warnings,
+                "comments": megatron_comments(plan, iters), "placeholders": dict(PLACEHOLDERS),
+                "schedule": {"train_iters": total, "lr_warmup_iters": warm,
+                             "lr_decay_iters": decay_end}}
     if format == "torchrun":
         return {"format": format, "script": to_torchrun(plan, nnodes, nproc_per_node, path)}
     return {"format": format, "script": to_slurm(plan, nnodes, nproc_per_node, path)}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..fsio import atomic_write_text
+from ..specs import Plan
 from .whatif import Point, WhatIf
 
 MEMORY_PARTS = ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb")
@@ -26,13 +27,31 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def _layout(p: Point) -> str:
-    if not p.plan:
-        return "-"
-    L = p.plan.layout
-    s = f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}" + (f" vpp{L.vpp}" if L.vpp > 1 else "")
-    if p.plan.model.is_moe:
-        s += f" ep{L.ep} etp{L.etp}"
-    return s + f" mbs{L.mbs} {p.plan.training.precision}"
+    """The best plan in the shared vocabulary (`Plan.summary`), or '-' without one."""
+    return p.plan.summary() if p.plan else "-"
+
+
+def money(x: float | None) -> str:
+    """US dollars with thousands separators: `$1,234,567`."""
+    return "-" if x is None else f"${x:,.0f}"
+
+
+def _why(p: Point, res: WhatIf) -> str:
+    """Why a point is not a choice: what stopped it fitting, or which point beats it."""
+    if not p.fits:
+        return p.why or "no plan fits (the search found none)"
+    if p.stopped_early:
+        return "stopped at the time limit"
+    if p.pareto or p.days_to_train is None or p.price_axis is None:
+        return ""
+    better = [q for q in (res.points[i] for i in res.pareto)
+              if q.days_to_train is not None and q.price_axis is not None
+              and q.days_to_train <= p.days_to_train and q.price_axis <= p.price_axis]
+    if not better:
+        return ""
+    q = min(better, key=lambda q: q.days_to_train or 0.0)
+    cheaper = "no dearer" if res.priced else "no more GPU-hours"
+    return f"off the front: {q.label} GPUs is no slower and {cheaper}"
 
 
 def rows(res: WhatIf) -> list[dict[str, str]]:
@@ -45,9 +64,9 @@ def rows(res: WhatIf) -> list[dict[str, str]]:
             "tok/s/GPU": _num(p.tokens_per_s_per_gpu, ",.0f"),
             "MFU": _num(p.mfu, ".1%"), "step s": _num(p.step_time_s, ".3g"),
             "days": _num(p.days_to_train, ",.1f"), "GPU-hours": _num(p.gpu_hours, ",.0f"),
-            "cost $": _num(p.cost_usd, ",.0f"), "scaling": _num(p.scaling_efficiency, ".0%"),
+            "cost": money(p.cost_usd), "scaling": _num(p.scaling_efficiency, ".0%"),
             "pareto": "★" if p.pareto else "",
-            "why": p.why or ("stopped at the time limit" if p.stopped_early else ""),
+            "why": _why(p, res),
         })
     return out
 
@@ -148,8 +167,11 @@ def plots(res: WhatIf) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    thousands = FuncFormatter(lambda x, _: f"{x:,.0f}" if abs(x) >= 10 else f"{x:g}")
+    dollars = FuncFormatter(lambda x, _: f"${x:,.0f}")
     out: dict[str, str] = {}
     series = _series(res.points)
 
@@ -166,9 +188,11 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.minorticks_off()
         ax.set_xlabel("GPUs")
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)  # a ratio is read off these axes: a 1 % drop must look like 1 %
+        ax.yaxis.set_major_formatter(thousands)
         ax.grid(alpha=0.3)
-    if series:
-        ax1.legend()
+        if series:
+            ax.legend()
     fig.suptitle("Throughput against GPU count")
     out["throughput"] = _svg(fig)
 
@@ -181,7 +205,8 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.scatter([p.price_axis for p in pts], [p.days_to_train for p in pts], label=name,
                    alpha=0.8)
         for p in pts:
-            ax.annotate(str(p.gpus), (p.price_axis, p.days_to_train), fontsize=7,
+            ax.annotate(f"{p.cluster} × {p.gpus} GPUs", (p.price_axis, p.days_to_train),
+                        fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     front = [res.points[i] for i in res.pareto]
     if front:
@@ -191,6 +216,9 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.scatter([p.price_axis for p in front], [p.days_to_train for p in front], s=140,
                    facecolors="none", edgecolors="red", linewidths=1.5, label="Pareto front")
     ax.set_xlabel("cost (USD)" if res.priced else "GPU-hours")
+    ax.xaxis.set_major_formatter(dollars if res.priced else thousands)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("days to train")
     ax.set_title(f"Time to train {res.tokens:.3g} tokens against "
                  f"{'cost' if res.priced else 'GPU-hours'}")
@@ -208,7 +236,8 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax.barh(labels, vals, left=left, label=part.removesuffix("_gb"))
         left = [a + b for a, b in zip(left, vals, strict=True)]
     for y, p in enumerate(fit):
-        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2)  # type: ignore
+        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2,  # type: ignore
+                label="HBM" if y == 0 else None)
     ax.set_xlabel("GB per GPU (most loaded GPU; black tick: HBM)")
     ax.set_title("Memory of each best plan")
     ax.invert_yaxis()
@@ -263,4 +292,130 @@ def write_report(res: WhatIf, path: str | Path) -> Path:
     else:
         raise SpecError(f"-o {path}: the report is .md (Markdown) or .html (self-contained "
                         "HTML with plots).")
+    return path
+
+
+# ------------------------------------------------------------------------ plan report (search)
+TIME_BARS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("offload_s", "offload"),
+             ("pp_bubble_s", "pipeline bubble"), ("exposed_comm_s", "exposed communication"))
+COMM_BARS = (("tp_comm_s", "TP"), ("cp_comm_s", "CP"), ("ep_comm_s", "EP"), ("dp_comm_s", "DP"))
+
+
+def rank_memory(plan: Plan) -> list[dict[str, float]]:
+    """Per pipeline rank: weights, grads, optimizer, activations, buffers (GB), from the cost
+    model's own per-rank accounting (the peak in the Estimate is the largest of these)."""
+    from ..cost_models.estimate import estimate_breakdown
+    from ..cost_models.memory import GB
+
+    b = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
+                           check=False)
+    return [{"weights": r.static.weights / GB, "grads": r.static.grads / GB,
+             "optimizer": r.static.optimizer / GB, "activations": r.activation_bytes / GB,
+             "buffers": r.buffer_bytes / GB} for r in b.ranks]
+
+
+def plan_plots(plan: Plan) -> dict[str, str]:
+    """The chosen plan's memory per pipeline rank and step-time breakdown, as inline SVG."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    est = plan.estimate
+    assert est is not None
+    out: dict[str, str] = {}
+    ranks = rank_memory(plan)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * max(3, len(ranks)) + 1.4))
+    labels = [f"pp rank {i}" for i in range(len(ranks))]
+    left = [0.0] * len(ranks)
+    for part in ("weights", "grads", "optimizer", "activations", "buffers"):
+        vals = [r[part] for r in ranks]
+        ax.barh(labels, vals, left=left, label=part)
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    ax.axvline(plan.cluster.hbm_gb, color="k", lw=2, label=f"HBM {plan.cluster.hbm_gb:g} GB")
+    from ..cost_models.calibration import calibration_for
+
+    reserve = calibration_for(dict(plan.cluster.calibration or {})).reserve_gb
+    if reserve > 0:
+        ax.axvline(plan.cluster.hbm_gb - reserve, color="k", ls="--", lw=1,
+                   label=f"budget (HBM − {reserve:g} GB reserve)")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("GB per GPU")
+    ax.set_title("Memory per pipeline rank")
+    ax.invert_yaxis()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    out["memory"] = _svg(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    t = est.time
+    names = [n for _, n in TIME_BARS] + [f"{n} comm (alone)" for _, n in COMM_BARS]
+    vals = [getattr(t, k) for k, _ in TIME_BARS] + [getattr(t, k) for k, _ in COMM_BARS]
+    colors = ["C0"] * len(TIME_BARS) + ["C7"] * len(COMM_BARS)
+    ax.barh(names, vals, color=colors)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.axvline(est.step_time_s, color="k", lw=1.5)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("seconds per step")
+    ax.set_title("Step time breakdown")
+    ax.invert_yaxis()
+    ax.legend(handles=[Patch(color="C0", label="in the step (exposed parts)"),
+                       Patch(color="C7", label="communication alone (partly hidden)"),
+                       Line2D([], [], color="k", label=f"step {est.step_time_s:.3g} s")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    out["time"] = _svg(fig)
+    return out
+
+
+def _plan_cells(i: int, p: Plan) -> list[str]:
+    e = p.estimate
+    assert e is not None
+    return [f"#{i + 1}", p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g} s",
+            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+            f"{e.memory.peak_gb:.1f} / {p.cluster.hbm_gb:g} GB", e.bottleneck]
+
+
+PLAN_ROWS = ("plan", "layout", "choices", "step time", "tokens/s/GPU", "TFLOPS/GPU", "MFU",
+             "peak memory", "bottleneck")
+
+
+def plan_report(plans: Sequence[Plan], title: str) -> str:
+    """One self-contained HTML page: the plans side by side (one column each), then the chosen
+    (first) plan's memory per pipeline rank and step-time breakdown, its explanation, and its
+    assumptions and interval where the estimate carries them."""
+    cells = [_plan_cells(i, p) for i, p in enumerate(plans)]
+    rows_html = "".join(
+        f"<tr><th>{html.escape(name)}</th>"
+        + "".join(f"<td>{html.escape(c[j])}</td>" for c in cells) + "</tr>"
+        for j, name in enumerate(PLAN_ROWS))
+    best = plans[0]
+    figs = plan_plots(best)
+    captions = {"memory": "Memory of the chosen plan per pipeline rank, against HBM",
+                "time": "Where the chosen plan's step time goes"}
+    fig_html = "".join(f'<figure id="{k}">{v}<figcaption>{html.escape(captions[k])}'
+                       "</figcaption></figure>" for k, v in figs.items())
+    notes = list(best.explanation)
+    est = best.estimate
+    for extra in ("interval", "assumptions"):  # shown once estimates carry them
+        value = getattr(est, extra, None)
+        if value:
+            notes.append(f"{extra}: {value}")
+    notes += [f"warning: {w}" for w in (est.warnings if est else [])]
+    said = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
+            f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+            f"<h2>Plans</h2><table>{rows_html}</table>"
+            f"<h2>The chosen plan: {html.escape(best.summary())}</h2>{fig_html}"
+            + (f"<ul>{said}</ul>" if said else "") + "</body></html>\n")
+
+
+def write_plan_report(plans: Sequence[Plan], title: str, path: str | Path) -> Path:
+    """`search|estimate --report PATH.html`."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise SpecError(f"--report {path}: the plan report is an .html file.")
+    atomic_write_text(path, plan_report(plans, title))
     return path

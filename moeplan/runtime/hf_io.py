@@ -403,6 +403,8 @@ def _function_fields(spec: ModelSpec) -> dict[str, Any]:
     """The ModelSpec fields that define the function (not its name or training objective),
     with defaults resolved (head_dim None and head_dim = h/a are the same model)."""
     d = spec.model_dump(exclude={"name", "moe_aux_loss_coeff"})
+    if spec.position_embedding == "rope":  # a RoPE model's context length: not its function
+        d.pop("max_position_embeddings")
     if spec.attention == "gqa":
         d.update(head_dim=spec.head_dim_, num_kv_heads=spec.kv_heads)
     return d
@@ -516,7 +518,7 @@ def hf_config_for(spec: ModelSpec) -> dict[str, Any]:
     max_pos = ((spec.rope_scaling.max_position_embeddings if spec.rope_scaling else None)
                or (spec.rope_scaling.original_max_position_embeddings
                    if spec.rope_scaling and spec.rope_scaling.kind == "dynamic" else None)
-               or 32768)
+               or spec.max_position_embeddings or 32768)
     c: dict[str, Any] = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch],
         "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -180,6 +181,7 @@ def _common(c: Config, theta: float = 10000.0, eps: float = 1e-6,
         "head_dim": c.get("head_dim", int, head_dim),
         "ffn_hidden_size": c.get("intermediate_size", int),
         "vocab_size": c.get("vocab_size", int),
+        "max_position_embeddings": c.get("max_position_embeddings", int, None),
         "tie_embeddings": c.get("tie_word_embeddings", bool, False),
         "norm_eps": c.get("rms_norm_eps", float, eps),
         "activation": HIDDEN_ACT[act],
@@ -438,4 +440,23 @@ def model_from_hf_config(config: dict[str, Any], source: str, name: str = "hf") 
     for text in c.notes:
         log.warning("warning: %s (%s): %s", source, arch, text)
     fields = {k: v for k, v in fields.items() if v is not None}
-    return build(ModelSpec, {"name": name, **fields}, "model spec", source)
+    spec = build(ModelSpec, {"name": _hf_name(config, name) or "hf", **fields}, "model spec",
+                 source)
+    if _hf_name(config, name) is None:  # no name anywhere: say what it is, e.g. qwen3_moe-30.5b
+        kind = str(config.get("model_type") or arch.removesuffix("ForCausalLM"))
+        spec = spec.model_copy(update={"name": _safe(f"{kind}-{spec.total_params() / 1e9:.3g}b")})
+    return spec
+
+
+def _safe(text: str) -> str:
+    """A name fit for titles, job names and file names: letters, digits, `._-`, ≤ 64."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:64]
+
+
+def _hf_name(config: dict[str, Any], stem: str) -> str | None:
+    """The model's own name: `_name_or_path`'s last part (`Qwen/Qwen3-30B-A3B` →
+    `Qwen3-30B-A3B`), else the file's stem unless it is the generic `config`."""
+    ref = config.get("_name_or_path")
+    if isinstance(ref, str) and _safe(ref.rstrip("/").rsplit("/", 1)[-1]):
+        return _safe(ref.rstrip("/").rsplit("/", 1)[-1])
+    return _safe(stem) if stem and stem not in ("config", "hf") and _safe(stem) else None

@@ -132,7 +132,8 @@ class ModelSpec(BaseModel):
     position_embedding: Literal["rope", "learned"] = Field("rope", description="Positions.")
     max_position_embeddings: int | None = Field(
         None, gt=0, le=MAX_POSITIONS,
-        description="Rows of the learned position table (learned positions only)."
+        description="Positions the model is built for: rows of the learned table, or a RoPE "
+        "model's context length (HF max_position_embeddings; exported to Megatron)."
     )
     normalization: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Norm kind.")
     rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base θ.")

@@ -114,3 +114,74 @@ class Plan(BaseModel):
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    def layout_summary(self) -> str:
+        """The parallel layout in one line: `tp2 cp1 dp8 pp4 vpp2 ep16 etp1 edp2 mbs1×64 bf16`.
+
+        `mbs1×64` reads "micro-batches of 1 sequence, 64 of them per step per data-parallel
+        replica" (gbs = mbs · micro-batches · dp). vpp is shown only when interleaving is on;
+        the expert axes only for MoE models.
+        """
+        L = self.layout
+        parts = [f"tp{L.tp}", f"cp{L.cp}", f"dp{L.dp}", f"pp{L.pp}"]
+        if L.vpp > 1:
+            parts.append(f"vpp{L.vpp}")
+        if self.model.is_moe:
+            parts += [f"ep{L.ep}", f"etp{L.etp}", f"edp{L.edp}"]
+        parts += [f"mbs{L.mbs}×{L.num_microbatches}", self.training.precision]
+        return " ".join(parts)
+
+    def choice_tokens(self) -> list[str]:
+        """Every choice beyond the parallel degrees, one token each, in the one vocabulary the
+        tables, explanations, exports and README share:
+
+        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `dist-opt|no-dist-opt`
+        (optimizer states sharded over data parallel or replicated),
+        `recompute=core_attn,moe_act` (per pipeline rank when they differ:
+        `recompute=core_attn|-|-|-`), `offload=expert_fc1`, `optimizer-offload=0.5` (fraction
+        of optimizer states kept and stepped on the host) and `stages=Et*3|(t*4|)*14,ttmL`
+        (an explicit or uneven pipeline stage layout, Megatron's syntax).
+        """
+        L, c = self.layout, self.choices
+        tokens = [L.dispatcher] if self.model.is_moe else []
+        for flag, word in (("ep_overlap", "ep-overlap"), ("tp_comm_overlap", "tp-comm-overlap")):
+            if getattr(L, flag, False) or getattr(c, flag, False):
+                tokens.append(word)
+        graphs = getattr(L, "cuda_graphs", None) or getattr(c, "cuda_graphs", None)
+        if graphs:
+            tokens.append("cuda-graphs" if graphs is True else f"cuda-graphs={graphs}")
+        tokens.append("dist-opt" if L.distributed_optimizer else "no-dist-opt")
+        rec = c.stage_recompute or ([c.recompute] if c.recompute else [])
+        off = c.stage_offload or ([c.offload] if c.offload else [])
+        if any(rec):
+            tokens.append("recompute=" + _per_stage(rec))
+        if any(off):
+            tokens.append("offload=" + _per_stage(off))
+        if c.optimizer_offload_fraction:
+            tokens.append(f"optimizer-offload={c.optimizer_offload_fraction:g}")
+        stages = c.stage_layout or (
+            _format_layers(self) if c.stage_layers and len(set(c.stage_layers)) > 1 else None)
+        if stages:
+            tokens.append(f"stages={stages}")
+        return tokens
+
+    def choices_summary(self) -> str:
+        return " ".join(self.choice_tokens())
+
+    def summary(self) -> str:
+        """The whole plan in one line: layout, then choices (see the two functions above)."""
+        return f"{self.layout_summary()} {self.choices_summary()}"
+
+
+def _per_stage(sets: list[list[str]]) -> str:
+    """One set for all pipeline ranks (`core_attn,moe_act`), or one per rank (`a|-|b`)."""
+    texts = [",".join(s) or "-" for s in sets]
+    return texts[0] if len(set(texts)) == 1 else "|".join(texts)
+
+
+def _format_layers(plan: Plan) -> str:
+    from .stage_layout import format_stage_layout, stage_layout_for
+
+    L, m = plan.layout, plan.model
+    return format_stage_layout(stage_layout_for(m.num_layers, L.pp, L.vpp, m.mtp_layers,
+                                                stage_layers=plan.choices.stage_layers))

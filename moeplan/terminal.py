@@ -1,0 +1,170 @@
+"""Tables that fit the terminal: whole columns fold onto a second line, nothing is ever cut.
+
+Why: a truncated number reads as a wrong number ("9.1" for 9.18 s, "6" for 64 GPUs). Rich's
+tables shrink no-wrap columns with an ellipsis when the terminal is narrow, so these renderers lay
+out plain text themselves: each column is as wide as its widest cell; when the row does not fit,
+the lowest-priority columns leave the row and become `name: value` pairs on indented lines under
+it, until it does; at the narrowest every column but the key folds, which is a stacked record
+view. Text is wrapped only at spaces, and a single word longer than the line is left whole.
+
+Pure functions of strings and a width (no console, no I/O), so they are tested directly; the CLI
+prints the lines they return.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from rich.cells import cell_len
+
+PIPE_WIDTH = 200  # piped output (no terminal, no COLUMNS): wide, as before, for grep and logs
+GAP = "  "
+INDENT = "    "
+GLUE = "\0"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column. `fold`: None never folds (the row key and the headline numbers);
+    otherwise lower values fold first. `right`: right-align (numbers)."""
+
+    name: str
+    right: bool = False
+    fold: int | None = None
+
+
+@dataclass(frozen=True)
+class Line:
+    text: str
+    style: str | None = None
+
+
+def screen_width(is_terminal: bool, console_width: int) -> int:
+    """The width to lay out for: the terminal's, or COLUMNS, else wide for pipes."""
+    if is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return max(20, console_width)
+    return PIPE_WIDTH
+
+
+def _pieces(word: str, room: int) -> list[str]:
+    """A word too long for a line, split after `,` or `|` (list separators, never inside a
+    number) into pieces of at most `room` cells where it can be; else the word whole."""
+    if cell_len(word) <= room:
+        return [word]
+    parts = re.findall(r"[^,|]*[,|]|[^,|]+$", word)
+    out, cur = [], ""
+    for p in parts:
+        if cur and cell_len(cur + p) > room:
+            out.append(cur)
+            cur = p
+        else:
+            cur += p
+    pieces = [*out, cur] if cur else out
+    return pieces[:1] + [GLUE + p for p in pieces[1:]]  # GLUE: joins without a space
+
+
+def wrap(text: str, width: int, indent: str = "", first: str = "") -> list[str]:
+    """Greedy word wrap at spaces (and inside an over-long list at its separators); `first`
+    prefixes line one, `indent` the others."""
+    lines, cur = [], first
+    room = max(8, width - cell_len(indent))
+    words = [p for w in text.split(" ") for p in _pieces(w, room)]
+    for word in words:
+        if not word:
+            continue
+        glued, word = word.startswith(GLUE), word.removeprefix(GLUE)
+        bare = cur in (first, indent)
+        cand = cur + word if bare or glued else f"{cur} {word}"
+        if cell_len(cand) <= width or bare:
+            cur = cand
+        else:
+            lines.append(cur)
+            cur = indent + word
+    if cur.strip() or not lines:
+        lines.append(cur)
+    return lines
+
+
+def _widths(columns: list[Column], rows: list[list[str]]) -> list[int]:
+    return [max([cell_len(c.name)] + [cell_len(r[i]) for r in rows])
+            for i, c in enumerate(columns)]
+
+
+def _cell(text: str, width: int, right: bool) -> str:
+    pad = " " * (width - cell_len(text))
+    return pad + text if right else text + pad
+
+
+def table_lines(title: str | None, columns: list[Column], rows: list[list[str]], width: int,
+                styles: list[str | None] | None = None) -> list[Line]:
+    """The table laid out for `width` columns: inline columns, then folded `name: value` lines
+    per row. Folding removes whole columns in `fold` order until the inline part fits."""
+    styles = styles or [None] * len(rows)
+    inline = list(range(len(columns)))
+    order = sorted((i for i, c in enumerate(columns) if c.fold is not None),
+                   key=lambda i: (columns[i].fold, -i))
+    widths = _widths(columns, rows)
+
+    def row_width(keep: list[int]) -> int:
+        return sum(widths[i] for i in keep) + len(GAP) * (len(keep) - 1)
+
+    folded: list[int] = []
+    for i in order:
+        if row_width(inline) <= width:
+            break
+        inline.remove(i)
+        folded.append(i)
+    folded.sort()
+    out: list[Line] = []
+    if title:
+        out += [Line(s, "bold") for s in wrap(title, width, "  ")]
+    header = GAP.join(_cell(columns[i].name, widths[i], columns[i].right) for i in inline)
+    out.append(Line(header.rstrip(), "bold"))
+    out.append(Line("─" * min(width, max(cell_len(header.rstrip()), 1)), "dim"))
+    for r, style in zip(rows, styles, strict=True):
+        out.append(Line(GAP.join(_cell(r[i], widths[i], columns[i].right)
+                                 for i in inline).rstrip(), style))
+        pairs = [f"{columns[i].name}: {r[i]}" for i in folded if r[i] not in ("", "-")]
+        if pairs:
+            out += [Line(s, style) for s in _pack(pairs, width)]
+    return out
+
+
+def _pack(pairs: list[str], width: int) -> list[str]:
+    """`name: value` pairs on indented lines, several to a line where they fit, a long one
+    wrapped on its own (continuation lines indented further)."""
+    lines: list[str] = []
+    cur = ""
+    for p in pairs:
+        cand = f"{cur}{GAP}{p}" if cur else INDENT + p
+        if cell_len(cand) <= width:
+            cur = cand
+            continue
+        if cur:
+            lines.append(cur)
+        if cell_len(INDENT + p) <= width:
+            cur = INDENT + p
+        else:
+            lines += wrap(p, width, INDENT + "  ", INDENT)
+            cur = ""
+    if cur:
+        lines.append(cur)
+    return lines
+
+
+def pairs_lines(title: str | None, pairs: list[tuple[str, str]], width: int) -> list[Line]:
+    """A two-column label/value view: values wrap at spaces beside their label, or under it
+    (indented) when the label leaves too little room."""
+    out: list[Line] = [Line(s, "bold") for s in wrap(title, width, "  ")] if title else []
+    label_w = max((cell_len(k) for k, _ in pairs), default=0)
+    room = width - label_w - len(GAP)
+    for k, v in pairs:
+        if room >= 24:
+            lines = wrap(v, width, " " * (label_w + len(GAP)), k + " " * (label_w - cell_len(k))
+                         + GAP)
+        else:
+            lines = wrap(k, width, "  ") + wrap(v, width, INDENT, INDENT)
+        out += [Line(s) for s in lines]
+    return out

@@ -1,0 +1,241 @@
+"""Terminal output fits the terminal: rendered in pseudo-terminals of 80, 100 and 120 columns,
+every line fits and every number of the `--json` document appears whole on the screen.
+
+Piped output is wide, so a test that captures stdout through a pipe never sees a narrow
+terminal; these tests give the child a real pty with its window size set (TIOCSWINSZ) and
+COLUMNS, as a terminal emulator would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.cells import cell_len
+
+from moeplan import load_cluster, load_model, load_training
+from moeplan.planner.report import rows
+from moeplan.planner.whatif import Point, WhatIf, pareto_front
+from moeplan.specs import Choices, Layout, Plan
+from moeplan.terminal import Column, pairs_lines, table_lines
+
+from .conftest import run_cli
+
+WIDTHS = (80, 100, 120)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+SEARCH = ("search", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "64",
+          "--gbs", "1024")
+ESTIMATE = ("estimate", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "256",
+            "--gbs", "1024", "--pp", "4", "--vpp", "4", "--ep", "64")
+WHATIF = ("whatif", "--model", "mixtral-8x7b", "--cluster", "h100,h200", "--gpus", "64",
+          "--tokens", "1e12", "--gpu-hour-price", "2.5,3.2", "--workers", "1")
+
+
+def render_in_pty(args: tuple[str, ...], columns: int, timeout: float = 120) -> str:
+    """Run `moeplan ARGS` with stdout and stderr on a pty `columns` wide; the screen text."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 500, columns, 0, 0))
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": "500", "TERM": "xterm-256color"}
+    proc = subprocess.Popen([sys.executable, "-m", "moeplan", *args], stdin=slave,
+                            stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        proc.wait(timeout=timeout)
+    assert proc.returncode in (0, 3), b"".join(chunks).decode(errors="replace")[-3000:]
+    return ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+
+
+def json_of(args: tuple[str, ...]) -> dict:
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def assert_fits_and_whole(screen: str, columns: int, numbers: list) -> None:
+    """No line wider than the terminal (the terminal would wrap it mid-number), and every
+    number present with no digit, comma or decimal glued to either side (not cut short)."""
+    wide = [line for line in screen.split("\n") if cell_len(line) > columns]
+    assert not wide, f"lines wider than {columns}: {wide}"
+    for n in numbers:  # a set: the JSON's rounding may land a display digit either way
+        ways = sorted(n) if isinstance(n, set) else [n]
+        pattern = "|".join(r"(?<![\d.,])" + re.escape(w) + r"(?![\d,]|\.\d)" for w in ways)
+        assert re.search(pattern, screen), f"{n!r} is not whole on the {columns}-column screen:\n" \
+            f"{screen}"
+
+
+@pytest.fixture(scope="module")
+def search_doc() -> dict:
+    return json_of(SEARCH)
+
+
+@pytest.fixture(scope="module")
+def estimate_doc() -> dict:
+    return json_of(ESTIMATE)
+
+
+@pytest.fixture(scope="module")
+def whatif_doc() -> dict:
+    return json_of(WHATIF)
+
+
+def _estimate_numbers(e: dict) -> list[str]:
+    return [f"{e['tokens_per_s_per_gpu']:,.0f}", f"{e['tflops_per_gpu']:.0f}", f"{e['mfu']:.1%}", f"{e['memory']['peak_gb']:.1f}"]
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_search_table_fits_and_shows_every_number_whole(search_doc, columns):
+    screen = render_in_pty(SEARCH, columns)
+    nums = []
+    for p in search_doc["plans"]:
+        e = p["estimate"]
+        nums += [f"{e['step_time_s']:.3g}", *_estimate_numbers(e)]
+    nums.append(str(search_doc["plans"][0]["layout"]["world_size"]))
+    assert_fits_and_whole(screen, columns, nums)
+    assert "dist-opt" in screen and "next: " in screen  # the choice shown, and what to do next
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_estimate_fits_and_shows_every_number_whole(estimate_doc, columns):
+    e = estimate_doc
+    m = e["memory"]
+    nums = [f"{e['step_time_s']:.3f}", *_estimate_numbers(e), "256"]
+    nums += [f"{m[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb",
+                                     "activations_gb", "buffers_gb")]
+    nums += [f"{v:.3f}" for v in e["time"].values() if v]
+    assert_fits_and_whole(render_in_pty(ESTIMATE, columns), columns, nums)
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_whatif_fits_and_shows_every_number_whole(whatif_doc, columns):
+    nums = []
+    for p in whatif_doc["points"]:
+        assert p["fits"]
+        nums += [str(p["gpus"]), f"{p['tokens_per_s_per_gpu']:,.0f}", f"{p['mfu']:.1%}",
+                 f"{p['step_time_s']:.3g}", f"{p['days_to_train']:,.1f}",
+                 {f"{p['gpu_hours'] + d:,.0f}" for d in (-0.05, 0.05)},  # JSON: 0.1 h
+                 {f"${p['cost_usd'] + d:,.0f}" for d in (-0.005, 0.005)}]
+    assert_fits_and_whole(render_in_pty(WHATIF, columns), columns, nums)
+
+
+# ------------------------------------------------------------------- the layout, without a pty
+CELL = st.text(alphabet="abc019.,%×★-=|", min_size=0, max_size=14)
+WORDS = st.lists(st.text(alphabet="abcdef=,|", min_size=1, max_size=12), max_size=8).map(
+    " ".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(width=st.integers(20, 160), n=st.integers(1, 6),
+       data=st.data())
+def test_table_lines_never_cut_a_cell_and_fit_the_width(width, n, data):
+    cols = [Column("#")] + [Column(f"c{i}", right=i % 2 == 0, fold=i) for i in range(n)]
+    cols.append(Column("words", fold=-1))
+    body = [[str(r)] + [data.draw(CELL) for _ in range(n)] + [data.draw(WORDS)]
+            for r in range(data.draw(st.integers(1, 4)))]
+    lines = [x.text for x in table_lines("a title that wraps at spaces", cols, body, width)]
+    text = "\n".join(lines)
+    tokens = {w for r in body for c in r for w in c.split(" ") if w}
+    for line in lines:  # a line is only too wide when one unbreakable token is
+        assert cell_len(line) <= width or any(cell_len(w) > width - 8 for w in tokens), line
+    for r in body:
+        for c in r[:-1]:
+            assert c in text
+        assert all(w in text.split() or w in text for w in r[-1].split())
+
+
+def test_pairs_lines_wrap_values_under_a_long_label():
+    lines = [x.text for x in pairs_lines(None, [("a label " * 4, "12,345 tok/s 57.5%")], 30)]
+    assert all(cell_len(s) <= 30 for s in lines) and "12,345" in "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- vocabulary
+def _plan(**choices) -> Plan:
+    model = load_model("mixtral-8x7b")
+    training = load_training(seq_len=4096, global_batch_size=64)
+    layout = Layout.build(16, 64, tp=2, pp=2, vpp=2, ep=8, distributed_optimizer=False,
+                          ep_overlap=True)
+    return Plan(model=model, cluster=load_cluster("h100", 16), training=training, layout=layout,
+                choices=Choices(**choices))
+
+
+def test_plan_summary_names_every_choice_in_one_vocabulary():
+    p = _plan(stage_recompute=[["core_attn", "moe_act"], []], offload=["expert_fc1"],
+              optimizer_offload_fraction=0.5)
+    assert p.layout_summary() == "tp2 cp1 dp4 pp2 vpp2 ep8 etp1 edp1 mbs1×16 bf16"
+    assert p.choices_summary() == ("alltoall ep-overlap no-dist-opt "
+                                   "recompute=core_attn,moe_act|- offload=expert_fc1 "
+                                   "optimizer-offload=0.5")
+    same = _plan(recompute=["core_attn"], stage_layers=[8, 9, 7, 8])
+    assert "recompute=core_attn " in same.summary()  # one set for every rank: written once
+    assert same.choice_tokens()[-1].startswith("stages=E")
+
+
+def test_search_explanation_speaks_the_table_vocabulary(search_doc):
+    plans = [Plan.model_validate(p) for p in search_doc["plans"]]
+    first = plans[0].explanation
+    assert first[0] == f"#1: {plans[0].summary()}"
+    why = next(line for line in first if "runner-up" in line)
+    assert plans[1].summary() in why  # the runner-up, named as the table names it
+    step_gap = plans[1].estimate.step_time_s - plans[0].estimate.step_time_s
+    assert f"{abs(step_gap):.3g} s per step" in why
+
+
+# -------------------------------------------------------------------------- what-if report
+def test_whatif_rows_say_why_for_every_point_off_the_front():
+    def pt(cluster, gpus, tps, price, fits=True):
+        return Point(cluster, gpus, 4096, 1024, "bf16", fits=fits, tokens=1e12,
+                     gpu_hour_price=price, tokens_per_s_per_gpu=tps if fits else None,
+                     why=None if fits else "peak 90.1 GB exceeds 78 GB")
+
+    points = [pt("h100", 64, 7000, 2.5), pt("h100", 128, 7000, 2.5), pt("h200", 64, 7000, 9.0),
+              pt("b200", 8, 0, 5.0, fits=False)]
+    front = pareto_front(points)
+    for i in front:
+        points[i].pareto = True
+    table = rows(WhatIf("m", 1e12, points, front, seconds=0.1, priced=True))
+    for p, r in zip(points, table, strict=True):
+        assert bool(r["why"]) == (not p.pareto), (p, r)
+    assert "h100 × 128" in table[2]["why"] and "90.1 GB" in table[3]["why"]
+    assert table[0]["cost"].startswith("$") and "," in table[0]["cost"]
+
+
+def test_whatif_plots_have_a_legend_on_every_panel_and_ratio_axes_from_zero(monkeypatch):
+    pytest.importorskip("matplotlib")
+    from moeplan import whatif
+    from moeplan.planner import report
+
+    figures = []
+    monkeypatch.setattr(report, "_svg", lambda fig: figures.append(fig) or "<svg/>")
+    res = whatif("qwen3-30b-a3b", ["h100", "h200"], [8], gbs=[64], tokens=1e9,
+                 gpu_hour_price=[2.5, 3.5], workers=1)
+    report.plots(res)
+    axes = [ax for fig in figures for ax in fig.axes]
+    assert len(axes) == 4
+    for ax in axes:
+        assert ax.get_legend() is not None, ax.get_title()
+    throughput, per_gpu, pareto, _ = axes
+    for ax in (throughput, per_gpu, pareto):
+        assert ax.get_ylim()[0] == 0
+    labels = {t.get_text() for t in pareto.texts}
+    assert labels == {"h100 × 8 GPUs", "h200 × 8 GPUs"}
+    assert pareto.xaxis.get_major_formatter()(12345.0, 0) == "$12,345"
