@@ -172,3 +172,15 @@ def test_screening_prices_layouts_within_its_slack_of_the_estimate(name, gpus, h
     assert len(ratios) >= 8
     assert min(ratios) > 1 / SCREEN_SLACK and max(ratios) < SCREEN_SLACK, (min(ratios),
                                                                         max(ratios))
+
+
+@pytest.mark.parametrize("limit", [None, 3.0, 1.0, 0.1])
+def test_time_limited_search_returns_plans_instead_of_claiming_infeasible(limit):
+    # anytime search: a limit shorter than the time to the first feasible plan still returns
+    # that plan, marked stopped_early, never the "nothing fits" of a proven infeasibility
+    res = search(load_model("deepseek-v3"), load_cluster("h100"),
+                 TrainingSpec(seq_len=4096, global_batch_size=8192), 1024,
+                 time_limit_s=limit, objective="expected")
+    assert res.plans and all(p.estimate.fits for p in res.plans)
+    if limit is not None and limit < 1.0:
+        assert res.stopped_early

@@ -348,7 +348,10 @@ def search(
             lb[idx] = max(bound, float(fill[idx]) * work[j])
             heapq.heappush(heap, (float(lb[idx]), idx, True))
             continue
-        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+        # anytime: past the limit, stop once a plan that fits is in hand (never before it, so a
+        # short limit still returns the first feasible plan, and "nothing fits" stays a proof)
+        if (time_limit_s is not None and best
+                and time.perf_counter() - start > time_limit_s):
             result.stopped_early = True
             pruned["time_limit"] += len(heap) + 1
             break
