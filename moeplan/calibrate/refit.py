@@ -174,6 +174,24 @@ def _cluster_key(cluster: Any) -> str:
     return cluster.model_dump_json(exclude={"num_gpus"})
 
 
+def measured_interval(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """The 80 % band of log(measured / predicted) after the refit, split conformal over the
+    held-out runs when there are enough of them (else every run, which is in sample and so
+    optimistic), as the non-negative shares a ClusterSpec's calibration holds: `low` below the
+    point, `high` above, `runs` behind them (uncertainty.measured_bounds reads it). None while
+    too few runs make a finite 80 % band."""
+    from ..cost_models.uncertainty import conformal_bounds
+
+    held = [r for r in rows if r["split"] == "held-out"]
+    use = held if conformal_bounds([0.0] * len(held)) is not None else list(rows)
+    b = conformal_bounds([math.log(r["measured_s"] / r["after_s"]) for r in use])
+    if b is None:
+        return None
+    # step time measured above the prediction is throughput below it
+    return {"low": 1.0 - math.exp(-max(b[1], 0.0)), "high": math.exp(-min(b[0], 0.0)) - 1.0,
+            "runs": float(len(use))}
+
+
 def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
           prior_weight: float = PRIOR_WEIGHT, params: Sequence[str] = PARAMS) -> dict[str, Any]:
     """Fit `params` (a subset of PARAMS; the others keep their starting values) on `fit_runs`;
@@ -235,6 +253,10 @@ def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
                 if row["split"] == split]
         return float(np.mean(errs)) if errs else None
 
+    band = measured_interval(rows)
+    if band is not None:  # these runs narrow the interval of plans priced on this cluster
+        for cal in fitted_all.values():
+            cal["interval_runs"] = band
     clusters = [{"name": c.name, "spec": c, "calibration": fitted_all[k]}
                 for k, c in specs.items()]
     return {

@@ -425,7 +425,8 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
                                   calibration, check=False, with_interval=False
                                   ).estimate.tokens_per_s_per_gpu
     keys = U.regime_keys(model, cluster, training.precision, layout)
-    lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys)
+    lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys,
+                                          measured=U.measured_bounds(cluster))
     per_step = est.tokens_per_s_per_gpu * est.step_time_s
     interval = Interval(level=U.LEVEL, tokens_per_s_per_gpu=(lo, hi),
                         step_time_s=(per_step / hi, per_step / lo),

@@ -280,12 +280,24 @@ def unvalidated_words(assumptions_: Sequence[Assumption]) -> str:
 
 
 # ----------------------------------------------------------------------------- intervals
+def measured_bounds(cluster: ClusterSpec) -> tuple[float, float, str, int] | None:
+    """(q_lo, q_hi, regime, runs) from `moeplan calibrate --from-runs` measurements on this
+    cluster (calibration `interval_runs`), which replace the published rows' regime."""
+    band = cluster.calibration.get("interval_runs")
+    if not isinstance(band, dict) or band.get("runs", 0) < MIN_ROWS - 1:
+        return None
+    lo = math.log(max(1.0 - float(band["low"]), 1e-6))
+    return lo, math.log1p(float(band["high"])), "runs measured on this cluster", int(band["runs"])
+
+
 def tokens_interval(point: float, pessimistic: float, keys: Sequence[str],
-                    profile: IntervalProfile | None = None) -> tuple[float, float, str, int]:
+                    profile: IntervalProfile | None = None,
+                    measured: tuple[float, float, str, int] | None = None
+                    ) -> tuple[float, float, str, int]:
     """(lo, hi, regime, rows) of tokens/s/GPU: the conformal band around the point, its low end
     taken from the pessimistic prediction when unvalidated effects could disappoint."""
     p = profile or default_profile()
-    q_lo, q_hi, regime, n = p.bounds(keys)
+    q_lo, q_hi, regime, n = measured or p.bounds(keys)
     lo = min(point, pessimistic) * math.exp(min(q_lo, 0.0))
     hi = point * math.exp(max(q_hi, 0.0))
     return lo, hi, regime, n

@@ -181,6 +181,10 @@ def plots(res: WhatIf) -> dict[str, str]:
         ax1.plot(g, [(p.tokens_per_s_per_gpu or 0) * p.gpus / 1e6 for p in pts], "o-",
                  label=name)
         ax2.plot(g, [p.tokens_per_s_per_gpu for p in pts], "o-", label=name)
+        band = [(p.gpus, *p.tokens_interval) for p in pts if p.tokens_interval]
+        if band:  # the best plan's 80 % interval (cost_models.uncertainty)
+            ax2.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band],
+                             alpha=0.15, label=f"{name} 80% interval")
     for ax, ylabel in ((ax1, "cluster throughput (M tokens/s)"), (ax2, "tokens/s per GPU")):
         ax.set_xscale("log", base=2)
         counts = sorted({p.gpus for pts in series.values() for p in pts})
@@ -204,6 +208,12 @@ def plots(res: WhatIf) -> dict[str, str]:
     for name, pts in by_cluster.items():
         ax.scatter([p.price_axis for p in pts], [p.days_to_train for p in pts], label=name,
                    alpha=0.8)
+        bars = [p for p in pts if p.days_interval]
+        if bars:  # days at the interval's ends of throughput (cost moves with them)
+            ax.errorbar([p.price_axis for p in bars], [p.days_to_train for p in bars],
+                        yerr=[[p.days_to_train - p.days_interval[0] for p in bars],  # type: ignore
+                              [p.days_interval[1] - p.days_to_train for p in bars]],  # type: ignore
+                        fmt="none", ecolor="grey", alpha=0.6, capsize=2)
         for p in pts:
             ax.annotate(f"{p.cluster} × {p.gpus} GPUs", (p.price_axis, p.days_to_train),
                         fontsize=7,

@@ -1,0 +1,61 @@
+"""Honest predictions: conformal bounds, named assumptions, margins, measured narrowing."""
+
+import math
+
+import pytest
+
+from moeplan.calibrate.refit import measured_interval
+from moeplan.cost_models import uncertainty as U
+from moeplan.cost_models.estimate import estimate
+from moeplan.specs import Choices, Layout, TrainingSpec, load_cluster, load_model
+
+
+def test_conformal_bounds_need_enough_rows_and_take_the_finite_sample_ranks():
+    assert U.conformal_bounds([0.1] * 8) is None  # ⌈9·0.9⌉ = 9 > 8: no finite 80 % interval
+    r = [i / 10 for i in range(-10, 11)]  # 21 residuals, -1.0 … 1.0
+    lo, hi = U.conformal_bounds(r)
+    assert (lo, hi) == (r[2 - 1], r[20 - 1])  # ⌊22·0.1⌋ = 2nd, ⌈22·0.9⌉ = 20th smallest
+
+
+def test_unvalidated_overlap_pulls_the_low_end_to_the_plan_without_it():
+    m, c = load_model("qwen3-235b-a22b"), load_cluster("h100", 256)
+    t = TrainingSpec(seq_len=4096, global_batch_size=2048)
+    ovl = Layout.build(256, 2048, tp=2, pp=4, vpp=4, ep=32, ep_overlap=True)
+    e = estimate(m, c, t, ovl)
+    plain = estimate(m, c, t, ovl.model_copy(update={"ep_overlap": False}))
+    weak = [a for a in e.assumptions if not a.validated]
+    assert any("EP overlap" in a.term for a in weak)
+    assert e.interval.pessimistic_tokens_per_s_per_gpu == pytest.approx(
+        plain.tokens_per_s_per_gpu)
+    assert e.interval.tokens_per_s_per_gpu[0] < plain.tokens_per_s_per_gpu
+
+
+def test_fits_means_headroom_at_least_margin():
+    m, c = load_model("deepseek-v3"), load_cluster("gb200-nvl72", 256)
+    t = TrainingSpec(seq_len=4096, global_batch_size=4096, precision="mxfp8")
+    for axes in ({"pp": 4, "vpp": 4, "ep": 64}, {"pp": 2, "ep": 64}, {"pp": 8, "ep": 32}):
+        e = estimate(m, c, t, Layout.build(256, 4096, **axes), Choices(recompute=["full"]))
+        mem = e.memory
+        assert mem.margin_gb > 0
+        assert mem.headroom_gb == pytest.approx(c.hbm_gb - mem.peak_gb)
+        assert e.fits == (mem.headroom_gb >= mem.margin_gb - 1e-9)
+
+
+def test_runs_measured_on_a_cluster_narrow_its_intervals():
+    m, c = load_model("llama3-8b"), load_cluster("h100", 8)
+    t = TrainingSpec(seq_len=4096, global_batch_size=64)
+    L = Layout.build(8, 64, tp=1)
+    wide = estimate(m, c, t, L).interval
+    rows = [{"split": "held-out", "measured_s": 1.0, "after_s": 1.0 + d / 100}
+            for d in range(-4, 6)]  # ten runs within ±5 % of the refitted prediction
+    band = measured_interval(rows)
+    assert band is not None and band["runs"] == 10
+    narrow = estimate(m, c.model_copy(update={"calibration": {"interval_runs": band}}), t,
+                      L).interval
+    width = lambda iv: iv.tokens_per_s_per_gpu[1] / iv.tokens_per_s_per_gpu[0]  # noqa: E731
+    assert narrow.regime == "runs measured on this cluster"
+    assert math.log(width(narrow)) < 0.5 * math.log(width(wide))
+
+
+def test_too_few_runs_leave_the_published_interval():
+    assert measured_interval([{"split": "fit", "measured_s": 1.0, "after_s": 1.0}] * 5) is None
