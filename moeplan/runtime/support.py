@@ -24,6 +24,22 @@ def model_features_not_executed(model) -> list[str]:
     return out
 
 
+def ep_overlap_not_executed(plan: Plan) -> list[str]:
+    """EP overlap runs (overlap.py) with the alltoall and flex dispatchers, pp = 1 or
+    interleaved pp·vpp (the layout's own rules refuse the rest: Megatron's VPP requirement,
+    full or `moe` recompute); activation offload hooks whole layer forwards, which the merged
+    schedule splits into sub-modules, so the two are not combined yet."""
+    L, c = plan.layout, plan.choices
+    if not L.ep_overlap:
+        return []
+    offload = [*c.offload, *(m for s in (c.stage_offload or []) for m in s)]
+    if offload:
+        return [f"activation offload ({', '.join(sorted(set(offload)))}) together with EP "
+                "communication overlap (ep_overlap): drop the offload from the plan's choices "
+                "(`offload`, `stage_offload`) or set `ep_overlap: false` in its layout"]
+    return []
+
+
 def features_not_executed(plan: Plan) -> list[str]:
     """Each plan feature this runtime does not execute yet, named for the error message."""
     L, c = plan.layout, plan.choices
@@ -34,8 +50,7 @@ def features_not_executed(plan: Plan) -> list[str]:
         if any("m" in st for st in stages[:-1]):
             out.append("MTP layers outside the last pipeline stage (put every m with the "
                        "loss L)")
-    if L.ep_overlap:
-        out.append("EP communication overlap (ep_overlap)")
+    out += ep_overlap_not_executed(plan)
     # activation recompute / offload and optimizer offload run as the choices say (memory.py,
     # optimizer.py)
     # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)
