@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from equivalence_worker import free_port, init_world, make_plan
 
 WORLD = 4
-STEPS = 3
+STEPS = 2
 MODELS = ("tiny_qwen3_moe", "tiny_deepseek_v3")
 # name → (world, layout axes); the claims the tests make are in test_ep_overlap.py
 LAYOUTS: dict[str, tuple[int, dict]] = {
@@ -34,8 +34,8 @@ def trace_rows(trainer) -> list[dict]:
     if trace is None:
         return []
     return [{"side": r.side, "what": r.what, "layer": r.layer, "mb": r.mb,
-             "pending": r.pending_when_overlapped, "overlapped": list(r.overlapped)}
-            for r in trace.records]
+             "pending": r.pending_when_overlapped, "handles": r.handles,
+             "overlapped": list(r.overlapped)} for r in trace.records]
 
 
 def worker(rank: int, port: int, out: str) -> None:

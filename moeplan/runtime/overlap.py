@@ -59,6 +59,7 @@ class CommRecord:
     issued_s: float
     waited_s: float = 0.0  # time blocked in wait()
     pending_when_overlapped: bool = False  # not yet complete when other compute began
+    handles: int = 0  # torch.distributed work handles (async_op=True) it waited on
     overlapped: list[str] = field(default_factory=list)
 
 
@@ -142,6 +143,7 @@ class Tape:
     def _wait(self, rec: CommRecord, pending: list[Pending]
               ) -> Generator[None, None, tuple[torch.Tensor, ...]]:
         entry = (id(self), rec, pending)
+        rec.handles = sum(p.work is not None for p in pending)
         self.trace.records.append(rec)
         self.trace.outstanding.append(entry)
         yield  # the other micro-batch computes now
