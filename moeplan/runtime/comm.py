@@ -9,8 +9,10 @@ both implement are used (variable-size gathers are padded), so CPU tests exercis
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,8 @@ class Pending:
     needed, then finishes it on the host (unpadding); the EP overlap schedule runs the other
     micro-batch's compute in between (overlap.py)."""
 
+    blocked_s: ClassVar[float] = 0.0  # time this process spent blocked in wait(), in total
+
     def __init__(self, work: dist.Work | None, finish):
         self.work, self.finish = work, finish
 
@@ -75,7 +79,9 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
+            start = time.perf_counter()
             self.work.wait()
+            Pending.blocked_s += time.perf_counter() - start
         return self.finish()
 
 

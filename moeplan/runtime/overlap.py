@@ -60,6 +60,8 @@ class CommRecord:
     waited_s: float = 0.0  # time blocked in wait()
     pending_when_overlapped: bool = False  # not yet complete when other compute began
     handles: int = 0  # torch.distributed work handles (async_op=True) it waited on
+    # each collective issued, with its input's shape and dtype: to time them alone
+    issued: list[tuple[Op, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     overlapped: list[str] = field(default_factory=list)
 
 
@@ -134,6 +136,7 @@ class Tape:
         """Issue `ops[i]` on `inputs[i]` asynchronously, yield, then wait for them."""
         rec = CommRecord("F", what, layer, self.mb, time.perf_counter())
         pending = [op.start(t.detach()) for op, t in zip(ops, inputs, strict=True)]
+        rec.issued = [(op, tuple(t.shape), t.dtype) for op, t in zip(ops, inputs, strict=True)]
         outputs = yield from self._wait(rec, pending)
         outputs = tuple(o.requires_grad_(t.requires_grad) if o.is_floating_point() else o
                         for o, t in zip(outputs, inputs, strict=True))
@@ -188,8 +191,10 @@ class Tape:
             if not todo:
                 continue
             rec = CommRecord("B", step.what, step.layer, self.mb, time.perf_counter())
-            pending = [op.adjoint().start(torch.zeros_like(o) if g is None else g)
-                       for op, _, o, g in todo]
+            sent = [(op.adjoint(), torch.zeros_like(o) if g is None else g)
+                    for op, _, o, g in todo]
+            pending = [op.start(g) for op, g in sent]
+            rec.issued = [(op, tuple(g.shape), g.dtype) for op, g in sent]
             back = yield from self._wait(rec, pending)
             for (_, t, _, _), g in zip(todo, back, strict=True):
                 self._add(t, g)
