@@ -26,7 +26,20 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "ep2_etp2_overlap": (4, {"ep": 2, "etp": 2, "ep_overlap": True}),
     "ep4_flex_2_domains_overlap": (4, {"ep": 4, "dispatcher": "flex", "nvlink_domain": 2,
                                        "ep_overlap": True}),
+    # selective recompute inside the sub-modules (Megatron allows all but full and `moe`)
+    "ep2_overlap_selective_recompute": (2, {"ep": 2, "ep_overlap": True,
+                                            "recompute": ["layernorm", "core_attn", "moe_act",
+                                                          "shared_experts"]}),
 }
+
+
+def plan_for(model: str, world: int, axes: dict):
+    from moeplan.specs import Choices
+
+    axes = dict(axes)
+    recompute = axes.pop("recompute", [])
+    plan = make_plan(model, world, axes)
+    return plan.model_copy(update={"choices": Choices(recompute=recompute)})
 
 
 def trace_rows(trainer) -> list[dict]:
@@ -46,7 +59,7 @@ def worker(rank: int, port: int, out: str) -> None:
     init_world(rank, port, WORLD)
     results: dict = {}
     for name, (world, axes) in LAYOUTS.items():
-        plans = {m: make_plan(m, world, axes) for m in MODELS}
+        plans = {m: plan_for(m, world, axes) for m in MODELS}
         first = next(iter(plans.values()))
         groups = build_groups(RankGrid.from_layout(first.layout),
                               domain=first.cluster.usable_domain(first.layout.world_size))

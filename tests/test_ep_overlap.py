@@ -55,6 +55,12 @@ def test_flex_dispatcher_overlap_across_two_domains_matches_single_process(resul
     assert ("dispatch", 3) in hops  # the rail hop: rows, expert ids, probabilities at once
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_ep2_overlap_with_selective_recompute_matches_single_process(results, model):
+    """layernorm, core_attn, moe_act and shared-expert recompute replay inside the pieces."""
+    assert_matches_reference(results, "ep2_overlap_selective_recompute", model)
+
+
 # Megatron's pairing (combined_1f1b): what runs behind each hop of the other micro-batch
 BEHIND = {("F", "dispatch"): "B experts", ("B", "dispatch"): "F experts",
           ("B", "combine"): "F attention", ("F", "combine"): "B attention"}
