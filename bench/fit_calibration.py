@@ -47,7 +47,10 @@ START: dict[str, Any] = {
     "a2a_nvlink_eff": 0.7, "a2a_scaleout_eff": 0.9,
     "tp_exposed": 0.5,
     "ep_overlap_hidden": 0.93,  # Megatron Core MoE report: merged fwd/bwd hid ≈ 93 %
-    "ep_base_hidden": 0.2,
+    # share of the GPU's SMs communication kernels hold while overlapping (DeepEP: 24 of 132
+    # SMs on H100; HybridEP on Blackwell fewer of 148)
+    "comm_sm_fraction": {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.1},
+    "host_mem_eff": 0.7,
     "step_overhead_s": 0.05, "layer_overhead_s": 2e-4,
     "frag_frac": 0.05, "workspace_gb": 1.5, "reserve_gb": 2.0,
     "calibrated": [],
@@ -62,7 +65,7 @@ GRID: list[tuple[str, list[float]]] = [
     ("lowp_gain.mxfp8", [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
     ("lowp_gain.nvfp4", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6]),
     ("tp_exposed", [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]),
-    ("ep_base_hidden", [0.0, 0.2, 0.4, 0.6, 0.8, 0.9]),
+    ("comm_sm_fraction.blackwell", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]),
     ("a2a_nvlink_eff", [0.4, 0.55, 0.7, 0.85, 1.0]),
     ("a2a_scaleout_eff", [0.5, 0.7, 0.9, 1.0]),
     ("membound_scale", [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),

@@ -114,6 +114,7 @@ def search(
     imbalance: float = 1.0,
     calibration: str | None = None,
     progress: object = None,
+    objective: str = "robust",
 ):
     """The best plans for a model on a cluster (SPEC §4 `moeplan search`); see
     `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
@@ -126,7 +127,7 @@ def search(
         training = load_training(seq_len=seq, global_batch_size=gbs or default_gbs(seq),
                                  precision="bf16" if precision == "auto" else precision)
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
-                   time_limit_s=time_limit_s, imbalance=imbalance,
+                   time_limit_s=time_limit_s, imbalance=imbalance, objective=objective,
                    progress=progress)  # type: ignore[arg-type]
 
 __all__ += ["whatif"]

@@ -31,6 +31,9 @@ app = typer.Typer(
 specs_app = typer.Typer(help="List, show and validate model and cluster specs.",
                         no_args_is_help=True)
 app.add_typer(specs_app, name="specs")
+checkpoint_app = typer.Typer(help="List checkpoints and export them to Hugging Face.",
+                             no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
 
 out = Console()
 err = Console(stderr=True)
@@ -280,7 +283,9 @@ def validate(
 
     res = validate_rows(read_rows(runs_csv))
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
-                               "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb")}
+                               "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
+                               "coverage", "median_interval_width", "coverage_fit",
+                               "coverage_cross_validated")}
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -302,6 +307,9 @@ def validate(
         out.print(f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                   f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                   f"; TFLOPS (own convention) {pct(res['mape_tflops'])}")
+        out.print(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
+                  f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), median "
+                  f"width {pct(res['median_interval_width'])} of the point")
 
     emit(doc, as_json, render)
 
@@ -328,6 +336,10 @@ def search(
                            "efficiency constants.")] = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
                       ] = None,
+    objective: Annotated[str, typer.Option("--objective", help="robust: rank by the low end of "
+                         "the 80 % tokens/s/GPU interval, so a plan wins only if it still wins "
+                         "when its unvalidated effects disappoint; expected: rank by the point "
+                         "estimate.")] = "robust",
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
@@ -346,7 +358,7 @@ def search(
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
-                     calibration=calibration, progress=progress)
+                     calibration=calibration, progress=progress, objective=objective)
     if output:
         Path(output).write_text(res.plans[0].model_dump_json(indent=2))
     if res.stopped_early:
@@ -501,6 +513,12 @@ def run(
     max_nonfinite_steps: Annotated[int, typer.Option(
         "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
                                    ] = 3,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="This machine as a ClusterSpec (preset or `moeplan calibrate -o` "
+        "file), for the predictions a --scale-down run is compared with.")] = None,
+    init_from: Annotated[str | None, typer.Option(
+        "--init-from", help="Start from a Hugging Face checkpoint directory (config.json + "
+        "*.safetensors); each rank reads only its own slices.")] = None,
 ) -> None:
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     from .runtime.launch import RunFailed
@@ -513,9 +531,10 @@ def run(
             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
             rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps)
-    except RunFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
+    except RunFailed as e:  # workers failed, or a signal stopped them (one line either way)
+        if str(e):
+            err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     if not summary:
         return
@@ -528,6 +547,11 @@ def run(
         t.add_row(label, fmt.format(meas[key]), fmt.format(pred[key]) if key in pred else "—")
     t.add_row("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}", "")
     err.print(t)
+    band = (summary.get("predicted") or {}).get("step_time_interval_s")
+    if band:
+        where = "inside" if summary.get("inside_interval") else "outside"
+        out.print(f"measured step time {summary['measured']['step_time_s']:.3g} s is {where} the "
+                  f"plan's 80% interval {band[0]:.3g}–{band[1]:.3g} s", highlight=False)
     for note in summary.get("notes", []):
         err.print(f"note: {note}", highlight=False)
 
@@ -730,6 +754,44 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
 # ----------------------------------------------------------------------------------------- main
 def _one_paragraph(msg: str) -> str:
     return " ".join(str(msg).split())
+
+
+@checkpoint_app.command("list")
+def checkpoint_list(
+    ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Each complete step: its plan and whether every file matches the manifest."""
+    from .runtime.hf_io import list_checkpoints
+
+    rows = list_checkpoints(ckpt_dir)
+
+    def render() -> None:
+        t = Table("step", "model", "layout", "verified", title=f"checkpoints in {ckpt_dir}")
+        for r in rows:
+            t.add_row(str(r["step"]), r["model"], r["layout"],
+                      "yes" if r["verified"] else f"no: {r['problem']}")
+        out.print(t if rows else f"no complete checkpoint in {ckpt_dir}")
+
+    emit({"checkpoints": rows}, as_json, render)
+
+
+@checkpoint_app.command("export")
+def checkpoint_export(
+    ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
+    to: Annotated[str, typer.Option("--to", help="Target format: hf (Hugging Face).")],
+    output: Annotated[str, typer.Option("-o", "--output", help="New directory to write.")],
+    step: Annotated[int | None, typer.Option("--step", help="Step (default: newest).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a checkpoint as config.json + sharded safetensors that transformers loads."""
+    if to != "hf":
+        raise SpecError(f"--to takes hf (Hugging Face), got {to!r}.")
+    from .runtime.hf_io import export_checkpoint
+
+    path = export_checkpoint(ckpt_dir, output, step)
+    emit({"path": str(path)}, as_json, lambda: err.print(
+        f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)", highlight=False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,9 +225,18 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
     if pub_tokens is None and case.published_tflops is not None and fpt_conv:
         pub_tokens = case.published_tflops * 1e12 / fpt_conv
         derived = True
+    from .cost_models import uncertainty as U
+    from .specs import Choices
+
+    iv = est.interval
     return {
         "id": case.id,
         "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "predicted_interval_tokens_per_s_per_gpu": list(iv.tokens_per_s_per_gpu) if iv else None,
+        "pessimistic_tokens_per_s_per_gpu": iv.pessimistic_tokens_per_s_per_gpu if iv else None,
+        "regimes": U.regime_keys(case.model, cluster, case.training.precision, case.layout),
+        "assumption_keys": U.assumption_keys(case.model, cluster, case.training, case.layout,
+                                             Choices()),
         "published_tokens_per_s_per_gpu": pub_tokens,
         "predicted_tflops_per_gpu": pred_tflops_conv,
         "published_tflops_per_gpu": case.published_tflops,
@@ -256,6 +265,32 @@ def mape(rows: list[dict[str, Any]], key: str = "tokens_per_s_per_gpu") -> float
     return sum(errs) / len(errs) if errs else None
 
 
+def inside(r: dict[str, Any]) -> bool | None:
+    """Whether the published tokens/s/GPU fell inside the row's predicted interval."""
+    iv, pub = r.get("predicted_interval_tokens_per_s_per_gpu"), r["published_tokens_per_s_per_gpu"]
+    if not iv or pub is None:
+        return None
+    return iv[0] <= pub <= iv[1]
+
+
+def coverage(rows: list[dict[str, Any]]) -> float | None:
+    """Share of rows whose published figure lies inside their 80 % interval."""
+    hits = [h for h in map(inside, rows) if h is not None]
+    return sum(hits) / len(hits) if hits else None
+
+
+def median_width(rows: list[dict[str, Any]]) -> float | None:
+    """Median of (hi − lo) / point over the rows' intervals."""
+    w = sorted((r["predicted_interval_tokens_per_s_per_gpu"][1]
+                - r["predicted_interval_tokens_per_s_per_gpu"][0])
+               / r["predicted_tokens_per_s_per_gpu"]
+               for r in rows if r.get("predicted_interval_tokens_per_s_per_gpu"))
+    if not w:
+        return None
+    n = len(w)
+    return w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
+
+
 def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
     """Predict every predictable row; {"rows", "mape_tokens_per_s", "skipped", ...}."""
@@ -272,8 +307,14 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
             skipped.append({"id": case.id, "why": str(err)})
     held = [r for r in out if r["split"] == "held-out"]
     fit = [r for r in out if r["split"] == "fit"]
+    from .cost_models.uncertainty import default_profile
+
     return {
         "rows": out,
+        "coverage": coverage(held),
+        "median_interval_width": median_width(held),
+        "coverage_fit": coverage(fit),
+        "coverage_cross_validated": default_profile().cross_validated.get("coverage"),
         "mape_tokens_per_s": mape(out),
         "mape_tokens_per_s_held_out": mape(held),
         "mape_tokens_per_s_fit": mape(fit),
@@ -281,3 +322,24 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
         "mape_memory_gb": mape(out, "memory_gb"),
         "skipped": skipped,
     }
+
+
+# DeepSeek-V3 per-GPU memory anatomy, Megatron Core MoE report: 256 GPUs, PP4 VPP4 EP64, TP1,
+# ETP1, MBS1, s 4096, BF16, distributed optimizer, before memory optimisations (GB).
+DEEPSEEK_V3_ANATOMY = {"weights+grads": 36.4, "optimizer": 32.1, "activations": 131.0,
+                       "total": 199.5}
+
+
+def anatomy_parts() -> dict[str, tuple[float, float]]:
+    """{part: (moeplan GB, report GB)} for the DeepSeek-V3 anatomy, moeplan's peak GPU."""
+    from .cost_models.estimate import estimate_breakdown
+    from .specs import load_cluster
+
+    m, c = load_model("deepseek-v3"), load_cluster("h100", 256)
+    t = TrainingSpec(seq_len=4096, global_batch_size=1024)
+    mem = estimate_breakdown(m, c, t, Layout.build(256, 1024, pp=4, vpp=4, ep=64),
+                             with_interval=False).estimate.memory
+    ours = {"weights+grads": mem.weights_gb + mem.grads_gb, "optimizer": mem.optimizer_gb,
+            "activations": mem.activations_gb}
+    ours["total"] = sum(ours.values())
+    return {k: (ours[k], v) for k, v in DEEPSEEK_V3_ANATOMY.items()}

@@ -26,7 +26,14 @@ def test_estimate_json_shape(capsys):
     assert {"step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory", "time",
             "bottleneck", "fits", "warnings"} <= doc.keys()
     assert set(doc["memory"]) == {"peak_gb", "weights_gb", "grads_gb", "optimizer_gb",
-                                  "activations_gb", "buffers_gb"}
+                                  "activations_gb", "buffers_gb", "margin_gb", "headroom_gb"}
+    iv = doc["interval"]
+    assert iv["level"] == 0.8
+    assert iv["tokens_per_s_per_gpu"][0] < doc["tokens_per_s_per_gpu"] < iv[
+        "tokens_per_s_per_gpu"][1]
+    assert iv["step_time_s"][0] < doc["step_time_s"] < iv["step_time_s"][1]
+    assert doc["assumptions"] and all(set(a) == {"term", "validated", "evidence"}
+                                      for a in doc["assumptions"])
     assert set(doc["time"]) == {"compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "dp_comm_s",
                                 "pp_bubble_s", "recompute_s", "offload_s", "exposed_comm_s"}
     assert doc["step_time_s"] > 0 and isinstance(doc["fits"], bool)

@@ -63,25 +63,11 @@ def test_recompute_and_offload_semantics():
     assert lc.offload_bytes(["moe"], ["expert_fc1"]) == 0.0
 
 
-def test_options_match_exact_methods_for_single_choices():
-    lc = moe_layer(ctx_for("deepseek-v3", Layout(dp=64, ep=64)))
-    opts = lc.options()
-    for name, (saved, secs) in opts["recompute"].items():
-        assert saved == pytest.approx(lc.activation_bytes() - lc.activation_bytes([name]))
-        assert secs == pytest.approx(lc.recompute_s([name]))
-    host = load_cluster("h100").host_link_gb_s
-    for name, (moved, secs) in opts["offload"].items():
-        assert moved == pytest.approx(lc.offload_bytes([], [name]))
-        assert secs == pytest.approx(2 * moved / (host * 1e9))  # out and back over PCIe
-    assert set(opts["offload"]) <= {"attn_norm", "qkv_linear", "core_attn", "attn_proj",
-                                    "mlp_norm", "expert_fc1", "moe_act"}
-
-
 def test_fp8_lowers_gemm_time():
     L = Layout(dp=8, ep=8)
     bf = moe_layer(ctx_for("qwen3-30b-a3b", L))
     f8 = moe_layer(ctx_for("qwen3-30b-a3b", L, precision="fp8-tensorwise"))
-    assert f8.gemm_fwd_s < bf.gemm_fwd_s
+    assert f8.fwd_s < bf.fwd_s and f8.bwd_s < bf.bwd_s
 
 
 def test_flex_dispatcher_sends_fewer_bytes_across_domains_than_alltoall():

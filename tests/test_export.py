@@ -400,8 +400,10 @@ def test_slurm_script_contents():
     script = to_slurm(deepseek_plan(), nnodes=32, plan_path="ds.json")
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=32", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --ntasks-per-node=1", "srun --kill-on-bad-exit=1 torchrun",
-                 '--rdzv-id "$SLURM_JOB_ID"', "-m moeplan run ds.json", "scontrol show hostnames"):
+                 "#SBATCH --ntasks-per-node=1",
+                 "srun --kill-on-bad-exit=1 --ntasks-per-node=1 moeplan run ds.json",
+                 "--nnodes 32", "--nproc-per-node 8", '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"',
+                 '--rdzv-id "$SLURM_JOB_ID"', "scontrol show hostnames"):
         assert line in script
     assert "tp=1 cp=1 dp=64 pp=4 vpp=4 ep=64" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)

@@ -59,9 +59,11 @@ def test_planner_best_equals_brute_force_best(layers, hidden, experts, ffn, hbm,
     ref = brute_force(model, cluster, training, 8, space)
     if ref is None:
         with pytest.raises(InfeasibleError):
-            search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1)
+            search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1,
+                   objective="expected")
         return
-    got = search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1)
+    got = search(model, cluster, training, 8, space=space, options=OPTIONS, top_k=1,
+                 objective="expected")
     assert got.plans[0].estimate.step_time_s == pytest.approx(ref, rel=1e-9)
 
 
@@ -73,10 +75,35 @@ def test_search_is_deterministic_and_ranked():
     a = search(model, cluster, tr, 32, space=space)
     b = search(model, cluster, tr, 32, space=space)
     assert [p.model_dump() for p in a.plans] == [p.model_dump() for p in b.plans]
-    times = [p.estimate.step_time_s for p in a.plans]
-    assert times == sorted(times) and len(times) == 5
+    highs = [p.estimate.interval.step_time_s[1] for p in a.plans]
+    assert highs == sorted(highs) and len(highs) == 5
     assert all(p.estimate.fits for p in a.plans)
-    assert a.plans[0].explanation and "runner-up" in a.plans[0].explanation[2]
+    assert any("runner-up" in line for line in a.plans[0].explanation)
+
+
+def test_robust_objective_ranks_by_interval_low_end_and_expected_by_point():
+    model = load_model("qwen3-235b-a22b")
+    cluster = load_cluster("h100")
+    tr = TrainingSpec(seq_len=4096, global_batch_size=2048)
+    robust = search(model, cluster, tr, 256, top_k=5)
+    expected = search(model, cluster, tr, 256, top_k=5, objective="expected")
+    assert robust.objective == "robust" and expected.objective == "expected"
+    lows = [p.estimate.interval.tokens_per_s_per_gpu[0] for p in robust.plans]
+    points = [p.estimate.tokens_per_s_per_gpu for p in expected.plans]
+    assert lows == sorted(lows, reverse=True)
+    assert points == sorted(points, reverse=True)
+    # every plan carries an interval around its point, its assumptions and a margin it meets
+    for p in robust.plans + expected.plans:
+        e = p.estimate
+        lo, hi = e.interval.tokens_per_s_per_gpu
+        assert lo < e.tokens_per_s_per_gpu < hi
+        assert e.assumptions and e.memory.margin_gb > 0
+        assert e.memory.headroom_gb >= e.memory.margin_gb
+    # the expected winner is at least as fast by the point; the robust one at least as safe
+    assert expected.plans[0].estimate.tokens_per_s_per_gpu >= max(
+        p.estimate.tokens_per_s_per_gpu for p in robust.plans) * (1 - 1e-9)
+    assert robust.plans[0].estimate.interval.tokens_per_s_per_gpu[0] >= (
+        expected.plans[0].estimate.interval.tokens_per_s_per_gpu[0] * (1 - 1e-9))
 
 
 def test_deepseek_v3_on_8_h100_is_infeasible_with_advice():

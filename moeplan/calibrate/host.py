@@ -317,7 +317,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "a2a_scaleout_eff": round(a2a_eff, 4),
     }
     if m.device == "cpu":  # gloo runs on the cores that compute: no comm hides behind GEMMs
-        constants.update(tp_exposed=1.0, ep_base_hidden=0.0, ep_overlap_hidden=0.0)
+        constants.update(tp_exposed=1.0, ep_overlap_hidden=0.0)
     if m.layer_overhead_s is not None:
         constants["layer_overhead_s"] = float(f"{m.layer_overhead_s:.4g}")
     if m.step_overhead_s is not None:

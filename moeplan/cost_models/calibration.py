@@ -9,7 +9,7 @@ overrides any key. Keys that are dicts are keyed by GPU architecture or precisio
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -37,12 +37,12 @@ class Calibration:
     scaleout_eff: float
     a2a_nvlink_eff: float
     a2a_scaleout_eff: float
-    # overlap: fraction of TP comm that stays exposed (TP comm overlap hides the rest)
+    # overlap (cost_models.overlap): 1 − η of TP communication, the share that stays exposed
+    # however long the GEMMs beside it are
     tp_exposed: float
-    # fraction of EP all-to-all hidden when EP overlap (merged fwd/bwd) is on
+    # η of EP all-to-all under EP overlap (merged fwd/bwd): the most it hides when the other
+    # micro-batch's compute is long enough (Megatron Core MoE report: ≈ 93 %)
     ep_overlap_hidden: float
-    # fraction of EP all-to-all hidden without it (shared-expert overlap and the like)
-    ep_base_hidden: float
     # fixed per-step overhead (optimizer launch, grad-norm, logging), seconds
     step_overhead_s: float
     # per-micro-batch per-layer launch overhead (kernel launches, host sync), seconds
@@ -55,6 +55,15 @@ class Calibration:
     calibrated: list[str]
     # attention efficiency vs head dim: the D of compute.attention_head_dim_factor
     attn_head_dim_half: float = 64.0
+    # share of the GPU's compute that communication kernels occupy while they overlap compute,
+    # per architecture (DeepEP on H100: 24 of 132 SMs; NCCL channels similar), cost_models.overlap
+    comm_sm_fraction: dict[str, float] = field(
+        default_factory=lambda: {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.1})
+    # achieved fraction of the host's memory bandwidth for the host Adam step (optimizer offload)
+    host_mem_eff: float = 0.7
+
+    def sm_fraction(self, arch: str) -> float:
+        return self.comm_sm_fraction.get(arch, 0.15)
 
     def gemm_eff_max_for(self, cluster: Any) -> float:
         """Peak GEMM efficiency for a cluster: its GPU model's entry, else its architecture's."""

@@ -17,10 +17,11 @@ from typing import Any
 from ..specs.cluster import ClusterSpec
 from ..specs.layout import Choices, Layout, check_layout
 from ..specs.model import ModelSpec
-from ..specs.plan import Confidence, Estimate, MemoryBreakdown, TimeBreakdown
+from ..specs.plan import Confidence, Estimate, Interval, MemoryBreakdown, TimeBreakdown
 from ..specs.stage_layout import format_stage_layout, stage_layout_for
 from ..specs.training import TrainingSpec
 from . import comm as C
+from . import uncertainty as U
 from .calibration import Calibration, calibration_for
 from .compute import adam_step_bytes, lowp_speedup, membound_time
 from .layers import (
@@ -35,6 +36,7 @@ from .layers import (
     mtp_layer,
 )
 from .memory import GB, StaticMemory, static_memory
+from .overlap import edge_weight, exposed_time
 from .pipeline import in_flight_chunks, pipeline_time
 
 
@@ -47,6 +49,7 @@ class ChunkCost:
     bwd_s: float
     recompute_s: float
     exposed_comm_s: float
+    ep_exposed_s: float
     offload_s: float
     tp_s: float
     cp_s: float
@@ -167,21 +170,24 @@ def layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerC
 
 
 def _chunk(items: list[tuple[str, LayerCost]], recompute: list[str], offload: list[str],
-           ctx: Context) -> ChunkCost:
-    fwd = bwd = rec = exp = tp = cp = ep = act = off = dense = expert = 0.0
+           ctx: Context, edge: float = 0.0) -> ChunkCost:
+    """One chunk for one micro-batch; `edge` is `overlap.edge_weight` of the schedule."""
+    fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = dense = expert = 0.0
     for _, lc in items:
         fwd += lc.fwd_s + ctx.cal.layer_overhead_s
         bwd += lc.bwd_s + ctx.cal.layer_overhead_s
         rec += lc.recompute_s(recompute)
-        exp += lc.exposed_fwd_s + lc.exposed_bwd_s
+        exp += lc.exposed_s(edge)
         tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
+        ep_exp += lc.ep_s - (1.0 - edge) * lc.edge_exposed_s
         act += lc.activation_bytes(recompute, offload)
         off += lc.offload_bytes(recompute, offload)
         dense, expert = dense + lc.dense_params, expert + lc.expert_params
+    # D2H copies behind the forward, H2D behind the backward (overlap.exposed_time, η = 1)
     copy = C.host_copy_time(off, ctx.cluster)
-    off_s = max(0.0, copy - fwd) + max(0.0, copy - bwd)   # D2H behind forward, H2D behind bwd
-    return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, off_s, tp, cp, ep, act, off,
-                     dense, expert)
+    off_s = exposed_time(copy, fwd) + exposed_time(copy, bwd)
+    return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, ep_exp, off_s, tp, cp, ep,
+                     act, off, dense, expert)
 
 
 def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
@@ -238,15 +244,47 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         rs = C.all_reduce_time(4 * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
             4 * expert_params, edp_place, cluster, cal)
         ag = 0.0
-    dp_exposed = max(0.0, rs - bwd_window_s) + max(0.0, ag - fwd_window_s)
-    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    dp_exposed = exposed_time(rs, bwd_window_s) + exposed_time(ag, fwd_window_s)
+    moments = moments_bytes(training)
     dense_shards, expert_shards = (L.dp * L.cp, max(1, L.edp)) if L.distributed_optimizer else (
         1, 1)
     shard = dense_params / dense_shards + expert_params / expert_shards
     frac = optimizer_offload_fraction
     opt_s = membound_time(adam_step_bytes(shard * (1 - frac), moments), cluster.hbm_tb_s, cal)
-    opt_s += C.host_copy_time(shard * frac * 6, cluster)
+    if frac > 0:
+        # offloaded share (Megatron's HybridDeviceOptimizer): fp32 grads down, the host runs
+        # Adam over its fp32 master and moments, bf16 params back up. The host step is
+        # memory-bound (Adam touches every state once); it runs while the GPU updates its own
+        # share, so the slower of the two sides sets the time.
+        host_s = adam_step_bytes(shard * frac, 4) / (
+            cluster.host_memory_bw_gb_s * cal.host_mem_eff * 1e9)
+        opt_s = max(opt_s, C.host_copy_time(shard * frac * 6, cluster) + host_s)
     return StepExtras(pp_exposed, rs, ag, dp_exposed, opt_s)
+
+
+def fixed_buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout,
+                       cal: Calibration, imbalance: float = 1.0, has_moe: bool = True) -> float:
+    """Bytes a rank holds outside weights, optimizer and saved activations: the dispatcher's
+    send/recv buffers of one MoE layer (at the busiest rank), the TP all-gather buffer and the
+    fixed workspace. Fragmentation comes on top (`frag_frac` of static + activations)."""
+    L = layout
+    n_tok = L.mbs * training.seq_len / L.cp
+    disp = (2 * BF16 * n_tok / L.tp * model.moe_top_k * L.etp * model.hidden_size * imbalance
+            if model.is_moe and has_moe else 0.0)
+    tp_buf = BF16 * n_tok * model.hidden_size if L.tp > 1 else 0.0
+    return disp + tp_buf + cal.workspace_gb * GB
+
+
+def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
+                                   fixed_bytes: float) -> float:
+    """Most static + activation bytes a rank may hold and still fit (uncertainty.max_peak_gb
+    less the fixed buffers, before fragmentation): the budget of the MILP and the search."""
+    return (U.max_peak_gb(cluster, cal) * GB - fixed_bytes) / (1 + cal.frag_frac)
+
+
+def moments_bytes(training: TrainingSpec) -> int:
+    """Bytes per Adam moment (m and v each): 2 with BF16 moments, else 4."""
+    return 2 if training.optimizer_moments_dtype == "bf16" else 4
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -260,6 +298,7 @@ def estimate_breakdown(
     routing_histogram: dict[str, Any] | None = None,
     calibration: dict[str, Any] | None = None,
     check: bool = True,
+    with_interval: bool = True,
 ) -> Breakdown:
     """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs)."""
     choices = choices or Choices()
@@ -289,23 +328,23 @@ def estimate_breakdown(
             items.append((key, costs[key]))
         stage_items.append(items)
 
-    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    moments = moments_bytes(training)
     dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
+    edge = edge_weight(L.num_microbatches, L.pp, L.vpp)
     ranks: list[RankCost] = []
     for r in range(L.pp):
         rc, off = choices.recompute_for_stage(r), choices.offload_for_stage(r)
-        chunks = tuple(_chunk(stage_items[v * L.pp + r], rc, off, ctx) for v in range(L.vpp))
+        chunks = tuple(_chunk(stage_items[v * L.pp + r], rc, off, ctx, edge)
+                       for v in range(L.vpp))
         dense = sum(c.dense_params for c in chunks)
         expert = sum(c.expert_params for c in chunks)
         static = static_memory(dense, expert, dense_shards, expert_shards, moments,
                                L.distributed_optimizer, choices.optimizer_offload_fraction)
         act = sum(chunks[v].activation_bytes
                   for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
-        # dispatcher send/recv buffers of one MoE layer, TP all-gather buffer, workspace
-        disp = (2 * BF16 * ctx.n_sp * model.moe_top_k * L.etp * model.hidden_size * max(imbs)
-                if model.is_moe and any("moe" in k for c in chunks for k in c.layers) else 0.0)
-        tp_buf = BF16 * ctx.n_tok * model.hidden_size if L.tp > 1 else 0.0
-        buffers = disp + tp_buf + cal.workspace_gb * GB + cal.frag_frac * (static.total + act)
+        has_moe = model.is_moe and any("moe" in k for c in chunks for k in c.layers)
+        buffers = (fixed_buffer_bytes(model, training, L, cal, max(imbs), has_moe)
+                   + cal.frag_frac * (static.total + act))
         ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers))
 
     m_ = L.num_microbatches
@@ -336,29 +375,60 @@ def estimate_breakdown(
         ep_comm_s=m_ * sum(c.ep_s for c in crit.chunks), dp_comm_s=rs + ag,
         pp_bubble_s=bubble, recompute_s=recompute, offload_s=offload, exposed_comm_s=exposed)
     peak_rank = max(ranks, key=lambda r: r.peak_bytes)
-    budget = cluster.hbm_gb - cal.reserve_gb
-    fits = peak_rank.peak_bytes / GB <= budget
+    peak_gb = peak_rank.peak_bytes / GB
+    margin = U.memory_margin_gb(peak_gb, cal)
+    fits = peak_gb <= U.max_peak_gb(cluster, cal) * (1 + 1e-12)   # ⇔ headroom ≥ margin
     memory = MemoryBreakdown(
-        peak_gb=peak_rank.peak_bytes / GB, weights_gb=peak_rank.static.weights / GB,
+        peak_gb=peak_gb, weights_gb=peak_rank.static.weights / GB,
         grads_gb=peak_rank.static.grads / GB, optimizer_gb=peak_rank.static.optimizer / GB,
-        activations_gb=peak_rank.activation_bytes / GB, buffers_gb=peak_rank.buffer_bytes / GB)
+        activations_gb=peak_rank.activation_bytes / GB, buffers_gb=peak_rank.buffer_bytes / GB,
+        margin_gb=margin, headroom_gb=cluster.hbm_gb - peak_gb)
     if not fits:
-        warnings.append(f"peak {memory.peak_gb:.1f} GB on pp rank {peak_rank.rank} exceeds the "
-                        f"{budget:.1f} GB budget ({cluster.hbm_gb:g} GB HBM less "
+        warnings.append(f"peak {peak_gb:.1f} GB on pp rank {peak_rank.rank} leaves "
+                        f"{cluster.hbm_gb - peak_gb:.1f} GB of {cluster.hbm_gb:g} GB HBM free, "
+                        f"less than the {margin:.1f} GB margin (memory-model error "
+                        f"{U.default_profile().memory_rel_error:.0%} of the peak plus "
                         f"{cal.reserve_gb:g} GB reserve)")
+    ep_exposed = m_ * sum(c.ep_exposed_s for c in crit.chunks)
     parts = {"compute": compute, "pipeline bubble": bubble, "recompute": recompute,
-             "offload": offload, "tp communication": m_ * sum(
-                 c.tp_s for c in crit.chunks) * cal.tp_exposed,
-             "ep communication": m_ * sum(c.ep_s for c in crit.chunks) * (
-                 1 - (cal.ep_overlap_hidden if L.ep_overlap else cal.ep_base_hidden)),
-             "dp communication": dp_exposed, "cp communication": m_ * sum(
-                 c.cp_s for c in crit.chunks)}
+             "offload": offload, "ep communication": ep_exposed,
+             "tp/cp communication": m_ * sum(c.exposed_comm_s for c in crit.chunks) - ep_exposed,
+             "dp communication": dp_exposed, "optimizer": opt_s}
     bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
     est = Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / world, tflops_per_gpu=tflops,
         mfu=tflops / cluster.bf16_tflops, memory=memory, time=time, bottleneck=bottleneck,
         fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model))
+    if with_interval:
+        est = _with_interval(est, model, cluster, training, layout, choices, imbalance,
+                             routing_histogram, calibration)
     return Breakdown(est, tuple(ranks), format_stage_layout(stages), costs)
+
+
+def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
+                   training: TrainingSpec, layout: Layout, choices: Choices, imbalance: float,
+                   routing_histogram: dict[str, Any] | None,
+                   calibration: dict[str, Any] | None) -> Estimate:
+    """The estimate with its assumptions and 80 % interval (cost_models.uncertainty): the
+    low end is priced with every unvalidated effect disappointing at once."""
+    terms = U.assumptions(model, cluster, training, layout, choices)
+    pess = est.tokens_per_s_per_gpu
+    variants = [t.pessimistic for t in terms if t.pessimistic and not t.assumption.validated]
+    if variants:
+        L, ch, cl = layout, choices, cluster
+        for v in variants:
+            L, ch, cl = v(L, ch, cl)
+        pess = estimate_breakdown(model, cl, training, L, ch, imbalance, routing_histogram,
+                                  calibration, check=False, with_interval=False
+                                  ).estimate.tokens_per_s_per_gpu
+    keys = U.regime_keys(model, cluster, training.precision, layout)
+    lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys)
+    per_step = est.tokens_per_s_per_gpu * est.step_time_s
+    interval = Interval(level=U.LEVEL, tokens_per_s_per_gpu=(lo, hi),
+                        step_time_s=(per_step / hi, per_step / lo),
+                        pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n)
+    return est.model_copy(update={"interval": interval,
+                                  "assumptions": [t.assumption for t in terms]})
 
 
 def estimate(
@@ -403,7 +473,7 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)
     dense, experts = params or bound_params(model)
     edp = max(1, world // (etp * ep * pp))
-    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    moments = moments_bytes(training)
     st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True)
     return t, st.weights + st.grads
 

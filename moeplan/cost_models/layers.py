@@ -29,6 +29,7 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
+from .overlap import overlap_cost
 
 BF16 = 2
 T = TypeVar("T")
@@ -62,13 +63,24 @@ class LayerCost:
     recompute_fwd_s: Mapping[str, float] = field(default_factory=dict)
     dense_params: float = 0.0
     expert_params: float = 0.0
-    gemm_fwd_s: float = 0.0
     host_link_gb_s: float = 0.0  # GPU↔host bandwidth per direction, for offload times
+    # extra exposure of a micro-batch that runs without an overlap partner (the warm-up and
+    # cool-down of a merged forward/backward schedule): what it exposes minus exposed_fwd/bwd
+    edge_exposed_s: float = 0.0
+
+    def exposed_s(self, edge_weight: float = 0.0) -> float:
+        """Exposed communication of one micro-batch, the steady state blended with the
+        schedule's edge (`overlap.edge_weight`)."""
+        return self.exposed_fwd_s + self.exposed_bwd_s + edge_weight * self.edge_exposed_s
+
+    def time_at(self, edge_weight: float = 0.0) -> float:
+        """Forward + backward + exposed communication, no recompute or offload."""
+        return self.fwd_s + self.bwd_s + self.exposed_s(edge_weight)
 
     @property
     def time_s(self) -> float:
-        """Forward + backward + exposed communication, no recompute or offload."""
-        return self.fwd_s + self.bwd_s + self.exposed_fwd_s + self.exposed_bwd_s
+        """Steady-state forward + backward + exposed communication."""
+        return self.time_at(0.0)
 
     def _kept(self, recompute: Iterable[str], offload: Iterable[str]) -> list[ActTensor]:
         rc, off = set(recompute), set(offload)
@@ -95,23 +107,6 @@ class LayerCost:
         if "full" in rc:
             return self.recompute_fwd_s.get("full", 0.0)
         return sum(self.recompute_fwd_s.get(r, 0.0) for r in rc)
-
-    def options(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """For the MILP: {"recompute": {name: (bytes saved, seconds added)},
-        "offload": {name: (bytes moved, host-link seconds both ways)}}, each taken alone.
-
-        Offload seconds are the copy time out and back; how much of it hides behind the chunk's
-        compute is the caller's (estimate: max(0, copy − forward) + max(0, copy − backward))."""
-        base = self.activation_bytes()
-        rec = {r: (base - self.activation_bytes([r]), self.recompute_fwd_s[r])
-               for r in self.recompute_fwd_s}
-        moved: dict[str, float] = {}
-        for t in self.tensors:
-            if t.offload_by:
-                moved[t.offload_by] = moved.get(t.offload_by, 0.0) + t.bytes
-        bw = self.host_link_gb_s * 1e9
-        offl = {k: (b, 2 * b / bw if bw else 0.0) for k, b in moved.items()}
-        return {"recompute": rec, "offload": offl}
 
 
 @dataclass(frozen=True)
@@ -167,9 +162,20 @@ def _gemm(ctx: Context, m: float, k: float, n: float, covered: bool = True, coun
                      count)
 
 
-def _layer(ctx: Context, *fields: object) -> LayerCost:
+def _layer(ctx: Context, **fields: object) -> LayerCost:
     """A LayerCost carrying the cluster's host-link bandwidth (for offload option times)."""
-    return LayerCost(*fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
+    return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
+
+
+def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
+    """(forward, backward) exposure of a layer's TP communication: half of it each way, beside
+    the layer's GEMMs (backward runs twice the forward GEMMs), at most the fraction
+    `1 − tp_exposed` hidden (overlap.exposed_time), plus the SM share the hidden part takes."""
+    if tp_s <= 0.0:
+        return 0.0, 0.0
+    eta, sm = 1.0 - ctx.cal.tp_exposed, ctx.cal.sm_fraction(ctx.arch)
+    return (overlap_cost(tp_s / 2, gemm_fwd_s, eta, sm),
+            overlap_cost(tp_s / 2, 2 * gemm_fwd_s, eta, sm))
 
 
 def _mem(ctx: Context, nbytes: float) -> float:
@@ -199,7 +205,7 @@ class _Attn:
     cp_exposed_bwd: float
     tensors: tuple[ActTensor, ...]
     params: float
-    gemm_fwd: float
+    gemm_fwd: float  # the GEMMs TP communication can hide behind
 
 
 def _per_context(fn: Callable[..., T]) -> Callable[..., T]:
@@ -322,14 +328,16 @@ def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
         ActTensor("mlp_fc1_out", BF16 * fc1, frozenset({"mlp"}), None),
         ActTensor("mlp_act_out", BF16 * out, frozenset({"mlp"}), None),
     )
-    exp_f = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_fwd
-    exp_b = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_bwd
+    tp_f, tp_b = _tp_exposed(ctx, tp, at.gemm_fwd + g)
+    exp_f, exp_b = tp_f + at.cp_exposed_fwd, tp_b + at.cp_exposed_bwd
     rec = {"core_attn": at.core_fwd, "layernorm": at.norm_fwd + norm2, "mlp": g + act,
            "full": fwd + exp_f}
     if m.attention == "mla":
         rec["mla_up_proj"] = at.up_fwd
-    return _layer(ctx, "dense", fwd, bwd, tp, at.cp, 0.0, exp_f, exp_b, tensors, rec,
-                  at.params + m.dense_mlp_params() / t + m.hidden_size, 0.0, at.gemm_fwd + g)
+    return _layer(ctx, kind="dense", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp,
+                  exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors,
+                  recompute_fwd_s=rec,
+                  dense_params=at.params + m.dense_mlp_params() / t + m.hidden_size)
 
 
 def _dispatch_time(ctx: Context, token_bytes: float) -> float:
@@ -389,10 +397,16 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     etp = C.ring_time(R * h * BF16, ctx.etp_place, ctx.cluster, ctx.cal) if L.etp > 1 else 0.0
     ep = 4 * (a2a + etp)
     tp = at.tp + (4 * _tp_ring(ctx, N * h * BF16) if t > 1 and m.num_shared_experts else 0.0)
-    hidden = ctx.cal.ep_overlap_hidden if L.ep_overlap else ctx.cal.ep_base_hidden
-    ep_exp = ep * (1 - hidden)
-    exp_f = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_fwd + ep_exp / 2
-    exp_b = tp / 2 * ctx.cal.tp_exposed + at.cp_exposed_bwd + ep_exp / 2
+    tp_f, tp_b = _tp_exposed(ctx, tp, at.gemm_fwd + g_e + shared_g)
+    # EP overlap (Megatron Core's merged 1F1B): one micro-batch's dispatch/combine runs beside
+    # another micro-batch's compute of the same layer, forward beside backward, so at most that
+    # compute (fwd + bwd of the layer) can hide it. Without overlap, dispatch feeds the experts
+    # and combine feeds the next layer: all of it is on the critical path. A micro-batch with no
+    # partner (warm-up, cool-down) exposes all of it: `edge_exposed_s`.
+    ep_exp = (overlap_cost(ep, fwd + bwd, ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch))
+              if L.ep_overlap else ep)
+    exp_f = tp_f + at.cp_exposed_fwd + ep_exp / 2
+    exp_b = tp_b + at.cp_exposed_bwd + ep_exp / 2
     tensors = at.tensors + (
         ActTensor("mlp_norm_out", BF16 * Nsp * h, frozenset({"layernorm"}), None),
         ActTensor("router_probs", 4 * 2 * Nsp * m.num_experts, frozenset({"moe"}), None),
@@ -410,8 +424,9 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
         rec["mla_up_proj"] = at.up_fwd
     dense = at.params + m.router_params() + m.shared_expert_params() / t + h
     experts = m.num_experts * m.expert_params() / (L.ep * L.etp)
-    return _layer(ctx, "moe", fwd, bwd, tp, at.cp, ep, exp_f, exp_b, tensors, rec, dense, experts,
-                  at.gemm_fwd + g_e + shared_g)
+    return _layer(ctx, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
+                  exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors, recompute_fwd_s=rec,
+                  dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 
 
 def embedding_layer(ctx: Context) -> LayerCost:
@@ -420,9 +435,10 @@ def embedding_layer(ctx: Context) -> LayerCost:
     fwd = _mem(ctx, 2 * BF16 * N * m.hidden_size)
     tp = 2 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0
     tensors = (ActTensor("token_ids", 8 * N, frozenset(), None),)
-    return _layer(ctx, "embedding", fwd, 2 * fwd, tp, 0, 0, tp / 2 * ctx.cal.tp_exposed,
-                  tp / 2 * ctx.cal.tp_exposed, tensors, {}, m.embedding_params() / t, 0.0,
-                  0.0)
+    # no GEMM to hide behind: the lookup's reduce-scatter (and its backward) is exposed
+    return _layer(ctx, kind="embedding", fwd_s=fwd, bwd_s=2 * fwd, tp_s=tp,
+                  exposed_fwd_s=tp / 2, exposed_bwd_s=tp / 2, tensors=tensors,
+                  dense_params=m.embedding_params() / t)
 
 
 @_per_context
@@ -444,8 +460,10 @@ def loss_layer(ctx: Context, heads: int = 1) -> LayerCost:
     tensors = (ActTensor("layer_input", BF16 * Nsp * h, frozenset(), None),
                ActTensor("logits_fp32", heads * 4 * N * V / t, frozenset(), None))
     params = (0 if m.tie_embeddings and ctx.layout.pp == 1 else V * h) / t + h
-    return _layer(ctx, "loss", fwd, bwd, tp, 0, 0, tp / 2 * ctx.cal.tp_exposed,
-                  tp / 2 * ctx.cal.tp_exposed, tensors, {"full": fwd}, params, 0.0, g)
+    tp_f, tp_b = _tp_exposed(ctx, tp, g)
+    return _layer(ctx, kind="loss", fwd_s=fwd, bwd_s=bwd, tp_s=tp, exposed_fwd_s=tp_f,
+                  exposed_bwd_s=tp_b, tensors=tensors, recompute_fwd_s={"full": fwd},
+                  dense_params=params)
 
 
 def mtp_layer(ctx: Context, imbalance: float = 1.0) -> LayerCost:
@@ -462,8 +480,9 @@ def mtp_layer(ctx: Context, imbalance: float = 1.0) -> LayerCost:
     rec = dict(body.recompute_fwd_s)
     rec["full"] = rec.get("full", 0.0) + proj
     return _layer(
-        ctx, "mtp", fwd, bwd, body.tp_s + head.tp_s, body.cp_s, body.ep_s,
-        body.exposed_fwd_s + head.exposed_fwd_s, body.exposed_bwd_s + head.exposed_bwd_s,
-        body.tensors + head.tensors[1:] + extra, rec,
-        body.dense_params + 2 * h * h / t + 3 * h, body.expert_params,
-        body.gemm_fwd_s + head.gemm_fwd_s + proj)
+        ctx, kind="mtp", fwd_s=fwd, bwd_s=bwd, tp_s=body.tp_s + head.tp_s, cp_s=body.cp_s,
+        ep_s=body.ep_s, exposed_fwd_s=body.exposed_fwd_s + head.exposed_fwd_s,
+        exposed_bwd_s=body.exposed_bwd_s + head.exposed_bwd_s,
+        tensors=body.tensors + head.tensors[1:] + extra, recompute_fwd_s=rec,
+        dense_params=body.dense_params + 2 * h * h / t + 3 * h,
+        expert_params=body.expert_params, edge_exposed_s=body.edge_exposed_s)

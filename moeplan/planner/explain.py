@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..specs import Plan
+from ..specs import Estimate, Plan
 
 if TYPE_CHECKING:
     from .search import SearchResult
@@ -51,6 +51,39 @@ def _why(best: Plan, other: Plan) -> str:
             f"{a.memory.peak_gb:.1f} GB vs {b.memory.peak_gb:.1f} GB")
 
 
+def interval_sentence(e: Estimate) -> str:
+    """The 80 % interval and the unvalidated effects an estimate leans on, in words."""
+    if e.interval is None:
+        return "no interval"
+    lo, hi = e.interval.tokens_per_s_per_gpu
+    weak = [a.term for a in e.assumptions if not a.validated]
+    return (f"80% interval {lo:,.0f}–{hi:,.0f} tokens/s/GPU (from {e.interval.rows} held-out "
+            f"published runs, {e.interval.regime}); memory headroom "
+            f"{e.memory.headroom_gb:.1f} GB against a {e.memory.margin_gb:.1f} GB margin; "
+            + ("not backed by any published run: " + "; ".join(weak) if weak
+               else "every modelled effect is backed by published runs"))
+
+
+def robust_sentences(best: Plan, result: SearchResult) -> list[str]:
+    """What the winner wins by, and the best plan that rests on validated terms only."""
+    e = best.estimate
+    assert e is not None
+    weak = [a.term for a in e.assumptions if not a.validated]
+    out = [f"ranked by {'the low end of the interval' if result.objective == 'robust' else 'the point estimate'}"
+           f" (--objective {result.objective})"
+           + (f"; it wins by effects no published run backs: {'; '.join(weak)}" if weak else "")]
+    v = result.best_validated
+    if weak and v is not None and v.estimate is not None and v.estimate.interval is not None:
+        lo = v.estimate.interval.tokens_per_s_per_gpu[0]
+        out.append(f"best plan using validated effects only: {describe(v)}, "
+                   f"{v.estimate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (low end {lo:,.0f}), "
+                   f"headroom {v.estimate.memory.headroom_gb:.1f} GB against a "
+                   f"{v.estimate.memory.margin_gb:.1f} GB margin")
+    elif weak:
+        out.append("no plan the search priced rests on validated effects only")
+    return out
+
+
 def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
     """Attach explanations: what each plan is, its bottleneck, why the best beats the next,
     and which rules and bounds removed the other candidates."""
@@ -62,9 +95,11 @@ def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
         lines = [f"#{i + 1}: {describe(p)}",
                  f"step {e.step_time_s:.3g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                  f"MFU {e.mfu:.1%}, peak {e.memory.peak_gb:.1f} GB; bottleneck: {e.bottleneck}"]
+        lines.append(interval_sentence(e))
         if i + 1 < len(plans):
             lines.append(_why(p, plans[i + 1]))
         if i == 0:
+            lines += robust_sentences(p, result)
             lines.append(f"searched {result.layouts} valid layouts: {result.screened} "
                          f"screened with even stages, {result.solved} MILPs for the best; "
                          f"pruned: {pruned or 'none'}")

@@ -325,10 +325,16 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--swiglu")
     elif m.activation == "squared_relu":
         a.add("--squared-relu")
+    elif m.activation in ("geglu", "geglu_tanh"):
+        warn.append("the gated GELU MLP (HF hidden_act gelu*) has no Megatron flag; it is "
+                    "exported as a plain GELU MLP.")
     a.add("--normalization", "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm")
     a.add("--norm-epsilon", _num(m.norm_eps))
     if m.position_embedding == "rope":
         a.add("--position-embedding-type", "rope")
+        if m.rope_scaling is not None:
+            warn.append(f"RoPE {m.rope_scaling.kind} scaling is not exported; add Megatron's "
+                        "flags for it by hand (--use-rope-scaling for llama3).")
         theta = round(m.rope_theta)
         if theta != m.rope_theta:
             warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
@@ -690,8 +696,8 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
              plan_path: str = "plan.json", job_name: str | None = None,
              time_limit: str | None = None, partition: str | None = None,
              account: str | None = None) -> str:
-    """An sbatch script: one task per node, each running torchrun, which starts the node's
-    `moeplan run` workers; rendezvous on the first node of the allocation."""
+    """An sbatch script: one task per node, each a `moeplan run` launcher that starts the node's
+    workers through torchrun's agent; rendezvous on the first node of the allocation."""
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
     name = job_name or f"moeplan-{plan.model.name}"
     head = ["#!/bin/bash", f"# {_summary(plan)}", f"#SBATCH --job-name={name}",
@@ -704,12 +710,10 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
         head.append(f"#SBATCH --partition={partition}")
     if account:
         head.append(f"#SBATCH --account={account}")
-    argv = torchrun_argv(plan, nnodes, nproc, plan_path,
-                         rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT", rdzv_id="$SLURM_JOB_ID")
-    if nnodes == 1:  # one node still rendezvouses through c10d so srun can relaunch it anywhere
-        i = argv.index("--standalone")
-        argv[i:i + 1] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT",
-                         "--rdzv-id", "$SLURM_JOB_ID"]
+    # one `moeplan run` launcher per node (its memory guard, lifecycle and exit codes apply);
+    # each starts its node's torchrun agent, all rendezvous on the first node
+    argv = ["moeplan", "run", plan_path, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+            "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
     body = [
         "",
         "set -euo pipefail",
@@ -717,7 +721,8 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
         "export MASTER_ADDR",
         "export MASTER_PORT=${MASTER_PORT:-29500}",
         "",
-        "srun --kill-on-bad-exit=1 " + _format_command(argv),
+        "# exit 75: preempted (SIGTERM) after a checkpoint; requeue and add --resume",
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " \\\n  ".join(format_lines(argv)),
     ]
     return "\n".join(head + body) + "\n"
 

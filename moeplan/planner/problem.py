@@ -14,9 +14,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..cost_models.calibration import Calibration
-from ..cost_models.estimate import layer_costs, layer_imbalances, step_extras
-from ..cost_models.layers import BF16, LayerCost, make_context
-from ..cost_models.memory import GB, static_memory
+from ..cost_models.estimate import (
+    fixed_buffer_bytes,
+    layer_costs,
+    layer_imbalances,
+    moments_bytes,
+    static_activation_budget_bytes,
+    step_extras,
+)
+from ..cost_models.layers import LayerCost, make_context
+from ..cost_models.memory import static_memory
+from ..cost_models.overlap import edge_weight
 from ..cost_models.pipeline import in_flight_chunks
 from ..specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
 from .ilp import Group, Item, StageProblem
@@ -42,17 +50,21 @@ class LayerTable:
             self.groups[name] = _groups(self.costs[name])
         return self.groups[name]
 
-    def total_time_s(self, overhead_s: float, mtp_layers: int) -> float:
-        """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time."""
-        t = sum(n * _item_time(self.costs[k], overhead_s) for k, n in Counter(self.keys).items())
-        t += _item_time(self.costs["E"], overhead_s) + _item_time(self.costs["L"], overhead_s)
+    def total_time_s(self, overhead_s: float, mtp_layers: int, edge: float = 0.0) -> float:
+        """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time
+        (`edge`: overlap.edge_weight of the schedule; 0 is the steady state, a lower bound)."""
+        t = sum(n * _item_time(self.costs[k], overhead_s, edge)
+                for k, n in Counter(self.keys).items())
+        t += (_item_time(self.costs["E"], overhead_s, edge)
+              + _item_time(self.costs["L"], overhead_s, edge))
         if mtp_layers:
-            t += mtp_layers * _item_time(self.costs["m"], overhead_s)
+            t += mtp_layers * _item_time(self.costs["m"], overhead_s, edge)
         return t
 
 
-def _item_time(lc: LayerCost, overhead_s: float) -> float:
-    return lc.fwd_s + lc.bwd_s + 2 * overhead_s + lc.exposed_fwd_s + lc.exposed_bwd_s
+def _item_time(lc: LayerCost, overhead_s: float, edge: float) -> float:
+    """t_i as `estimate._chunk` adds it: fwd + bwd + two launch overheads + exposed comm."""
+    return lc.time_at(edge) + 2 * overhead_s
 
 
 def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
@@ -89,15 +101,16 @@ def stage_problem(
 ) -> Built:
     L = layout
     S, pp, vpp, m = L.pp * L.vpp, L.pp, L.vpp, L.num_microbatches
-    moments = 2 if training.optimizer_moments_dtype == "bf16" else 4
+    moments = moments_bytes(training)
     dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
     ovh = cal.layer_overhead_s
+    edge = edge_weight(m, pp, vpp)
     f = optimizer_offload_fraction
 
     def item(name: str, lc: LayerCost) -> Item:
         st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
                            moments, L.distributed_optimizer, f)
-        return Item(name, _item_time(lc, ovh), lc.fwd_s + ovh, lc.bwd_s + ovh, st.total,
+        return Item(name, _item_time(lc, ovh, edge), lc.fwd_s + ovh, lc.bwd_s + ovh, st.total,
                     table.groups_of(name), tuple(sorted(lc.recompute_fwd_s.items())))
 
     keys = table.keys
@@ -143,12 +156,8 @@ def stage_problem(
         for v in in_flight_chunks(r, pp, vpp, m):
             inflight[v * pp + r] += 1
 
-    n_sp = L.mbs * training.seq_len / L.cp / L.tp
-    disp = (2 * BF16 * n_sp * model.moe_top_k * L.etp * model.hidden_size * table.imbalance
-            if model.is_moe else 0.0)
-    tp_buf = BF16 * L.mbs * training.seq_len / L.cp * model.hidden_size if L.tp > 1 else 0.0
-    usable = (cluster.hbm_gb - cal.reserve_gb) * GB - disp - tp_buf - cal.workspace_gb * GB
-    budget = usable / (1 + cal.frag_frac)
+    budget = static_activation_budget_bytes(
+        cluster, cal, fixed_buffer_bytes(model, training, L, cal, table.imbalance))
 
     if L.ep_overlap:  # Megatron forbids full and `moe` recompute with EP overlap
         options = tuple(o for o in options if o not in ("full", "moe"))

@@ -33,8 +33,14 @@ import numpy as np
 
 from ..cost_models.calibration import Calibration, calibration_for
 from ..cost_models.comm import placement
-from ..cost_models.estimate import bound_params, estimate, lower_bound
+from ..cost_models.estimate import (
+    bound_params,
+    estimate,
+    lower_bound,
+    static_activation_budget_bytes,
+)
 from ..cost_models.memory import GB
+from ..cost_models.uncertainty import max_peak_gb
 from ..errors import InfeasibleError, SpecError
 from ..specs import (
     OFFLOAD_MODULES,
@@ -79,6 +85,8 @@ class SearchResult:
     pruned: Counter[str] = field(default_factory=Counter)
     stopped_early: bool = False
     screened: int = 0  # rank-separable problems solved with even stages (per layout and fraction)
+    objective: str = "robust"
+    best_validated: Plan | None = None  # the best plan priced that rests on validated terms only
 
     def to_json(self) -> dict[str, Any]:
         """The `moeplan search --json` document (SPEC §4)."""
@@ -89,6 +97,9 @@ class SearchResult:
                          "screened": self.screened,
                          "pruned": dict(sorted(self.pruned.items())),
                          "stopped_early": self.stopped_early},
+            "objective": self.objective,
+            "best_validated": (self.best_validated.model_dump(mode="json")
+                               if self.best_validated is not None else None),
         }
 
 
@@ -215,12 +226,22 @@ def search(
     space: SearchSpace | None = None,
     options: tuple[str, ...] | None = None,
     cache: SearchCache | None = None,
+    objective: str = "robust",
 ) -> SearchResult:
     """The top-k plans for a model on a cluster, best first (SPEC §4 `moeplan search`).
+
+    `objective`: "robust" (default) ranks by the high end of the step time's 80 % interval
+    (the low end of tokens/s/GPU, priced with every unvalidated effect disappointing), so a plan
+    wins only if it still wins when its unproven terms fail; "expected" ranks by the point.
+    Every bound the search prunes with is a bound on the point, and the interval's high end is
+    never below the point, so pruning stays exact under either objective.
 
     Raises InfeasibleError (exit 3) with the closest candidate when nothing fits. `cache` lets
     searches of one sweep share layer tables and module sets (`SearchCache`).
     """
+    if objective not in OBJECTIVES:
+        raise SpecError(f"--objective takes {' or '.join(OBJECTIVES)}, got {objective!r}.")
+    rank_key = _rank_key(objective)
     start = time.perf_counter()
     world = gpus or cluster.num_gpus
     if not world:
@@ -235,7 +256,7 @@ def search(
         raise InfeasibleError(f"no valid layout of {model.name} on {world} GPUs: "
                               + ", ".join(f"{k} ×{v}" for k, v in pruned.most_common(4)))
     t_lb, mem_lb = _bounds(model, cluster, training, enum, cal)
-    usable = (cluster.hbm_gb - cal.reserve_gb - cal.workspace_gb) * GB / (1 + cal.frag_frac)
+    usable = static_activation_budget_bytes(cluster, cal, cal.workspace_gb * GB)
     fits = mem_lb <= usable
     pruned["memory_bound"] += int((~fits).sum())
     options = _options(target) if options is None else options
@@ -244,16 +265,25 @@ def search(
     sig = cache.signature(model, cluster, training, imbalance)
     best: list[tuple[float, int, Plan]] = []  # heap of the top k, worst on top
     closest: tuple[float, Layout] | None = None
+    best_validated: Plan | None = None  # the best plan resting on validated terms only
+
+    # bounds are on the point step time; a robust key is at least the point times its
+    # regime's low-end factor, so the k-th key over the least such factor is a point threshold
+    scale = _least_key_factor(model, cluster, space) if objective == "robust" else 1.0
 
     def kth() -> float:
-        return -best[0][0] if len(best) >= top_k else float("inf")
+        return -best[0][0] / scale if len(best) >= top_k else float("inf")
 
     def push(plan: Plan, idx: int) -> None:
-        entry = (-plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
+        nonlocal best_validated
+        entry = (-rank_key(plan), -idx, plan)
         if len(best) < top_k:
             heapq.heappush(best, entry)
         elif entry > best[0]:
             heapq.heapreplace(best, entry)
+        if all(a.validated for a in plan.estimate.assumptions) and (  # type: ignore[union-attr]
+                best_validated is None or rank_key(plan) < rank_key(best_validated)):
+            best_validated = plan
 
     def row_setup(idx: int) -> tuple[Layout, TrainingSpec, tuple]:
         row = enum.rows[idx]
@@ -337,16 +367,47 @@ def search(
                                 fractions=(screened.choices.optimizer_offload_fraction,))
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             continue
-        if plan.estimate.step_time_s < -best[k][0]:  # type: ignore[union-attr]
-            best[k] = (-plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
+        if rank_key(plan) < -best[k][0]:
+            best[k] = (-rank_key(plan), -idx, plan)
             heapq.heapify(best)
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
                                                   cal, closest))
     plans = [p for _, _, p in sorted(best, key=lambda e: (e[0], e[1]), reverse=True)]
+    result.objective = objective
+    result.best_validated = best_validated
     result.plans = explain_plans(plans, result)
     return result
+
+
+OBJECTIVES = ("robust", "expected")
+
+
+def _least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
+    """The least ratio of a robust rank key (the interval's high end of step time) to the point
+    step time over every regime a layout of this search can fall in: e^(−q_lo) of the regime
+    with the smallest downside (uncertainty.tokens_interval takes the low end from the point or
+    below it, never above)."""
+    from ..cost_models import uncertainty as U
+
+    prof = U.default_profile()
+    return min(math.exp(-min(prof.bounds(U.regime_names(model, cluster, prec, fab))[0], 0.0))
+               for prec in space.precisions for fab in ("nvlink", "scale-out"))
+
+
+def _rank_key(objective: str) -> Callable[[Plan], float]:
+    """Seconds a plan is ranked by (smaller is better) under an objective."""
+    def robust(plan: Plan) -> float:
+        e = plan.estimate
+        assert e is not None
+        return e.interval.step_time_s[1] if e.interval else e.step_time_s
+
+    def expected(plan: Plan) -> float:
+        assert plan.estimate is not None
+        return plan.estimate.step_time_s
+
+    return robust if objective == "robust" else expected
 
 
 SCREEN_SLACK = 1.10
@@ -435,7 +496,7 @@ def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: Traini
                         world: int, enum: Enumeration, mem_lb: np.ndarray, cal: Calibration,
                         closest: tuple[float, Layout] | None) -> str:
     """What came closest and what would make it fit."""
-    budget_gb = cluster.hbm_gb - cal.reserve_gb
+    budget_gb = max_peak_gb(cluster, cal)
     if closest is not None:  # fits on weights, not with the activations it must keep
         need_gb, lay = closest
         where = (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} etp={lay.etp} mbs={lay.mbs} "
@@ -458,5 +519,6 @@ def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: Traini
         hints.append("an FP8 recipe (--precision auto) to shrink activations")
     if larger:
         hints.append(f"a larger-memory GPU ({', '.join(larger)})")
-    return (f"nothing fits {model.name} on {world} × {cluster.gpu} ({budget_gb:.0f} GB usable "
+    return (f"nothing fits {model.name} on {world} × {cluster.gpu} (a plan fits when its peak "
+            f"leaves the memory margin free: at most {budget_gb:.0f} GB of {cluster.hbm_gb:g} GB "
             f"each). Closest: {where}. To fit: " + "; or ".join(hints) + ".")

@@ -1,4 +1,4 @@
-"""Sharded, reshardable checkpoints of a `Trainer` with `torch.distributed.checkpoint` (DCP).
+"""Sharded, reshardable checkpoints of a `Trainer`, in safetensors and JSON (format v3).
 
 What is saved is plan-independent: every parameter, its fp32 master copy and both Adam moments
 under the parameter's global name at full (logical) size, the router buffers, the optimizer's
@@ -11,10 +11,17 @@ No rank assembles a global tensor. Each rank writes the boxes it holds: a parame
 shard, and for the optimizer states the part of that shard inside its data-parallel slice of the
 family's flat buffer (a flat range, cut into at most a few boxes per dimension, `_boxes`). A box
 held by several ranks (replicas over dp, cp or tp) is written by the lowest of them; the boxes
-of a tensor cover it exactly once (checked). They go to DCP as ShardedTensors with the global
-layout of every box. Loading asks DCP for this rank's parameter shards and the boxes of its
-optimizer slice under *its* plan, and DCP reads whatever saved boxes overlap them, so a
-checkpoint resumes under any plan: other tp, ep, etp, dp, pp or stage layout.
+of a tensor cover it exactly once (checked). Each writing rank puts its boxes into its own
+`rank_RRRRR.safetensors`; rank 0 writes `index.json` (for every tensor: global shape, dtype and
+each box's file, stored name, offsets and sizes). Loading asks, for each box this rank needs
+under *its* plan, every saved box that overlaps it, and reads just the overlap by slicing the
+file (`safe_open(...).get_slice`), so a checkpoint resumes under any plan: other tp, ep, etp,
+dp, pp or stage layout; the overlaps must cover each needed box exactly.
+
+DCP's own safetensors writer (`HuggingFaceStorageWriter`) keeps one offset per tensor name per
+file, so it cannot hold the several boxes of one optimizer state a rank writes; hence the files
+here. Nothing is pickled on either side: tensors are safetensors, everything else strict JSON,
+and the ranks exchange their box lists as JSON bytes in tensors (`all_gather_json`).
 
 Pipeline stages need no renaming: `split_stage` keeps the full model's names (decoder layer i is
 `layers.i` on whichever stage holds it; MTP depths, final norm and output layer sit on the last
@@ -22,29 +29,39 @@ stage under their own names), so each stage saves and loads only its own keys. T
 copy of the embedding (tied head or MTP) equals the first stage's, master and moments included:
 only the first stage writes it, and both read it.
 
-The files are written into a temporary directory that `storage.publish` seals (manifest, fsync,
-rename, `latest`). Loading reads DCP's own format (tensor bytes, no arbitrary unpickling of
-objects).
+The files are written into a temporary directory that `storage.publish` seals (manifest last,
+fsync, rename, `latest`); `load` reads only a step that `storage.verify` accepted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 import uuid
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ..errors import SpecError
 from .layers import shard_info
-from .storage import CKPT_FORMAT, publish, step_dir
+from .storage import (
+    CKPT_FORMAT,
+    INDEX,
+    META,
+    PLAN,
+    Verified,
+    publish,
+    rank_file,
+    step_dir,
+    verify,
+    write_atomic,
+)
 from .train import Trainer
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -142,10 +159,18 @@ def _flat_ranges(trainer: Trainer):
                 yield f, name, p, (a, b), base + a - lo
 
 
-def _local_pieces(trainer: Trainer) -> dict[str, tuple[tuple[int, ...], torch.dtype,
-                                                         list[tuple[Box, torch.Tensor]]]]:
+Pieces = dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[Box, torch.Tensor]]]]
+
+
+def _whole(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, list[tuple[Box, torch.Tensor]]]:
+    """A tensor every holder has in full (buffers, counters, RNG), as one box."""
+    t = t.detach().cpu().clone()
+    return tuple(t.shape), t.dtype, [(((0,) * t.dim(), tuple(t.shape)), t)]
+
+
+def _local_pieces(trainer: Trainer) -> Pieces:
     """key → (global shape, dtype, [(global box, data)]) of what this rank holds."""
-    out: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[Box, torch.Tensor]]]] = {}
+    out: Pieces = {}
     saved = _saved_params(trainer)
     for name, p in saved.items():
         off, shape = _placement(p, trainer)
@@ -159,132 +184,116 @@ def _local_pieces(trainer: Trainer) -> dict[str, tuple[tuple[int, ...], torch.dt
         boxes = _boxes(a, b, tuple(p.shape))
         for s in _STATES:
             state = joined[(id(f), s)]
-            pieces = _split(state[at: at + b - a].clone(), boxes)
+            pieces = [t.clone() for t in _split(state[at: at + b - a], boxes)]
             out[f"optim/{s}/{name}"] = (shape, state.dtype,
                                         list(zip(_shifted(boxes, off), pieces, strict=True)))
+    for n, b in trainer.model.named_buffers():
+        out[f"buffer/{n}"] = _whole(b)
+    out["optim/step_count"] = _whole(torch.tensor(trainer.optimizer.step_count,
+                                                  dtype=torch.int64))
+    for j, layer in enumerate(trainer.moe_layer_numbers):  # by global layer: stage-proof
+        out[f"routing/{layer}"] = _whole(trainer.routing_totals[j])
+    if dist.get_rank() == 0:  # rank 0's state: one value whatever the plan
+        out["rng/torch"] = _whole(torch.get_rng_state())
     return out
 
 
-def _sharded(shape: tuple[int, ...], dtype: torch.dtype, boxes: list[tuple[Box, int]],
-             local: list[tuple[Box, torch.Tensor]]) -> ShardedTensor:
-    """A ShardedTensor over `boxes` ((box, owning rank), covering `shape` exactly once) whose
-    local shards are `local`."""
-    metas = {box: ShardMetadata(list(box[0]), list(box[1]), f"rank:{r}/cpu")
-             for box, r in boxes}
-    md = ShardedTensorMetadata(list(metas.values()), torch.Size(shape),
-                               TensorProperties(dtype=dtype))
-    shards = [Shard(t.contiguous(), metas[box]) for box, t in local]
-    with warnings.catch_warnings():  # ShardedTensor is DCP's format for uneven boxes
-        warnings.simplefilter("ignore")
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
 
 
-def sharded_state(trainer: Trainer) -> dict[str, object]:
-    """What this rank writes (collective: one exchange of box lists to pick each box's writer)."""
-    mine = _local_pieces(trainer)
-    rank = dist.get_rank()
-    listing = {k: (shape, [box for box, _ in pieces]) for k, (shape, _, pieces) in mine.items()}
-    every: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, listing)
-    owner: dict[str, dict[Box, int]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+# safetensors' names for the dtypes a checkpoint holds (storage.ST_ITEMSIZE lists the same)
+_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+       torch.float8_e5m2: "F8_E5M2"}
+_TORCH = {v: k for k, v in _ST.items()}
+
+
+def _json_bytes(obj: object, device: torch.device) -> torch.Tensor:
+    data = json.dumps(obj, allow_nan=False).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def all_gather_json(obj: object, device: torch.device) -> list:
+    """Every rank's `obj`, in rank order, sent as JSON bytes in a tensor (the object
+    collectives of torch.distributed pickle; this never does)."""
+    mine = _json_bytes(obj, device)
+    n = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    top = max(1, max(int(s) for s in sizes))
+    buf = torch.zeros(top, dtype=torch.uint8, device=device)
+    buf[: mine.numel()] = mine
+    bufs = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(bufs, buf)
+    return [json.loads(b[: int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
+
+
+def broadcast_json(obj: object, device: torch.device, src: int = 0) -> object:
+    """`obj` of rank `src` on every rank, as JSON bytes in a tensor (no pickle)."""
+    mine = _json_bytes(obj, device) if dist.get_rank() == src else None
+    n = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=src)
+    buf = mine if mine is not None else torch.empty(int(n), dtype=torch.uint8, device=device)
+    if int(n):
+        dist.broadcast(buf, src=src)
+    return json.loads(buf.cpu().numpy().tobytes())
+
+
+def _owned(every: list[dict]) -> list[dict[str, list[list]]]:
+    """For each rank, key → the boxes of it that rank writes: each box by its lowest holder.
+    The boxes of every key must cover its tensor exactly once."""
+    owner: dict[str, dict[tuple, int]] = {}
+    shapes: dict[str, list[int]] = {}
     for r, lst in enumerate(every):
-        for k, (shape, boxes) in lst.items():
+        for k, (shape, _, boxes) in lst.items():
             shapes[k] = shape
             for box in boxes:
-                owner.setdefault(k, {}).setdefault(box, r)
-    out: dict[str, object] = {}
+                owner.setdefault(k, {}).setdefault((tuple(box[0]), tuple(box[1])), r)
     for k, boxes in owner.items():
         covered = sum(math.prod(z) for _, z in boxes)
         if covered != math.prod(shapes[k]):
             raise RuntimeError(f"checkpoint: the boxes of {k} cover {covered} of "
                                f"{math.prod(shapes[k])} elements (overlapping shards?)")
-        if k not in mine:
-            continue
-        _, dtype, pieces = mine[k]
-        local = [(box, t) for box, t in pieces if boxes[box] == rank]
-        if local:
-            out[k] = _sharded(shapes[k], dtype, list(boxes.items()), local)
-    for n, b in trainer.model.named_buffers():
-        out[f"buffer/{n}"] = b.detach().cpu().clone()
-    out["optim/step_count"] = torch.tensor(trainer.optimizer.step_count, dtype=torch.int64)
-    for j, layer in enumerate(trainer.moe_layer_numbers):  # by global layer: stage-proof
-        out[f"routing/{layer}"] = trainer.routing_totals[j].clone()
-    rng = torch.get_rng_state().to(trainer.device)  # NCCL broadcasts device tensors only
-    dist.broadcast(rng, src=0)  # rank 0's state: one value whatever the plan
-    out["rng/torch"] = rng.cpu()
+    out: list[dict[str, list[list]]] = []
+    for r, lst in enumerate(every):
+        out.append({k: [b for b in boxes if owner[k][(tuple(b[0]), tuple(b[1]))] == r]
+                    for k, (_, _, boxes) in lst.items()})
     return out
 
 
-def _wanted(shape: tuple[int, ...], dtype: torch.dtype, mine: list[Box],
-            rest: list[Box]) -> ShardedTensor:
-    """An empty ShardedTensor for loading the boxes `mine` of a tensor of `shape` into this
-    rank; `rest` covers the remainder, described as held elsewhere, as the format requires."""
-    rank = dist.get_rank()
-    other = (rank + 1) % dist.get_world_size()
-    return _sharded(shape, dtype, [*((b, rank) for b in mine), *((b, other) for b in rest)],
-                    [(b, torch.empty(b[1], dtype=dtype)) for b in mine])
+def _stored_name(key: str, j: int) -> str:
+    return f"{key}#{j}"
 
 
-def _template(trainer: Trainer) -> dict[str, object]:
-    """What this rank reads: its shard of every parameter and of its optimizer states, under
-    its own plan, plus the replicated items."""
-    out: dict[str, object] = {}
-    families = trainer.optimizer.families
-    moments = families[0].parts[0].exp_avg.dtype if families else torch.float32
-    for name, p in trainer.model.named_parameters():
-        off, shape = _placement(p, trainer)
-        box = (off, tuple(p.shape))
-        out[f"model/{name}"] = _wanted(shape, p.dtype, [box], _complement(box, shape))
-    for _, name, p, (a, b), _ in _flat_ranges(trainer):  # only this rank's optimizer slice
-        off, shape = _placement(p, trainer)
-        n, local = p.numel(), tuple(p.shape)
-        mine = _shifted(_boxes(a, b, local), off)
-        rest = (_complement((off, local), shape)
-                + _shifted(_boxes(0, a, local) + _boxes(b, n, local), off))
-        for s in _STATES:
-            out[f"optim/{s}/{name}"] = _wanted(shape, moments if s != "master" else torch.float32,
-                                               mine, rest)
-    for n, b in trainer.model.named_buffers():
-        out[f"buffer/{n}"] = torch.empty_like(b, device="cpu")
-    out["optim/step_count"] = torch.zeros((), dtype=torch.int64)
-    for j, layer in enumerate(trainer.moe_layer_numbers):
-        out[f"routing/{layer}"] = torch.empty_like(trainer.routing_totals[j])
-    out["rng/torch"] = torch.empty_like(torch.get_rng_state())
-    return out
+def _index_doc(every: list[dict], owned: list[dict[str, list[list]]]) -> dict:
+    """index.json: for every key its global shape, dtype and boxes [file, name, offsets,
+    sizes]; a rank's file exists only if it writes some box."""
+    writers = [r for r, o in enumerate(owned) if any(o.values())]
+    files = {r: i for i, r in enumerate(writers)}
+    tensors: dict[str, dict] = {}
+    for r, lst in enumerate(every):
+        for k, (shape, dtype, _) in lst.items():
+            t = tensors.setdefault(k, {"shape": shape, "dtype": dtype, "boxes": []})
+            t["boxes"] += [[files[r], _stored_name(k, j), list(off), list(size)]
+                           for j, (off, size) in enumerate(owned[r][k])]
+    return {"format": CKPT_FORMAT, "files": [rank_file(r) for r in writers],
+            "tensors": tensors}
 
 
-def _shard_of(t: object) -> torch.Tensor:
-    return t.local_shards()[0].tensor if isinstance(t, ShardedTensor) else t  # type: ignore[return-value]
-
-
-def _flat_of(t: ShardedTensor) -> torch.Tensor:
-    """The local boxes of a `_wanted` optimizer state, back to its flat range (boxes in order
-    of their offsets are the range's consecutive runs)."""
-    shards = sorted(t.local_shards(), key=lambda sh: tuple(sh.metadata.shard_offsets))
-    return torch.cat([sh.tensor.reshape(-1) for sh in shards])
-
-
-@torch.no_grad()
-def load_state(trainer: Trainer, state: dict[str, object]) -> None:
-    """Put what `_template` read into this rank's parameters and optimizer shards."""
-    opt, model = trainer.optimizer, trainer.model
-    for name, p in model.named_parameters():
-        p.data.copy_(_shard_of(state[f"model/{name}"]).to(p.dtype))
-    dsts = {(id(f), s): getattr(f, s) for f in opt.families for s in _STATES}
-    flats = {k: torch.zeros(d.numel(), dtype=d.dtype) for k, d in dsts.items()}
-    for f, name, _, (a, b), at in _flat_ranges(trainer):
-        for s in _STATES:
-            flat, got = flats[(id(f), s)], state[f"optim/{s}/{name}"]
-            flat[at: at + b - a] = _flat_of(got).to(flat.dtype)  # type: ignore[arg-type]
-    for k, dst in dsts.items():
-        dst.copy_(flats[k].to(dst.device))
-    for n, b in model.named_buffers():
-        b.copy_(_shard_of(state[f"buffer/{n}"]).to(b.dtype))
-    opt.step_count = int(_shard_of(state["optim/step_count"]))
-    for j, layer in enumerate(trainer.moe_layer_numbers):
-        trainer.routing_totals[j] = _shard_of(state[f"routing/{layer}"])
-    torch.set_rng_state(_shard_of(state["rng/torch"]))
+def _write_rank_file(path: Path, pieces: Pieces, owned: dict[str, list[list]]) -> None:
+    """This rank's boxes into its safetensors file (fsynced before the step is sealed)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for k, boxes in owned.items():
+        held = {(tuple(b), tuple(z)): t for (b, z), t in pieces[k][2]}
+        for j, (off, size) in enumerate(boxes):
+            tensors[_stored_name(k, j)] = held[(tuple(off), tuple(size))].contiguous()
+    if tensors:
+        save_file(tensors, str(path))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _kernel_state(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -300,68 +309,187 @@ def _kernel_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {f"kernels/rank{rank}/{k}": v.detach().cpu() for k, v in state.items()}
 
 
-def _same_plan(trainer: Trainer, path: Path) -> bool:
-    """Whether the checkpoint at `path` was written under this trainer's layout, choices and
-    precision (what fixes each rank's shards and data)."""
-    saved = json.loads((path / "plan.json").read_text())
-    mine = json.loads(trainer.plan.model_dump_json())
-    return all(saved.get(k) == mine.get(k) for k in ("layout", "choices")) and \
-        saved["training"].get("precision") == mine["training"].get("precision")
-
-
-def _kernel_template(path: Path) -> dict[str, torch.Tensor]:
-    """Empty tensors for the kernel-state keys this rank wrote to the checkpoint at `path`."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = f"kernels/rank{dist.get_rank()}/"
-    return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in meta.items() if k.startswith(prefix)}
 
 
 def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
          extra: dict | None = None) -> Path:
     """Write the checkpoint of `step` (steps done) into CKPT/step_N (collective).
 
-    Never overwrites: if CKPT/step_N is already sealed the new copy is dropped.
+    One exchange of box lists (JSON) decides who writes each box; each rank writes its own
+    safetensors file into a temporary directory; rank 0 adds index.json, meta.json and
+    plan.json, and `publish` seals it (manifest last). A sealed CKPT/step_N is never
+    overwritten: the new copy is dropped.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir, device = Path(ckpt_dir), trainer.device
     final = step_dir(ckpt_dir, step)
-    name = [f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"]
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dist.broadcast_object_list(name, src=0)  # one temporary name for every rank
-    tmp = ckpt_dir / name[0]
-    state = sharded_state(trainer)
-    state.update(_kernel_state(trainer))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        (tmp / "plan.json").write_text(trainer.plan.model_dump_json(indent=1))
-        (tmp / "meta.json").write_text(json.dumps({
+    tmp = ckpt_dir / str(broadcast_json(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}", device))
+    if rank == 0:
+        tmp.mkdir()
+    pieces = _local_pieces(trainer)
+    pieces.update({k: _whole(t) for k, t in _kernel_state(trainer).items()})
+    listing = {k: [list(shape), _ST[dtype], [[list(b), list(z)] for (b, z), _ in got]]
+               for k, (shape, dtype, got) in pieces.items()}
+    every = all_gather_json(listing, device)
+    owned = _owned(every)
+    dist.barrier()  # the directory exists
+    _write_rank_file(tmp / rank_file(rank), pieces, owned[rank])
+    dist.barrier()  # every rank's file is written
+    if rank == 0:
+        write_atomic(tmp / INDEX, json.dumps(_index_doc(every, owned)).encode())
+        write_atomic(tmp / PLAN, trainer.plan.model_dump_json(indent=1).encode())
+        write_atomic(tmp / META, json.dumps({
             "format": CKPT_FORMAT, "step": step, "seed": trainer.seed, "time": time.time(),
-            "world_size": dist.get_world_size(), **(extra or {})}, indent=1))
+            "world_size": dist.get_world_size(), **(extra or {})}, indent=1,
+            allow_nan=False).encode())
         publish(tmp, final, keep)
     dist.barrier()
     return final
 
 
-def load(trainer: Trainer, path: str | Path) -> int:
-    """Restore `trainer` from a sealed step directory under its own plan; return the step."""
-    path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != CKPT_FORMAT:
-        raise ValueError(f"{path} is a {meta.get('format')!r} checkpoint; this version reads "
-                         f"{CKPT_FORMAT!r} (resume with the version that wrote it)")
-    state = _template(trainer)
-    kernels = _kernel_template(path) if _same_plan(trainer, path) else {}
-    state.update(kernels)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path)
+def _targets(trainer: Trainer, kernels: dict[str, dict]) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+    """key → the boxes this rank reads, under its own plan, each with the tensor it is read
+    into: its shard of every parameter, the boxes of its optimizer slice, the replicated items,
+    and the kernel state `kernels` (index entries) names."""
+    out: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    families = trainer.optimizer.families
+    moments = families[0].parts[0].exp_avg.dtype if families else torch.float32
+    for name, p in trainer.model.named_parameters():
+        off, _ = _placement(p, trainer)
+        out[f"model/{name}"] = [((off, tuple(p.shape)), torch.empty(p.shape, dtype=p.dtype))]
+    for _, name, p, (a, b), _ in _flat_ranges(trainer):  # only this rank's optimizer slice
+        off, _ = _placement(p, trainer)
+        mine = _shifted(_boxes(a, b, tuple(p.shape)), off)
+        for s in _STATES:
+            dtype = moments if s != "master" else torch.float32
+            out[f"optim/{s}/{name}"] = [(box, torch.empty(box[1], dtype=dtype)) for box in mine]
+    whole = {f"buffer/{n}": b for n, b in trainer.model.named_buffers()}
+    whole["optim/step_count"] = torch.zeros((), dtype=torch.int64)
+    whole |= {f"routing/{layer}": trainer.routing_totals[j]
+              for j, layer in enumerate(trainer.moe_layer_numbers)}
+    whole["rng/torch"] = torch.get_rng_state()
+    for k, t in whole.items():
+        out[k] = [(((0,) * t.dim(), tuple(t.shape)), torch.empty_like(t, device="cpu"))]
+    for k, entry in kernels.items():
+        shape = tuple(entry["shape"])
+        out[k] = [(((0,) * len(shape), shape), torch.empty(shape, dtype=_TORCH[entry["dtype"]]))]
+    return out
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes of one tensor, or None if it is empty (a 0-dim tensor's
+    only box meets itself)."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0], strict=True))
+    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1], strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def _within(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
+    """`box` as slices of a box that starts at `origin`."""
+    return tuple(slice(o - z, o - z + n) for o, n, z in zip(*box, origin, strict=True))
+
+
+def _read(v: Verified, targets: dict[str, list[tuple[Box, torch.Tensor]]]) -> None:
+    """Fill every target box from the saved boxes overlapping it, reading only the overlaps;
+    they must cover each target exactly once (a hostile index cannot double- or under-fill)."""
+    tensors, files = v.index["tensors"], v.index["files"]
+    with contextlib.ExitStack() as stack:
+        opened: dict[int, object] = {}
+        for key, wanted in targets.items():
+            entry = tensors.get(key)
+            if entry is None:
+                raise SpecError(f"checkpoint {v.path} has no {key}; it was saved by another "
+                                "model. Resume under a plan of the model that saved it.")
+            saved = [(fi, name, (tuple(o), tuple(z))) for fi, name, o, z in entry["boxes"]]
+            for box, dst in wanted:
+                if math.prod(box[1]) == 0:
+                    continue
+                if not _overlap(box, ((0,) * len(box[0]), tuple(entry["shape"]))) == box:
+                    raise SpecError(f"checkpoint {v.path}: {key} has shape {entry['shape']}, "
+                                    "which this plan's shards do not fit.")
+                covered = 0
+                for fi, name, sbox in saved:
+                    part = _overlap(box, sbox)
+                    if part is None:
+                        continue
+                    if fi not in opened:
+                        opened[fi] = stack.enter_context(
+                            safe_open(str(v.path / files[fi]), framework="pt"))
+                    f = opened[fi]
+                    src = (f.get_tensor(name) if sbox == box  # type: ignore[attr-defined]
+                           else f.get_slice(name)[_within(part, sbox[0])])  # type: ignore[attr-defined]
+                    dst[_within(part, box[0])].copy_(src)
+                    covered += math.prod(part[1])
+                if covered != math.prod(box[1]):
+                    raise SpecError(f"checkpoint {v.path}: the saved boxes of {key} cover "
+                                    f"{covered} of the {math.prod(box[1])} elements this rank "
+                                    f"reads; its {INDEX} is inconsistent.")
+
+
+def _flat_of(boxes: list[tuple[Box, torch.Tensor]]) -> torch.Tensor:
+    """The boxes of an optimizer state read for this rank, back to its flat range (boxes in
+    order of their offsets are the range's consecutive runs)."""
+    return torch.cat([t.reshape(-1) for _, t in sorted(boxes, key=lambda bt: bt[0][0])])
+
+
+@torch.no_grad()
+def load_state(trainer: Trainer, state: dict[str, list[tuple[Box, torch.Tensor]]]) -> None:
+    """Put what `_read` filled into this rank's parameters and optimizer shards."""
+    opt, model = trainer.optimizer, trainer.model
+
+    def one(key: str) -> torch.Tensor:
+        return state[key][0][1]
+
+    for name, p in model.named_parameters():
+        p.data.copy_(one(f"model/{name}").to(p.dtype))
+    dsts = {(id(f), s): getattr(f, s) for f in opt.families for s in _STATES}
+    flats = {k: torch.zeros(d.numel(), dtype=d.dtype) for k, d in dsts.items()}
+    for f, name, _, (a, b), at in _flat_ranges(trainer):
+        for s in _STATES:
+            flat = flats[(id(f), s)]
+            flat[at: at + b - a] = _flat_of(state[f"optim/{s}/{name}"]).to(flat.dtype)
+    for k, dst in dsts.items():
+        dst.copy_(flats[k].to(dst.device))
+    for n, b in model.named_buffers():
+        b.copy_(one(f"buffer/{n}").to(b.dtype))
+    opt.step_count = int(one("optim/step_count"))
+    for j, layer in enumerate(trainer.moe_layer_numbers):
+        trainer.routing_totals[j] = one(f"routing/{layer}").to(trainer.routing_totals.dtype)
+    torch.set_rng_state(one("rng/torch"))
+
+
+def _same_plan(trainer: Trainer, path: Path) -> bool:
+    """Whether the checkpoint at `path` was written under this trainer's layout, choices and
+    precision (what fixes each rank's shards and data)."""
+    saved = json.loads((path / PLAN).read_text())
+    mine = json.loads(trainer.plan.model_dump_json())
+    return all(saved.get(k) == mine.get(k) for k in ("layout", "choices")) and \
+        saved["training"].get("precision") == mine["training"].get("precision")
+
+
+def load(trainer: Trainer, path: str | Path, manifest_sha256: str | None = None) -> int:
+    """Restore `trainer` from a sealed step directory under its own plan; return the step.
+
+    The step is re-checked here without re-hashing its tensor files (`verify(full=False)`:
+    manifest, file list and sizes, JSON files hashed, index and meta checked); given the
+    manifest digest the launcher verified, a step rewritten since is refused.
+    """
+    v = verify(path, full=False)
+    if manifest_sha256 is not None and v.manifest_sha256 != manifest_sha256:
+        raise SpecError(f"checkpoint {v.path} changed after the launcher verified it (its "
+                        "manifest differs); run `moeplan run ... --resume` again.")
+    prefix = f"kernels/rank{dist.get_rank()}/"
+    kernels = ({k: e for k, e in v.index["tensors"].items() if k.startswith(prefix)}
+               if _same_plan(trainer, v.path) else {})
+    state = _targets(trainer, kernels)
+    _read(v, state)
     load_state(trainer, state)
     if kernels:
-        prefix = f"kernels/rank{dist.get_rank()}/"
         trainer.kernels.backend.load_extra_state(
             dict(trainer.model.named_parameters()),
-            {k[len(prefix):]: v for k, v in kernels.items()})
-    return int(json.loads((path / "meta.json").read_text())["step"])
+            {k[len(prefix):]: state[k][0][1] for k in kernels})
+    return v.step

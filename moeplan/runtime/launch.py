@@ -2,24 +2,36 @@
 
 Everything that can be refused is refused here, in the launching process, before any worker
 starts: an invalid layout, a world size that does not match the processes, a plan feature the
-runtime does not execute yet. This module imports no torch, so those errors are instant.
+runtime does not execute yet (each with its fix), a run that cannot fit in the memory present
+(guard.py). This module imports no torch, so those errors are instant.
+
+Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
+signal, so neither it nor its workers outlive this process, SIGKILLed or not. SIGINT and SIGTERM
+are passed on; the workers stop at the next step boundary (checkpointing when --ckpt-dir is
+given) and this process exits 130 (SIGINT) or 75 (SIGTERM, preemption) after one line. A second
+signal, or workers still busy STOP_GRACE_S later, kills them at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import MoeplanError, NotYetAvailable, SpecError
 from ..specs import Plan, check_layout, load_plan
-from .storage import CKPT_FORMAT, check_token_file, complete_steps, newest_checkpoint
+from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
+from .storage import check_token_file, held_steps, resume_point, verify
 from .support import features_not_executed
+
+STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
 
 
 @dataclass
@@ -44,14 +56,48 @@ class RunOptions:
     max_restarts: int = 0
     ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
     max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
+    # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
+    # digest of its manifest; workers load exactly that step
+    resume_step: int | None = None
+    resume_manifest: str | None = None
+    cluster: str | None = None  # ClusterSpec of this machine, for predictions (calibrate -o)
+    init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
 
 class RunFailed(Exception):
     """Workers exited with an error (their output says why)."""
 
-    def __init__(self, code: int):
-        super().__init__(f"training workers exited with code {code}")
+    prefix = "[bold red]error:[/] "  # how the CLI prints it
+
+    def __init__(self, code: int, message: str | None = None):
+        super().__init__(message or f"training workers exited with code {code}")
         self.exit_code = code
+
+
+class Stopped(RunFailed):
+    """The run was stopped by SIGINT or SIGTERM: exit 130 or 75, with one line saying where."""
+
+    prefix = ""
+
+    def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None,
+                 quiet: bool = False):
+        name = signal.Signals(signum).name
+        code = stop_exit_code(signum)
+        if quiet:  # a rank other than 0 of a joined launch: rank 0 says it
+            super().__init__(code, "")
+            self.signum = signum
+            return
+        at = (summary or {}).get("preempted_at") or 0
+        where = f"at step {at}" if at else "before the workers reached a step boundary"
+        saved = (summary or {}).get("stop_checkpoint")
+        if saved:
+            then = f"checkpoint {saved}; continue with --resume"
+        elif ckpt_dir:
+            then = "no new checkpoint (nothing trained since the last one)"
+        else:
+            then = "no checkpoint (no --ckpt-dir)"
+        super().__init__(code, f"stopped by {name} {where}; {then} (exit {code})")
+        self.signum = signum
 
 
 def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]:
@@ -75,67 +121,81 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
     missing = features_not_executed(plan)
     if missing:
         raise NotYetAvailable("this plan uses " + "; ".join(missing) + ", which the runtime "
-                              "does not execute yet. Nothing was run; pick a plan without it.")
+                              "does not execute yet. Nothing was run.")
     running = plan
     if opts.scale_down:
-        from .scale import scale_down_model, scale_down_training
+        from .scale import scale_down_plan
 
-        training, layout = scale_down_training(plan.training, plan.layout)
-        # the full model's stage layout cannot fit the shrunk one: stages are rebalanced
-        choices = plan.choices.model_copy(update={"stage_layout": None, "stage_layers": None})
-        running = plan.model_copy(update={"model": scale_down_model(plan.model, plan.layout),
-                                          "training": training, "layout": layout,
-                                          "choices": choices})
+        running = scale_down_plan(plan)
         check_layout(running.model, running.training, running.layout, choices=running.choices)
     if opts.data != "synthetic":
         check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
+    if opts.init_from:
+        if opts.scale_down:
+            raise SpecError("--init-from loads the checkpoint's full-size weights; drop "
+                            "--scale-down (or plan a smaller model). Nothing was run.")
+        from .hf_io import check_hf_dir
+
+        check_hf_dir(running.model, opts.init_from)
     return plan, running
 
 
 def check_resume(running: Plan, opts: RunOptions) -> int:
-    """The step a run with `--resume` starts from (0: no checkpoint yet), after verifying the
-    newest complete checkpoint's checksums and that it holds the same model and seed; without
-    `--resume`, a --ckpt-dir holding checkpoints is refused.
+    """The step a run with `--resume` starts from (0: no checkpoint yet); see `verified_resume`."""
+    return verified_resume(running, opts)[0]
 
-    Runs in the launcher, before any worker starts: a corrupt checkpoint is refused by file
-    name instead of failing (or silently diverging) inside the workers.
+
+def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
+    """(the step a run with `--resume` starts from, 0 if none; the SHA-256 of that step's
+    manifest), after verifying the newest checkpoint completely (`storage.verify`) and that it
+    holds the same model and seed; without `--resume`, a --ckpt-dir holding checkpoints is
+    refused.
+
+    Runs in the launcher, before any worker starts: a corrupt, tampered or older-format
+    checkpoint is refused by file name instead of failing (or silently diverging) inside the
+    workers, which then load exactly this step. Newer `step_*` directories without a manifest
+    are not checkpoints: they are named on stderr, passed over, and removed at the next save.
     """
     if not opts.resume:
-        old = complete_steps(opts.ckpt_dir) if opts.ckpt_dir else []
+        old = held_steps(opts.ckpt_dir) if opts.ckpt_dir else []
         if old:  # a fresh run would mix its checkpoints with another run's
             raise SpecError(f"--ckpt-dir {opts.ckpt_dir} already holds checkpoints (newest: "
                             f"step {old[-1]}); pass --resume to continue from it, or give "
                             "another --ckpt-dir. Nothing was run.")
-        return 0
-    path = newest_checkpoint(opts.ckpt_dir or "")
+        return 0, None
+    path, skipped = resume_point(opts.ckpt_dir or "")
+    for s in skipped:
+        print(f"warning: {s} has no manifest.json, so it is not a checkpoint (never sealed, or "
+              "its manifest was removed); it is passed over"
+              + (f" for {path.name}" if path else "") + " and removed at the next save.",
+              file=sys.stderr)
     if path is None:
-        return 0
+        return 0, None
+    v = verify(path)
     saved = load_plan(path / "plan.json")
     if saved.model != running.model:
         raise SpecError(f"checkpoint {path} holds model {saved.model.name!r} with other "
                         f"dimensions than the plan's {running.model.name!r}; resume under a plan "
                         "of the same model (its layout may differ).")
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != CKPT_FORMAT:
-        raise SpecError(f"checkpoint {path} has format {meta.get('format')!r}; this version "
-                        f"reads {CKPT_FORMAT!r}. Resume with the moeplan version that wrote it, "
-                        "or start a fresh run in another --ckpt-dir. Nothing was run.")
-    step = int(meta["step"])
-    if meta.get("seed", opts.seed) != opts.seed:
-        raise SpecError(f"checkpoint {path} was trained with --seed {meta['seed']}; resume with "
-                        f"the same seed (got {opts.seed}), or the data order would change.")
-    if step >= opts.steps:
-        raise SpecError(f"checkpoint {path} is already at step {step}; --steps {opts.steps} is "
-                        "the step to reach, so there is nothing to train.")
-    return step
+    if v.meta["seed"] != opts.seed:
+        raise SpecError(f"checkpoint {path} was trained with --seed {v.meta['seed']}; resume "
+                        f"with the same seed (got {opts.seed}), or the data order would change.")
+    if v.step >= opts.steps:
+        raise SpecError(f"checkpoint {path} is already at step {v.step}; --steps {opts.steps} "
+                        "is the step to reach, so there is nothing to train.")
+    return v.step, v.manifest_sha256
 
 
-def _joined_environment() -> dict[str, str] | None:
-    """RANK/WORLD_SIZE/LOCAL_RANK of an enclosing torchrun or SLURM launch, else None."""
+def _joined_environment(opts: RunOptions) -> dict[str, str] | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK of an enclosing torchrun or SLURM launch, else None.
+
+    Inside a SLURM job, `moeplan run --nnodes N --rdzv-endpoint ...` (one task per node, as
+    `moeplan export --format slurm` writes) is a launcher, not a rank."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= env.keys():
         return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env}
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    launcher = opts.nnodes > 1 or opts.rdzv_endpoint is not None
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and not launcher:
         if "MASTER_ADDR" not in env:
             raise SpecError("inside a SLURM job with several tasks, set MASTER_ADDR (the first "
                             "node's address) and MASTER_PORT, or launch through torchrun.")
@@ -149,18 +209,58 @@ def default_out(plan: Plan | str | Path) -> Path:
     return Path("runs") / stem
 
 
+def guard_memory(running: Plan, opts: RunOptions, nproc: int, devices=None) -> None:
+    """Refuse (exit 2, within a second or two) a run whose ranks on this node cannot fit in the
+    memory present, naming what it needs, what there is, and the fixes. See guard.py."""
+    from . import guard
+
+    devices = devices or guard.detect_devices()
+    if not devices.free_gb:
+        return  # nothing known about this machine's memory: let it run
+    dtype = guard.run_dtype(opts.dtype, devices)
+    world = running.layout.world_size
+    nodes = guard.node_ranks(world, opts.nnodes, opts.node_rank, nproc)
+    needs = max((guard.price_ranks(running, ranks, dtype, devices.kind) for ranks in nodes),
+                key=lambda ns: sum(n.total_gb for n in ns))
+    why = guard.shortfall(needs, devices)
+    if why is None:
+        return
+    fixes = []
+    if not opts.scale_down:
+        from .scale import scale_down_plan
+
+        small = scale_down_plan(running)
+        small_needs = guard.price_ranks(small, [n.rank for n in needs], dtype, devices.kind)
+        if guard.shortfall(small_needs, devices) is None:
+            fixes.append(f"`--scale-down` (the same parallel degrees on a "
+                         f"{small.model.total_params() / 1e6:.1f} M-parameter model, about "
+                         f"{sum(n.total_gb for n in small_needs):.1f} GB here)")
+    if nproc > 1:
+        fixes.append(f"more nodes (`--nnodes {opts.nnodes * 2} --nproc-per-node {nproc // 2}` "
+                     "on each, with --rdzv-endpoint)")
+    fixes.append("a smaller plan (`moeplan search` over more GPUs shards weights and "
+                 "optimizer states further; recompute and a smaller --gbs cut activations)")
+    raise SpecError(f"this run does not fit in memory: {why}, priced by the cost model at "
+                    f"{dtype}. Nothing was run. Fix: " + "; or ".join(fixes) + ".")
+
+
 def run(plan: Plan | str | Path, **options: object) -> dict:
     """Train under `plan` and return the run summary (also written to OUT/summary.json).
 
     Launches `torchrun` with the plan's world size on this node unless told otherwise, or runs
-    this process as one worker when already inside a torchrun/SLURM launch.
+    this process as one worker when already inside a torchrun/SLURM launch. Raises Stopped
+    when SIGINT/SIGTERM stopped the run, RunFailed when workers failed.
     """
     opts = RunOptions(**options)  # type: ignore[arg-type]
     given, running = prepare_plan(plan, opts)
-    check_resume(running, opts)
+    opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
+    if opts.cluster:
+        from .guard import check_cluster_ref
+
+        check_cluster_ref(opts.cluster)
     world = running.layout.world_size
     out = Path(opts.out) if opts.out else default_out(plan)
-    joined = _joined_environment()
+    joined = _joined_environment(opts)
     if joined is not None:
         if int(joined["WORLD_SIZE"]) != world:
             raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
@@ -170,34 +270,50 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         os.environ.update(joined)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
         os.environ.setdefault("MASTER_PORT", "29500")
+        from .lifecycle import set_parent_death_signal
         from .worker import run_worker
 
-        run_worker(plan, opts, out)
-        if joined.get("RANK", "0") != "0":
-            return {}  # rank 0 reports for the run
-    else:
-        nproc = opts.nproc_per_node or world // max(1, opts.nnodes)
-        if nproc * opts.nnodes != world:
-            raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but --nnodes "
-                            f"{opts.nnodes} × --nproc-per-node {nproc} = {nproc * opts.nnodes}; "
-                            f"make their product {world}.")
-        if opts.nnodes > 1 and not opts.rdzv_endpoint:
-            raise SpecError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on "
-                            "every node).")
-        _save_plan(given, out)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        started = time.time()
-        code, preempted = _run_forwarding_sigterm(torchrun_command(plan, opts, out, nproc), env)
-        summary_path = out / "summary.json"
-        if preempted and summary_path.is_file() and summary_path.stat().st_mtime >= started:
-            summary = json.loads(summary_path.read_text())
-            if summary.get("preempted_at"):  # workers checkpointed at a step boundary
-                return summary
-        if code:
-            raise RunFailed(code)
+        set_parent_death_signal()  # this process is a rank: it dies with its launcher
+        signum = run_worker(plan, opts, out)
+        rank0 = joined.get("RANK", "0") == "0"
+        summary = _read_summary(out / "summary.json") if rank0 else None
+        if signum:
+            raise Stopped(signum, summary, opts.ckpt_dir, quiet=not rank0)
+        return summary or {}  # rank 0 reports for the run
+    nproc = opts.nproc_per_node or world // max(1, opts.nnodes)
+    if nproc * opts.nnodes != world:
+        raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but --nnodes "
+                        f"{opts.nnodes} × --nproc-per-node {nproc} = {nproc * opts.nnodes}; "
+                        f"make their product {world}.")
+    if opts.nnodes > 1 and not opts.rdzv_endpoint:
+        raise SpecError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on "
+                        "every node).")
+    if opts.scale_down:
+        from .scale import describe_scale_down
+
+        print(describe_scale_down(given, running), file=sys.stderr, flush=True)
+    guard_memory(running, opts, nproc)
+    _save_plan(given, out)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    started = time.time()
+    code, signum = _run_agent(torchrun_command(plan, opts, out, nproc), env)
     summary_path = out / "summary.json"
-    return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
+    summary = _read_summary(summary_path) if fresh else None
+    if signum and not (summary and not summary.get("preempted_at") and code == 0):
+        raise Stopped(signum, summary, opts.ckpt_dir)  # (a run that finished anyway returns)
+    if code:
+        raise RunFailed(code)
+    return summary or {}
+
+
+def _read_summary(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _save_plan(plan: Plan, out: Path) -> None:
@@ -207,35 +323,69 @@ def _save_plan(plan: Plan, out: Path) -> None:
     (out / "plan.json").write_text(plan.model_dump_json(indent=2))
 
 
-def _run_forwarding_sigterm(cmd: list[str], env: dict[str, str]) -> tuple[int, bool]:
-    """Run torchrun; a SIGTERM to this launcher (preemption) is passed on to it, and torchrun
-    passes it to the workers, which checkpoint at the next step boundary and exit.
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the agent's session and its workers (each in a session of its own)."""
+    from .lifecycle import child_pids
 
-    Returns (exit code, whether SIGTERM was received)."""
-    proc = subprocess.Popen(cmd, env=env)
+    for pid in child_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    """Run torchrun's agent in a session of its own and wait for it.
+
+    The first SIGINT or SIGTERM to this launcher is passed to the agent, which passes it to the
+    workers: they stop at the next step boundary (checkpointing with --ckpt-dir) and exit. A
+    second one, or STOP_GRACE_S without an exit, kills the whole tree. Whatever happens here
+    (an exception included), the agent and its workers do not outlive this call.
+
+    Returns (the agent's exit code, the stop signal received or None)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     got: list[int] = []
+    deadline = [float("inf")]
 
-    def forward(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        if got:
+            _kill_tree(proc)
+            return
         got.append(signum)
-        proc.send_signal(signal.SIGTERM)
+        deadline[0] = time.monotonic() + STOP_GRACE_S
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if main else {}
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline[0]:
+                    _kill_tree(proc)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    return code, bool(got)
+        if proc.poll() is None:
+            _kill_tree(proc)
+            proc.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code, (got[0] if got else None)
 
 
 def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
                      nproc: int) -> list[str]:
-    """The torchrun line that starts `nproc` workers on this node."""
+    """The torchrun line that starts `nproc` workers on this node (torchrun's own agent, run
+    through `moeplan.runtime.agent`: same arguments, see agent.py)."""
     if isinstance(plan, Plan):
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan.json"
         path.write_text(plan.model_dump_json(indent=2))
         plan = path
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "moeplan.runtime.agent", f"--nproc-per-node={nproc}",
            f"--nnodes={opts.nnodes}"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint:
         cmd.append("--standalone")
@@ -248,10 +398,11 @@ def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
         cmd.append(f"--max-restarts={opts.max_restarts}")
     worker_opts = {k: v for k, v in asdict(opts).items() if k in (
         "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
-        "ckpt_keep", "max_nonfinite_steps")}
+        "ckpt_keep", "max_nonfinite_steps", "resume_step", "resume_manifest", "cluster",
+        "init_from")}
     return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
             "--options", json.dumps(worker_opts)]
 
 
-__all__ = ["MoeplanError", "RunFailed", "RunOptions", "check_resume", "prepare_plan", "run",
-           "torchrun_command"]
+__all__ = ["MoeplanError", "RunFailed", "RunOptions", "Stopped", "check_resume", "guard_memory",
+           "prepare_plan", "run", "torchrun_command", "verified_resume"]

@@ -159,13 +159,84 @@ class Linear(nn.Module):
         return self.backend.linear(x, self.weight, self.bias if bias else None)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(inv_base: torch.Tensor, dim: int, theta: float, r) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, §3.2–3.4), as transformers' `_compute_yarn_parameters`: pairs
+    rotating fewer than beta_slow times over the original context are interpolated (÷ factor),
+    those rotating more than beta_fast times kept, a linear ramp in between; cos/sin × mscale."""
+    factor, L0 = r.yarn_factor(), r.original_max_position_embeddings
+    af = r.attention_factor
+    if af is None:
+        af = (_yarn_mscale(factor, r.mscale) / _yarn_mscale(factor, r.mscale_all_dim)
+              if r.mscale and r.mscale_all_dim else _yarn_mscale(factor))
+
+    def corr_dim(rotations: float) -> float:
+        return dim * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (÷ factor)
+    return inv_base / factor * (1 - keep) + inv_base * keep, float(af)
+
+
+def rope_frequencies(dim: int, theta: float, scaling, seq: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (dim/2,) and the factor on cos/sin for a sequence of `seq` tokens.
+
+    Plain RoPE is θ^(−2i/d) (Su et al. 2021); `scaling` (a ModelSpec.rope_scaling) follows
+    transformers' `modeling_rope_utils.py` formula by formula, in fp32 as there, so that an
+    imported checkpoint computes the same angles."""
+    exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / theta ** exps
+    if scaling is None:
+        return inv, 1.0
+    r, kind = scaling, scaling.kind
+    if kind == "linear":  # position interpolation: every angle ÷ factor
+        return inv / r.factor, 1.0
+    if kind == "dynamic":  # NTK-aware θ growth beyond the original context only
+        L0 = r.original_max_position_embeddings
+        if seq <= L0:
+            return inv, 1.0
+        base = theta * ((r.factor * seq / L0) - (r.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base ** exps, 1.0
+    if kind == "yarn":
+        return _yarn(inv, dim, theta, r)
+    if kind == "llama3":  # Llama 3.1: long wavelengths ÷ factor, short kept, smooth between
+        L0, f = r.original_max_position_embeddings, r.factor
+        low_wl, high_wl = L0 / r.low_freq_factor, L0 / r.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wl, inv / f, inv)
+        smooth = (L0 / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        smoothed = (1 - smooth) * out / f + smooth * out
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, out), 1.0
+    # longrope: per-pair factors, the long ones beyond the original context
+    L0 = r.original_max_position_embeddings
+    factor = r.factor or (r.max_position_embeddings or L0) / L0
+    af = r.attention_factor or (1.0 if factor <= 1 else math.sqrt(
+        1 + math.log(factor) / math.log(L0)))
+    ext = torch.tensor(r.long_factor if seq > L0 else r.short_factor, dtype=torch.float32)
+    return 1.0 / (ext * theta ** exps), float(af)
+
+
 def rope_tables(seq: int, dim: int, theta: float, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (s, 1, 1, dim) for rotate-half RoPE (Su et al. 2021)."""
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # (s, dim/2)
+                dtype: torch.dtype, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (s, 1, 1, dim) for rotate-half RoPE (Su et al. 2021), scaled as `scaling`
+    says (see `rope_frequencies`)."""
+    inv, factor = rope_frequencies(dim, theta, scaling, seq)
+    ang = torch.outer(torch.arange(seq, dtype=torch.float32), inv)  # (s, dim/2)
     emb = torch.cat([ang, ang], dim=-1)[:, None, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -249,16 +320,19 @@ class MLAttention(nn.Module):
         self.cp = SINGLE
         qk = self.nope + self.rope_dim
         if self.q_rank:
-            self.q_down = Linear(h, self.q_rank, False, std, gen, backend)
+            self.q_down = Linear(h, self.q_rank, spec.qkv_bias, std, gen, backend)
             self.q_down_norm = Norm(self.q_rank, spec.norm_eps)
             self.q_up = Linear(self.q_rank, a * qk, False, std, gen, backend)
         else:
             self.q_proj = Linear(h, a * qk, False, std, gen, backend)
-        self.kv_down = Linear(h, self.kv_rank + self.rope_dim, False, std, gen, backend)
+        self.kv_down = Linear(h, self.kv_rank + self.rope_dim, spec.qkv_bias, std, gen, backend)
         self.kv_down_norm = Norm(self.kv_rank, spec.norm_eps)
         self.kv_up = Linear(self.kv_rank, a * (self.nope + self.v_dim), False, std, gen, backend)
         self.o_proj = Linear(a * self.v_dim, h, spec.attn_out_bias, out_std, gen, backend)
         self.core_attn = CoreAttention()
+        # 1/√d_qk, times yarn's mscale² (DeepSeek-V2 §2.1 long context; transformers'
+        # `yarn_apply_mscale`)
+        self.scale = spec.softmax_scale_factor() / math.sqrt(self.nope + self.rope_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x (s/t, b, h)
@@ -268,8 +342,7 @@ class MLAttention(nn.Module):
         latent = gather_seq(latent, self.tp)  # (s, b, ·): one gather for all latents
         q_in, c_kv, k_pe = latent.split([q_in.shape[-1], self.kv_rank, self.rope_dim], dim=-1)
         q, k, v = self.up_proj(q_in, c_kv, k_pe, *rope)
-        o = self.core_attn(q, k, v, 1.0 / math.sqrt(self.nope + self.rope_dim),
-                           self.cp)  # (s, b, a/t·v)
+        o = self.core_attn(q, k, v, self.scale, self.cp)  # (s, b, a/t·v)
         o = scatter_seq(self.o_proj(o, bias=False), self.tp)  # (s/t, b, h)
         return o if self.o_proj.bias is None else o + self.o_proj.bias
 
@@ -292,8 +365,11 @@ class MLAttention(nn.Module):
 
 
 def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
-    if kind == "gelu":
+    """The MLP nonlinearity; geglu* are gated (HF hidden_act gelu / gelu_pytorch_tanh)."""
+    if kind in ("gelu", "geglu"):
         return F.gelu(x)
+    if kind == "geglu_tanh":
+        return F.gelu(x, approximate="tanh")
     if kind == "squared_relu":
         return F.relu(x).square()
     return F.silu(x)

@@ -172,7 +172,8 @@ class Transformer(nn.Module):
         dim = s.qk_rope_head_dim if s.attention == "mla" else s.head_dim_
         key = (seq, like.device, like.dtype)
         if key not in self._rope:
-            cos, sin = rope_tables(seq, dim, s.rope_theta, like.device, like.dtype)
+            cos, sin = rope_tables(seq, dim, s.rope_theta, like.device, like.dtype,
+                                   s.rope_scaling)
             if not self.cp.trivial:  # RoPE positions follow the load-balanced split
                 pos = cp_positions(seq, self.cp, like.device)
                 cos, sin = cos[pos], sin[pos]

@@ -76,7 +76,7 @@ class Router(nn.Module):
             select = self._limit_groups(select)
         idx = select.topk(self.k, dim=-1).indices  # (T, k)
         probs = scores.gather(-1, idx)  # (T, k)
-        if self.norm_topk and self.k > 1:
+        if self.norm_topk:  # also for k = 1 (weight 1), as transformers' Mixtral router does
             probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
         probs = probs * self.scale
         counts = torch.bincount(idx.reshape(-1), minlength=self.E)  # (E,)

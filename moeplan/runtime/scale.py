@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ..specs import Layout, ModelSpec, TrainingSpec
+from ..specs import Layout, ModelSpec, Plan, TrainingSpec
 
 
 def _lcm(*xs: int) -> int:
@@ -74,3 +74,31 @@ def scale_down_training(training: TrainingSpec, layout: Layout) -> tuple[Trainin
     training = TrainingSpec.model_validate({**training.model_dump(), "seq_len": seq,
                                             "global_batch_size": layout.dp * layout.mbs * m})
     return training, layout
+
+
+def scale_down_plan(plan: Plan) -> Plan:
+    """The whole plan scaled down: model, sequence and batch shrunk, every degree kept; the
+    full model's stage layout cannot fit the shrunk one, so stages are rebalanced."""
+    training, layout = scale_down_training(plan.training, plan.layout)
+    choices = plan.choices.model_copy(update={"stage_layout": None, "stage_layers": None})
+    return plan.model_copy(update={"model": scale_down_model(plan.model, plan.layout),
+                                   "training": training, "layout": layout, "choices": choices,
+                                   "estimate": None})
+
+
+def _count(n: float) -> str:
+    for div, unit in ((1e9, " B"), (1e6, " M"), (1e3, " k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def describe_scale_down(given: Plan, running: Plan) -> str:
+    """One line: what --scale-down made of the plan (parameters, sequence, batch)."""
+    a, b = given.model, running.model
+    return (f"--scale-down: {a.name} {_count(a.total_params())} → {_count(b.total_params())} "
+            f"parameters ({b.num_layers} layers, hidden {b.hidden_size}"
+            + (f", {b.num_experts} experts" if b.is_moe else "")
+            + f"), seq {given.training.seq_len} → {running.training.seq_len}, global batch "
+            f"{given.training.global_batch_size} → {running.training.global_batch_size}; "
+            f"parallel degrees kept")

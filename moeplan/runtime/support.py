@@ -1,13 +1,17 @@
 """What this runtime version executes: every plan feature outside it is refused by name.
 
 A plan asking for something not executed yet is never run differently (e.g. pipeline stages
-silently collapsed); `features_not_executed` lists each such feature so `moeplan run` exits 2
-before any worker starts. Pure function of the plan: no torch.
+silently collapsed); `features_not_executed` lists each such feature, each with the exact way
+around it (a flag, a stage layout, another command), so `moeplan run` exits 2 before any worker
+starts with something the user can type. Pure function of the plan: no torch.
 """
 
 from __future__ import annotations
 
-from ..specs import Plan, stage_layout_for
+from ..specs import Plan, format_stage_layout, stage_layout_for
+
+MODEL_FIX = ("no flag avoids it: `moeplan export PLAN --format megatron` runs this model on "
+             "Megatron-LM")
 
 
 def model_features_not_executed(model) -> list[str]:
@@ -24,6 +28,25 @@ def model_features_not_executed(model) -> list[str]:
     return out
 
 
+def search_line(plan: Plan) -> str:
+    """The `moeplan search` command that re-plans this model, cluster and batch for the
+    runtime (`--target moeplan`: only what `moeplan run` executes)."""
+    t = plan.training
+    return (f"moeplan search --model {plan.model.name} --cluster {plan.cluster.name} --gpus "
+            f"{plan.layout.world_size} --seq {t.seq_len} --gbs {t.global_batch_size} "
+            f"--precision {t.precision} --target moeplan -o plan.json")
+
+
+def mtp_on_last_stage(stages: list[list[str]]) -> str:
+    """The same stage layout with every MTP layer moved to the last stage, before the loss."""
+    moved = [[k for k in st if k != "m"] for st in stages]
+    mtp = sum(st.count("m") for st in stages)
+    last = moved[-1]
+    at = last.index("L") if "L" in last else len(last)
+    moved[-1] = last[:at] + ["m"] * mtp + last[at:]
+    return format_stage_layout(moved)
+
+
 def ep_overlap_not_executed(plan: Plan) -> list[str]:
     """EP overlap runs (overlap.py) with the alltoall and flex dispatchers, pp = 1 or
     interleaved pp·vpp (the layout's own rules refuse the rest: Megatron's VPP requirement,
@@ -36,12 +59,13 @@ def ep_overlap_not_executed(plan: Plan) -> list[str]:
     if offload:
         return [f"activation offload ({', '.join(sorted(set(offload)))}) together with EP "
                 "communication overlap (ep_overlap): drop the offload from the plan's choices "
-                "(`offload`, `stage_offload`) or set `ep_overlap: false` in its layout"]
+                "(`offload`, `stage_offload`), set `ep_overlap: false` in its layout, or "
+                f"re-plan: `{search_line(plan)}`"]
     return []
 
 
 def features_not_executed(plan: Plan) -> list[str]:
-    """Each plan feature this runtime does not execute yet, named for the error message."""
+    """Each plan feature this runtime does not execute yet, named with its fix."""
     L, c = plan.layout, plan.choices
     out = []
     if L.pp > 1 and plan.model.mtp_layers:
@@ -49,13 +73,16 @@ def features_not_executed(plan: Plan) -> list[str]:
                                   c.stage_layout, c.stage_layers)
         if any("m" in st for st in stages[:-1]):
             out.append("MTP layers outside the last pipeline stage (put every m with the "
-                       "loss L)")
+                       "loss L: `moeplan estimate ... --stage-layout "
+                       f"'{mtp_on_last_stage(stages)}' -o plan.json`)")
     out += ep_overlap_not_executed(plan)
     # activation recompute / offload and optimizer offload run as the choices say (memory.py,
     # optimizer.py)
     # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)
-    out += model_features_not_executed(plan.model)
+    out += [f"{f} ({MODEL_FIX})" for f in model_features_not_executed(plan.model)]
     if plan.model.vocab_size % L.tp:
+        fits = [t for t in (1, 2, 4, 8) if plan.model.vocab_size % t == 0 and t < L.tp]
         out.append(f"vocabulary padding (vocab {plan.model.vocab_size} is not divisible by "
-                   f"tp={L.tp})")
+                   f"tp={L.tp}; re-plan with `moeplan estimate ... --tp {max(fits)}`, or pad "
+                   f"vocab_size in the model spec to a multiple of {L.tp})")
     return out

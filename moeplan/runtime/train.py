@@ -61,7 +61,9 @@ class Trainer:
 
     def __init__(self, plan: Plan, groups: ParallelGroups, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 data: str = "synthetic"):
+                 data: str = "synthetic", init_from: str | None = None):
+        """`init_from`: a Hugging Face checkpoint directory whose weights replace the seeded
+        draw (each rank reads only its shards, `hf_io.load_hf_`)."""
         self.plan, self.groups, self.seed = plan, groups, seed
         self.device = device or torch.device("cpu")
         t, layout = plan.training, plan.layout
@@ -77,7 +79,13 @@ class Trainer:
         chunks = rank_chunks(plan_stages(plan), layout.pp, groups.pp.rank)
         if layout.pp > 1:  # keep this rank's pipeline stages, then parallelize them
             model = split_stage(model, chunks, layout.pp)
-        model = materialize_(parallelize(model, groups, layout, plan.choices), seed)
+        model = parallelize(model, groups, layout, plan.choices)
+        if init_from:
+            from .hf_io import load_hf_
+
+            model = load_hf_(model, init_from, plan.model)
+        else:
+            model = materialize_(model, seed)
         self.model = model.to(device=self.device, dtype=dtype)
         for moe in self.model.moe_layers():  # router state stays fp32 (selection, counts)
             if moe.router.expert_bias is not None:

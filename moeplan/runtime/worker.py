@@ -11,19 +11,21 @@ import json
 import os
 import signal
 import statistics
+import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..errors import SpecError
+from ..errors import MoeplanError, SpecError
 from ..specs import Plan
 from . import checkpoint
 from .grid import RankGrid
 from .launch import RunOptions, prepare_plan
+from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
 from .parallelize import build_groups
-from .storage import newest_checkpoint
+from .storage import manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
 
 SPEC_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_gpu",
@@ -41,8 +43,12 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
-    """Train `opts.steps` steps as this process's rank (environment set by torchrun)."""
+def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | None:
+    """Train `opts.steps` steps as this process's rank (environment set by torchrun).
+
+    Returns the signal (SIGTERM/SIGINT) the ranks agreed to stop on, None when the run
+    reached its last step."""
+    stop = _StopOnSignal()  # from the start: a stop during set-up waits for the first step
     given, running = prepare_plan(plan, opts)
     device = _device()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
@@ -54,9 +60,9 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                           domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
-                      data=opts.data)
+                      data=opts.data, init_from=opts.init_from)
     start = _resume(trainer, opts)
-    stop = _StopOnSigterm(device)
+    stop.on(device)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         from rich.console import Console
@@ -67,8 +73,9 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
                       + (f", resumed at step {start}" if start else ""))
         console.print(f"kernels: {trainer.kernels.reason}")
+        console.print(objective_line(running))
     history: list[StepMetrics] = []
-    bad, preempted_at = 0, 0
+    bad, preempted_at, stop_sig, stop_ckpt = 0, 0, 0, None
     for step in range(start, opts.steps):
         metrics, _ = trainer.step(step)
         history.append(metrics)
@@ -90,24 +97,25 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
                               "Resume from the last checkpoint with a lower lr or other data.")
             dist.destroy_process_group()
             raise SystemExit(1)
-        preempt = stop.agreed()
+        stop_sig = stop.agreed()
+        preempt = bool(stop_sig) and metrics.step < opts.steps  # the last step just finishes
         done = metrics.step
         if opts.ckpt_dir and (preempt or done == opts.steps
                               or (opts.ckpt_every and done % opts.ckpt_every == 0)):
             path = checkpoint.save(trainer, opts.ckpt_dir, done, keep=opts.ckpt_keep,
                                    extra={"data": opts.data, "preempted": preempt})
-            if rank0:
+            if preempt:
+                stop_ckpt = str(path)  # the launcher's one stop line names it
+            elif rank0:
                 console.print(f"checkpoint {path}")
         if preempt:
             preempted_at = done
-            if rank0:
-                console.print(f"SIGTERM: stopped at step {done}"
-                              + (" after checkpointing" if opts.ckpt_dir else ""))
             break
+        stop_sig = 0
     if not history:  # resumed (after a restart) at the last step: nothing left to train
         dist.barrier()
         dist.destroy_process_group()
-        return
+        return None
     peak = torch.tensor([max(m.peak_mem_gb for m in history)], dtype=torch.float64,
                         device=device)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
@@ -121,11 +129,13 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> None:
         summary = _summary(given, running, history, [float(p) for p in peaks], device, dtype,
                            opts)
         summary.update(resumed_from=start, preempted_at=preempted_at,
-                       precision=running.training.precision,
+                       stopped_by=signal.Signals(stop_sig).name if stop_sig else None,
+                       stop_checkpoint=stop_ckpt, precision=running.training.precision,
                        kernel_backend=trainer.kernels.backend.name)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.barrier()
     dist.destroy_process_group()
+    return stop_sig or None
 
 
 def _init_process_group(device: torch.device) -> None:
@@ -149,46 +159,62 @@ def _init_process_group(device: torch.device) -> None:
 
 
 def _resume(trainer: Trainer, opts: RunOptions) -> int:
-    """Load the newest complete checkpoint when resuming or restarted by torchrun; return the
-    step to continue from (0 when there is none yet).
+    """Load the step the launcher verified (`opts.resume_step`, checked against its manifest
+    digest), or after a torchrun restart the newest checkpoint, which rank 0 verifies
+    completely; return the step to continue from (0 when there is none).
 
-    The launcher verified the checkpoint of `--resume`; after a restart, rank 0 verifies the
-    newest one (written by this run) and every rank loads the same directory.
+    Rank 0 decides and every rank loads that one directory: no rank picks a checkpoint alone.
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not opts.ckpt_dir or not (opts.resume or restarted):
         return 0
-    found: list[str | None] = [None]
+    found: dict = {"path": None, "manifest": opts.resume_manifest}
     if dist.get_rank() == 0:
         try:
-            path = newest_checkpoint(opts.ckpt_dir, check=restarted)
-            found = [str(path) if path else None]
+            if restarted or opts.resume_step is None:  # a checkpoint written by this run, or
+                path = newest_checkpoint(opts.ckpt_dir)  # a worker started without a launcher
+                found["manifest"] = manifest_sha256(path) if path else None
+            else:
+                path = step_dir(opts.ckpt_dir, opts.resume_step) if opts.resume_step else None
+            if path is not None and opts.resume_step and \
+                    int(path.name.removeprefix("step_")) < opts.resume_step:
+                raise SpecError(f"{path} is older than step {opts.resume_step}, which the "
+                                "launcher verified; the checkpoint directory changed.")
+            found["path"] = str(path) if path else None
         except SpecError as e:
-            found = [f"error: {e}"]
-    dist.broadcast_object_list(found, src=0)
-    if found[0] is None:
+            found = {"error": str(e)}
+    found = checkpoint.broadcast_json(found, trainer.device)  # type: ignore[assignment]
+    if "error" in found:
+        raise SpecError(found["error"])
+    if found["path"] is None:
         return 0
-    if found[0].startswith("error: "):
-        raise SpecError(found[0].removeprefix("error: "))
-    return checkpoint.load(trainer, found[0])
+    return checkpoint.load(trainer, found["path"], manifest_sha256=found["manifest"])
 
 
-class _StopOnSigterm:
-    """SIGTERM (preemption; torchrun passes the launcher's on) sets a flag; at each step
-    boundary the ranks agree (max over the world) so they all checkpoint the same step."""
+class _StopOnSignal:
+    """SIGTERM (preemption) or SIGINT (Ctrl-C; the launcher passes both on) records the signal;
+    at each step boundary the ranks agree on it (max over the world), so they all stop after,
+    and checkpoint, the same step. Installed before set-up, so a stop then waits for the first
+    step instead of killing the process mid-initialisation."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self) -> None:
+        self.seen = 0
+        self.flag: torch.Tensor | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def on(self, device: torch.device) -> None:
         self.flag = torch.zeros(1, device=device)
-        self.seen = False
-        signal.signal(signal.SIGTERM, self._handle)
 
-    def _handle(self, _signum: int, _frame: object) -> None:
-        self.seen = True
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.seen = max(self.seen, int(signum))
 
-    def agreed(self) -> bool:
+    def agreed(self) -> int:
+        """The stop signal some rank received (0: none), the same on every rank."""
+        assert self.flag is not None
         self.flag.fill_(float(self.seen))
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
-        return bool(self.flag.item())
+        return int(self.flag.item())
 
 
 def _layout_str(plan: Plan) -> str:
@@ -208,19 +234,24 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
     step_s = statistics.median(m.step_time_s for m in steady)
     tokens = running.training.global_batch_size * running.training.seq_len
     world = running.layout.world_size
-    est = given.estimate
-    predicted = None if est is None else {
-        "step_time_s": est.step_time_s, "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
-        "tflops_per_gpu": est.tflops_per_gpu, "peak_mem_gb": est.memory.peak_gb,
-    }
-    notes = []
     if opts.scale_down:
-        notes.append("scaled down: measured figures are for the smaller model and batch, "
-                     "predicted ones for the full plan")
-    if predicted is not None:
-        gpus = given.cluster.num_gpus or given.layout.world_size
-        notes.append(f"predicted figures are for {gpus} × {given.cluster.gpu}; measured on "
-                     f"{device.type}")
+        predicted, notes = _predicted_here(running, device, dtype, opts)
+    else:
+        est, notes = given.estimate, []
+        predicted = None if est is None else {
+            "step_time_s": est.step_time_s, "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+            "tflops_per_gpu": est.tflops_per_gpu, "peak_mem_gb": est.memory.peak_gb,
+        }
+        if predicted is not None:
+            gpus = given.cluster.num_gpus or given.layout.world_size
+            notes.append(f"predicted figures are for {gpus} × {given.cluster.gpu}; measured on "
+                         f"{device.type}")
+        if est is not None and est.interval is not None:
+            predicted["step_time_interval_s"] = list(est.interval.step_time_s)
+    notes = [objective_line(running), *notes]
+    if opts.init_from:
+        notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
+    band = (predicted or {}).get("step_time_interval_s")
     return {
         "model": running.model.name, "world_size": world, "layout": _layout_str(running),
         "steps": opts.steps, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
@@ -235,11 +266,58 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
         },
         "predicted": predicted,
         "ratio": None if predicted is None else {
-            "step_time_s": _ratio(step_s, predicted["step_time_s"]),
-            "peak_mem_gb": _ratio(max(peaks_gb), predicted["peak_mem_gb"]),
+            key: _ratio(value, predicted[key]) for key, value in
+            (("step_time_s", step_s), ("peak_mem_gb", max(peaks_gb))) if key in predicted
         },
+        "inside_interval": None if not band else band[0] <= step_s <= band[1],
         "notes": notes,
     }
+
+
+def _predicted_here(running: Plan, device: torch.device, dtype: torch.dtype,
+                    opts: RunOptions) -> tuple[dict, list[str]]:
+    """Predictions for the scaled-down plan on this machine, not the plan's cluster: memory
+    from the launcher's guard pricing (the same cost model, at the run's dtype, host copies kept
+    on CPU), step time from the cost model on `--cluster` or the preset of the GPU present
+    (a CPU has none: `moeplan calibrate` writes one)."""
+    from ..cost_models.estimate import estimate
+    from ..errors import MoeplanError
+    from . import guard
+
+    kind, dt = device.type, str(dtype).removeprefix("torch.").replace("float32", "fp32")
+    dt = "bf16" if dt == "bfloat16" else dt
+    world = running.layout.world_size
+    needs = guard.price_ranks(running, list(range(world)), dt, kind)
+    base = guard.CUDA_CONTEXT_GB if kind == "cuda" else 0.0  # not in max_memory_allocated
+    predicted: dict = {"peak_mem_gb": max(n.total_gb for n in needs) - base}
+    notes = [f"scaled down: measured and predicted figures are for the smaller model and batch "
+             f"on this machine ({kind}, {dt})"]
+    gpu = torch.cuda.get_device_name(device) if kind == "cuda" else None
+    try:
+        cluster = guard.machine_cluster(running, kind, gpu, opts.cluster)
+        est = None if cluster is None else estimate(running.model, cluster, running.training,
+                                                    running.layout, running.choices)
+    except MoeplanError as e:
+        cluster, est = None, None
+        notes.append(f"no step-time prediction: {e}")
+    if est is not None and cluster is not None:
+        predicted.update(step_time_s=est.step_time_s,
+                         tokens_per_s_per_gpu=est.tokens_per_s_per_gpu,
+                         tflops_per_gpu=est.tflops_per_gpu)
+        if est.interval is not None:
+            predicted["step_time_interval_s"] = list(est.interval.step_time_s)
+        notes.append(f"predicted step time: the cost model on {world} × {cluster.gpu} "
+                     f"({cluster.name})")
+    elif cluster is None:
+        notes.append("no step-time prediction: no description of this machine; write one "
+                     "with `moeplan calibrate -o local.yaml` and pass `--cluster local.yaml`")
+    return predicted, notes
+
+
+def objective_line(plan: Plan) -> str:
+    from .hf_io import describe_objective
+
+    return describe_objective(plan.model, plan.training.moe_aux_loss_coeff)
 
 
 def _ratio(measured: float, predicted: float) -> float | None:
@@ -252,7 +330,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--options", default="{}", help="RunOptions fields as JSON")
     a = p.parse_args(argv)
-    run_worker(a.plan, RunOptions(**json.loads(a.options)), Path(a.out))
+    set_parent_death_signal(AGENT_PID_ENV)  # no worker outlives its agent (lifecycle.py)
+    try:
+        run_worker(a.plan, RunOptions(**json.loads(a.options)), Path(a.out))
+    except MoeplanError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
+    except RuntimeError as e:  # a peer died mid-collective: the agent names it, in one line
+        if not isinstance(e, dist.DistError) and not any(
+                k in str(e) for k in ("closed by peer", "reset by peer", "Broken pipe")):
+            raise
+        why = str(e).splitlines()[0].split("] ", 1)[-1].split(". ")[0]  # gloo: "[file:line] ..."
+        print(f"worker rank {os.environ.get('RANK', '?')}: lost a peer ({why[:120]})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    # stopped by a signal: exit 0 all the same, so the agent ends quietly; the launcher reports
 
 
 if __name__ == "__main__":

@@ -12,7 +12,15 @@ from .layout import (
 )
 from .loader import list_presets, load_cluster, load_model, load_plan, load_training
 from .model import ModelSpec
-from .plan import Confidence, Estimate, MemoryBreakdown, Plan, TimeBreakdown
+from .plan import (
+    Assumption,
+    Confidence,
+    Estimate,
+    Interval,
+    MemoryBreakdown,
+    Plan,
+    TimeBreakdown,
+)
 from .stage_layout import (
     balanced_stage_layout,
     format_stage_layout,
@@ -22,7 +30,8 @@ from .stage_layout import (
 from .training import PRECISIONS, TrainingSpec
 
 __all__ = [
-    "OFFLOAD_MODULES", "PRECISIONS", "RECOMPUTE_MODULES", "Choices", "ClusterSpec", "Confidence",
+    "OFFLOAD_MODULES", "PRECISIONS", "RECOMPUTE_MODULES", "Assumption", "Choices", "ClusterSpec",
+    "Confidence", "Interval",
     "Estimate", "Layout", "MemoryBreakdown", "ModelSpec", "Plan", "TimeBreakdown", "TrainingSpec",
     "balanced_stage_layout", "check_layout", "format_stage_layout", "layout_violations",
     "list_presets", "load_cluster", "load_model", "load_plan", "load_training",

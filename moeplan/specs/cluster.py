@@ -58,6 +58,11 @@ class ClusterSpec(BaseModel):
     host_link_gb_s: float = Field(
         gt=0, description="GPU↔host bandwidth per direction, GB/s (PCIe or NVLink-C2C)."
     )
+    host_memory_bw_gb_s: float = Field(
+        50.0, gt=0, description="Host memory bandwidth per GPU, GB/s (the node's DRAM "
+        "bandwidth over its GPUs): the host Adam step of optimizer offload is bound by it. The "
+        "default is a conservative two-socket DDR5 server shared by 8 GPUs; `moeplan calibrate` "
+        "measures it.")
     calibration: dict[str, Any] = Field(
         default_factory=dict,
         description="Efficiency constants overriding the shipped calibration profile "

@@ -7,11 +7,66 @@ planner, the cost models and the runtime's TFLOPS counter all use one definition
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Activation = Literal["swiglu", "gelu", "squared_relu"]
+Activation = Literal["swiglu", "geglu", "geglu_tanh", "gelu", "squared_relu"]
+GATED = ("swiglu", "geglu", "geglu_tanh")
+
+
+class RopeScaling(BaseModel):
+    """RoPE frequency scaling for long context, as Hugging Face's `rope_parameters` names it.
+
+    The scaled inverse frequencies follow transformers' `modeling_rope_utils.py` (linear: Chen et
+    al. 2023; dynamic NTK; yarn: Peng et al. 2023; llama3: Llama 3.1; longrope: Ding et al.
+    2024). Scaling changes the angles and (yarn, longrope) a constant factor on cos/sin, never
+    the FLOPs or the parameters.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = Field(
+        description="HF rope_type.")
+    factor: float | None = Field(None, gt=0, description="Context extension factor s.")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="Pre-training context (dynamic: the HF max_position_embeddings).")
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="Extended context (yarn/longrope default factor = max / original).")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: extrapolation boundary (rotations).")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: interpolation boundary (rotations).")
+    mscale: float | None = Field(None, description="yarn: attention-factor numerator scale.")
+    mscale_all_dim: float | None = Field(
+        None, description="yarn: denominator scale; with MLA also the softmax scale (mscale²).")
+    attention_factor: float | None = Field(
+        None, gt=0, description="Factor on cos/sin (None: derived from factor/mscale).")
+    truncate: bool = Field(True, description="yarn: round the correction range to integers.")
+    low_freq_factor: float | None = Field(None, gt=0, description="llama3: low-frequency bound.")
+    high_freq_factor: float | None = Field(None, gt=0, description="llama3: high-frequency bound.")
+    short_factor: list[float] | None = Field(None, description="longrope: per-pair factors.")
+    long_factor: list[float] | None = Field(
+        None, description="longrope: per-pair factors beyond the original context.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScaling:
+        need = {"linear": ("factor",), "dynamic": ("factor", "original_max_position_embeddings"),
+                "yarn": ("original_max_position_embeddings",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+        for f in need[self.kind]:
+            if getattr(self, f) is None:
+                raise ValueError(f"rope_scaling.{f}: {self.kind} RoPE scaling needs it")
+        if self.kind == "yarn" and self.factor is None and self.max_position_embeddings is None:
+            raise ValueError("rope_scaling.factor: yarn needs a factor (or max_position_embeddings)")
+        if self.kind == "llama3" and self.low_freq_factor == self.high_freq_factor:
+            raise ValueError("rope_scaling.high_freq_factor: must differ from low_freq_factor")
+        return self
+
+    def yarn_factor(self) -> float:
+        return self.factor or (self.max_position_embeddings  # type: ignore[operator]
+                               / self.original_max_position_embeddings)
 
 
 class ModelSpec(BaseModel):
@@ -35,7 +90,8 @@ class ModelSpec(BaseModel):
     qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA non-rotary q/k head dim.")
     qk_rope_head_dim: int | None = Field(None, gt=0, description="MLA rotary q/k head dim.")
     v_head_dim: int | None = Field(None, gt=0, description="MLA value head dim.")
-    qkv_bias: bool = Field(False, description="Bias on the Q, K, V projections (Qwen2, gpt-oss).")
+    qkv_bias: bool = Field(False, description="Bias on the Q, K, V projections (Qwen2, gpt-oss); "
+                           "with MLA on the q and kv down-projections (DeepSeek attention_bias).")
     attn_out_bias: bool = Field(False, description="Bias on the attention output projection.")
     qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3).")
     attention_sinks: bool = Field(False, description="Learned per-head attention sink (gpt-oss).")
@@ -58,7 +114,9 @@ class ModelSpec(BaseModel):
         None, gt=0, description="Rows of the learned position table (learned positions only)."
     )
     normalization: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Norm kind.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base θ.")
+    rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base θ.")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="RoPE frequency scaling (yarn, llama3, ...); None: plain RoPE.")
     norm_eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
 
     num_experts: int = Field(0, ge=0, description="Routed experts E per MoE layer (0: dense).")
@@ -86,6 +144,10 @@ class ModelSpec(BaseModel):
     routed_scaling_factor: float = Field(1.0, gt=0, description="Scale on routed expert output.")
     norm_topk_prob: bool = Field(True, description="Renormalise the top-k probabilities.")
     mtp_layers: int = Field(0, ge=0, description="Multi-token-prediction modules (DeepSeek-V3).")
+    moe_aux_loss_coeff: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="The source model's own load-balancing loss coefficient (HF "
+        "router_aux_loss_coef); a run uses it unless its training spec sets one.")
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="after")
@@ -155,7 +217,17 @@ class ModelSpec(BaseModel):
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in GATED
+
+    def softmax_scale_factor(self) -> float:
+        """Factor on 1/√d in attention: yarn's mscale² for MLA (DeepSeek-V2/V3 `yarn_get_mscale`
+        with mscale_all_dim, as transformers' DeepseekV3Attention applies it), else 1."""
+        r = self.rope_scaling
+        if self.attention != "mla" or r is None or r.kind != "yarn" or not r.mscale_all_dim:
+            return 1.0
+        s = r.yarn_factor()
+        m = 1.0 if s <= 1 else 0.1 * r.mscale_all_dim * math.log(s) + 1.0
+        return m * m
 
     def moe_layers(self) -> list[bool]:
         """Which decoder layers carry an MoE block (Megatron's --moe-layer-freq semantics)."""
@@ -196,6 +268,9 @@ class ModelSpec(BaseModel):
             kv = h * (kvr + self.qk_rope_head_dim) + kvr  # down-proj + kv norm
             kv += kvr * a * (self.qk_nope_head_dim + self.v_head_dim)  # up-proj
             o = a * self.v_head_dim * h  # type: ignore[operator]
+            if self.qkv_bias:  # biases on the down-projections (HF q_a_proj, kv_a_proj_with_mqa)
+                q += self.q_lora_rank or 0
+                kv += kvr + self.qk_rope_head_dim
             return q + kv + o + (h if self.attn_out_bias else 0)
         d, g = self.head_dim_, self.kv_heads
         n = h * a * d + 2 * h * g * d + a * d * h

@@ -23,6 +23,11 @@ class MemoryBreakdown(BaseModel):
     optimizer_gb: float
     activations_gb: float
     buffers_gb: float
+    margin_gb: float = Field(0.0, description="Safety margin the peak must leave free: the "
+                             "memory model's measured error on this peak plus the HBM the "
+                             "runtime reserves (CUDA context, allocator).")
+    headroom_gb: float = Field(0.0, description="HBM − peak. The plan fits when headroom ≥ "
+                               "margin.")
 
 
 class TimeBreakdown(BaseModel):
@@ -39,6 +44,32 @@ class TimeBreakdown(BaseModel):
     recompute_s: float = 0.0
     offload_s: float = 0.0
     exposed_comm_s: float = 0.0
+
+
+class Interval(BaseModel):
+    """A prediction interval, calibrated out of sample (cost_models.uncertainty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: float = Field(description="Share of real runs the interval should cover (0.8).")
+    step_time_s: tuple[float, float]
+    tokens_per_s_per_gpu: tuple[float, float]
+    pessimistic_tokens_per_s_per_gpu: float | None = Field(
+        None, description="The prediction with every unvalidated effect disappointing (the "
+        "plan without EP overlap or flex, host links at half speed); the low end starts here.")
+    regime: str = Field("", description="The group of held-out published runs whose errors set "
+                        "the interval's width.")
+    rows: int = Field(0, description="How many held-out rows that group has.")
+
+
+class Assumption(BaseModel):
+    """One modelled effect the estimate depends on, and whether published runs support it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    term: str
+    validated: bool
+    evidence: str
 
 
 class Confidence(BaseModel):
@@ -63,6 +94,8 @@ class Estimate(BaseModel):
     fits: bool
     warnings: list[str] = Field(default_factory=list)
     confidence: Confidence | None = None
+    interval: Interval | None = None
+    assumptions: list[Assumption] = Field(default_factory=list)
 
 
 class Plan(BaseModel):

@@ -1,0 +1,279 @@
+"""Honest predictions: 80 % intervals, named assumptions and memory margins.
+
+Intervals are split-conformal (Vovk et al. 2005; Lei et al. 2018, "Distribution-free predictive
+inference for regression"): the held-out published runs, which never touched the fitted
+constants, give log-residuals r = log(published / predicted) tokens/s/GPU; an 80 % interval is
+[P·e^q_lo, P·e^q_hi] with q_lo, q_hi the finite-sample conformal quantiles of r at 10 % and 90 %
+over the rows of the estimate's regime (GPU generation, dense/MoE, precision family, whether the
+layout's TP/EP groups leave the NVLink domain), backing off to a broader regime while a group has
+too few rows. The profile is written by `bench/fit_intervals.py` into `intervals.json`, with the
+coverage it measured on rows it did not use for the quantiles.
+
+Assumptions: the modelled effects an estimate leans on (EP overlap on its fabric, the flex
+dispatcher across NVLink domains, host offload, CP at this length, the precision recipe on this
+GPU, the GPU's calibration, TP overlap, balanced routing), each `validated` when fit rows that use
+it exist, with their ids. An unvalidated effect with a pessimistic variant (the plan without it,
+or its host links at half speed) pulls the interval's low end down to that variant's prediction:
+a plan ranked by its low end wins only if it still wins when the effect disappoints.
+
+Memory margin: the memory model's measured relative error (the DeepSeek-V3 anatomy of the
+Megatron Core MoE report, worst part) times the peak, plus the HBM the runtime reserves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from ..specs.cluster import ClusterSpec
+from ..specs.layout import Choices, Layout
+from ..specs.model import ModelSpec
+from ..specs.plan import Assumption
+from ..specs.training import TrainingSpec
+from . import comm as C
+from .calibration import Calibration
+
+LEVEL = 0.8
+MIN_ROWS = 10  # a regime with fewer held-out rows backs off to a broader one
+
+
+# ----------------------------------------------------------------------------- regimes
+def generation(cluster: ClusterSpec) -> str:
+    """GPU generation as the interval regimes group it: NVL72 racks apart from HGX boxes."""
+    arch = cluster.architecture
+    if arch == "blackwell":
+        return "blackwell-nvl72" if cluster.nvlink_domain_gpus > cluster.gpus_per_node else (
+            "blackwell-hgx")
+    return arch
+
+
+def precision_family(precision: str) -> str:
+    return "bf16" if precision == "bf16" else ("fp4" if precision == "nvfp4" else "fp8")
+
+
+def fabric(layout: Layout, cluster: ClusterSpec) -> str:
+    """'scale-out' when a TP, CP or EP group leaves its NVLink domain, else 'nvlink'."""
+    for axis, size in (("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep * layout.etp)):
+        if size > 1 and not C.placement(layout, axis, cluster).inside_nvlink:
+            return "scale-out"
+    return "nvlink"
+
+
+def regime_keys(model: ModelSpec, cluster: ClusterSpec, precision: str, layout: Layout
+                ) -> list[str]:
+    """Regime names from the most specific to the pooled one."""
+    return regime_names(model, cluster, precision, fabric(layout, cluster))
+
+
+def regime_names(model: ModelSpec, cluster: ClusterSpec, precision: str, fab: str
+                 ) -> list[str]:
+    gen, kind = generation(cluster), "moe" if model.is_moe else "dense"
+    prec = precision_family(precision)
+    return [f"{gen}/{kind}/{prec}/{fab}", f"{gen}/{kind}/{prec}", f"{gen}/{kind}", kind, "all"]
+
+
+# ----------------------------------------------------------------------------- conformal
+def conformal_bounds(residuals: Sequence[float], level: float = LEVEL
+                     ) -> tuple[float, float] | None:
+    """(q_lo, q_hi) of split conformal at `level`, equal tails: the ⌊(n+1)·α/2⌋-th and
+    ⌈(n+1)·(1−α/2)⌉-th smallest residuals; None when n is too small for a finite interval."""
+    r = sorted(residuals)
+    n = len(r)
+    a = (1 - level) / 2
+    k_hi = math.ceil((n + 1) * (1 - a))
+    k_lo = math.floor((n + 1) * a)
+    if n == 0 or k_hi > n or k_lo < 1:
+        return None
+    return r[k_lo - 1], r[k_hi - 1]
+
+
+@dataclass(frozen=True)
+class IntervalProfile:
+    """What `bench/fit_intervals.py` measured: conformal bounds per regime, the memory model's
+    error, and which fit rows exercise each modelled effect."""
+
+    level: float
+    regimes: dict[str, tuple[float, float, int]]  # name -> (q_lo, q_hi, held-out rows)
+    memory_rel_error: float
+    memory_evidence: str
+    evidence: dict[str, list[str]]  # assumption key -> fit row ids
+    cross_validated: dict[str, Any]  # coverage and width measured on rows unseen by the bounds
+
+    def bounds(self, keys: Sequence[str]) -> tuple[float, float, str, int]:
+        for k in keys:
+            if k in self.regimes:
+                lo, hi, n = self.regimes[k]
+                return lo, hi, k, n
+        return -0.35, 0.35, "none (no held-out rows)", 0
+
+
+@lru_cache(maxsize=1)
+def default_profile() -> IntervalProfile:
+    text = (resources.files("moeplan.cost_models") / "intervals.json").read_text()
+    return profile_from_dict(json.loads(text))
+
+
+def profile_from_dict(d: dict[str, Any]) -> IntervalProfile:
+    return IntervalProfile(
+        level=float(d["level"]),
+        regimes={k: (float(v["q_lo"]), float(v["q_hi"]), int(v["rows"]))
+                 for k, v in d["regimes"].items()},
+        memory_rel_error=float(d["memory"]["rel_error"]),
+        memory_evidence=str(d["memory"]["evidence"]),
+        evidence={k: list(v) for k, v in d["evidence"].items()},
+        cross_validated=dict(d.get("cross_validated", {})))
+
+
+# ----------------------------------------------------------------------------- memory
+def memory_margin_gb(peak_gb: float, cal: Calibration, profile: IntervalProfile | None = None
+                     ) -> float:
+    """HBM a plan must leave free: the memory model's error on this peak plus the reserve."""
+    p = profile or default_profile()
+    return p.memory_rel_error * peak_gb + cal.reserve_gb
+
+
+def max_peak_gb(cluster: ClusterSpec, cal: Calibration,
+                profile: IntervalProfile | None = None) -> float:
+    """The largest predicted peak that still fits: HBM − peak ≥ margin(peak), solved for the
+    peak. The one memory budget estimate, the search bounds and the MILP all use."""
+    p = profile or default_profile()
+    return (cluster.hbm_gb - cal.reserve_gb) / (1.0 + p.memory_rel_error)
+
+
+# ----------------------------------------------------------------------------- assumptions
+Variant = Callable[[Layout, Choices, ClusterSpec], tuple[Layout, Choices, ClusterSpec]]
+
+
+@dataclass(frozen=True)
+class Term:
+    """An assumption with, when unvalidated, the variant the interval's low end prices."""
+
+    assumption: Assumption
+    pessimistic: Variant | None = None
+
+
+def _no_overlap(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, ClusterSpec]:
+    return L.model_copy(update={"ep_overlap": False}), ch, c
+
+
+def _alltoall(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, ClusterSpec]:
+    return L.model_copy(update={"dispatcher": "alltoall"}), ch, c
+
+
+def _slow_host(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, ClusterSpec]:
+    return L, ch, c.model_copy(update={"host_link_gb_s": c.host_link_gb_s / 2,
+                                       "host_memory_bw_gb_s": c.host_memory_bw_gb_s / 2})
+
+
+def _ids(rows: list[str]) -> str:
+    head = ", ".join(rows[:6])
+    return head + (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
+
+
+def _term(key: str, term: str, profile: IntervalProfile, none_text: str,
+          pessimistic: Variant | None = None) -> Term:
+    rows = profile.evidence.get(key, [])
+    if rows:
+        return Term(Assumption(term=term, validated=True,
+                               evidence=f"{len(rows)} fit rows: {_ids(rows)}"))
+    return Term(Assumption(term=term, validated=False, evidence=none_text), pessimistic)
+
+
+def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                    layout: Layout, choices: Choices) -> list[str]:
+    """Evidence keys of the effects a layout relies on (also how fit rows are filed)."""
+    gen, L = generation(cluster), layout
+    keys = [f"calibration/{cluster.gpu}/{training.precision}/{'moe' if model.is_moe else 'dense'}"]
+    if model.is_moe and L.ep > 1:
+        ep_fab = "nvlink" if C.placement(L, "ep", cluster).inside_nvlink else "scale-out"
+        if L.ep_overlap:
+            keys.append(f"ep_overlap/{gen}/{ep_fab}")
+        if L.dispatcher == "flex" and ep_fab == "scale-out":
+            keys.append(f"flex/{gen}/scale-out")
+    if L.tp > 1:
+        keys.append(f"tp/{gen}")
+    if L.cp > 1:
+        keys.append(f"cp/{gen}/{_seq_bucket(training.seq_len)}")
+    if choices.optimizer_offload_fraction > 0:
+        keys.append("optimizer_offload")
+    if choices.offload:
+        keys.append("activation_offload")
+    if training.precision != "bf16":
+        keys.append(f"precision/{cluster.architecture}/{training.precision}")
+    return keys
+
+
+def _seq_bucket(seq: int) -> str:
+    """Sequence lengths grouped by powers of 4 from 4K (CP regimes: 4K, 16K, 64K, ...)."""
+    return f"{4 ** max(0, round(math.log(max(seq, 1) / 4096, 4))) * 4}K"
+
+
+def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                choices: Choices, profile: IntervalProfile | None = None) -> list[Term]:
+    """The modelled effects this estimate depends on, validated or not, in words."""
+    p = profile or default_profile()
+    gen = generation(cluster)
+    out: list[Term] = []
+    for key in assumption_keys(model, cluster, training, layout, choices):
+        kind, _, rest = key.partition("/")
+        if kind == "calibration":
+            out.append(_term(key, f"{cluster.gpu} calibration for {training.precision} "
+                             f"{'MoE' if model.is_moe else 'dense'} models", p,
+                             "no fit rows for this GPU, precision and model kind: the "
+                             "efficiencies are carried over from other GPUs or precisions"))
+        elif kind == "ep_overlap":
+            fab = rest.split("/")[1]
+            out.append(_term(key, f"EP overlap (merged forward/backward) hiding the all-to-all "
+                             f"{'over NVLink' if fab == 'nvlink' else 'across the scale-out fabric'}",
+                             p, f"no published run on {gen} with EP overlap on this fabric",
+                             _no_overlap))
+        elif kind == "flex":
+            out.append(_term(key, "flex dispatcher (DeepEP/HybridEP) de-duplicating tokens "
+                             "across NVLink domains", p,
+                             f"no published run on {gen} with the flex dispatcher across "
+                             "NVLink domains", _alltoall))
+        elif kind == "tp":
+            out.append(_term(key, "TP communication overlap (the fitted share hidden behind "
+                             "the GEMMs)", p, f"no published run on {gen} with tp > 1"))
+        elif kind == "cp":
+            out.append(_term(key, f"context parallelism at {training.seq_len} tokens", p,
+                             f"no published run on {gen} with cp > 1 near this length"))
+        elif kind == "optimizer_offload":
+            out.append(_term(key, "optimizer offload: host Adam and its PCIe/C2C copies", p,
+                             "no published run offloads the optimizer; host memory bandwidth "
+                             "and link speed are datasheet figures", _slow_host))
+        elif kind == "activation_offload":
+            out.append(_term(key, "activation offload copies hidden behind compute", p,
+                             "no published run offloads activations", _slow_host))
+        elif kind == "precision":
+            out.append(_term(key, f"{training.precision} recipe speed-up on {cluster.gpu}", p,
+                             "no fit rows with this recipe on this architecture"))
+    if model.is_moe:
+        out.append(Term(Assumption(
+            term="balanced routing", validated=True,
+            evidence="as in NVIDIA's benchmarks, which force-balance tokens across experts; "
+            "dropless routing runs at about 80–92 % of it (pass --imbalance to price it)")))
+    return out
+
+
+def unvalidated_words(assumptions_: Sequence[Assumption]) -> str:
+    """The unvalidated terms of an estimate, in one phrase for tables and explanations."""
+    terms = [a.term for a in assumptions_ if not a.validated]
+    return "; ".join(terms) if terms else "none"
+
+
+# ----------------------------------------------------------------------------- intervals
+def tokens_interval(point: float, pessimistic: float, keys: Sequence[str],
+                    profile: IntervalProfile | None = None) -> tuple[float, float, str, int]:
+    """(lo, hi, regime, rows) of tokens/s/GPU: the conformal band around the point, its low end
+    taken from the pessimistic prediction when unvalidated effects could disappoint."""
+    p = profile or default_profile()
+    q_lo, q_hi, regime, n = p.bounds(keys)
+    lo = min(point, pessimistic) * math.exp(min(q_lo, 0.0))
+    hi = point * math.exp(max(q_hi, 0.0))
+    return lo, hi, regime, n

@@ -1,0 +1,73 @@
+"""torchrun's agent as `moeplan run` starts it: `python -m moeplan.runtime.agent TORCHRUN-ARGS`.
+
+The same elastic agent as `torchrun` (same arguments, rendezvous and restarts), with three
+differences a launcher needs:
+- it dies with the launcher (parent-death signal), and its workers die with it (each worker
+  sets its own, see `worker.main`), so no worker outlives a SIGKILLed `moeplan run`;
+- SIGTERM and SIGINT are passed on to the workers as they are, and nothing else happens: the
+  workers agree on a step boundary, checkpoint, and exit 0, after which the agent exits 0 too
+  (torchrun itself would shut the workers down after 30 s and raise with a traceback). torchrun
+  is told to handle only SIGQUIT, the hard stop;
+- a failed worker is reported in one line (rank, exit code or signal) instead of torchrun's
+  ChildFailedError traceback, and the agent exits with the worker's code.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from .lifecycle import AGENT_PID_ENV, LAUNCHER_PID_ENV, set_parent_death_signal, signal_children
+
+HARD_STOP = "SIGQUIT"  # the one signal left to torchrun: stop the workers now
+
+
+def _forward(signum: int, _frame: object) -> None:
+    signal_children(signum)
+
+
+def failure_line(rank: int, exitcode: int) -> str:
+    """One line naming the first failed worker and how it ended."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        why = " (the out-of-memory killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+        return f"worker rank {rank} was killed by {name}{why}; the other workers were stopped."
+    return f"worker rank {rank} exited with code {exitcode}; the other workers were stopped."
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    set_parent_death_signal(LAUNCHER_PID_ENV)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _forward)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):  # created at import, level from env
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # this module reports failures
+    args = parse_args([f"--signals-to-handle={HARD_STOP}",
+                       *(sys.argv[1:] if argv is None else argv)])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(failure_line(rank, failure.exitcode), file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except RendezvousError as e:
+        print(f"rendezvous failed ({type(e).__name__}: {e}); check that every node runs the "
+              "same command with the same --rdzv-endpoint, reachable from all of them.",
+              file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:  # the hard stop: torchrun has stopped the workers
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""`moeplan run` as a process tree: no worker outlives the launcher, Ctrl-C stops cleanly in one
+line, the memory guard refuses what cannot fit, refusals name their fix, two nodes train as one."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+from moeplan.errors import SpecError
+from moeplan.planner.export import to_slurm
+from moeplan.runtime.guard import (
+    Devices,
+    detect_devices,
+    mem_available_gb,
+    node_ranks,
+    price_ranks,
+    shortfall,
+)
+from moeplan.runtime.launch import RunOptions, guard_memory
+from moeplan.runtime.lifecycle import INTERRUPTED_EXIT
+from moeplan.runtime.support import features_not_executed
+from moeplan.specs import (
+    Choices,
+    Layout,
+    Plan,
+    TrainingSpec,
+    load_cluster,
+    load_model,
+    load_plan,
+)
+
+from .test_run_cli import write_plan
+
+LINUX = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line contains `marker`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmd and "moeplan" in cmd and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout: float = 180
+                    ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {steps}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------- lifecycle
+@pytest.mark.slow
+@LINUX
+def test_sigkill_on_the_launcher_leaves_no_worker_within_15_s(tmp_path):
+    out = tmp_path / "killed-launcher"
+    plan = write_plan(tmp_path / "ep2.json", 2, ep=2)
+    proc = subprocess.Popen([sys.executable, "-m", "moeplan", "run", plan, "--steps", "100000",
+                             "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_steps(out / "metrics.jsonl", 2, proc)
+        assert len(_processes_mentioning(str(out))) == 4  # launcher, agent, two workers
+    finally:
+        proc.kill()  # SIGKILL: no handler runs in the launcher
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(out)) == []
+
+
+def _run_in_terminal(argv: list[str], columns: int, until: Path, steps: int
+                     ) -> tuple[int, str]:
+    """Run argv on a pseudo-terminal of `columns` columns as its foreground job, type Ctrl-C
+    once `until` has `steps` lines, and return (exit code, everything it printed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+
+    def controlling_tty() -> None:  # a new session whose controlling terminal is the pty
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=controlling_tty,
+                            env={**os.environ, "COLUMNS": str(columns)})
+    os.close(slave)
+    chunks: list[bytes] = []
+    sent = False
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the terminal closed: every writer exited
+                break
+            if not data:
+                break
+            chunks.append(data)
+        if not sent and until.is_file() and len(until.read_text().splitlines()) >= steps:
+            os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to the foreground job
+            sent = True
+    code = proc.wait(timeout=60)
+    os.close(master)
+    assert sent, "the run did not reach the step to interrupt at"
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+@LINUX
+def test_ctrl_c_stops_at_a_step_boundary_with_one_line_a_checkpoint_and_exit_130(tmp_path):
+    out, ckpt = tmp_path / "interrupted", tmp_path / "ckpt"
+    plan = write_plan(tmp_path / "ep2.json", 2, ep=2)
+    code, text = _run_in_terminal(
+        [sys.executable, "-m", "moeplan", "run", plan, "--steps", "100000", "--out", str(out),
+         "--ckpt-dir", str(ckpt)], columns=100, until=out / "metrics.jsonl", steps=3)
+    assert code == INTERRUPTED_EXIT == 130, text[-3000:]
+    assert "Traceback" not in text and "torch.distributed" not in text
+    lines = [line for line in text.replace("\r", "").split("\n") if line.strip()]
+    stop = [line for line in lines if "SIGINT" in line]
+    assert len(stop) == 1, text[-3000:]  # one line, not wrapped (soft wrap in the terminal)
+    summary = json.loads((out / "summary.json").read_text())
+    at = summary["preempted_at"]
+    assert summary["stopped_by"] == "SIGINT" and at >= 3
+    assert f"at step {at}" in stop[0] and summary["stop_checkpoint"] in stop[0]
+    assert lines[-1] == stop[0]  # nothing after it
+    assert _processes_mentioning(str(out)) == []
+
+
+# ------------------------------------------------------------------------------ memory guard
+def test_a_full_size_llama3_8b_plan_on_this_cpu_is_refused_within_30_s(cli, tmp_path):
+    if (mem_available_gb() or 0) > 200:
+        pytest.skip("this machine has the ~210 GB a full fp32 Llama-3-8B step needs")
+    plan = tmp_path / "p.json"
+    r = cli("estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "1", "--seq",
+            "4096", "--gbs", "1", "-o", str(plan))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    r = cli("run", str(plan), "--steps", "1", "--out", str(out), timeout=60)
+    took = time.perf_counter() - start
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and took < 30, (took, r.stderr)
+    assert "Traceback" not in r.stderr and "--scale-down" in said
+    assert "does not fit in memory" in said and "MemAvailable" in said
+    assert not out.exists()  # nothing started, nothing written
+
+
+def _qwen_plan(world: int, **axes) -> Plan:
+    return Plan(model=load_model("qwen3-30b-a3b"), cluster=load_cluster("h100", gpus=world),
+                training=TrainingSpec(seq_len=4096, global_batch_size=64),
+                layout=Layout.build(world, 64, **axes))
+
+
+def test_the_guard_compares_each_rank_with_its_own_gpu_and_names_the_short_one():
+    plan = _qwen_plan(2, ep=2)
+    needs = price_ranks(plan, [0, 1], "bf16", "cuda")
+    need = needs[0].total_gb
+    roomy = Devices("cuda", (need + 1, need + 1), ("NVIDIA H100", "NVIDIA H100"))
+    assert shortfall(needs, roomy) is None
+    tight = Devices("cuda", (need + 1, need - 1), ("NVIDIA H100", "NVIDIA H100"))
+    why = shortfall(needs, tight)
+    assert why is not None and "rank 1" in why and "GPU 1" in why
+    assert "only 1 GPUs are visible" in shortfall(needs, Devices("cuda", (1e9,), ("x",)))
+
+
+def test_the_guard_prices_fp32_and_host_copies_above_the_gpu_bf16_figure():
+    """On CPU the optimizer states 'offloaded to the host' are in the same RAM, and fp32
+    doubles weights and activations: the CPU price is above the GPU one, by exactly those."""
+    plan = _qwen_plan(2, ep=2).model_copy(update={"choices": Choices(
+        optimizer_offload_fraction=0.5)})
+    gpu = price_ranks(plan, [0], "bf16", "cuda")[0]
+    cpu = price_ranks(plan, [0], "fp32", "cpu")[0]
+    full = price_ranks(plan.model_copy(update={"choices": Choices()}), [0], "bf16", "cuda")[0]
+    assert cpu.static_gb > full.static_gb > gpu.static_gb  # host share and fp32 weights kept
+    assert cpu.activations_gb == pytest.approx(2 * gpu.activations_gb)
+
+
+def test_gpus_are_read_from_nvidia_smi_as_cuda_visible_devices_leaves_them(tmp_path,
+                                                                          monkeypatch):
+    """A stand-in nvidia-smi (same query, same CSV) on PATH: GPU 1 is the only visible one, so
+    a 2-rank node is refused, and the one rank of a world-1 plan is priced against its 70 GB."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,name,memory.free ] || exit 9\n"
+                   "echo '0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81000'\n"
+                   "echo '1, GPU-bbbb, NVIDIA H100 80GB HBM3, 66758'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    devices = detect_devices()
+    assert devices.kind == "cuda" and devices.names == ("NVIDIA H100 80GB HBM3",)
+    assert devices.free_gb == pytest.approx((66758 * 2**20 / 1e9,))
+    with pytest.raises(SpecError, match="only 1 GPUs are visible"):
+        guard_memory(_qwen_plan(2, ep=2), RunOptions(), nproc=2, devices=devices)
+    big = Plan(model=load_model("llama3-70b"), cluster=load_cluster("h100", gpus=1),
+               training=TrainingSpec(seq_len=4096, global_batch_size=1),
+               layout=Layout.build(1, 1))
+    with pytest.raises(SpecError) as e:
+        guard_memory(big, RunOptions(), nproc=1, devices=devices)
+    said = str(e.value)
+    assert "GPU 0 (NVIDIA H100 80GB HBM3) has 70.0 GB free" in said and "bf16" in said
+    assert "--scale-down" in said and "more nodes" not in said  # one rank: no node to add
+
+
+def test_every_node_is_priced_when_the_rendezvous_decides_the_node_rank():
+    assert node_ranks(8, 2, 1, 4) == [[4, 5, 6, 7]]
+    assert node_ranks(8, 2, None, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.slow
+def test_scale_down_prints_its_size_and_predicts_the_shrunken_run_here(cli, tmp_path):
+    estimate = {"step_time_s": 9.0, "tokens_per_s_per_gpu": 7.0, "tflops_per_gpu": 400.0,
+                "mfu": 0.4, "memory": {"peak_gb": 70.0, "weights_gb": 1, "grads_gb": 1,
+                                       "optimizer_gb": 1, "activations_gb": 1,
+                                       "buffers_gb": 1},
+                "time": {"compute_s": 8.0}, "bottleneck": "compute", "fits": True}
+    doc = json.loads(_qwen_plan(2, ep=2).model_dump_json())
+    doc["estimate"] = estimate
+    path = tmp_path / "q30.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "small"
+    r = cli("run", str(path), "--scale-down", "--steps", "2", "--out", str(out),
+            "--cluster", "h100", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = " ".join(r.stderr.split())
+    assert "--scale-down: qwen3-30b-a3b 30.5 B →" in said and "parameters" in said
+    summary = json.loads((out / "summary.json").read_text())
+    predicted = summary["predicted"]
+    assert predicted["step_time_s"] != 9.0 and predicted["step_time_s"] < 0.1  # not the plan's
+    assert 0 < predicted["peak_mem_gb"] < 2  # the small model's ranks, not 70 GB
+    assert any("on this machine" in n for n in summary["notes"])
+    assert any("2 × H100-SXM (h100)" in n for n in summary["notes"])
+
+
+# -------------------------------------------------------------------------------- refusals
+def test_each_refusal_names_a_fix_that_removes_it():
+    mtp = Plan(model=load_model("deepseek-v3"), cluster=load_cluster("h100", gpus=48),
+               training=TrainingSpec(seq_len=4096, global_batch_size=48),
+               layout=Layout.build(48, 48, tp=2, pp=3, ep=8),
+               choices=Choices(stage_layout="Et*31|t*30m|L"))
+    (refusal,) = features_not_executed(mtp)
+    fixed = refusal.split("--stage-layout '")[1].split("'")[0]
+    assert features_not_executed(mtp.model_copy(update={
+        "choices": Choices(stage_layout=fixed)})) == []
+    plan = _qwen_plan(8, ep=8)
+    overlap = plan.model_copy(update={  # EP overlap runs, but not with activation offload
+        "layout": plan.layout.model_copy(update={"ep_overlap": True}),
+        "choices": Choices(offload=["core_attn"])})
+    (refusal,) = features_not_executed(overlap)
+    assert ("moeplan search --model qwen3-30b-a3b --cluster h100 --gpus 8 --seq 4096 --gbs 64 "
+            "--precision bf16 --target moeplan") in refusal
+    assert "`ep_overlap: false`" in refusal
+    assert features_not_executed(overlap.model_copy(update={"choices": Choices()})) == []
+
+
+@pytest.mark.slow
+def test_a_refused_plan_exits_2_with_the_fix_before_any_worker_starts(cli, tmp_path):
+    plan = write_plan(tmp_path / "ovl.json", 2, ep=2, ep_overlap=True,
+                      choices=Choices(offload=["core_attn"]))
+    r = cli("run", plan, "--steps", "1", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--target moeplan" in " ".join(r.stderr.split())
+
+
+# ------------------------------------------------------------------------------ multi-node
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _slurm_launch_line(plan: str) -> str:
+    """The command `moeplan export --format slurm` has srun run once per node."""
+    script = to_slurm(load_plan(plan), nnodes=2, plan_path=plan)
+    srun = script[script.index("srun "):].replace("\\\n", " ")
+    return srun.split("--ntasks-per-node=1 ", 1)[1].replace("moeplan run", f"{sys.executable} "
+                                                           "-m moeplan run", 1).strip()
+
+
+@pytest.mark.slow
+def test_two_localhost_nodes_of_two_ranks_match_the_single_process_losses(cli, tmp_path):
+    """tp2·ep2·dp2 over two `moeplan run` launchers, each started as the exported Slurm script
+    starts it on its node (SLURM_* set, rendezvous on the first node: here 127.0.0.1). The dp
+    and edp groups cross the node boundary; fp32 losses equal one process's."""
+    steps = "3"
+    single = tmp_path / "single"
+    r = cli("run", write_plan(tmp_path / "w1.json", 1), "--steps", steps, "--seed", "7",
+            "--out", str(single), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = write_plan(tmp_path / "w4.json", 4, tp=2, ep=2)
+    out = tmp_path / "two-nodes"
+    line = f"{_slurm_launch_line(plan)} --steps {steps} --seed 7 --out {out}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": "localhost"}
+    nodes = [subprocess.Popen(["bash", "-c", line], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**env, "SLURM_PROCID": str(k), "SLURM_NODEID": str(k)})
+             for k in (0, 1)]
+    results = [node.communicate(timeout=400) for node in nodes]
+    for node, (_, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 4
+    got, want = _losses(out), _losses(single)
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=0)
