@@ -10,7 +10,8 @@ summary.json holds measured and predicted figures side by side.
     python bench/gpu_check.py [--steps 12] [--seq 4096] [--gbs 8] [--out DIR]
 
 Prints a markdown table, then a checkpoint round trip over NCCL (a run resumed from its sharded
-checkpoint against the straight run); on a machine without a CUDA GPU it says so and exits 0.
+checkpoint against the straight run) and, with two GPUs, the EP-overlap equivalence over NCCL
+(ep2 merged 1F1B against one process); on a machine without a CUDA GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -92,6 +93,41 @@ def checkpoint_roundtrip(out: Path, timeout_s: float, steps: int = 6) -> str:
             f"{steps // 2}–{steps - 1}")
 
 
+def ep_overlap_check(out: Path, timeout_s: float, steps: int = 4) -> str:
+    """EP overlap over NCCL: an ep2 plan with the merged 1F1B schedule (overlap.py) against the
+    same plan in one process, fp32, same seed; the losses must agree within 1e-4 relative.
+    Needs two GPUs: NCCL refuses two ranks on one device."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return ("EP overlap over NCCL: not run, it needs 2 GPUs (ep2; NCCL refuses two ranks on "
+                f"one device) and this machine has {torch.cuda.device_count()}; its CPU/gloo "
+                "equivalence is tests/test_ep_overlap.py")
+    model = ModelSpec.model_validate(proxy_model().model_copy(update=dict(
+        name="proxy-moe-ep-overlap", num_layers=4, hidden_size=512, num_attention_heads=8,
+        num_kv_heads=4, head_dim=64, moe_ffn_hidden_size=256, vocab_size=4096)).model_dump())
+    training = TrainingSpec(seq_len=512, global_batch_size=8, lr=1e-3, warmup_steps=1)
+    got = {}
+    for name, world, axes in (("reference", 1, {}), ("ep2_overlap", 2, {"ep": 2,
+                                                                        "ep_overlap": True})):
+        plan = Plan(model=model, cluster=load_cluster("h200", gpus=world), training=training,
+                    layout=Layout.build(world, 8, **axes))
+        path = out / f"{name}.json"
+        path.write_text(plan.model_dump_json())
+        r = subprocess.run([sys.executable, "-m", "moeplan", "run", str(path), "--steps",
+                            str(steps), "--out", str(out / name), "--dtype", "fp32", "--seed",
+                            "3"], capture_output=True, text=True, timeout=timeout_s)
+        if r.returncode != 0:
+            raise SystemExit(f"EP overlap run {name} failed (exit {r.returncode}):\n"
+                             + r.stderr[-4000:])
+        got[name] = losses(out / name)
+    ref, ovl = got["reference"], got["ep2_overlap"]
+    worst = max(abs(ovl[k] - ref[k]) / abs(ref[k]) for k in ref)
+    verdict = "equals" if worst <= 1e-4 else "DIFFERS from"
+    return (f"EP overlap over NCCL (ep2, merged 1F1B, fp32): {verdict} one process; worst "
+            f"relative loss gap {worst:.1e} over {steps} steps")
+
+
 def table(rows: list[tuple[str, dict, str]], peak_bf16: float) -> str:
     head = ("| precision | kernels | step s meas / pred | TFLOPS/GPU meas / pred | "
             "MFU (bf16 peak) meas / pred | peak GB meas / pred | final loss |")
@@ -143,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nno FP8 run: torch._scaled_mm needs sm_89 or newer (this GPU is sm_{cap[0]}"
               f"{cap[1]})")
     print("\n" + checkpoint_roundtrip(out, a.timeout_s))
+    print("\n" + ep_overlap_check(out, a.timeout_s))
     print(f"\nruns in {out}")
     return 0
 

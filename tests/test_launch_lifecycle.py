@@ -272,17 +272,20 @@ def test_each_refusal_names_a_fix_that_removes_it():
     assert features_not_executed(mtp.model_copy(update={
         "choices": Choices(stage_layout=fixed)})) == []
     plan = _qwen_plan(8, ep=8)
-    overlap = plan.model_copy(update={"layout": plan.layout.model_copy(
-        update={"ep_overlap": True})})
+    overlap = plan.model_copy(update={  # EP overlap runs, but not with activation offload
+        "layout": plan.layout.model_copy(update={"ep_overlap": True}),
+        "choices": Choices(offload=["core_attn"])})
     (refusal,) = features_not_executed(overlap)
     assert ("moeplan search --model qwen3-30b-a3b --cluster h100 --gpus 8 --seq 4096 --gbs 64 "
             "--precision bf16 --target moeplan") in refusal
-    assert "--ep-overlap" in refusal
+    assert "`ep_overlap: false`" in refusal
+    assert features_not_executed(overlap.model_copy(update={"choices": Choices()})) == []
 
 
 @pytest.mark.slow
 def test_a_refused_plan_exits_2_with_the_fix_before_any_worker_starts(cli, tmp_path):
-    plan = write_plan(tmp_path / "ovl.json", 2, ep=2, ep_overlap=True)
+    plan = write_plan(tmp_path / "ovl.json", 2, ep=2, ep_overlap=True,
+                      choices=Choices(offload=["core_attn"]))
     r = cli("run", plan, "--steps", "1", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--target moeplan" in " ".join(r.stderr.split())

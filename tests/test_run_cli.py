@@ -124,7 +124,8 @@ def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_p
 
 
 @pytest.mark.parametrize("case,axes,extra,needle", [
-    ("ep_overlap", {"ep": 2, "ep_overlap": True}, [], "EP communication overlap"),
+    ("ep_overlap_offload", {"ep": 2, "ep_overlap": True, "choices": Choices(offload=["core_attn"])},
+     [], "set `ep_overlap: false`"),
     ("world", {"ep": 2}, ["--nproc-per-node", "3"], "needs 2 processes"),
     ("data", {}, ["--data", "tokens.bin"], "--data tokens.bin: no such token file"),
     ("resume", {}, ["--resume"], "--resume needs --ckpt-dir"),

@@ -138,8 +138,11 @@ def test_features_the_runtime_does_not_execute_are_named():
         "choices": Choices(recompute=["moe_act"], offload=["expert_fc1"]),
     })
     named = " ".join(features_not_executed(refused))
-    assert "overlap" in named and "flex" not in named  # flex runs, etp 2 included
-    assert "recompute" not in named and "offload" not in named  # executed (memory.py)
+    # EP overlap runs (overlap.py), flex and etp 2 included, but not with activation offload
+    assert "EP communication overlap" in named and "expert_fc1" in named
+    assert "flex" not in named and "moe_act" not in named
+    recompute_only = refused.model_copy(update={"choices": Choices(recompute=["moe_act"])})
+    assert features_not_executed(recompute_only) == []
     flex = qwen.model_copy(update={"layout": qwen.layout.model_copy(
         update={"dispatcher": "flex"})})
     assert features_not_executed(flex) == []  # FlexDispatcher

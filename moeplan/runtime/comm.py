@@ -9,8 +9,10 @@ both implement are used (variable-size gathers are padded), so CPU tests exercis
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -61,32 +63,110 @@ def _reduce_scatter(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return out
 
 
+class Pending:
+    """A collective issued with `async_op=True`: `wait()` blocks on it only when its result is
+    needed, then finishes it on the host (unpadding); the EP overlap schedule runs the other
+    micro-batch's compute in between (overlap.py)."""
+
+    blocked_s: ClassVar[float] = 0.0  # time this process spent blocked in wait(), in total
+
+    def __init__(self, work: dist.Work | None, finish):
+        self.work, self.finish = work, finish
+
+    def done(self) -> bool:
+        """Whether the transfer has already completed (never blocks)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            start = time.perf_counter()
+            self.work.wait()
+            Pending.blocked_s += time.perf_counter() - start
+        return self.finish()
+
+
+@dataclass(frozen=True)
+class AllToAllV:
+    """All-to-all over `axis` with explicit split sizes; its adjoint swaps the splits."""
+
+    axis: Axis
+    out_splits: list[int]
+    in_splits: list[int]
+
+    def start(self, x: torch.Tensor) -> Pending:
+        if self.axis.trivial:
+            return Pending(None, lambda: x)
+        x = x.contiguous()
+        out = x.new_empty((sum(self.out_splits), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x, self.out_splits, self.in_splits,
+                                      group=self.axis.group, async_op=True)
+        return Pending(work, lambda: out)
+
+    def adjoint(self) -> AllToAllV:
+        return AllToAllV(self.axis, self.in_splits, self.out_splits)
+
+
+@dataclass(frozen=True)
+class GatherV:
+    """All-gather of uneven pieces (sizes[r] rows from rank r) along dim 0, padded to the
+    largest piece for gloo; its adjoint is `ScatterV` of the same pieces."""
+
+    axis: Axis
+    sizes: list[int]
+
+    def start(self, x: torch.Tensor) -> Pending:
+        if self.axis.trivial:
+            return Pending(None, lambda: x)
+        top = max(self.sizes)
+        pad = x.new_zeros((top, *x.shape[1:]))
+        pad[: x.shape[0]] = x
+        full = pad.new_empty((self.axis.size * top, *x.shape[1:]))
+        work = dist.all_gather_into_tensor(full, pad, group=self.axis.group, async_op=True)
+        return Pending(work, lambda: torch.cat(
+            [full[r * top: r * top + n] for r, n in enumerate(self.sizes)], dim=0))
+
+    def adjoint(self) -> ScatterV:
+        return ScatterV(self.axis, self.sizes)
+
+
+@dataclass(frozen=True)
+class ScatterV:
+    """Reduce-scatter of uneven pieces along dim 0: (Σ sizes, ...) → (sizes[rank], ...) summed
+    over the group; its adjoint is `GatherV`."""
+
+    axis: Axis
+    sizes: list[int]
+
+    def start(self, x: torch.Tensor) -> Pending:
+        if self.axis.trivial:
+            return Pending(None, lambda: x)
+        top = max(self.sizes)
+        pad = x.new_zeros((self.axis.size * top, *x.shape[1:]))
+        offset = 0
+        for r, n in enumerate(self.sizes):
+            pad[r * top: r * top + n] = x[offset: offset + n]
+            offset += n
+        out = pad.new_empty((top, *x.shape[1:]))
+        work = dist.reduce_scatter_tensor(out, pad, group=self.axis.group, async_op=True)
+        return Pending(work, lambda: out[: self.sizes[self.axis.rank]])
+
+    def adjoint(self) -> GatherV:
+        return GatherV(self.axis, self.sizes)
+
+
 def _all_gather_v(x: torch.Tensor, axis: Axis, sizes: list[int]) -> torch.Tensor:
-    # x (sizes[rank], h) → (Σ sizes, h), padded to the largest piece for gloo
-    top = max(sizes)
-    pad = x.new_zeros((top, *x.shape[1:]))
-    pad[: x.shape[0]] = x
-    full = all_gather_dim0(pad, axis)
-    return torch.cat([full[r * top: r * top + n] for r, n in enumerate(sizes)], dim=0)
+    # x (sizes[rank], h) → (Σ sizes, h)
+    return GatherV(axis, sizes).start(x).wait()
 
 
 def _reduce_scatter_v(x: torch.Tensor, axis: Axis, sizes: list[int]) -> torch.Tensor:
     # x (Σ sizes, h) → (sizes[rank], h) summed over the group
-    top = max(sizes)
-    pad = x.new_zeros((axis.size * top, *x.shape[1:]))
-    offset = 0
-    for r, n in enumerate(sizes):
-        pad[r * top: r * top + n] = x[offset: offset + n]
-        offset += n
-    return _reduce_scatter(pad, axis)[: sizes[axis.rank]]
+    return ScatterV(axis, sizes).start(x).wait()
 
 
 def _all_to_all(x: torch.Tensor, axis: Axis, out_splits: list[int],
                 in_splits: list[int]) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=axis.group)
-    return out
+    return AllToAllV(axis, out_splits, in_splits).start(x).wait()
 
 
 # ------------------------------------------------------------------------- autograd functions
@@ -164,6 +244,24 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         return _all_to_all(g, ctx.axis, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _Communicate(torch.autograd.Function):
+    """Any `AllToAllV` / `GatherV` / `ScatterV` inside autograd; backward runs its adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, op) -> torch.Tensor:  # type: ignore[override]
+        ctx.op = op
+        return op.start(x).wait()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return ctx.op.adjoint().start(g).wait(), None
+
+
+def communicate(x: torch.Tensor, op: AllToAllV | GatherV | ScatterV) -> torch.Tensor:
+    """Run one communication op synchronously, differentiably (identity on a trivial axis)."""
+    return x if op.axis.trivial else _Communicate.apply(x, op)
 
 
 def reduce_from(x: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -21,14 +21,15 @@ from torch import nn
 from ..kernels import KernelBackend
 from .comm import (
     SINGLE,
+    AllToAllV,
     Axis,
+    GatherV,
+    ScatterV,
     all_gather_sizes,
     all_reduce_,
-    all_to_all,
+    communicate,
     gather_seq,
-    gather_v,
     scatter_seq,
-    scatter_v,
 )
 from .layers import MLP, activation, normal_weight
 from .memory import recomputing
@@ -171,16 +172,34 @@ class AllToAllDispatcher:
         self.E_local = num_experts // ep.size
         self.first = ep.rank * self.E_local
 
+    # dispatch = dispatch_pre → dispatch_hops → dispatch_post, combine = combine_pre →
+    # combine_hops → combine_post: the EP overlap schedule (overlap.py) runs the same pieces
+    # with the hops issued asynchronously between them
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
+        copies, ctx = self.dispatch_pre(x, routing)
+        for op in self.dispatch_hops(ctx):
+            copies = communicate(copies, op)
+        return (*self.dispatch_post(copies, ctx), ctx)
+
+    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # y (N, h) expert outputs grouped by local expert → (T, h) weighted by the probabilities
+        y = self.combine_pre(y, ctx)
+        for op in self.combine_hops(ctx):
+            y = communicate(y, op)
+        return self.combine_post(y, ctx)
+
+    def dispatch_pre(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, dict]:
+        """Permute x (T, h) into copies sorted by global expert (dropped ones cut off) and
+        exchange the token counts; ctx holds what the other pieces need."""
         copies, order, counts = self.backend.permute(x, routing.experts, self.E + 1)
         # dropped copies sort last (id E); only then is a host sync needed to cut them off
         kept = int(counts[: self.E].sum()) if routing.may_drop else copies.shape[0]
         ctx = {"order": order, "T": x.shape[0], "dropped": copies.shape[0] - kept,
-               "probs": routing.probs}
+               "probs": routing.probs, "local_counts": counts[: self.E]}
         copies = copies[:kept]  # (T·k − dropped, h) sorted by global expert
         if self.ep.trivial and self.etp.trivial:
-            return copies, counts[: self.E], ctx
+            return copies, ctx
         # every rank's per-expert counts, arranged [ep peer j][etp peer q][expert]
         all_counts = all_gather_sizes(counts[: self.E], self.tp_ep)
         all_counts = all_counts.view(self.ep.size, self.etp.size, self.E)
@@ -188,26 +207,39 @@ class AllToAllDispatcher:
         host = mine.tolist()
         send = counts[: self.E].view(self.ep.size, self.E_local).sum(-1).tolist()
         recv = [sum(host[j][self.etp.rank]) for j in range(self.ep.size)]
-        y = all_to_all(copies, self.ep, recv, send)  # (Σ recv, h): [ep peer j][local expert l]
         etp_sizes = [sum(sum(host[j][q]) for j in range(self.ep.size))
                      for q in range(self.etp.size)]
-        y = gather_v(y, self.etp, etp_sizes)  # (Σ, h): [etp peer q][ep peer j][local expert l]
-        # chunks in arrival order, then a stable sort by local expert: rows → [l][q][j]
+        # after the hops, rows arrive as [etp peer q][ep peer j][local expert l]; a stable
+        # sort by local expert gives [l][q][j]
         chunk_sizes = mine.permute(1, 0, 2).reshape(-1)  # (etp·ep·E_local,) in [q][j][l] order
         chunk_expert = torch.arange(self.E_local, device=x.device).repeat(
             self.etp.size * self.ep.size)
         row_expert = torch.repeat_interleave(chunk_expert, chunk_sizes)
         sort = torch.argsort(row_expert, stable=True)
-        ctx.update(send=send, recv=recv, etp_sizes=etp_sizes, sort=sort)
-        local_counts = mine.sum(dim=(0, 1))  # (E_local,)
-        return y.index_select(0, sort), local_counts, ctx
+        ctx.update(send=send, recv=recv, etp_sizes=etp_sizes, sort=sort,
+                   local_counts=mine.sum(dim=(0, 1)))  # (E_local,)
+        return copies, ctx
 
-    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
-        # y (N, h) expert outputs grouped by local expert → (T, h) weighted by the probabilities
-        if "sort" in ctx:
-            y = _unsort(y, ctx["sort"])
-            y = scatter_v(y, self.etp, ctx["etp_sizes"])
-            y = all_to_all(y, self.ep, ctx["send"], ctx["recv"])
+    def dispatch_hops(self, ctx: dict) -> list[AllToAllV | GatherV]:
+        """All-to-all over ep ([ep peer j][local expert l]), then all-gather over etp."""
+        if "sort" not in ctx:
+            return []
+        return [op for op in (AllToAllV(self.ep, ctx["recv"], ctx["send"]),
+                              GatherV(self.etp, ctx["etp_sizes"])) if not op.axis.trivial]
+
+    def dispatch_post(self, y: torch.Tensor, ctx: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows in arrival order → grouped by local expert; and the counts per local expert."""
+        return (y.index_select(0, ctx["sort"]) if "sort" in ctx else y), ctx["local_counts"]
+
+    def combine_pre(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return _unsort(y, ctx["sort"]) if "sort" in ctx else y
+
+    def combine_hops(self, ctx: dict) -> list[AllToAllV | ScatterV]:
+        """The adjoints of `dispatch_hops`, in reverse: reduce-scatter over etp, all-to-all back."""
+        return [op.adjoint() for op in reversed(self.dispatch_hops(ctx))]
+
+    def combine_post(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """y (T·k − dropped, h) back at home, sorted by global expert → (T, h) weighted."""
         if ctx["dropped"]:
             y = torch.cat([y, y.new_zeros(ctx["dropped"], y.shape[1])])
         return self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])
@@ -235,6 +267,29 @@ class FlexDispatcher:
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
+        sent, ctx = self.rail_pre(x, routing)
+        rail = self.rail_hop(ctx)
+        xr, er, pr = (communicate(t, rail) if t.is_floating_point() else rail.start(t).wait()
+                      for t in sent)  # integer ids: no gradient
+        y, ctx["inner"] = self.inner.dispatch_pre(xr, self.inner_routing(er, pr, routing))
+        for op in self.inner.dispatch_hops(ctx["inner"]):
+            y = communicate(y, op)
+        y, local_counts = self.inner.dispatch_post(y, ctx["inner"])
+        return y, local_counts, ctx
+
+    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # y (N, h) expert outputs → (T, h): each domain's weighted partial sum, summed at home
+        y = self.inner.combine_pre(y, ctx["inner"])
+        for op in self.inner.combine_hops(ctx["inner"]):
+            y = communicate(y, op)
+        partial = self.inner.combine_post(y, ctx["inner"])  # (Σ recv, h)
+        return self.rail_post(communicate(partial, self.rail_hop(ctx).adjoint()), ctx)
+
+    def rail_pre(self, x: torch.Tensor, routing: Routing
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
+        """One row per (token, domain holding one of its experts), grouped by domain: the
+        rows of x, their expert ids within that domain and their probabilities; the row
+        counts are exchanged over the rail."""
         ex, D = routing.experts, self.rail.size  # (T, k); id E marks a dropped copy
         dom = torch.where(ex < self.E, ex // self.E_dom, D)  # (T, k) domain of each copy
         idx = [(dom == d).any(1).nonzero().squeeze(1) for d in range(D)]  # tokens per domain
@@ -248,18 +303,20 @@ class FlexDispatcher:
         probs = routing.probs.index_select(0, rows) * hit  # (R, k), gradient flows back
         counts = all_gather_sizes(torch.tensor(send, device=x.device), self.rail)  # (D, D)
         recv = counts[:, self.rail.rank].tolist()
-        xr = all_to_all(x.index_select(0, rows), self.rail, recv, send)
-        er = all_to_all(ids, self.rail, recv, send)  # integer ids: no gradient
-        pr = all_to_all(probs, self.rail, recv, send)
-        inner = Routing(er, pr, routing.aux_loss, routing.counts, may_drop=True)
-        y, local_counts, ctx = self.inner.dispatch(xr, inner)
-        return y, local_counts, {"inner": ctx, "rows": rows, "send": send, "recv": recv,
-                                 "T": x.shape[0]}
+        ctx = {"rows": rows, "send": send, "recv": recv, "T": x.shape[0]}
+        return (x.index_select(0, rows), ids, probs), ctx
 
-    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
-        # y (N, h) expert outputs → (T, h): each domain's weighted partial sum, summed at home
-        partial = self.inner.combine(y, ctx["inner"])  # (Σ recv, h)
-        back = all_to_all(partial, self.rail, ctx["send"], ctx["recv"])  # (R, h)
+    def rail_hop(self, ctx: dict) -> AllToAllV:
+        """The scale-out hop: each row to the rank at this rank's position in its domain."""
+        return AllToAllV(self.rail, ctx["recv"], ctx["send"])
+
+    @staticmethod
+    def inner_routing(ids: torch.Tensor, probs: torch.Tensor, routing: Routing) -> Routing:
+        """The rows received over the rail, routed to this domain's experts."""
+        return Routing(ids, probs, routing.aux_loss, routing.counts, may_drop=True)
+
+    def rail_post(self, back: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Partial sums back at home (R, h) → (T, h), summed per token."""
         return back.new_zeros(ctx["T"], back.shape[1]).index_add(0, ctx["rows"], back)
 
 

@@ -39,6 +39,7 @@ from torch import nn
 from ..specs import Plan, stage_layout_for
 from .comm import Axis
 from .model import Chunk, LossTerms, Transformer
+from .overlap import ChunkForward, OverlapTrace, chunk_backward, chunk_forward, interleave
 
 
 def plan_stages(plan: Plan) -> list[list[str]]:
@@ -92,23 +93,48 @@ class PipelineStats:
     history: list[tuple[float, float]] = field(default_factory=list)
 
 
-def schedule(pp: int, vpp: int, rank: int, m: int) -> list[tuple[str, int, int]]:
-    """Rank `rank`'s actions ('F' or 'B', chunk, micro-batch) in Megatron Core's order."""
+Action = tuple[int, int]  # (chunk, micro-batch)
+
+
+def _phases(pp: int, vpp: int, rank: int, m: int, extra_warmup: int
+            ) -> tuple[list[Action], list[tuple[Action, Action]], list[Action]]:
+    """Megatron Core's order as warm-up forwards, steady (forward, backward) pairs and
+    cool-down backwards."""
     total = m * vpp
     warmup = (min(m, pp - rank - 1) if vpp == 1
               else min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp))
+    warmup = min(total, warmup + extra_warmup)
 
-    def at(k: int, backward: bool) -> tuple[int, int]:
+    def at(k: int, backward: bool) -> Action:
         group = k // pp
         chunk = group % vpp
         mb = (group // vpp) * pp + k % pp
         return (vpp - 1 - chunk if backward else chunk), mb
 
-    acts = [("F", *at(k, False)) for k in range(warmup)]
-    for i in range(total - warmup):
-        acts += [("F", *at(warmup + i, False)), ("B", *at(i, True))]
-    acts += [("B", *at(k, True)) for k in range(total - warmup, total)]
-    return acts
+    return ([at(k, False) for k in range(warmup)],
+            [(at(warmup + i, False), at(i, True)) for i in range(total - warmup)],
+            [at(k, True) for k in range(total - warmup, total)])
+
+
+def schedule(pp: int, vpp: int, rank: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank `rank`'s actions ('F' or 'B', chunk, micro-batch) in Megatron Core's order."""
+    warm, steady, cool = _phases(pp, vpp, rank, m, 0)
+    acts = [("F", *f) for f in warm]
+    for f, b in steady:
+        acts += [("F", *f), ("B", *b)]
+    return acts + [("B", *b) for b in cool]
+
+
+def merged_schedule(pp: int, vpp: int, rank: int, m: int
+                    ) -> list[tuple[Action | None, Action | None]]:
+    """The EP-overlap order (Megatron's combined 1F1B): steps of (forward, backward), either
+    None. Each steady-state forward is merged with the backward that follows it; one extra
+    warm-up forward (Megatron's `num_warmup_microbatches + 1` under
+    `--overlap-moe-expert-parallel-comm`) makes the two always different micro-batches,
+    independent of each other; with pp = 1 this is F0, (F1, B0), …, B(m−1)."""
+    warm, steady, cool = _phases(pp, vpp, rank, m, 1)
+    return ([(f, None) for f in warm] + [(f, b) for f, b in steady]
+            + [(None, b) for b in cool])
 
 
 class PipelineSchedule:
@@ -116,12 +142,15 @@ class PipelineSchedule:
 
     def __init__(self, model: Transformer, chunks: list[Chunk], pp: Axis,
                  links: tuple[tuple[int, int, dist.ProcessGroup], ...],
-                 act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+                 act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 ep_overlap: bool = False):
         self.model, self.chunks, self.pp = model, chunks, pp
         self.links = {(kind, src): group for kind, src, group in links}
         self.vpp = len(chunks)
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
         self.stats = PipelineStats()
+        self.ep_overlap = ep_overlap
+        self.trace = OverlapTrace()  # the last step's hops under EP overlap
 
     # ------------------------------------------------------------------- neighbours and tags
     def _stage(self, chunk: int) -> int:
@@ -155,6 +184,8 @@ class PipelineSchedule:
             microbatches_global: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch; returns this rank's Σ ce (last stage
         only, else 0) and Σ aux/M (its own chunks), both float64 without host syncs."""
+        if self.ep_overlap:
+            return self.run_overlapped(micro_batches, tokens_global, microbatches_global)
         m, last = len(micro_batches), self.pp.size * self.vpp - 1
         ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -190,6 +221,52 @@ class PipelineSchedule:
                     torch.autograd.backward(outs, grads)
                 if not chunk.embed:
                     self._send(x.grad, stage - 1, 1, mb, m, pending)
+        for req, _ in pending:
+            req.wait()
+        self.stats.total_s = time.perf_counter() - start
+        self.stats.history.append((self.stats.wait_s, self.stats.total_s))
+        return ce_total, aux_total
+
+
+    def run_overlapped(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       tokens_global: int, microbatches_global: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` in the merged order: each step receives what its forward and its backward
+        need, runs them interleaved at sub-module granularity (overlap.py), then sends."""
+        m = len(micro_batches)
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, ChunkForward]] = {}
+        pending: list = []
+        self.trace.clear()
+        self.stats.wait_s, start = 0.0, time.perf_counter()
+        for f, b in merged_schedule(self.pp.size, self.vpp, self.pp.rank, m):
+            f_gen = b_gen = x = None
+            if f is not None:
+                c, mb = f
+                chunk, stage = self.chunks[c], self._stage(c)
+                tokens, targets = micro_batches[mb]
+                if not chunk.embed:
+                    x = self._recv(stage - 1, 0, stage, mb, m).requires_grad_()
+                f_gen = chunk_forward(self.model, chunk, x, tokens, targets, mb, self.trace,
+                                      tokens_global, microbatches_global)
+            if b is not None:
+                bc, bmb = b
+                b_chunk, b_stage = self.chunks[bc], self._stage(bc)
+                b_x, fwd = stash.pop((bc, bmb))
+                grad = None if b_chunk.loss else self._recv(b_stage + 1, 1, b_stage, bmb, m)
+                b_gen = chunk_backward(fwd, grad, b_x, microbatches_global)
+            x_grad, out = interleave(b_gen, f_gen)
+            if f is not None:
+                assert isinstance(out, ChunkForward)
+                stash[f] = (x, out)
+                ce_total += out.ce_sum
+                aux_total += out.aux_sum / microbatches_global
+                if out.output is not None:
+                    self._send(out.output, stage + 1, 0, mb, m, pending)
+            if b is not None and not b_chunk.embed:
+                assert isinstance(x_grad, torch.Tensor)
+                self._send(x_grad, b_stage - 1, 1, bmb, m, pending)
         for req, _ in pending:
             req.wait()
         self.stats.total_s = time.perf_counter() - start

@@ -47,6 +47,23 @@ def mtp_on_last_stage(stages: list[list[str]]) -> str:
     return format_stage_layout(moved)
 
 
+def ep_overlap_not_executed(plan: Plan) -> list[str]:
+    """EP overlap runs (overlap.py) with the alltoall and flex dispatchers, pp = 1 or
+    interleaved pp·vpp (the layout's own rules refuse the rest: Megatron's VPP requirement,
+    full or `moe` recompute); activation offload hooks whole layer forwards, which the merged
+    schedule splits into sub-modules, so the two are not combined yet."""
+    L, c = plan.layout, plan.choices
+    if not L.ep_overlap:
+        return []
+    offload = [*c.offload, *(m for s in (c.stage_offload or []) for m in s)]
+    if offload:
+        return [f"activation offload ({', '.join(sorted(set(offload)))}) together with EP "
+                "communication overlap (ep_overlap): drop the offload from the plan's choices "
+                "(`offload`, `stage_offload`), set `ep_overlap: false` in its layout, or "
+                f"re-plan: `{search_line(plan)}`"]
+    return []
+
+
 def features_not_executed(plan: Plan) -> list[str]:
     """Each plan feature this runtime does not execute yet, named with its fix."""
     L, c = plan.layout, plan.choices
@@ -58,9 +75,7 @@ def features_not_executed(plan: Plan) -> list[str]:
             out.append("MTP layers outside the last pipeline stage (put every m with the "
                        "loss L: `moeplan estimate ... --stage-layout "
                        f"'{mtp_on_last_stage(stages)}' -o plan.json`)")
-    if L.ep_overlap:
-        out.append("EP communication overlap (ep_overlap; re-plan without it: "
-                   f"`{search_line(plan)}`, or `moeplan estimate` without --ep-overlap)")
+    out += ep_overlap_not_executed(plan)
     # activation recompute / offload and optimizer offload run as the choices say (memory.py,
     # optimizer.py)
     # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)

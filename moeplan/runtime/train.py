@@ -100,10 +100,11 @@ class Trainer:
         self.flops_per_step = plan.model.flops_per_token(t.seq_len) * self.tokens_per_step
         self.routing_totals = torch.zeros(len(self.moe_layer_numbers), plan.model.num_experts,
                                           dtype=torch.long)
-        self.pipeline = None if layout.pp == 1 else PipelineSchedule(
+        # EP overlap runs the merged schedule, also with pp = 1 (a one-stage pipeline)
+        self.pipeline = None if layout.pp == 1 and not layout.ep_overlap else PipelineSchedule(
             self.model, chunks, groups.pp, groups.pp_links,
             (t.seq_len // (layout.cp * layout.tp), layout.mbs, plan.model.hidden_size),
-            dtype, self.device)
+            dtype, self.device, ep_overlap=layout.ep_overlap)
 
     def step(self, step: int, capture_grads: bool = False) -> tuple[StepMetrics, dict | None]:
         """Train one global batch (step counts from 0). With `capture_grads`, also return every
