@@ -139,14 +139,20 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    if target == "moeplan":  # no EP overlap yet
-        return SearchSpace(precisions=precisions, allow_ep_overlap=False)
     return SearchSpace(precisions=precisions)
 
 
 def _options(target: str) -> tuple[str, ...]:
     """Recompute and offload options: both targets execute every module of SPEC §3."""
     return tuple(RECOMPUTE_MODULES) + tuple(OFFLOAD_PREFIX + o for o in OFFLOAD_MODULES)
+
+
+def _layout_options(options: tuple[str, ...], layout: Layout, target: str) -> tuple[str, ...]:
+    """The options a layout may take on a target: `moeplan run` executes EP overlap, but not
+    together with activation offload (runtime/support.py), so that target drops offload there."""
+    if target == "moeplan" and layout.ep_overlap:
+        return tuple(o for o in options if not o.startswith(OFFLOAD_PREFIX))
+    return options
 
 
 def _layout(row: np.ndarray) -> dict[str, Any]:
@@ -356,7 +362,8 @@ def search(
             pruned["time_limit"] += len(heap) + 1
             break
         layout, tr, key = row_setup(idx)
-        plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
+        plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
+                                     _layout_options(options, layout, target), key,
                                      sets_cache, result, balanced=True,
                                      lb_pipe=float(lb[idx]), cutoff=kth(),
                                      with_interval=objective == "robust")
@@ -382,7 +389,8 @@ def search(
             continue
         k = next(i for i, e in enumerate(best) if -e[2] == idx)
         screened = best[k][3]
-        plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key], options, key,
+        plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key],
+                                _layout_options(options, layout, target), key,
                                 sets_cache, result, lb_pipe=float(lb[idx]),
                                 fractions=(screened.choices.optimizer_offload_fraction,),
                                 with_interval=objective == "robust")
