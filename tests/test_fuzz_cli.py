@@ -178,6 +178,40 @@ def test_model_spec_files_never_crash(changes, as_yaml, command, tmp_path, capsy
     check_run(args, capsys)
 
 
+HF_DIR = DATA / "hf"
+HF_CONFIGS = sorted(p.name for p in HF_DIR.glob("*.json"))
+
+
+def _hf_fields(name: str) -> list[str]:
+    return sorted(json.loads((HF_DIR / name).read_text()))
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.data(), name=st.sampled_from(HF_CONFIGS),
+       command=st.sampled_from(["show", "estimate"]))
+def test_hf_configs_never_crash(data, name, command, tmp_path, capsys):
+    # a real Hugging Face config with up to three fields replaced by hostile values (wrong
+    # types, NaN/inf, huge sizes, nested junk) or removed
+    doc = json.loads((HF_DIR / name).read_text())
+    fields = _hf_fields(name) + ["rope_scaling", "rope_parameters", "architectures"]
+    changes = data.draw(st.dictionaries(st.sampled_from(fields),
+                                        st.one_of(FIELD_VALUE, st.just("__drop__")),
+                                        min_size=1, max_size=3))
+    for k, v in changes.items():
+        if v == "__drop__":
+            doc.pop(k, None)
+        else:
+            doc[k] = v
+    spec = tmp_path / "config.json"
+    spec.write_text(json.dumps(doc))
+    if command == "estimate":
+        args = ["estimate", "--model", str(spec), "--cluster", "h100", "--gpus", "8", "--seq",
+                "256", "--gbs", "16", "--json"]
+    else:
+        args = ["specs", "show", str(spec), "--json"]
+    check_run(args, capsys)
+
+
 H100 = yaml.safe_load((Path(__file__).parents[1] / "moeplan/specs/presets/clusters/h100.yaml")
                       .read_text())
 
