@@ -121,8 +121,8 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
     check_layout(plan.model, plan.training, plan.layout, choices=plan.choices)
     missing = features_not_executed(plan)
     if missing:
-        raise NotYetAvailable("this plan uses " + "; ".join(missing) + ", which the runtime "
-                              "does not execute yet. Nothing was run.")
+        raise NotYetAvailable("the runtime does not execute yet what this plan uses: "
+                              + "; ".join(missing) + ". Nothing was run.")
     running = plan
     if opts.scale_down:
         from .scale import scale_down_plan
