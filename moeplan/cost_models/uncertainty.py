@@ -273,13 +273,6 @@ def pessimistic_layout(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     return None if L is layout else L
 
 
-def unvalidated_words(assumptions_: Sequence[Assumption]) -> str:
-    """The unvalidated terms of an estimate, in one phrase for tables and explanations."""
-    terms = [a.term for a in assumptions_ if not a.validated]
-    return "; ".join(terms) if terms else "none"
-
-
-# ----------------------------------------------------------------------------- intervals
 def measured_bounds(cluster: ClusterSpec) -> tuple[float, float, str, int] | None:
     """(q_lo, q_hi, regime, runs) from `moeplan calibrate --from-runs` measurements on this
     cluster (calibration `interval_runs`), which replace the published rows' regime."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cost_models import uncertainty as U
 from ..cost_models.calibration import Calibration, calibration_for
 from ..cost_models.comm import placement
 from ..cost_models.estimate import (
@@ -419,11 +420,9 @@ OBJECTIVES = ("robust", "expected")
 
 def _validated_only(plan: Plan) -> bool:
     """Whether every modelled effect the plan rests on is backed by fit rows."""
-    from ..cost_models.uncertainty import assumptions
-
     e = plan.estimate
     terms = e.assumptions if e is not None and e.interval is not None else [
-        t.assumption for t in assumptions(plan.model, plan.cluster, plan.training, plan.layout,
+        t.assumption for t in U.assumptions(plan.model, plan.cluster, plan.training, plan.layout,
                                           plan.choices)]
     return all(a.validated for a in terms)
 
@@ -440,8 +439,6 @@ def _least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace
     step time over every regime a layout of this search can fall in: e^(−q_lo) of the regime
     with the smallest downside (uncertainty.tokens_interval takes the low end from the point or
     below it, never above)."""
-    from ..cost_models import uncertainty as U
-
     prof = U.default_profile()
     return min(math.exp(-min(prof.bounds(U.regime_names(model, cluster, prec, fab))[0], 0.0))
                for prec in space.precisions for fab in ("nvlink", "scale-out"))
