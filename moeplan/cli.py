@@ -281,6 +281,10 @@ def estimate(
                           ] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Merged fwd/bwd EP overlap.")
                           ] = False,
+    tp_comm_overlap: Annotated[bool, typer.Option(
+        "--tp-comm-overlap", help="TP comm overlapped with the GEMMs (TE userbuffers).")] = False,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -318,7 +322,8 @@ def estimate(
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
-                "dispatcher": dispatcher, "ep_overlap": ep_overlap}
+                "dispatcher": dispatcher, "ep_overlap": ep_overlap,
+                "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration)

@@ -317,7 +317,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "a2a_scaleout_eff": round(a2a_eff, 4),
     }
     if m.device == "cpu":  # gloo runs on the cores that compute: no comm hides behind GEMMs
-        constants.update(tp_exposed=1.0, ep_overlap_hidden=0.0)
+        constants.update(tp_overlap_hidden=0.0, ep_overlap_hidden=0.0)
     if m.layer_overhead_s is not None:
         constants["layer_overhead_s"] = float(f"{m.layer_overhead_s:.4g}")
     if m.step_overhead_s is not None:
@@ -353,7 +353,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
             "scaleout_gb_s": "one host: the same local link" if m.device == "cpu" else link_src,
             "layer_overhead_s": "runtime decoder layers at negligible size, fwd+bwd / 2",
             "step_overhead_s": "AdamW step with grad-norm clipping over tiny parameters",
-            **({"tp_exposed": "gloo collectives run on the cores that compute: TP and EP "
+            **({"tp_overlap_hidden": "gloo collectives run on the cores that compute: TP and EP "
                 "communication is all exposed"} if m.device == "cpu" else {}),
             "measured": f"moeplan calibrate, {m.dtype} compute, torch {torch.__version__}, "
                         f"{time.strftime('%Y-%m-%d')}",

@@ -141,6 +141,12 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--expert-model-parallel-size": MegatronFlag(1, int, None, _A + "_add_moe_args"),
     "--expert-tensor-parallel-size": MegatronFlag(1, int, None, _A + "_add_moe_args"),
     "--sequence-parallel": MegatronFlag(0, None, None, _A + "_add_training_args"),
+    "--tp-comm-overlap": MegatronFlag(0, None, None, _A + "_add_training_args"),
+    "--cuda-graph-impl": MegatronFlag(1, str, ("none", "local", "transformer_engine"),
+                                      _A + "_add_inference_args"),
+    "--cuda-graph-scope": MegatronFlag(
+        "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
+                   "full_iteration"), _A + "_add_inference_args"),
     "--use-distributed-optimizer": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     "--use-tp-pp-dp-mapping": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     # ---- batch
@@ -463,6 +469,12 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     a.add("--expert-tensor-parallel-size", L.etp)  # Megatron defaults it to tp: always write it
     if L.sequence_parallel:
         a.add("--sequence-parallel")
+    if L.tp_comm_overlap:
+        a.add("--tp-comm-overlap")
+    if L.cuda_graphs:  # the static-shape parts: cost_models.layers.GRAPHED_SHARE
+        a.add("--cuda-graph-impl", "transformer_engine")
+        a.add("--cuda-graph-scope", *(("attn", "moe_router", "moe_preprocess") if m.is_moe
+                                      else ("attn", "mlp")))
     if L.distributed_optimizer:
         a.add("--use-distributed-optimizer")
     if L.order == "tp-cp-ep-pp-dp":

@@ -135,7 +135,8 @@ class Plan(BaseModel):
         """Every choice beyond the parallel degrees, one token each, in the one vocabulary the
         tables, explanations, exports and README share:
 
-        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `dist-opt|no-dist-opt`
+        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `tp-comm-overlap`,
+        `cuda-graphs`, `dist-opt|no-dist-opt`
         (optimizer states sharded over data parallel or replicated),
         `recompute=core_attn,moe_act` (per pipeline rank when they differ:
         `recompute=core_attn|-|-|-`), `offload=expert_fc1`, `optimizer-offload=0.5` (fraction
