@@ -13,6 +13,7 @@ from moeplan.cost_models.estimate import estimate
 from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
 from moeplan.planner.search import OPTIMIZER_OFFLOAD_GRID, _layout, search
 from moeplan.specs import Choices, Layout, ModelSpec, TrainingSpec
+from moeplan.specs.loader import cluster_presets
 
 OPTIONS = ("moe_act", "full", "offload:expert_fc1")
 
@@ -117,6 +118,18 @@ def test_deepseek_v3_on_8_h100_is_infeasible_with_advice():
                TrainingSpec(seq_len=4096, global_batch_size=64), 8)
     msg = str(e.value)
     assert "Closest" in msg and "GPUs" in msg and "GB" in msg
+
+
+def test_infeasible_advice_names_every_preset_with_more_memory_gb200_included():
+    small = load_cluster("h100").model_copy(update={"name": "h100-16g", "hbm_gb": 16.0})
+    with pytest.raises(InfeasibleError) as e:
+        search(load_model("qwen3-30b-a3b"), small, TrainingSpec(seq_len=4096,
+                                                               global_batch_size=64), 8)
+    msg = " ".join(str(e.value).split())
+    advice = msg.split("a larger-memory GPU (")[1].split(")")[0].split(", ")
+    assert advice == [c.name for c in cluster_presets() if c.hbm_gb > 16.0]
+    assert "gb200-nvl72" in advice and "h200" in advice
+    assert "Closest: tp1 cp1 dp1 pp" in msg  # the closest layout in Plan.summary's words
 
 
 @pytest.mark.parametrize(("gpus", "hbm", "precision"), [(16, 80.0, "bf16"),

@@ -810,11 +810,10 @@ def to_torchrun(plan: Plan, nnodes: int | None = None, nproc_per_node: int | Non
 
 
 def _summary(plan: Plan) -> str:
-    L = plan.layout
-    return (f"{plan.model.name} on {L.world_size} GPUs ({plan.cluster.name}): tp={L.tp} "
-            f"cp={L.cp} dp={L.dp} pp={L.pp} vpp={L.vpp} ep={L.ep} etp={L.etp} mbs={L.mbs} "
-            f"seq={plan.training.seq_len} gbs={plan.training.global_batch_size} "
-            f"{plan.training.precision}")
+    """The plan in one comment line, in the words of `Plan.summary` (tables, explanations)."""
+    t = plan.training
+    return (f"{plan.headline()} ({plan.cluster.name}), seq {t.seq_len}, gbs "
+            f"{t.global_batch_size}: {plan.summary()}")
 
 
 def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None = None,

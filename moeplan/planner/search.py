@@ -53,6 +53,7 @@ from ..specs import (
     Plan,
     TrainingSpec,
 )
+from ..specs.loader import cluster_presets
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
 from .explain import explain_plans
 from .ilp import (
@@ -620,21 +621,20 @@ def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: Traini
     budget_gb = max_peak_gb(cluster, cal)
     if closest is not None:  # fits on weights, not with the activations it must keep
         need_gb, lay = closest
-        where = (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} etp={lay.etp} mbs={lay.mbs} "
-                 f"peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
     else:
         i = int(np.argmin(mem_lb))
-        ax = _layout(enum.rows[i])
+        lay = Layout(**_layout(enum.rows[i]))
         need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
-        where = (f"tp={ax['tp']} pp={ax['pp']} ep={ax['ep']} etp={ax['etp']} needs at least "
-                 f"{need_gb:.0f} GB per GPU for weights and gradients alone, with every "
-                 "activation recomputed or offloaded and the optimizer on the host")
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" needs at least {need_gb:.0f} GB per GPU for weights and gradients alone, "
+                 "with every activation recomputed or offloaded and the optimizer on the host")
     ratio = need_gb / budget_gb
     gpus_needed = world * 2
     while gpus_needed < world * ratio * 1.15:
         gpus_needed *= 2
-    bigger = [("h200", 141), ("b200", 180), ("b300", 288), ("gb300-nvl72", 288)]
-    larger = [name for name, gb in bigger if gb > cluster.hbm_gb * max(1.0, ratio)]
+    larger = [c.name for c in cluster_presets() if c.hbm_gb > cluster.hbm_gb * max(1.0, ratio)]
     hints = [f"about {gpus_needed} GPUs of this kind"]
     if training.precision == "bf16" and cluster.fp8_tflops:
         hints.append("an FP8 recipe (--precision auto) to shrink activations")

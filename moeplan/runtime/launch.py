@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import MoeplanError, NotYetAvailable, SpecError
+from ..errors import MoeplanError, NotYetAvailable, RunFailed, RunStopped, SpecError
 from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
@@ -65,20 +65,8 @@ class RunOptions:
     init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
 
-class RunFailed(Exception):
-    """Workers exited with an error (their output says why)."""
-
-    prefix = "[bold red]error:[/] "  # how the CLI prints it
-
-    def __init__(self, code: int, message: str | None = None):
-        super().__init__(message or f"training workers exited with code {code}")
-        self.exit_code = code
-
-
-class Stopped(RunFailed):
+class Stopped(RunStopped):
     """The run was stopped by SIGINT or SIGTERM: exit 130 or 75, with one line saying where."""
-
-    prefix = ""
 
     def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None,
                  quiet: bool = False):

@@ -115,6 +115,11 @@ class Plan(BaseModel):
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def headline(self) -> str:
+        """What trains where, the title the tables and exports put before `summary`:
+        `deepseek-v3 on 256 × H100`."""
+        return f"{self.model.name} on {self.world_size} × {self.cluster.gpu}"
+
     def layout_summary(self) -> str:
         """The parallel layout in one line: `tp2 cp1 dp8 pp4 vpp2 ep16 etp1 edp2 mbs1×64 bf16`.
 
