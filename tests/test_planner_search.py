@@ -202,3 +202,26 @@ def test_time_limited_search_returns_plans_instead_of_claiming_infeasible(limit)
     assert res.plans and all(p.estimate.fits for p in res.plans)
     if limit is not None and limit < 1.0:
         assert res.stopped_early
+
+
+def test_robust_best_equals_exhaustive_robust_pricing_with_unvalidated_overlap():
+    # 32 GPUs of 8-GPU nodes, ep up to 32: EP groups leave the node, where EP overlap and the
+    # flex dispatcher are unvalidated, so the twin bound (a row priced at its low end as its
+    # validated alltoall, no-overlap twin) prunes; its answer must be the exhaustive one
+    model = tiny_moe(4, 1024, 32, 512)
+    cluster = load_cluster("h100", gpus=32)
+    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    space = SearchSpace(precisions=("bf16",), max_pp=2, max_cp=1, max_mbs=1, max_vpp=2,
+                        allow_no_dist_opt=False, cuda_graphs=False)
+    got = search(model, cluster, training, 32, space=space, options=(), top_k=1)
+    assert got.pruned["robust_twin_bound"] > 0
+    enum = enumerate_layouts(model, cluster, training, 32, space)
+    best = None
+    for row in enum.rows:
+        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        e = estimate(model, cluster, training, layout, Choices())
+        if e.fits:
+            key = (e.interval.step_time_s[1], e.step_time_s)
+            best = key if best is None or key < best else best
+    e = got.plans[0].estimate
+    assert (e.interval.step_time_s[1], e.step_time_s) == pytest.approx(best, rel=1e-9)

@@ -404,7 +404,10 @@ def search(
         status, plan = solved[j] if j in solved else solve_row(j)
         if status in ("bound", "screened", "infeasible"):
             return True
-        return plan is not None and rank_key(plan) >= kth() * scale
+        # a twin tied with the k-th key does not prune: the row shares the key and may win
+        # the tie on its point
+        return (plan is not None and len(best) >= top_k
+                and rank_key(plan) > -best[0][0])
 
     while heap:
         bound, idx, tight = heap[0]
