@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..specs.cluster import ClusterSpec
 from ..specs.layout import Layout
@@ -162,9 +162,10 @@ def _gemm(ctx: Context, m: float, k: float, n: float, covered: bool = True, coun
                      count)
 
 
-def _layer(ctx: Context, **fields: object) -> LayerCost:
-    """A LayerCost carrying the cluster's host-link bandwidth (for offload option times)."""
-    return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
+def _layer(ctx: Context, **fields: Any) -> LayerCost:
+    """A LayerCost, built by keyword, carrying the cluster's host-link bandwidth (for offload
+    option times)."""
+    return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
