@@ -52,6 +52,7 @@ from .ilp import (
     SolverStopped,
     StageSolution,
     balanced_layers,
+    evaluate,
     solve,
     solve_fixed,
 )
@@ -578,6 +579,13 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             skipped = True
             continue
         P = built.problem
+        if balanced and limit < math.inf and f == grid[0]:
+            # the balanced split with nothing recomputed or offloaded is the least any choice
+            # reaches at any fraction (choices only add time, fractions only add optimizer
+            # time): past the screen's slack, no fraction can be estimated, so none is solved
+            free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
+            if free + base_const > SCREEN_SLACK * limit:
+                return None, "bound"
         skey = (key, P.options, P.items[P.layer_item].name, tuple(i.name for i in P.items))
         if skey not in sets_cache:
             sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
