@@ -60,7 +60,7 @@ def replay_s(records) -> float:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 

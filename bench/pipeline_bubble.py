@@ -39,7 +39,7 @@ def make_plan(pp: int, vpp: int, m: int, hidden: int, seq: int) -> Plan:
 
 def worker(rank: int, port: int, pp: int, cases: list, steps: int, hidden: int, seq: int,
            queue) -> None:
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 

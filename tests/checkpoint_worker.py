@@ -38,7 +38,7 @@ def make_plan(axes: dict, precision: str = "bf16"):
 
 def worker(rank: int, port: int, root: str) -> None:
     from moeplan.runtime import checkpoint
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.storage import newest_checkpoint
     from moeplan.runtime.train import Trainer

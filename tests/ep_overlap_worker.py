@@ -52,7 +52,7 @@ def trace_rows(trainer) -> list[dict]:
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 

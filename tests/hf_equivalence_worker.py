@@ -41,7 +41,7 @@ def make_plan(directory: Path, world: int, axes: dict):
 
 
 def worker(rank: int, port: int, root: str, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 

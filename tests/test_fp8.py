@@ -340,7 +340,7 @@ def world1(tmp_path_factory):
 
 
 def _train(plan, steps: int, seed: int = 1234):
-    from moeplan.runtime.grid import RankGrid
+    from moeplan.specs.grid import RankGrid
     from moeplan.runtime.parallelize import build_groups
     from moeplan.runtime.train import Trainer
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..specs import Choices, Layout
 from .comm import SINGLE, Axis, all_gather_dim0
-from .grid import RankGrid
+from ..specs.grid import RankGrid
 from .layers import (
     MLP,
     Attention,

@@ -22,7 +22,7 @@ from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, strict_dumps, write_json
 from ..specs import Plan
 from . import checkpoint
-from .grid import RankGrid
+from ..specs.grid import RankGrid
 from .launch import RunOptions, prepare_plan
 from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
 from .parallelize import build_groups
