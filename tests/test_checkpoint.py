@@ -148,7 +148,7 @@ def test_token_batches_depend_on_seed_and_step_only_not_the_dp_split(tmp_path):
 
 # ------------------------------------------------------------------------------------- non-finite
 def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path):
-    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.train import Trainer
 
     plan = load_plan(write_plan(tmp_path / "plan.json", 1))
@@ -505,7 +505,7 @@ def test_workers_load_exactly_the_step_the_launcher_verified(tmp_path, monkeypat
     import torch.distributed as dist
 
     from moeplan.runtime import checkpoint, worker
-    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.storage import manifest_sha256, step_dir
     from moeplan.runtime.train import Trainer
 

@@ -102,7 +102,7 @@ def test_moeplan_groups_json(cli):
 
 
 def test_an_ep_group_splits_by_nvlink_domain_into_domains_and_rails():
-    from moeplan.runtime.parallelize import ep_domains
+    from moeplan.runtime.groups import ep_domains
 
     assert ep_domains([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert ep_domains([8, 9, 10, 11, 12, 13, 14, 15], 4) == (

@@ -668,7 +668,7 @@ def read_checkpoint(path: Path):
 
     from ..specs import Choices, Layout, load_plan
     from . import checkpoint
-    from .parallelize import local_groups
+    from .groups import local_groups
     from .train import Trainer
 
     plan = load_plan(path / "plan.json")

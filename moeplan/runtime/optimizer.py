@@ -35,8 +35,8 @@ from torch import nn
 
 from ..specs import TrainingSpec
 from .comm import Axis, all_reduce_
+from .groups import ParallelGroups
 from .layers import shard_info
-from .parallelize import ParallelGroups
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:

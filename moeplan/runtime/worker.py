@@ -21,11 +21,11 @@ import torch.distributed as dist
 from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, strict_dumps, write_json
 from ..specs import Plan
-from . import checkpoint
 from ..specs.grid import RankGrid
+from . import checkpoint
+from .groups import build_groups
 from .launch import RunOptions, prepare_plan
 from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
-from .parallelize import build_groups
 from .storage import manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
 
