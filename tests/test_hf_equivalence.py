@@ -242,7 +242,8 @@ def test_exported_checkpoint_in_transformers_gives_the_next_steps_loss(cli, hf_d
 
 def test_export_refuses_another_format_an_existing_directory_and_a_missing_step(cli, tmp_path):
     from moeplan import SpecError
-    from moeplan.runtime.hf_io import export_checkpoint, write_hf
+    from moeplan.runtime.checkpoint import export_checkpoint
+    from moeplan.runtime.hf_io import write_hf
 
     r = cli("checkpoint", "export", str(tmp_path), "--to", "gguf", "-o", str(tmp_path / "x"))
     assert r.returncode == 2 and "--to takes hf" in r.stderr and "Traceback" not in r.stderr

@@ -32,7 +32,7 @@ from .comm import (
     scatter_seq,
 )
 from .layers import MLP, activation, normal_weight
-from .memory import recomputing
+from .replay import recomputing
 
 
 @dataclass
