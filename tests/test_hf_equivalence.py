@@ -283,6 +283,7 @@ def test_each_rank_reads_exactly_the_elements_it_keeps(hf_dirs, model, tp_rank, 
 
     from moeplan.runtime.comm import Axis
     from moeplan.runtime.hf_io import HFWeights, load_hf_
+    from moeplan.runtime.layers import shard_info
     from moeplan.runtime.model import Transformer
     from moeplan.runtime.parallelize import ExpertParallel, apply_ep, apply_tp
 
@@ -298,7 +299,7 @@ def test_each_rank_reads_exactly_the_elements_it_keeps(hf_dirs, model, tp_rank, 
     kept = 0
     for name, p in rank.named_parameters():
         t = full[name]
-        for dim, start, size in getattr(p, "moeplan_slices", ()):
+        for dim, start, size in shard_info(p).slices:
             t = t.narrow(dim, start, size)
         assert torch.equal(p, t), name
         kept += p.numel()

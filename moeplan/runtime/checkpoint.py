@@ -150,7 +150,7 @@ def _placement(p: torch.Tensor, trainer: Trainer) -> tuple[tuple[int, ...], tupl
 def _saved_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Parameters this rank saves: all it holds but the last stage's copy of the embedding."""
     return {n: p for n, p in trainer.model.named_parameters()
-            if not getattr(p, "moeplan_duplicate", False)}
+            if not shard_info(p).duplicate}
 
 
 def _flat_ranges(trainer: Trainer):

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..specs import ModelSpec
+from .layers import shard_info
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
 MAX_INDEX_BYTES = 64 << 20  # index.json of the largest public checkpoints is a few MB
@@ -381,8 +382,9 @@ def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec,
             continue
         src = mapping.source(name)
         full = src.shape(w)
-        want = getattr(t, "moeplan_init", (None, None))[1]
-        box = _box(full, getattr(t, "moeplan_slices", ()))
+        info = shard_info(t)
+        want = info.full_shape
+        box = _box(full, info.slices)
         local = tuple(b - a for a, b in box)
         if (want is not None and tuple(want) != full) or local != tuple(t.shape):
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} in the "
@@ -444,7 +446,7 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     for name, _module, _key, t, _buf in _tensors(model):
         src = mapping.source(name)
         full = src.shape(w)
-        want = tuple(getattr(t, "moeplan_init", (None, tuple(t.shape)))[1])
+        want = shard_info(t).full_shape or tuple(t.shape)
         if full != want:
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} but the "
                             f"plan's model needs {list(want)} for its {name!r}; the "

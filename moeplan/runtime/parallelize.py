@@ -23,10 +23,9 @@ from .layers import (
     Attention,
     Linear,
     MLAttention,
-    ShardInfo,
-    set_shard_info,
     shard_,
     shard_info,
+    update_shard_info,
 )
 from .memory import apply_memory
 from .model import Transformer
@@ -58,12 +57,12 @@ def _column(lin: Linear, tp: Axis) -> None:
     for p in (lin.weight, lin.bias):
         if p is not None:
             shard_(p, 0, tp)
-            set_shard_info(p, ShardInfo(tp_dim=0))
+            update_shard_info(p, tp_dim=0)
 
 
 def _row(lin: Linear, tp: Axis) -> None:
     shard_(lin.weight, 1, tp)
-    set_shard_info(lin.weight, ShardInfo(tp_dim=1))
+    update_shard_info(lin.weight, tp_dim=1)
 
 
 def apply_tp(model: Transformer, tp: Axis) -> None:
@@ -75,7 +74,7 @@ def apply_tp(model: Transformer, tp: Axis) -> None:
     for p in (None if emb is None else emb.weight, model.output):
         if p is not None:
             shard_(p, 0, tp)
-            set_shard_info(p, ShardInfo(tp_dim=0))
+            update_shard_info(p, tp_dim=0)
     if emb is not None:
         emb.tp, emb.start = tp, tp.rank * emb.weight.shape[0]
     model.tp = tp
@@ -111,7 +110,7 @@ def apply_ep(model: Transformer, xp: ExpertParallel) -> None:
             etp_dim = 1 if name == "w_down" else 2
             shard_(p, 0, xp.ep)
             shard_(p, etp_dim, xp.etp)
-            set_shard_info(p, ShardInfo(expert=True, etp_dim=etp_dim))
+            update_shard_info(p, expert=True, etp_dim=etp_dim)
         E = moe.router.E
         if xp.dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(E, ex.backend, xp.ep, xp.tp_ep)

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..specs import Plan, stage_layout_for
 from .comm import Axis
+from .layers import update_shard_info
 from .model import Chunk, LossTerms, Transformer
 from .overlap import ChunkForward, OverlapTrace, chunk_backward, chunk_forward, interleave
 
@@ -75,10 +76,8 @@ def split_stage(model: Transformer, chunks: list[Chunk], pp: int) -> Transformer
         model.output = None
         model.mtp = nn.ModuleList()
     if pp > 1 and needs_shared_embedding(model) and (embed or loss):
-        w = model.embedding.weight
-        w.moeplan_embedding_group = True  # type: ignore[attr-defined]
-        if not embed:  # the last stage's copy: summed gradient, counted once in the norm
-            w.moeplan_duplicate = True  # type: ignore[attr-defined]
+        # the last stage's copy: summed gradient, counted once in the norm
+        update_shard_info(model.embedding.weight, embedding_group=True, duplicate=not embed)
     elif not embed:
         model.embedding = None  # type: ignore[assignment]
     return model
