@@ -3,7 +3,10 @@
 Everything that can be refused is refused here, in the launching process, before any worker
 starts: an invalid layout, a world size that does not match the processes, a plan feature the
 runtime does not execute yet (each with its fix), a run that cannot fit in the memory present
-(guard.py). This module imports no torch, so those errors are instant.
+(guard.py). This module imports no torch, so those errors are instant. What passed is written
+once, with the options, to OUT/run.json (`options.PreparedRun`); the workers read that file and
+never prepare the plan themselves. The torchrun line comes from `moeplan.commands`, the builder
+`moeplan export` uses too.
 
 Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
 signal, so neither it nor its workers outlive this process, SIGKILLed or not. SIGINT and SIGTERM

@@ -1,9 +1,10 @@
 """Pipeline parallelism: stages from the plan's stage layout, 1F1B and interleaved 1F1B.
 
 Stages. The plan's layout (Megatron's `--pipeline-model-parallel-layout`, `specs.stage_layout`)
-lists virtual stages in virtual-stage order: stage v·pp + r is pp rank r's chunk v. Every rank
-builds the full model from the seed, then `split_stage` keeps only its chunks' parts, so weights
-match the single-process model by construction. The embedding rides on the first virtual stage;
+lists virtual stages in virtual-stage order: stage v·pp + r is pp rank r's chunk v. Each rank
+constructs the model with its large weights deferred (meta device), `split_stage` keeps only its
+chunks' parts, and only those are drawn, by parameter name (`layers.materialize_`), so weights
+match the single-process model by construction without any rank holding the whole model. The embedding rides on the first virtual stage;
 the loss head (final norm, output layer, MTP depths) on the last. When the last stage also needs
 the embedding (tied output head, or MTP reading token embeddings) it keeps a copy whose gradient
 is summed with the first stage's over the embedding group (Megatron's `embedding_group`), and the
