@@ -31,7 +31,7 @@ from moeplan.validation import case_of, predict_case, read_rows, split_of
 # moves only the constants in GRID and EFF_GRID.
 START: dict[str, Any] = {
     "gemm_eff_max": {"ampere": 0.75, "hopper": 0.75, "blackwell": 0.75},
-    "gemm_half_dim": 96.0,
+    "gemm_half_dim": 96.0, "gemm_half_dim_arch": {},
     "lowp_gain": {"fp8-delayed": 0.5, "fp8-tensorwise": 0.5, "fp8-blockwise": 0.5,
                   "mxfp8": 0.5, "nvfp4": 0.3},
     # cuDNN attention, DeepSeek-V3 shapes at s = 4096 (REFERENCE): Hopper 553/422 TFLOPS of 989,
@@ -45,7 +45,8 @@ START: dict[str, Any] = {
     "nvlink_eff": 0.75, "scaleout_eff": 0.8,
     # NCCL EP64 dispatch (REFERENCE): H100 9.16 ms for 411 MB cross-node → ≈ 0.9 of 50 GB/s
     "a2a_nvlink_eff": 0.7, "a2a_scaleout_eff": 0.9,
-    "tp_exposed": 0.5,
+    # TE userbuffers overlap of TP comm (only rows whose recipe documents it use it)
+    "tp_overlap_hidden": 0.8,
     "ep_overlap_hidden": 0.93,  # Megatron Core MoE report: merged fwd/bwd hid ≈ 93 %
     # share of the GPU's SMs communication kernels hold while overlapping (DeepEP: 24 of 132
     # SMs on H100; HybridEP on Blackwell fewer of 148)
@@ -65,7 +66,10 @@ GRID: list[tuple[str, list[float]]] = [
     ("lowp_gain.fp8-tensorwise", [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
     ("lowp_gain.mxfp8", [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
     ("lowp_gain.nvfp4", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6]),
-    ("tp_exposed", [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]),
+    ("tp_overlap_hidden", [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]),
+    ("gemm_half_dim_arch.ampere", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
+    ("gemm_half_dim_arch.hopper", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
+    ("gemm_half_dim_arch.blackwell", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
     ("comm_sm_fraction.blackwell", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]),
     ("pp_boundary_s", [0.0, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4]),
     ("a2a_nvlink_eff", [0.4, 0.55, 0.7, 0.85, 1.0]),

@@ -1,7 +1,8 @@
 """Public entry points shared by the Python API and the CLI: one layout in, one Estimate out.
 
 `estimate` accepts specs or names (preset, file), a Plan, or a Plan file, so a notebook and the
-`moeplan estimate` command take the same path.
+`moeplan estimate` command take the same path; `describe_spec` and `validate_spec_file` are the
+documents `moeplan specs show` and `moeplan specs validate` print.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 
 from .errors import SpecError
 from .fsio import is_file
-from .limits import excerpt
+from .limits import clip, excerpt
 from .specs import (
     Choices,
     ClusterSpec,
@@ -28,7 +29,57 @@ from .specs import (
     load_plan,
     load_training,
 )
-from .specs.loader import build, format_validation_error, parse_text, read_document, read_text
+from .specs.loader import (
+    build,
+    document_kind,
+    format_validation_error,
+    parse_text,
+    read_document,
+    read_text,
+    ref_kind,
+)
+
+
+def describe_spec(ref: str | Path, seq: int = 4096) -> dict[str, Any]:
+    """{"name", "kind", "spec", "derived"} for a model or cluster preset or file (SPEC §4):
+    a model's derived parameter counts and FLOPs per token at `seq`; a cluster has none."""
+    if ref_kind(ref) == "cluster":
+        c = load_cluster(ref)
+        return {"name": c.name, "kind": "cluster", "spec": c.model_dump(mode="json"),
+                "derived": {}}
+    m = load_model(ref)
+    return {"name": m.name, "kind": "model", "spec": m.model_dump(mode="json"),
+            "derived": {"total_params": m.total_params(), "active_params": m.active_params(),
+                        "flops_per_token": m.flops_per_token(seq)}}
+
+
+def validate_spec_file(path: str | Path) -> dict[str, Any]:
+    """{"valid": True, "kind", "name", "path"} for a valid ModelSpec, ClusterSpec, TrainingSpec
+    or Plan file (kind told by `specs.loader.document_kind`); SpecError naming the field else."""
+    p = Path(path)
+    data = read_document(p) if is_file(p) else None
+    if data is None:
+        raise SpecError(f"{clip(str(path))} is not a readable file. Pass the path of a "
+                        "YAML/JSON spec.")
+    kind = document_kind(data)
+    if kind == "plan":
+        name = load_plan(p).model.name
+    elif kind == "cluster":
+        name = load_cluster(p).name
+    elif kind == "training":
+        load_training(p)
+        name = p.stem
+    else:
+        name = load_model(p).name
+    return {"valid": True, "kind": kind, "name": name, "path": str(p)}
+
+
+def with_calibration(plan: Plan, calibration: str | Path | None) -> Plan:
+    """`plan` with the efficiency constants of a `moeplan calibrate -o` file overlaid on its
+    cluster (`--calibration`); the plan itself when none is given."""
+    if calibration is None:
+        return plan
+    return plan.model_copy(update={"cluster": load_cluster(plan.cluster, None, calibration)})
 
 
 def load_routing_histogram(path: str | Path) -> dict[str, Any]:

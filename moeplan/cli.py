@@ -1,7 +1,10 @@
 """The `moeplan` command: parse, call the public API, render (rich table or one JSON document).
 
-Errors are mapped to exit codes in one place (`main`): MoeplanError → 2 with one paragraph on
-stderr, InfeasibleError → 3; `--debug` shows the traceback instead.
+The work lives in `moeplan.api`, `moeplan.specs`, `moeplan.calibrate` and the planner; this
+module parses options, calls them and renders what they return. Errors are mapped to exit codes
+in one place (`main`, through `moeplan.errors.EXIT_CODES`): MoeplanError → 2 with one paragraph
+on stderr, InfeasibleError → 3, a failed or stopped run → its own code (75/130 for
+SIGTERM/SIGINT); `--debug` shows the traceback of bad input instead.
 """
 
 from __future__ import annotations
@@ -22,8 +25,15 @@ from rich.text import Text
 
 from . import limits
 from . import specs as S
-from .errors import InfeasibleError, MoeplanError, SpecError
-from .fsio import check_writable, is_file, strict_dumps, write_json
+from .errors import (
+    InfeasibleError,
+    MoeplanError,
+    SpecError,
+    TorchMissing,
+    exit_code,
+    exit_rule,
+)
+from .fsio import check_writable, strict_dumps, write_json
 from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
@@ -166,34 +176,6 @@ def _root(
 
 
 # ---------------------------------------------------------------------------------------- specs
-def _spec_document(ref: str, seq: int) -> dict[str, Any]:
-    """{"name", "kind", "spec", "derived"} for a model or cluster preset/file (SPEC §4)."""
-    presets = S.list_presets()
-    if ref in presets["clusters"] or (ref not in presets["models"] and _looks_like_cluster(ref)):
-        c = S.load_cluster(ref)
-        return {"name": c.name, "kind": "cluster", "spec": c.model_dump(mode="json"),
-                "derived": {}}
-    m = S.load_model(ref)
-    return {
-        "name": m.name,
-        "kind": "model",
-        "spec": m.model_dump(mode="json"),
-        "derived": {
-            "total_params": m.total_params(),
-            "active_params": m.active_params(),
-            "flops_per_token": m.flops_per_token(seq),
-        },
-    }
-
-
-def _looks_like_cluster(ref: str) -> bool:
-    path = Path(ref)
-    if not is_file(path):
-        return False
-    data = S.loader.read_document(path)
-    return isinstance(data, dict) and "bf16_tflops" in data
-
-
 @specs_app.command("list")
 def specs_list(as_json: JsonOpt = False) -> None:
     """List the model and cluster presets."""
@@ -214,7 +196,9 @@ def specs_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Show a spec with its derived parameter counts and FLOPs per token."""
-    doc = _spec_document(ref, seq)
+    from .api import describe_spec
+
+    doc = describe_spec(ref, seq)
 
     def render() -> None:
         pairs = [(k, str(v)) for k, v in doc["spec"].items() if v not in (None, {}, [])]
@@ -234,22 +218,11 @@ def specs_validate(
     as_json: JsonOpt = False,
 ) -> None:
     """Check a spec file; exits 2 with the offending field when it is invalid."""
-    p = Path(path)
-    data = S.loader.read_document(p) if is_file(p) else None
-    if data is None:
-        raise SpecError(f"{limits.clip(path)} is not a readable file. Pass the path of a "
-                        "YAML/JSON spec.")
-    if isinstance(data, dict) and {"model", "cluster", "layout"} <= data.keys():
-        kind, name = "plan", S.load_plan(p).model.name
-    elif isinstance(data, dict) and "bf16_tflops" in data:
-        kind, name = "cluster", S.load_cluster(p).name
-    elif isinstance(data, dict) and "global_batch_size" in data:
-        kind, name = "training", p.stem
-        S.load_training(p)
-    else:
-        kind, name = "model", S.load_model(p).name
-    doc = {"valid": True, "kind": kind, "name": name, "path": str(p)}
-    emit(doc, as_json, lambda: out.print(f"[green]valid[/] {kind} spec '{name}' ({p})"))
+    from .api import validate_spec_file
+
+    doc = validate_spec_file(path)
+    emit(doc, as_json, lambda: out.print(f"[green]valid[/] {doc['kind']} spec '{doc['name']}' "
+                                         f"({doc['path']})"))
 
 
 @app.command()
@@ -281,6 +254,10 @@ def estimate(
                           ] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Merged fwd/bwd EP overlap.")
                           ] = False,
+    tp_comm_overlap: Annotated[bool, typer.Option(
+        "--tp-comm-overlap", help="TP comm overlapped with the GEMMs (TE userbuffers).")] = False,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -299,7 +276,7 @@ def estimate(
     """Predict step time, throughput and memory of one layout."""
     _check_report(report)
     from .api import estimate as api_estimate
-    from .api import plan_from_options
+    from .api import plan_from_options, with_calibration
 
     require_finite(imbalance=imbalance)
     if output:
@@ -309,31 +286,28 @@ def estimate(
     if plan_file:
         if model or cluster:
             raise SpecError("give either PLAN.json or --model/--cluster, not both.")
-        plan = S.load_plan(plan_file)
-        if calibration:
-            plan = plan.model_copy(update={"cluster": S.load_cluster(plan.cluster, None,
-                                                                     calibration)})
+        plan = with_calibration(S.load_plan(plan_file), calibration)
     else:
         if not model or not cluster:
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
-                "dispatcher": dispatcher, "ep_overlap": ep_overlap}
+                "dispatcher": dispatcher, "ep_overlap": ep_overlap,
+                "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration)
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
     if report:
-        _write_plan_report([plan], f"{plan.model.name} on {plan.world_size} × "
-                           f"{plan.cluster.gpu}: estimate", report)
+        _write_plan_report([plan], f"{plan.headline()}: estimate", report)
     if output:
         write_json(output, plan.model_dump(mode="json"))
         err.print(f"wrote {output}", markup=False, highlight=False)
 
     def render() -> None:
-        print_lines(pairs_lines(f"{plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
-                                f"{plan.summary()}", estimate_pairs(plan), _width(out)))
+        print_lines(pairs_lines(f"{plan.headline()}: {plan.summary()}", estimate_pairs(plan),
+                                _width(out)))
         for w in est.warnings:
             err.print(f"[yellow]warning:[/] {escape(w)}")
 
@@ -480,8 +454,8 @@ def search(
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
     if report:
         best = res.plans[0]
-        _write_plan_report(res.plans, f"{best.model.name} on {best.world_size} × "
-                           f"{best.cluster.gpu}: best {len(res.plans)} plans", report)
+        _write_plan_report(res.plans, f"{best.headline()}: best {len(res.plans)} plans",
+                           report)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
                   "found so far", highlight=False)
@@ -489,8 +463,7 @@ def search(
     def render() -> None:
         width = _width(out)
         best = res.plans[0]
-        print_lines(table_lines(f"{best.model.name} on {best.world_size} × {best.cluster.gpu}: "
-                                f"best {len(res.plans)} of {res.layouts} layouts "
+        print_lines(table_lines(f"{best.headline()}: best {len(res.plans)} of {res.layouts} layouts "
                                 f"({res.seconds:.1f} s)", SEARCH_COLUMNS,
                                 [search_row(i, p) for i, p in enumerate(res.plans)], width))
         for line in best.explanation[2:]:
@@ -681,22 +654,17 @@ def run(
     if out_dir is not None:
         _check_out_dir(out_dir)
     require_torch("moeplan run")
-    from .runtime.launch import RunFailed
     from .runtime.launch import run as run_plan
 
-    try:
-        with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
-            summary = run_plan(
-                plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
-                scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
-                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-                rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
-                max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-                max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
-    except RunFailed as e:  # workers failed, or a signal stopped them (one line either way)
-        if str(e):
-            err.print(f"{e.prefix}{escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(e.exit_code) from None
+    # RunFailed (workers failed) and RunStopped (a signal stopped them) reach main's table
+    with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
+        summary = run_plan(
+            plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
+            scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
+            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
+            rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+            max_restarts=max_restarts, ckpt_keep=ckpt_keep,
+            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
     if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return
 
@@ -729,11 +697,7 @@ def require_torch(command: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise SpecError(f"{command} trains with PyTorch, which is not installed (the planner "
-                        "commands do not need it). Install the runtime: pip install "
-                        "'moeplan[run]' (on a CPU-only machine first pip install "
-                        "torch==2.13.0; on a GPU machine the CUDA build of torch for your "
-                        "driver).") from None
+        raise TorchMissing(command) from None
 
 
 @contextmanager
@@ -884,28 +848,12 @@ def calibrate(
         return
     if eval_runs:
         raise SpecError("--eval needs --from-runs (the runs the constants are fitted on).")
-    if dtype not in (None, "fp32", "bf16"):
-        raise SpecError(f"--dtype takes fp32 or bf16, got {limits.excerpt(dtype)}.")
-    cpu_max = limits.max_cpu_procs()
-    if nproc is not None:  # refused before torch loads when no host could have that many devices
-        limits.check("--nproc", nproc, max(cpu_max, limits.MAX_DEVICES_PER_NODE),
-                     "pass at most the devices present")
-    require_torch("moeplan calibrate")
-    import torch
     import yaml
 
-    from .calibrate import calibrate_machine, write_cluster_yaml
+    from .calibrate import calibrate_machine, machine_options, write_cluster_yaml
 
-    gpu = torch.cuda.is_available()
-    n = nproc or (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
-    if gpu and n > torch.cuda.device_count():
-        raise SpecError(f"--nproc {n}: only {torch.cuda.device_count()} GPUs are present.")
-    if not gpu:
-        limits.check("--nproc", n, cpu_max, f"on CPU use at most {limits.PROCS_PER_CORE} "
-                     f"processes per core ({os.cpu_count()} cores here)")
-    mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
-    if mode not in ("quick", "full", "tiny"):
-        raise SpecError(f"--grid takes quick, full or tiny, got {limits.excerpt(mode)}.")
+    opts = machine_options(nproc, dtype, quick, grid)
+    mode, n = opts.mode, opts.nproc
     name = Path(output).stem if output else "local"
     doc, report = calibrate_machine(mode, n, dtype, name,
                                     progress=lambda s: err.print(f"calibrate: {s}",
@@ -941,23 +889,11 @@ def calibrate(
 def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | None,
                          prior_weight: float, fit: list[str], as_json: bool) -> None:
     """`moeplan calibrate --from-runs`: refit, report per-run error, write the constants."""
-    from .calibrate import write_cluster_yaml
-    from .calibrate.refit import PARAMS, find_run_dirs, load_run, refit
+    from .calibrate import calibrate_from_runs
 
-    fit_runs = [load_run(d) for d in find_run_dirs(paths)]
-    held = [load_run(d) for d in find_run_dirs(eval_paths)] if eval_paths else []
-    res = refit(fit_runs, held, prior_weight, fit or PARAMS)
-    clusters = res.pop("clusters")
-    res["clusters"] = [{"name": c["name"], "calibration": c["calibration"]} for c in clusters]
-    if output:  # one cluster: FILE; several: FILE-STEM-<cluster name>.yaml each
-        base = Path(output)
-        for c in clusters:
-            path = base if len(clusters) == 1 else base.with_name(
-                f"{base.stem}-{c['name']}{base.suffix or '.yaml'}")
-            doc = c["spec"].model_dump(mode="json")
-            doc.update(name=path.stem, num_gpus=None, calibration=c["calibration"])
-            write_cluster_yaml(doc, path, f" --from-runs ({len(fit_runs)} runs)")
-            err.print(f"wrote {path}", highlight=False)
+    res, written = calibrate_from_runs(paths, eval_paths, prior_weight, fit, output)
+    for path in written:
+        err.print(f"wrote {path}", highlight=False)
 
     def pct(x: float) -> str:
         return f"{x:+.1%}"
@@ -1028,8 +964,28 @@ def checkpoint_export(
         f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)", highlight=False))
 
 
+LABEL_STYLES = {"error": "bold red", "infeasible": "bold yellow"}
+
+
+def report_error(exc: BaseException) -> int:
+    """Print `exc` as its one line on stderr and return its exit code, both from EXIT_CODES."""
+    rule = exit_rule(exc)
+    assert rule is not None
+    _, label = rule
+    text = escape(_one_paragraph(str(exc)))
+    if isinstance(exc, KeyboardInterrupt):
+        text = "interrupted"
+    if label:
+        text = f"[{LABEL_STYLES[label]}]{label}:[/] {text}"
+    if text:
+        err.print(text, highlight=False, soft_wrap=True)
+    return exit_code(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app and map our exceptions onto exit codes (2 invalid, 3 infeasible).
+    """Entry point: run the app and map every error type onto its exit code through one table
+    (`moeplan.errors.EXIT_CODES`: 2 invalid input, 3 infeasible, a run's own code, 130
+    interrupted); `--debug` shows the traceback instead.
 
     Typer itself reports usage errors (unknown flag, bad value) with exit code 2.
     """
@@ -1040,21 +996,12 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except MoeplanError as e:
-        if debug:
+    except (Exception, KeyboardInterrupt) as e:
+        # unlisted types are bugs: their traceback shows; --debug shows one for bad input too,
+        # but a run keeps its own exit code (75 tells a scheduler to requeue)
+        if exit_rule(e) is None or (debug and isinstance(e, (MoeplanError, InfeasibleError))):
             raise
-        err.print(f"[bold red]error:[/] {escape(_one_paragraph(str(e)))}", highlight=False,
-                  soft_wrap=True)
-        code = e.exit_code
-    except InfeasibleError as e:
-        if debug:
-            raise
-        err.print(f"[bold yellow]infeasible:[/] {escape(_one_paragraph(str(e)))}",
-                  highlight=False, soft_wrap=True)
-        code = e.exit_code
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        code = 130
+        code = report_error(e)
     if argv is None:
         sys.exit(code)
     return code

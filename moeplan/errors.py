@@ -1,7 +1,15 @@
-"""Exception types the CLI maps onto exit codes.
+"""Exception types, and the one table (`EXIT_CODES`) that turns them into process exit codes.
 
-One table (`EXIT_CODES` in cli.py) turns these into process exit codes, so library code raises
-meaningful errors and never calls `sys.exit` itself.
+Library code raises meaningful errors and never calls `sys.exit` itself; `moeplan.cli.main`
+maps whatever reaches it through `EXIT_CODES`, so an exit code is decided in one place:
+
+  2    bad input (MoeplanError and its kinds): one clear paragraph naming the field and the fix
+  3    proven infeasibility (InfeasibleError): nothing fits, with what came closest
+  130  interrupted (Ctrl-C before a run started)
+  a run's own code (RunFailed): the workers' exit status; 130 (SIGINT) or 75 (SIGTERM,
+       preemption) when a signal stopped the run at a step boundary (RunStopped)
+
+No imports: the planner, the runtime and the CLI all raise these.
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 class MoeplanError(Exception):
     """Bad input from the user: exit code 2, one clear paragraph, no traceback."""
 
-    exit_code = 2
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self)
 
 
 class SpecError(MoeplanError):
@@ -30,7 +40,72 @@ class NotYetAvailable(MoeplanError):
     """A command or plan feature that this version does not execute; never faked."""
 
 
+class TorchMissing(SpecError):
+    """A command that trains or measures needs PyTorch, which a planner-only install
+    (`pip install moeplan`) normally lacks: say what to install, not a traceback."""
+
+    def __init__(self, command: str):
+        super().__init__(
+            f"{command} trains with PyTorch, which is not installed (the planner commands do "
+            "not need it). Install the runtime: pip install 'moeplan[run]' (on a CPU-only "
+            "machine first pip install torch==2.13.0; on a GPU machine the CUDA build of torch "
+            "for your driver).")
+
+
 class InfeasibleError(Exception):
     """Nothing fits: exit code 3, with what came closest and why."""
 
-    exit_code = 3
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self)
+
+
+class RunFailed(Exception):
+    """A training run did not finish: its workers exited with `code` (their output says why).
+
+    The process exits with that same code, so a scheduler sees what the workers reported.
+    """
+
+    def __init__(self, code: int, message: str | None = None):
+        super().__init__(message if message is not None
+                         else f"training workers exited with code {code}")
+        self.exit_code = code
+
+
+class RunStopped(RunFailed):
+    """SIGINT or SIGTERM stopped a run at a step boundary: exit 130 or 75, and the message is
+    the one line saying where it stopped and what was saved (empty where another rank says
+    it)."""
+
+
+# Exception type → (exit code, word the CLI prints before the message). The most derived type
+# listed wins (RunStopped before RunFailed). None: the code the run ended with (`exit_code` of
+# the RunFailed instance, the workers' status or the stop signal's documented code); "": the
+# message is the whole line.
+EXIT_CODES: dict[type[BaseException], tuple[int | None, str]] = {
+    MoeplanError: (2, "error"),
+    InfeasibleError: (3, "infeasible"),
+    RunStopped: (None, ""),
+    RunFailed: (None, "error"),
+    KeyboardInterrupt: (130, ""),
+}
+
+
+def exit_rule(exc: BaseException) -> tuple[int | None, str] | None:
+    """The EXIT_CODES entry of `exc`'s most derived listed type, or None when none is listed
+    (an unexpected error: a bug, shown with its traceback)."""
+    for cls in type(exc).__mro__:
+        if cls in EXIT_CODES:
+            return EXIT_CODES[cls]
+    return None
+
+
+def exit_code(exc: BaseException) -> int:
+    """The process exit code for `exc` (1 for a type EXIT_CODES does not list)."""
+    rule = exit_rule(exc)
+    if rule is None:
+        return 1
+    code = rule[0]
+    if code is None:  # a run's own code, set on the instance
+        return int(exc.__dict__.get("exit_code", 1))
+    return code

@@ -44,6 +44,15 @@ RELEASE_PAT = re.compile(r"release (\d+)\.(\d+)")
 # dispatcher (scripts/performance/configs/*/_workload_base_configs.py, the `FP8_MX` variants).
 # The published rows print neither setting, so rows of those releases are priced with them.
 OVERLAP_RECIPE_FROM = (26, 6)
+
+# NVIDIA's NeMo and Megatron-Bridge performance recipes turn on TP communication overlap (TE
+# userbuffers: `tp_comm_overlap=True` in the performance configs' CommOverlapConfig) whenever
+# TP > 1; the published tables print the sizes, not the overlap. Megatron-LM's own papers and
+# READMEs, the folding paper, TorchTitan and MegaScale's baseline do not document it: priced
+# without (the Layout default), so the fit learns the overlap only from runs that had it.
+TP_OVERLAP_SOURCES = ("NVIDIA Megatron-Bridge performance summary",
+                      "NVIDIA NeMo performance summary", "NVIDIA NeMo 2.0 performance summary",
+                      "NVIDIA NeMo long-sequence performance doc")
 _INT_LIMITS = {"seq_len": MAX_SEQ_LEN, "global_batch_seqs": MAX_GLOBAL_BATCH,
                "micro_batch": MAX_GLOBAL_BATCH}
 
@@ -126,6 +135,14 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
             and rel >= OVERLAP_RECIPE_FROM and precision == "mxfp8" and model.num_experts
             and architecture == "blackwell"):
         return {"ep_overlap": True, "dispatcher": "flex"}
+    return {}
+
+
+def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
+    """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
+    src = row.get("source", "") or ""
+    if tp > 1 and src.startswith(TP_OVERLAP_SOURCES):
+        return {"tp_comm_overlap": True}
     return {}
 
 
@@ -262,7 +279,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     # folding paper's "MCore" baseline: expert TP follows attention TP)
     unfolded = "method=mcore" in notes.lower() and "folding" not in notes.lower()
     etps = [etp] if etp else ([tp, 1] if unfolded else [1, tp])
-    candidates = [(c, r) for c in etps for r in ([recipe, {}] if recipe else [{}])]
+    stack = stack_settings(row, tp)
+    candidates = [(c, {**stack, **r}) for c in etps for r in ([recipe, {}] if recipe else [{}])]
     for cand, extra in candidates:
         try:
             lay = Layout.build(gpus, gbs, etp=cand, **axes, **extra)

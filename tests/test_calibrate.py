@@ -83,6 +83,38 @@ def test_cpu_cluster_without_its_own_efficiencies_is_refused_by_name(local_yaml,
 
 
 # ---------------------------------------------------------------------------- fits, derivable
+def test_one_refit_cluster_writes_the_file_and_several_write_one_file_each(tmp_path):
+    from moeplan.calibrate.refit import cluster_document, output_paths
+
+    assert output_paths(tmp_path / "fit.yaml", ["local-2"]) == [tmp_path / "fit.yaml"]
+    assert output_paths(tmp_path / "fit", ["local-2", "local-4"]) == [
+        tmp_path / "fit-local-2.yaml", tmp_path / "fit-local-4.yaml"]
+    doc = cluster_document(load_cluster("h100", 8), {"layer_overhead_s": 1e-3}, "fit")
+    assert doc["name"] == "fit" and doc["num_gpus"] is None
+    assert doc["calibration"] == {"layer_overhead_s": 1e-3}
+    assert ClusterSpec.model_validate(doc).gpu == load_cluster("h100").gpu
+
+
+def test_calibrate_defaults_come_from_the_devices_present():
+    import os
+
+    import torch
+
+    from moeplan.calibrate import machine_options
+    from moeplan.errors import SpecError
+
+    opts = machine_options()
+    gpu = torch.cuda.is_available()
+    assert opts.gpu == gpu and opts.mode == ("full" if gpu else "quick")
+    assert opts.nproc == (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
+    assert machine_options(1, "fp32", None, "tiny").mode == "tiny"
+    assert machine_options(1, quick=True).mode == "quick"
+    with pytest.raises(SpecError, match="--dtype takes fp32 or bf16"):
+        machine_options(dtype="fp16")
+    with pytest.raises(SpecError, match="--grid takes quick, full or tiny"):
+        machine_options(1, grid="huge")
+
+
 def test_gemm_curve_fit_recovers_the_constants_it_was_built_from():
     shapes = [(m, k, n) for m in (8, 32, 128, 512) for n in (16, 256) for k in (64, 1024)]
     samples = [GemmSample(m, k, n, 2.0 * 0.6 * gemm_shape_factor(m, k, n, 96.0))

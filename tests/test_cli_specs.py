@@ -42,6 +42,31 @@ def test_specs_show_cluster_and_hf_config(cli):
     assert main(["specs", "show", str(DATA / "hf" / "qwen3-30b-a3b.json"), "--json"]) == 0
 
 
+def test_a_spec_kind_is_told_by_a_field_only_that_kind_has(tmp_path):
+    from moeplan.cli import main
+    from moeplan.specs.loader import document_kind, ref_kind
+
+    assert document_kind({"model": {}, "cluster": {}, "layout": {}}) == "plan"
+    assert document_kind({"name": "x", "bf16_tflops": 1.0}) == "cluster"
+    assert document_kind({"global_batch_size": 8}) == "training"
+    assert document_kind({"model_type": "qwen3_moe"}) == document_kind([1]) == "model"
+    assert ref_kind("h100") == "cluster" and ref_kind("deepseek-v3") == "model"
+    assert ref_kind(DATA / "hf" / "qwen3-30b-a3b.json") == "model"
+    plan = tmp_path / "p.json"
+    assert main(["search", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "8",
+                 "--gbs", "64", "--top", "1", "-o", str(plan)]) == 0
+    assert ref_kind(plan) == "plan"
+    assert ref_kind("no-such-name") == "model"  # the model loader then names the presets
+
+
+def test_cluster_presets_are_every_cluster_preset_by_memory():
+    from moeplan.specs.loader import cluster_presets
+
+    clusters = cluster_presets()
+    assert {c.name for c in clusters} == set(list_presets()["clusters"]) >= set(CLUSTER_PRESETS)
+    assert [c.hbm_gb for c in clusters] == sorted(c.hbm_gb for c in clusters)
+
+
 def test_every_cluster_preset_keeps_its_sources():
     from moeplan import load_cluster
 

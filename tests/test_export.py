@@ -405,7 +405,7 @@ def test_slurm_script_contents():
                  "--nnodes 32", "--nproc-per-node 8", '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"',
                  '--rdzv-id "$SLURM_JOB_ID"', "scontrol show hostnames"):
         assert line in script
-    assert "tp=1 cp=1 dp=64 pp=4 vpp=4 ep=64" in script
+    assert "tp1 cp1 dp64 pp4 vpp4 ep64" in script and "seq 4096" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 

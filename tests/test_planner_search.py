@@ -13,6 +13,7 @@ from moeplan.cost_models.estimate import estimate
 from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
 from moeplan.planner.search import OPTIMIZER_OFFLOAD_GRID, _layout, search
 from moeplan.specs import Choices, Layout, ModelSpec, TrainingSpec
+from moeplan.specs.loader import cluster_presets
 
 OPTIONS = ("moe_act", "full", "offload:expert_fc1")
 
@@ -28,8 +29,10 @@ def brute_force(model, cluster, training, world, space):
     enum = enumerate_layouts(model, cluster, training, world, space)
     best = None
     subsets = [c for n in range(len(OPTIONS) + 1) for c in itertools.combinations(OPTIONS, n)]
-    for row in enum.rows:
-        layout = Layout(**_layout(row))
+    layouts = [Layout(**_layout(row), tp_comm_overlap=ovl) for row in enum.rows
+               for ovl in ((False, True) if row[0] > 1 else (False,))]
+    for row, layout in zip([r for r in enum.rows for _ in ((0, 1) if r[0] > 1 else (0,))],
+                           layouts, strict=True):
         tr = training.model_copy(update={"precision": enum.precisions[row[-1]]})
         for sub in subsets:
             if "full" in sub and "moe_act" in sub:
@@ -54,8 +57,11 @@ def test_planner_best_equals_brute_force_best(layers, hidden, experts, ffn, hbm,
     model = tiny_moe(layers, hidden, experts, ffn)
     cluster = load_cluster("h100", gpus=8).model_copy(update={"hbm_gb": hbm})
     training = TrainingSpec(seq_len=2048, global_batch_size=gbs)
+    # CUDA graphs are added greedily on the top plans (search._with_graphs), so the exhaustive
+    # claim is over everything else; TP comm overlap is tried both ways by the brute force
     space = SearchSpace(precisions=("bf16",), dispatchers=("alltoall",), max_pp=1, max_cp=1,
-                        max_mbs=2, allow_ep_overlap=False, allow_no_dist_opt=False)
+                        max_mbs=2, allow_ep_overlap=False, allow_no_dist_opt=False,
+                        cuda_graphs=False)
     ref = brute_force(model, cluster, training, 8, space)
     if ref is None:
         with pytest.raises(InfeasibleError):
@@ -112,6 +118,18 @@ def test_deepseek_v3_on_8_h100_is_infeasible_with_advice():
                TrainingSpec(seq_len=4096, global_batch_size=64), 8)
     msg = str(e.value)
     assert "Closest" in msg and "GPUs" in msg and "GB" in msg
+
+
+def test_infeasible_advice_names_every_preset_with_more_memory_gb200_included():
+    small = load_cluster("h100").model_copy(update={"name": "h100-16g", "hbm_gb": 16.0})
+    with pytest.raises(InfeasibleError) as e:
+        search(load_model("qwen3-30b-a3b"), small, TrainingSpec(seq_len=4096,
+                                                               global_batch_size=64), 8)
+    msg = " ".join(str(e.value).split())
+    advice = msg.split("a larger-memory GPU (")[1].split(")")[0].split(", ")
+    assert advice == [c.name for c in cluster_presets() if c.hbm_gb > 16.0]
+    assert "gb200-nvl72" in advice and "h200" in advice
+    assert "Closest: tp1 cp1 dp1 pp" in msg  # the closest layout in Plan.summary's words
 
 
 @pytest.mark.parametrize(("gpus", "hbm", "precision"), [(16, 80.0, "bf16"),

@@ -1,19 +1,23 @@
-"""`moeplan calibrate`: measure this machine (host.py, micro.py, collectives.py), fit the cost
-models' constants to it (fit.py), or refit them from measured runs (refit.py).
+"""`moeplan calibrate`: measure this machine (host.py, bench.py, micro.py, collectives.py), fit
+the cost models' constants to it (fit.py), or refit them from measured runs (refit.py).
 
 Microbenchmarks live here, not in cost_models/, which stays torch-free and I/O-free; fit.py and
-refit.py import no torch either.
+refit.py import no torch either, nor does this module until a machine is measured.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .. import limits
+from ..errors import SpecError, TorchMissing
 from ..fsio import atomic_write_text
 
 HEADER = ("# Written by `moeplan calibrate`{how}. Use as --cluster FILE, or overlay its\n"
@@ -35,6 +39,47 @@ def write_cluster_yaml(doc: dict[str, Any], path: str | Path, how: str = "") -> 
     atomic_write_text(path, HEADER.format(how=how) + text)
 
 
+@dataclass(frozen=True)
+class MachineOptions:
+    """How `moeplan calibrate` measures this machine, its options resolved against the devices
+    present."""
+
+    mode: str   # the grid: quick, full or tiny
+    nproc: int  # processes (devices) measured, and the collectives' world size
+    gpu: bool
+
+
+def machine_options(nproc: int | None = None, dtype: str | None = None,
+                    quick: bool | None = None, grid: str | None = None) -> MachineOptions:
+    """Resolve `--nproc`, `--dtype`, `--quick/--full` and `--grid` against this machine.
+
+    Defaults: every GPU present, else min(4, CPU cores) processes; the quick grid on CPU (under
+    two minutes), the full one on GPU. A count no host could have is refused before torch
+    loads (SpecError); torch missing is TorchMissing, naming what to install.
+    """
+    if dtype not in (None, "fp32", "bf16"):
+        raise SpecError(f"--dtype takes fp32 or bf16, got {limits.excerpt(dtype)}.")
+    cpu_max = limits.max_cpu_procs()
+    if nproc is not None:  # refused before torch loads when no host could have that many devices
+        limits.check("--nproc", nproc, max(cpu_max, limits.MAX_DEVICES_PER_NODE),
+                     "pass at most the devices present")
+    try:
+        import torch
+    except ImportError:
+        raise TorchMissing("moeplan calibrate") from None
+    gpu = torch.cuda.is_available()
+    n = nproc or (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
+    if gpu and n > torch.cuda.device_count():
+        raise SpecError(f"--nproc {n}: only {torch.cuda.device_count()} GPUs are present.")
+    if not gpu:
+        limits.check("--nproc", n, cpu_max, f"on CPU use at most {limits.PROCS_PER_CORE} "
+                     f"processes per core ({os.cpu_count()} cores here)")
+    mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
+    if mode not in ("quick", "full", "tiny"):
+        raise SpecError(f"--grid takes quick, full or tiny, got {limits.excerpt(mode)}.")
+    return MachineOptions(mode, n, gpu)
+
+
 def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str = "local",
                       progress: Callable[[str], None] = lambda _: None
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -42,7 +87,8 @@ def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str
     (quick, full or tiny)."""
     from dataclasses import asdict
 
-    from .host import GRIDS, build_cluster, measure
+    from .bench import GRIDS
+    from .host import build_cluster, measure
 
     t0 = time.perf_counter()
     m = measure(GRIDS[mode], nproc, dtype, progress=progress)
@@ -50,3 +96,39 @@ def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str
     validate_cluster(doc)
     m.seconds["total"] = time.perf_counter() - t0
     return doc, {"mode": mode, **asdict(m)}
+
+
+def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),
+                        prior_weight: float | None = None, fit: Sequence[str] = (),
+                        output: str | Path | None = None) -> tuple[dict[str, Any], list[Path]]:
+    """`moeplan calibrate --from-runs`: refit the constants on the runs under `paths` (those
+    under `eval_paths` predicted, not fitted), and write each cluster's refit spec when `output`
+    is given (`refit.output_paths` names the files).
+
+    → (the `--json` document: refit's report with each cluster as {"name", "calibration"}, the
+    paths written).
+    """
+    from .refit import (
+        PARAMS,
+        PRIOR_WEIGHT,
+        cluster_document,
+        find_run_dirs,
+        load_run,
+        output_paths,
+        refit,
+    )
+
+    fit_runs = [load_run(d) for d in find_run_dirs(paths)]
+    held = [load_run(d) for d in find_run_dirs(eval_paths)] if eval_paths else []
+    res = refit(fit_runs, held, PRIOR_WEIGHT if prior_weight is None else prior_weight,
+                fit or PARAMS)
+    clusters = res.pop("clusters")
+    res["clusters"] = [{"name": c["name"], "calibration": c["calibration"]} for c in clusters]
+    written: list[Path] = []
+    if output:
+        for path, c in zip(output_paths(output, [c["name"] for c in clusters]), clusters,
+                           strict=True):
+            write_cluster_yaml(cluster_document(c["spec"], c["calibration"], path.stem), path,
+                               f" --from-runs ({len(fit_runs)} runs)")
+            written.append(path)
+    return res, written

@@ -96,7 +96,7 @@ def _worker(rank: int, n: int, store_dir: str, sizes: list[int], min_s: float, u
                             timeout=timedelta(seconds=120))
     measured: dict[str, Any] = {}
     if kernels is not None:  # every rank at once, as `moeplan run` ranks share the host
-        from .host import measure_kernels
+        from .bench import measure_kernels
 
         dist.barrier()
         measured = measure_kernels(kernels[0], device, kernels[1], threads)
@@ -119,7 +119,7 @@ def measure_collectives(nproc: int, sizes: list[int], min_s: float = 0.05,
                         use_cuda: bool = False, kernels: tuple[Any, str] | None = None
                         ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, Any] | None]:
     """({collective: [(bytes, seconds), ...]}, rank 0's kernel measurements or None) over
-    `nproc` local processes; `kernels` = (Grid, dtype) runs host.measure_kernels in every rank
+    `nproc` local processes; `kernels` = (Grid, dtype) runs bench.measure_kernels in every rank
     at once first."""
     threads = threads_per_rank(nproc)
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:

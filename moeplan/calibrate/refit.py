@@ -192,6 +192,25 @@ def measured_interval(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None
             "runs": float(len(use))}
 
 
+def output_paths(output: str | Path, cluster_names: Sequence[str]) -> list[Path]:
+    """Where the refit specs go: one cluster to OUTPUT itself; several (one per world size, say)
+    each to OUTPUT-STEM-<cluster name>.yaml beside it, so no refit overwrites another."""
+    base = Path(output)
+    if len(cluster_names) == 1:
+        return [base]
+    return [base.with_name(f"{base.stem}-{name}{base.suffix or '.yaml'}")
+            for name in cluster_names]
+
+
+def cluster_document(spec: Any, calibration: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ClusterSpec document of a refit: the cluster the runs were predicted for with the
+    refit constants as its calibration, named after its file and without a GPU count (a spec
+    of the machine, usable for any number of its GPUs)."""
+    doc = spec.model_dump(mode="json")
+    doc.update(name=name, num_gpus=None, calibration=calibration)
+    return doc
+
+
 def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
           prior_weight: float = PRIOR_WEIGHT, params: Sequence[str] = PARAMS) -> dict[str, Any]:
     """Fit `params` (a subset of PARAMS; the others keep their starting values) on `fit_runs`;

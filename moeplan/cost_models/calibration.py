@@ -37,15 +37,17 @@ class Calibration:
     scaleout_eff: float
     a2a_nvlink_eff: float
     a2a_scaleout_eff: float
-    # overlap (cost_models.overlap): 1 − η of TP communication, the share that stays exposed
-    # however long the GEMMs beside it are
-    tp_exposed: float
+    # η of TP communication under TP comm overlap (Layout.tp_comm_overlap, TE userbuffers):
+    # the most it hides when the GEMMs beside it are long enough; without it none is hidden
+    tp_overlap_hidden: float
     # η of EP all-to-all under EP overlap (merged fwd/bwd): the most it hides when the other
     # micro-batch's compute is long enough (Megatron Core MoE report: ≈ 93 %)
     ep_overlap_hidden: float
     # fixed per-step overhead (optimizer launch, grad-norm, logging), seconds
     step_overhead_s: float
-    # per-micro-batch per-layer launch overhead (kernel launches, host sync), seconds
+    # kernel-launch overhead of one decoder layer per forward or backward pass when its kernels
+    # are launched one by one (no CUDA graphs), seconds; Layout.cuda_graphs removes the share
+    # the graphs capture (cost_models.layers.graphed_share)
     layer_overhead_s: float
     # memory: allocator fragmentation fraction, fixed workspace GB, HBM reserve GB
     frag_frac: float
@@ -61,12 +63,23 @@ class Calibration:
         default_factory=lambda: {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.1})
     # achieved fraction of the host's memory bandwidth for the host Adam step (optimizer offload)
     host_mem_eff: float = 0.7
+    # GEMM shape curve per architecture where the fit moved it off `gemm_half_dim` (tile sizes
+    # and wave quantisation differ between generations: a larger half-dim makes big GEMMs gain
+    # more over small ones, as dense scaling from 22B to 1T on A100 shows)
+    gemm_half_dim_arch: dict[str, float] = field(default_factory=dict)
     # seconds a pipeline rank loses at each chunk pass's stage boundary in the steady state
     # (p2p handshake and the next chunk's start), per forward or backward pass of a chunk
     pp_boundary_s: float = 0.0
+    # HBM the CUDA graphs hold (their memory pool and static input/output buffers), GB per GPU;
+    # no published row documents graphs, so this is a prior, not a fit (Megatron-LM's guide:
+    # graphs "increase memory usage")
+    cuda_graph_gb: float = 2.0
 
     def sm_fraction(self, arch: str) -> float:
         return self.comm_sm_fraction.get(arch, 0.15)
+
+    def half_dim_for(self, arch: str) -> float:
+        return self.gemm_half_dim_arch.get(arch, self.gemm_half_dim)
 
     def gemm_eff_max_for(self, cluster: Any) -> float:
         """Peak GEMM efficiency for a cluster: its GPU model's entry, else its architecture's."""

@@ -46,12 +46,14 @@ def lowp_speedup(peak_bf16: float, peak_lowp: float | None, gain: float) -> floa
 
 
 def gemm_time(m: float, k: float, n: float, peak_tflops: float, cal: Calibration,
-              eff_max: float, speedup: float = 1.0, count: float = 1.0) -> float:
+              eff_max: float, speedup: float = 1.0, count: float = 1.0,
+              half_dim: float | None = None) -> float:
     """Forward seconds of `count` identical GEMMs of shape (m×k)·(k×n) at BF16 peak × speed-up,
-    `eff_max` the GPU's calibrated peak GEMM efficiency."""
+    `eff_max` the GPU's calibrated peak GEMM efficiency, `half_dim` its architecture's shape
+    curve (`Calibration.half_dim_for`; the shared one when None)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    eff = gemm_efficiency(m, k, n, eff_max, cal.gemm_half_dim)
+    eff = gemm_efficiency(m, k, n, eff_max, cal.gemm_half_dim if half_dim is None else half_dim)
     return count * gemm_flops(m, k, n) / (peak_tflops * 1e12 * eff * speedup)
 
 
@@ -111,15 +113,38 @@ def attention_head_dim_factor(head_dim: float, half_dim: float) -> float:
                / (ATTN_REF_HEAD_DIM / (ATTN_REF_HEAD_DIM + half_dim)))
 
 
+# cuDNN attention for DeepSeek-V3 shapes, TFLOPS forward/backward at s = 4096 and s = 16384
+# (REFERENCE.md, "Time"): the kernels gain with the sequence they run over (fewer masked-tile
+# and pipeline-fill losses per row of tiles). Ampere has no such figure: Hopper's curve.
+ATTN_LENGTH_TFLOPS = {"hopper": ((553.0, 422.0), (638.0, 523.0)),
+                      "blackwell": ((1324.0, 1083.0), (1698.0, 1298.0))}
+ATTN_REF_SEQ = 4096.0
+ATTN_SEQ_RANGE = (2048.0, 32768.0)  # the power law is not carried far past the measurements
+
+
+def attention_length_factors(kv_len: float, arch: str) -> tuple[float, float]:
+    """(forward, backward) attention efficiency at `kv_len` keys per kernel call relative to
+    the calibrated s = 4096: the measured 4K → 16K gain as a power law in the length,
+    (t_16K / t_4K)^(log₄(L / 4096)), with L clamped to ATTN_SEQ_RANGE. A CP rank's ring steps run
+    over seq/cp keys each, so context parallelism pays this as shorter kernels."""
+    (f4, b4), (f16, b16) = ATTN_LENGTH_TFLOPS.get(arch, ATTN_LENGTH_TFLOPS["hopper"])
+    lo, hi = ATTN_SEQ_RANGE
+    x = math.log(min(max(kv_len, lo), hi) / ATTN_REF_SEQ, 4.0)
+    return (f16 / f4) ** x, (b16 / b4) ** x
+
+
 def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str,
-                   head_dim: float | None = None) -> tuple[float, float]:
+                   head_dim: float | None = None, kv_len: float | None = None
+                   ) -> tuple[float, float]:
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
     (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
-    scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given.
-    `flops_fwd` is the work the kernel does (see `attended_keys`), not the model count."""
+    scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given and
+    by `attention_length_factors` when the keys per kernel call are. `flops_fwd` is the work
+    the kernel does (see `attended_keys`), not the model count."""
     f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
-    fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f)
-    bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f)
+    lf, lb = attention_length_factors(kv_len, arch) if kv_len else (1.0, 1.0)
+    fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f * lf)
+    bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f * lb)
     return fwd, bwd
 
 

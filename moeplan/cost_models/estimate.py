@@ -23,7 +23,13 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from . import uncertainty as U
 from .calibration import Calibration, calibration_for
-from .compute import adam_step_bytes, lowp_speedup, membound_time
+from .compute import (
+    ATTN_SEQ_RANGE,
+    adam_step_bytes,
+    attention_length_factors,
+    lowp_speedup,
+    membound_time,
+)
 from .layers import (
     BF16,
     Context,
@@ -174,8 +180,8 @@ def _chunk(items: list[tuple[str, LayerCost]], recompute: list[str], offload: li
     """One chunk for one micro-batch; `edge` is `overlap.edge_weight` of the schedule."""
     fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = dense = expert = 0.0
     for _, lc in items:
-        fwd += lc.fwd_s + ctx.cal.layer_overhead_s
-        bwd += lc.bwd_s + ctx.cal.layer_overhead_s
+        fwd += lc.fwd_s + lc.launch_s
+        bwd += lc.bwd_s + lc.launch_s
         rec += lc.recompute_s(recompute)
         exp += lc.exposed_s(edge)
         tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
@@ -268,14 +274,15 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
 def fixed_buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout,
                        cal: Calibration, imbalance: float = 1.0, has_moe: bool = True) -> float:
     """Bytes a rank holds outside weights, optimizer and saved activations: the dispatcher's
-    send/recv buffers of one MoE layer (at the busiest rank), the TP all-gather buffer and the
-    fixed workspace. Fragmentation comes on top (`frag_frac` of static + activations)."""
+    send/recv buffers of one MoE layer (at the busiest rank), the TP all-gather buffer, the CUDA
+    graphs' memory when the layout captures them, and the fixed workspace. Fragmentation comes on top (`frag_frac` of static + activations)."""
     L = layout
     n_tok = L.mbs * training.seq_len / L.cp
     disp = (2 * BF16 * n_tok / L.tp * model.moe_top_k * L.etp * model.hidden_size * imbalance
             if model.is_moe and has_moe else 0.0)
     tp_buf = BF16 * n_tok * model.hidden_size if L.tp > 1 else 0.0
-    return disp + tp_buf + cal.workspace_gb * GB
+    graphs = cal.cuda_graph_gb * GB if L.cuda_graphs else 0.0
+    return disp + tp_buf + graphs + cal.workspace_gb * GB
 
 
 def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
@@ -474,8 +481,10 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     world = tp * cp * dp * pp
     peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
     speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
-    eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[cluster.architecture],
-              cal.attn_bwd_eff[cluster.architecture])
+    arch = cluster.architecture
+    gain = attention_length_factors(ATTN_SEQ_RANGE[1], arch)  # the longest kernels' gain
+    eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0],
+              cal.attn_bwd_eff[arch] * gain[1])
     tokens = training.global_batch_size * training.seq_len
     flops = model.flops_per_token(training.seq_len) * tokens
     t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)

@@ -67,6 +67,9 @@ class LayerCost:
     # extra exposure of a micro-batch that runs without an overlap partner (the warm-up and
     # cool-down of a merged forward/backward schedule): what it exposes minus exposed_fwd/bwd
     edge_exposed_s: float = 0.0
+    # kernel-launch overhead of one forward or one backward pass (host-bound gaps between
+    # kernels), after the share CUDA graphs capture (`graphed_share`)
+    launch_s: float = 0.0
 
     def exposed_s(self, edge_weight: float = 0.0) -> float:
         """Exposed communication of one micro-batch, the steady state blended with the
@@ -74,8 +77,9 @@ class LayerCost:
         return self.exposed_fwd_s + self.exposed_bwd_s + edge_weight * self.edge_exposed_s
 
     def time_at(self, edge_weight: float = 0.0) -> float:
-        """Forward + backward + exposed communication, no recompute or offload."""
-        return self.fwd_s + self.bwd_s + self.exposed_s(edge_weight)
+        """Forward + backward + their launch overheads + exposed communication, no recompute
+        or offload."""
+        return self.fwd_s + self.bwd_s + 2 * self.launch_s + self.exposed_s(edge_weight)
 
     @property
     def time_s(self) -> float:
@@ -159,21 +163,42 @@ def _gemm(ctx: Context, m: float, k: float, n: float, covered: bool = True, coun
           ) -> float:
     """Forward seconds of a GEMM; `covered` GEMMs run at the precision recipe's speed-up."""
     return gemm_time(m, k, n, ctx.peak, ctx.cal, ctx.eff_max, ctx.speedup if covered else 1.0,
-                     count)
+                     count, ctx.cal.half_dim_for(ctx.arch))
+
+
+GRAPHED_SHARE = {"dense": 1.0, "moe": 0.5}
+"""Share of a decoder layer's kernel launches that Megatron's CUDA graphs capture
+(`--cuda-graph-scope attn mlp` for a dense layer, `attn moe_router moe_preprocess` for an MoE
+layer): all of a dense layer's; of an MoE layer's, the attention block and the router (about
+half its kernels: norm, QKV, RoPE, attention, projection and the router against the permute,
+dispatch, grouped GEMMs, activation, combine and unpermute that dropless routing leaves
+dynamic-shaped). Embedding and loss are never captured."""
+
+
+def graphed_share(kind: str, cuda_graphs: bool) -> float:
+    return GRAPHED_SHARE.get(kind, 0.0) if cuda_graphs else 0.0
 
 
 def _layer(ctx: Context, **fields: object) -> LayerCost:
-    """A LayerCost carrying the cluster's host-link bandwidth (for offload option times)."""
+    """A LayerCost carrying the cluster's host-link bandwidth (for offload option times) and
+    its kernel-launch overhead per pass: the calibrated per-layer overhead less the share CUDA
+    graphs capture (an MTP module launches like the layer it wraps)."""
+    if "launch_s" not in fields:
+        share = graphed_share(str(fields["kind"]), ctx.layout.cuda_graphs)
+        fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
     return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
-    """(forward, backward) exposure of a layer's TP communication: half of it each way, beside
-    the layer's GEMMs (backward runs twice the forward GEMMs), at most the fraction
-    `1 − tp_exposed` hidden (overlap.exposed_time), plus the SM share the hidden part takes."""
+    """(forward, backward) exposure of a layer's TP communication: half of it each way. With TP
+    comm overlap (Layout.tp_comm_overlap) it runs beside the layer's GEMMs (backward runs twice
+    the forward GEMMs), at most the fraction `tp_overlap_hidden` hidden (overlap.exposed_time),
+    plus the SM share the hidden part takes; without it, all of it is exposed."""
     if tp_s <= 0.0:
         return 0.0, 0.0
-    eta, sm = 1.0 - ctx.cal.tp_exposed, ctx.cal.sm_fraction(ctx.arch)
+    if not ctx.layout.tp_comm_overlap:
+        return tp_s / 2, tp_s / 2
+    eta, sm = ctx.cal.tp_overlap_hidden, ctx.cal.sm_fraction(ctx.arch)
     return (overlap_cost(tp_s / 2, gemm_fwd_s, eta, sm),
             overlap_cost(tp_s / 2, 2 * gemm_fwd_s, eta, sm))
 
@@ -255,7 +280,9 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     # same causal share) over the keys a tiled kernel computes: (s + B)/2 causal, ⌈(w−1)/B⌉+1
     # tiles under a sliding window w (compute.attended_keys), at the head dim's efficiency
     flops = N * attended_keys(seq, window) * (a / t) * 2 * (d_qk + d_v)
-    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2)
+    kv_len = seq / ctx.layout.cp if window is None else min(seq / ctx.layout.cp, window)
+    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
+                                    kv_len)
     norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
     gemm_f = down + up + proj
@@ -485,4 +512,5 @@ def mtp_layer(ctx: Context, imbalance: float = 1.0) -> LayerCost:
         exposed_bwd_s=body.exposed_bwd_s + head.exposed_bwd_s,
         tensors=body.tensors + head.tensors[1:] + extra, recompute_fwd_s=rec,
         dense_params=body.dense_params + 2 * h * h / t + 3 * h,
-        expert_params=body.expert_params, edge_exposed_s=body.edge_exposed_s)
+        expert_params=body.expert_params, edge_exposed_s=body.edge_exposed_s,
+        launch_s=body.launch_s)

@@ -165,6 +165,19 @@ def _alltoall(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, 
     return L.model_copy(update={"dispatcher": "alltoall"}), ch, c
 
 
+def _no_tp_overlap(L: Layout, ch: Choices, c: ClusterSpec
+                   ) -> tuple[Layout, Choices, ClusterSpec]:
+    return L.model_copy(update={"tp_comm_overlap": False}), ch, c
+
+
+def _no_graphs(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, ClusterSpec]:
+    return L.model_copy(update={"cuda_graphs": False}), ch, c
+
+
+LAYOUT_VARIANTS = (_no_overlap, _alltoall, _no_tp_overlap, _no_graphs)
+"""The pessimistic variants that change only the layout (a search bounds with them)."""
+
+
 def _slow_host(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices, ClusterSpec]:
     return L, ch, c.model_copy(update={"host_link_gb_s": c.host_link_gb_s / 2,
                                        "host_memory_bw_gb_s": c.host_memory_bw_gb_s / 2})
@@ -196,7 +209,9 @@ def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         if L.dispatcher == "flex" and ep_fab == "scale-out":
             keys.append(f"flex/{gen}/scale-out")
     if L.tp > 1:
-        keys.append(f"tp/{gen}")
+        keys.append(f"tp_overlap/{gen}" if L.tp_comm_overlap else f"tp/{gen}")
+    if L.cuda_graphs:
+        keys.append(f"cuda_graphs/{gen}")
     if L.cp > 1:
         keys.append(f"cp/{gen}/{_seq_bucket(training.seq_len)}")
     if choices.optimizer_offload_fraction > 0:
@@ -238,8 +253,15 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                              f"no published run on {gen} with the flex dispatcher across "
                              "NVLink domains", _alltoall))
         elif kind == "tp":
-            out.append(_term(key, "TP communication overlap (the fitted share hidden behind "
-                             "the GEMMs)", p, f"no published run on {gen} with tp > 1"))
+            out.append(_term(key, "TP communication, exposed (no TP comm overlap)", p,
+                             f"no published run on {gen} with tp > 1 and no TP comm overlap"))
+        elif kind == "tp_overlap":
+            out.append(_term(key, "TP comm overlap (TE userbuffers) hiding up to the fitted "
+                             "share behind the GEMMs", p,
+                             f"no published run on {gen} with TP comm overlap", _no_tp_overlap))
+        elif kind == "cuda_graphs":
+            out.append(_term(key, "CUDA graphs removing the captured kernels' launch overhead",
+                             p, "no published run documents CUDA graphs", _no_graphs))
         elif kind == "cp":
             out.append(_term(key, f"context parallelism at {training.seq_len} tokens", p,
                              f"no published run on {gen} with cp > 1 near this length"))
@@ -268,7 +290,7 @@ def pessimistic_layout(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     is what a search can bound before it has chosen any."""
     L = layout
     for t in assumptions(model, cluster, training, layout, Choices(), profile):
-        if t.pessimistic in (_no_overlap, _alltoall) and not t.assumption.validated:
+        if t.pessimistic in LAYOUT_VARIANTS and not t.assumption.validated:
             L = t.pessimistic(L, Choices(), cluster)[0]
     return None if L is layout else L
 

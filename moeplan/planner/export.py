@@ -150,6 +150,12 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--expert-model-parallel-size": MegatronFlag(1, int, None, _A + "_add_moe_args"),
     "--expert-tensor-parallel-size": MegatronFlag(1, int, None, _A + "_add_moe_args"),
     "--sequence-parallel": MegatronFlag(0, None, None, _A + "_add_training_args"),
+    "--tp-comm-overlap": MegatronFlag(0, None, None, _A + "_add_training_args"),
+    "--cuda-graph-impl": MegatronFlag(1, str, ("none", "local", "transformer_engine"),
+                                      _A + "_add_inference_args"),
+    "--cuda-graph-scope": MegatronFlag(
+        "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
+                   "full_iteration"), _A + "_add_inference_args"),
     "--use-distributed-optimizer": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     "--use-tp-pp-dp-mapping": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     # ---- batch
@@ -472,6 +478,12 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     a.add("--expert-tensor-parallel-size", L.etp)  # Megatron defaults it to tp: always write it
     if L.sequence_parallel:
         a.add("--sequence-parallel")
+    if L.tp_comm_overlap:
+        a.add("--tp-comm-overlap")
+    if L.cuda_graphs:  # the static-shape parts: cost_models.layers.GRAPHED_SHARE
+        a.add("--cuda-graph-impl", "transformer_engine")
+        a.add("--cuda-graph-scope", *(("attn", "moe_router", "moe_preprocess") if m.is_moe
+                                      else ("attn", "mlp")))
     if L.distributed_optimizer:
         a.add("--use-distributed-optimizer")
     if L.order == "tp-cp-ep-pp-dp":
@@ -742,11 +754,10 @@ def to_torchrun(plan: Plan, nnodes: int | None = None, nproc_per_node: int | Non
 
 
 def _summary(plan: Plan) -> str:
-    L = plan.layout
-    return (f"{plan.model.name} on {L.world_size} GPUs ({plan.cluster.name}): tp={L.tp} "
-            f"cp={L.cp} dp={L.dp} pp={L.pp} vpp={L.vpp} ep={L.ep} etp={L.etp} mbs={L.mbs} "
-            f"seq={plan.training.seq_len} gbs={plan.training.global_batch_size} "
-            f"{plan.training.precision}")
+    """The plan in one comment line, in the words of `Plan.summary` (tables, explanations)."""
+    t = plan.training
+    return (f"{plan.headline()} ({plan.cluster.name}), seq {t.seq_len}, gbs "
+            f"{t.global_batch_size}: {plan.summary()}")
 
 
 def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None = None,

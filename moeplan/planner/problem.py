@@ -50,21 +50,20 @@ class LayerTable:
             self.groups[name] = _groups(self.costs[name])
         return self.groups[name]
 
-    def total_time_s(self, overhead_s: float, mtp_layers: int, edge: float = 0.0) -> float:
+    def total_time_s(self, mtp_layers: int, edge: float = 0.0) -> float:
         """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time
         (`edge`: overlap.edge_weight of the schedule; 0 is the steady state, a lower bound)."""
-        t = sum(n * _item_time(self.costs[k], overhead_s, edge)
+        t = sum(n * _item_time(self.costs[k], edge)
                 for k, n in Counter(self.keys).items())
-        t += (_item_time(self.costs["E"], overhead_s, edge)
-              + _item_time(self.costs["L"], overhead_s, edge))
+        t += _item_time(self.costs["E"], edge) + _item_time(self.costs["L"], edge)
         if mtp_layers:
-            t += mtp_layers * _item_time(self.costs["m"], overhead_s, edge)
+            t += mtp_layers * _item_time(self.costs["m"], edge)
         return t
 
 
-def _item_time(lc: LayerCost, overhead_s: float, edge: float) -> float:
+def _item_time(lc: LayerCost, edge: float) -> float:
     """t_i as `estimate._chunk` adds it: fwd + bwd + two launch overheads + exposed comm."""
-    return lc.time_at(edge) + 2 * overhead_s
+    return lc.time_at(edge)
 
 
 def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
@@ -103,14 +102,14 @@ def stage_problem(
     S, pp, vpp, m = L.pp * L.vpp, L.pp, L.vpp, L.num_microbatches
     moments = moments_bytes(training)
     dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
-    ovh = cal.layer_overhead_s
     edge = edge_weight(m, pp, vpp)
     f = optimizer_offload_fraction
 
     def item(name: str, lc: LayerCost) -> Item:
         st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
                            moments, L.distributed_optimizer, f)
-        return Item(name, _item_time(lc, ovh, edge), lc.fwd_s + ovh, lc.bwd_s + ovh, st.total,
+        return Item(name, _item_time(lc, edge), lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s,
+                    st.total,
                     table.groups_of(name), tuple(sorted(lc.recompute_fwd_s.items())))
 
     keys = table.keys

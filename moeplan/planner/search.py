@@ -53,6 +53,7 @@ from ..specs import (
     Plan,
     TrainingSpec,
 )
+from ..specs.loader import cluster_presets
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
 from .explain import explain_plans
 from .ilp import (
@@ -140,7 +141,9 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    return SearchSpace(precisions=precisions)
+    # `moeplan run` executes neither TE userbuffers nor CUDA graphs (runtime/support.py)
+    runs_stack = target == "megatron"
+    return SearchSpace(precisions=precisions, tp_comm_overlap=runs_stack, cuda_graphs=runs_stack)
 
 
 def _options(target: str) -> tuple[str, ...]:
@@ -295,7 +298,8 @@ def search(
 
     def table_key(layout: Layout, tr: TrainingSpec) -> tuple:
         key = (sig, layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs, layout.dispatcher,
-               layout.ep_overlap, tr.precision, model.tie_embeddings and layout.pp == 1,
+               layout.ep_overlap, layout.tp_comm_overlap, layout.cuda_graphs, tr.precision,
+               model.tie_embeddings and layout.pp == 1,
                tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
         if key not in tables:
             tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
@@ -304,7 +308,8 @@ def search(
     def row_setup(idx: int) -> tuple[Layout, TrainingSpec, tuple]:
         row = enum.rows[idx]
         prec = enum.precisions[int(row[COL["precision"]])]
-        layout = Layout(**_layout(row))
+        layout = Layout(**_layout(row),
+                        tp_comm_overlap=space.tp_comm_overlap and int(row[COL["tp"]]) > 1)
         tr = training.model_copy(update={"precision": prec})
         return layout, tr, table_key(layout, tr)
 
@@ -313,12 +318,11 @@ def search(
         objective a layout whose overlap or dispatcher no fit row backs is ranked by its
         pessimistic variant (uncertainty.pessimistic_layout), so that variant's time bounds it."""
         layout, tr, key = row_setup(idx)
-        w = tables[key].total_time_s(cal.layer_overhead_s, model.mtp_layers)
+        w = tables[key].total_time_s(model.mtp_layers)
         if objective == "robust":
             worse = pessimistic_layout(model, cluster, tr, layout)
             if worse is not None:
-                w = max(w, tables[table_key(worse, tr)].total_time_s(cal.layer_overhead_s,
-                                                                      model.mtp_layers))
+                w = max(w, tables[table_key(worse, tr)].total_time_s(model.mtp_layers))
         return w
 
     # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
@@ -339,21 +343,82 @@ def search(
     lb = t_lb.copy()
     refine: list[tuple[int, Layout, TrainingSpec, tuple]] = []
     done = 0
+    solved: dict[int, tuple[str, Plan | None]] = {}
+    row_index: dict[bytes, int] = {}
+
+    def tight_bound(idx: int) -> float:
+        j = int(key_of[idx])
+        if j not in work:
+            work[j] = bound_work(idx)
+        lb[idx] = max(float(lb[idx]), float(fill[idx]) * work[j])
+        return float(lb[idx])
+
+    def solve_row(idx: int) -> tuple[str, Plan | None]:
+        """Screen one row (balanced stages), push its plan, and remember the outcome."""
+        nonlocal closest
+        layout, tr, key = row_setup(idx)
+        if tight_bound(idx) >= kth():
+            solved[idx] = ("bound", None)
+            return solved[idx]
+        plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
+                                     _layout_options(options, layout, target), key,
+                                     sets_cache, result, balanced=True,
+                                     lb_pipe=float(lb[idx]), cutoff=kth(),
+                                     with_interval=objective == "robust")
+        solved[idx] = (status, plan)
+        if status == "infeasible":
+            pruned["memory_milp"] += 1
+            if not best:  # only while nothing fits is the closest candidate of any use
+                least = _least_memory(model, options, layout.ep_overlap)
+                peak = estimate(model, cluster, tr, layout, least).memory.peak_gb
+                if closest is None or peak < closest[0]:
+                    closest = (peak, layout)
+            return solved[idx]
+        result.feasible += status in ("plan", "screened")
+        if plan is None:
+            pruned["time_bound_milp" if status == "bound" else "screened_by_milp"] += 1
+            return solved[idx]
+        push(plan, idx)
+        refine.append((idx, layout, tr, key))
+        return solved[idx]
+
+    def dominated(idx: int) -> bool:
+        """Robust only: a row whose unvalidated overlap or dispatcher the interval's low end
+        takes away is priced, at its low end, as its validated twin (alltoall, no EP overlap:
+        the same memory and a superset of the recompute options, so every choice that fits the
+        row fits the twin and the twin's best choices are at least as fast). When the twin
+        cannot enter the top k, neither can the row: the twin is screened first."""
+        layout, tr, _ = row_setup(idx)
+        worse = pessimistic_layout(model, cluster, tr, layout)
+        if worse is None or (worse.tp_comm_overlap, worse.cuda_graphs) != (
+                layout.tp_comm_overlap, layout.cuda_graphs):
+            return False
+        if not row_index:
+            row_index.update((r.tobytes(), i) for i, r in enumerate(enum.rows))
+        twin = enum.rows[idx].copy()
+        twin[COL["dispatcher"]] = DISPATCHERS.index(worse.dispatcher)
+        twin[COL["ep_overlap"]] = int(worse.ep_overlap)
+        j = row_index.get(twin.tobytes())
+        if j is None or j == idx or not fits[j]:
+            return False
+        status, plan = solved[j] if j in solved else solve_row(j)
+        if status in ("bound", "screened", "infeasible"):
+            return True
+        return plan is not None and rank_key(plan) >= kth() * scale
+
     while heap:
         bound, idx, tight = heap[0]
         if bound >= kth():
-            pruned["time_bound"] += len(heap)
+            pruned["time_bound"] += sum(1 for e in heap if e[1] not in solved)
             break
         heapq.heappop(heap)
+        if idx in solved:
+            continue
         done += 1
         if progress and done % 200 == 0:
             progress(done, 2 * len(cand))  # each row leaves the heap at most twice
         if not tight:
-            j = int(key_of[idx])
-            if j not in work:
-                work[j] = bound_work(idx)
-            lb[idx] = max(bound, float(fill[idx]) * work[j])
-            heapq.heappush(heap, (float(lb[idx]), idx, True))
+            heapq.heappush(heap, (tight_bound(idx), idx, True))
             continue
         # anytime: past the limit, stop once a plan that fits is in hand (never before it, so a
         # short limit still returns the first feasible plan, and "nothing fits" stays a proof)
@@ -362,26 +427,11 @@ def search(
             result.stopped_early = True
             pruned["time_limit"] += len(heap) + 1
             break
-        layout, tr, key = row_setup(idx)
-        plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
-                                     _layout_options(options, layout, target), key,
-                                     sets_cache, result, balanced=True,
-                                     lb_pipe=float(lb[idx]), cutoff=kth(),
-                                     with_interval=objective == "robust")
-        if status == "infeasible":
-            pruned["memory_milp"] += 1
-            if not best:  # only while nothing fits is the closest candidate of any use
-                least = _least_memory(model, options, layout.ep_overlap)
-                peak = estimate(model, cluster, tr, layout, least).memory.peak_gb
-                if closest is None or peak < closest[0]:
-                    closest = (peak, layout)
+        if objective == "robust" and dominated(idx):
+            solved[idx] = ("dominated", None)
+            pruned["robust_twin_bound"] += 1
             continue
-        result.feasible += status in ("plan", "screened")
-        if plan is None:
-            pruned["time_bound_milp" if status == "bound" else "screened_by_milp"] += 1
-            continue
-        push(plan, idx)
-        refine.append((idx, layout, tr, key))
+        solve_row(idx)
     # screening used balanced stages; for the plans on top, the MILP also places the layers:
     # uneven first and last stages can beat the balanced split (embedding, loss, MTP)
     on_top = {-e[2] for e in best}
@@ -401,6 +451,10 @@ def search(
                 -best[k][0], -best[k][1]):
             best[k] = (-rank_key(plan), -plan.estimate.step_time_s, -idx, plan)  # type: ignore[union-attr]
             heapq.heapify(best)
+    # CUDA graphs only remove launch overhead: the plans on top take them where their memory
+    # leaves room for the graphs (same choices), when that makes them rank better
+    best = [(-rank_key(p), -p.estimate.step_time_s, e[2], p) for e in best  # type: ignore[union-attr]
+            for p in [_with_graphs(e[3], space, rank_key, objective == "robust")]]
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
@@ -416,6 +470,24 @@ def search(
 
 
 OBJECTIVES = ("robust", "expected")
+
+
+def _with_graphs(plan: Plan, space: SearchSpace, rank_key: Callable[[Plan], float],
+                 with_interval: bool) -> Plan:
+    """The plan with CUDA graphs (Layout.cuda_graphs) when the target runs them, the graphs'
+    memory still fits beside the plan's choices, and the plan then ranks better (the point
+    breaks a tie: unvalidated graphs leave a robust key where it was)."""
+    if not space.cuda_graphs or plan.layout.cuda_graphs or plan.estimate is None:
+        return plan
+    layout = plan.layout.model_copy(update={"cuda_graphs": True})
+    est = estimate(plan.model, plan.cluster, plan.training, layout, plan.choices,
+                   with_interval=with_interval)
+    if not est.fits:
+        return plan
+    graphed = plan.model_copy(update={"layout": layout, "estimate": est})
+    if (rank_key(graphed), est.step_time_s) < (rank_key(plan), plan.estimate.step_time_s):
+        return graphed
+    return plan
 
 
 def _validated_only(plan: Plan) -> bool:
@@ -549,21 +621,20 @@ def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: Traini
     budget_gb = max_peak_gb(cluster, cal)
     if closest is not None:  # fits on weights, not with the activations it must keep
         need_gb, lay = closest
-        where = (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} etp={lay.etp} mbs={lay.mbs} "
-                 f"peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
     else:
         i = int(np.argmin(mem_lb))
-        ax = _layout(enum.rows[i])
+        lay = Layout(**_layout(enum.rows[i]))
         need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
-        where = (f"tp={ax['tp']} pp={ax['pp']} ep={ax['ep']} etp={ax['etp']} needs at least "
-                 f"{need_gb:.0f} GB per GPU for weights and gradients alone, with every "
-                 "activation recomputed or offloaded and the optimizer on the host")
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" needs at least {need_gb:.0f} GB per GPU for weights and gradients alone, "
+                 "with every activation recomputed or offloaded and the optimizer on the host")
     ratio = need_gb / budget_gb
     gpus_needed = world * 2
     while gpus_needed < world * ratio * 1.15:
         gpus_needed *= 2
-    bigger = [("h200", 141), ("b200", 180), ("b300", 288), ("gb300-nvl72", 288)]
-    larger = [name for name, gb in bigger if gb > cluster.hbm_gb * max(1.0, ratio)]
+    larger = [c.name for c in cluster_presets() if c.hbm_gb > cluster.hbm_gb * max(1.0, ratio)]
     hints = [f"about {gpus_needed} GPUs of this kind"]
     if training.precision == "bf16" and cluster.fp8_tflops:
         hints.append("an FP8 recipe (--precision auto) to shrink activations")

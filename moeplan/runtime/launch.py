@@ -28,31 +28,19 @@ import time
 from pathlib import Path
 
 from ..commands import torchrun_args
-from ..errors import MoeplanError, NotYetAvailable, SpecError
+from ..errors import MoeplanError, NotYetAvailable, RunFailed, RunStopped, SpecError
 from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
 from .options import PreparedRun, RunOptions
 from .storage import check_token_file, held_steps, resume_point, verify
-from .support import features_not_executed
+from .support import features_not_executed, settings_not_executed
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
 
 
-class RunFailed(Exception):
-    """Workers exited with an error (their output says why)."""
-
-    prefix = "[bold red]error:[/] "  # how the CLI prints it
-
-    def __init__(self, code: int, message: str | None = None):
-        super().__init__(message or f"training workers exited with code {code}")
-        self.exit_code = code
-
-
-class Stopped(RunFailed):
+class Stopped(RunStopped):
     """The run was stopped by SIGINT or SIGTERM: exit 130 or 75, with one line saying where."""
-
-    prefix = ""
 
     def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None,
                  quiet: bool = False):
@@ -98,10 +86,16 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         raise NotYetAvailable("the runtime does not execute yet what this plan uses: "
                               + "; ".join(missing) + ". Nothing was run.")
     running = plan
+    skipped = settings_not_executed(plan)
+    if skipped:  # speed settings only: the same function runs without them
+        print(f"note: this runtime runs without {' and '.join(skipped)}; the step time it "
+              "measures is without them.", file=sys.stderr)
+        running = plan.model_copy(update={"layout": plan.layout.model_copy(
+            update={"tp_comm_overlap": False, "cuda_graphs": False})})
     if opts.scale_down:
         from .scale import scale_down_plan
 
-        running = scale_down_plan(plan)
+        running = scale_down_plan(running)
         check_layout(running.model, running.training, running.layout, choices=running.choices)
     if opts.data != "synthetic":
         check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)

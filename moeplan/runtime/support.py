@@ -86,3 +86,16 @@ def features_not_executed(plan: Plan) -> list[str]:
                    f"tp={L.tp}; re-plan with `moeplan estimate ... --tp {max(fits)}`, or pad "
                    f"vocab_size in the model spec to a multiple of {L.tp})")
     return out
+
+
+def settings_not_executed(plan: Plan) -> list[str]:
+    """Megatron stack settings the plan names that this runtime runs without: they change the
+    step time, never the function computed (TE userbuffers, CUDA graphs), so the run goes
+    ahead and says that its measured time is without them."""
+    L = plan.layout
+    out = []
+    if L.tp_comm_overlap:
+        out.append("TP communication overlap (tp_comm_overlap)")
+    if L.cuda_graphs:
+        out.append("CUDA graphs (cuda_graphs)")
+    return out

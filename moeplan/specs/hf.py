@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import SpecError
-from .loader import build
 from .model import ModelSpec
+from .validated import build
 
 log = logging.getLogger("moeplan.hf")
 

@@ -51,6 +51,13 @@ class Layout(BaseModel):
     dispatcher: Dispatcher = Field("alltoall", description="MoE token dispatcher.")
     distributed_optimizer: bool = Field(True, description="Shard optimizer states over DP.")
     ep_overlap: bool = Field(False, description="Hide EP all-to-all by merged fwd/bwd (Megatron).")
+    tp_comm_overlap: bool = Field(
+        False, description="Overlap TP all-gather/reduce-scatter with the GEMMs beside them (TE "
+        "userbuffers, Megatron --tp-comm-overlap); needs tp > 1. Off, TP comm is exposed.")
+    cuda_graphs: bool = Field(
+        False, description="Capture each layer's static-shape parts (attention, dense MLP, MoE "
+        "router and preprocess) in CUDA graphs (Megatron --cuda-graph-impl transformer_engine), "
+        "removing their kernel-launch overhead for graph memory.")
 
     @model_validator(mode="before")
     @classmethod
@@ -124,7 +131,7 @@ class Layout(BaseModel):
         """A hashable tuple, for caches and deterministic ordering."""
         return (self.tp, self.cp, self.dp, self.pp, self.vpp, self.ep, self.etp, self.mbs,
                 self.num_microbatches, self.order, self.dispatcher, self.distributed_optimizer,
-                self.ep_overlap)
+                self.ep_overlap, self.tp_comm_overlap, self.cuda_graphs)
 
 
 class Choices(BaseModel):
@@ -240,6 +247,9 @@ def layout_violations(
             sets = [choices.recompute, *(choices.stage_recompute or [])]
             if any("full" in s or "moe" in s for s in sets):
                 v.append(("ep_overlap_recompute", "EP overlap excludes full or `moe` recompute"))
+    if L.tp_comm_overlap and L.tp == 1:
+        v.append(("tp_comm_overlap_needs_tp", "TP communication overlap needs tp > 1; turn "
+                  "tp_comm_overlap off"))
     if choices is not None:
         if choices.stage_recompute is not None and len(choices.stage_recompute) != L.pp:
             v.append(("stage_recompute_len", f"stage_recompute needs one set per pp rank ({L.pp})"))

@@ -10,20 +10,26 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ValidationError
 
 from .. import limits
 from ..errors import SpecError
 from ..fsio import is_file
 from .cluster import ClusterSpec
+from .hf import model_from_hf_config
 from .model import ModelSpec
 from .plan import Plan
 from .training import TrainingSpec
+from .validated import build, format_validation_error
 
-T = TypeVar("T", bound=BaseModel)
+__all__ = [
+    "SpecKind", "build", "cluster_presets", "document_kind", "format_validation_error", "is_hf_config",
+    "list_presets", "load_cluster", "load_model", "load_plan", "load_training", "parse_text",
+    "read_document", "read_text", "ref_kind",
+]
+SpecKind = Literal["plan", "cluster", "training", "model"]
 _PRESETS = resources.files("moeplan.specs") / "presets"
 
 
@@ -37,41 +43,11 @@ def list_presets() -> dict[str, list[str]]:
     return {"models": _preset_names("models"), "clusters": _preset_names("clusters")}
 
 
-def format_validation_error(err: ValidationError, what: str, source: str) -> str:
-    """One paragraph from pydantic's errors: each offending field, what is wrong, what was given."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "missing":
-            parts.append(f"field `{loc}` is required but missing")
-        elif e["type"] == "extra_forbidden":
-            parts.append(f"field `{loc}` is not a {what} field (check its spelling)")
-        elif e["type"] == "less_than_equal":
-            parts.append(f"field `{loc}`: {limits.excerpt(e.get('input'))} is above the limit "
-                         f"of {e.get('ctx', {}).get('le')} (moeplan bounds every size; see "
-                         "the README's Limits)")
-        elif not loc and ": " in msg:  # a cross-field rule names its field first
-            field, _, rest = msg.partition(": ")
-            parts.append(f"field `{field}`: {rest}")
-        else:
-            got = e.get("input")
-            shown = (f" (got {limits.excerpt(got)})" if got is not None
-                     and not isinstance(got, dict) else "")
-            parts.append(f"field `{loc}`: {msg}{shown}" if loc else msg)
-    return (f"invalid {what} in {source}: " + "; ".join(parts)
-            + f". Fix the {what} and try again (`moeplan specs validate FILE` checks a file).")
-
-
-def build(cls: type[T], data: Any, what: str, source: str) -> T:
-    """Validate `data` into `cls`, turning pydantic's errors into one SpecError paragraph."""
-    if not isinstance(data, dict):
-        raise SpecError(f"invalid {what} in {source}: expected a mapping of fields, got "
-                        f"{type(data).__name__}. Write the {what} as YAML or JSON key: value pairs.")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(format_validation_error(err, what, source)) from None
+def cluster_presets() -> list[ClusterSpec]:
+    """Every cluster preset, by GPU memory then name: the one list of the GPUs moeplan knows,
+    so that advice such as "a larger-memory GPU" names each preset, new ones included."""
+    return sorted((load_cluster(name) for name in _preset_names("clusters")),
+                  key=lambda c: (c.hbm_gb, c.name))
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -226,7 +202,38 @@ def read_document(path: Path) -> Any:
 
 
 def is_hf_config(data: Any) -> bool:
+    """A Hugging Face config.json (load_model imports it as a ModelSpec)."""
     return isinstance(data, dict) and ("architectures" in data or "model_type" in data)
+
+
+def document_kind(data: Any) -> SpecKind:
+    """Which spec a parsed document describes, told by a field only that kind has: a Plan embeds
+    model, cluster and layout; a ClusterSpec has `bf16_tflops`; a TrainingSpec
+    `global_batch_size`. Anything else is read as a model (a ModelSpec or a Hugging Face config),
+    so that a broken model file is reported by the model's own field errors."""
+    if isinstance(data, dict):
+        if {"model", "cluster", "layout"} <= data.keys():
+            return "plan"
+        if "bf16_tflops" in data:
+            return "cluster"
+        if "global_batch_size" in data:
+            return "training"
+    return "model"
+
+
+def ref_kind(ref: str | Path) -> SpecKind:
+    """The kind of spec a preset name or file holds (`moeplan specs show` takes either).
+
+    A preset name is its kind; a file is read and told by `document_kind`; anything else is
+    taken for a model, whose loader then names the presets and the accepted files.
+    """
+    ref_s = str(ref)
+    presets = list_presets()
+    if ref_s in presets["clusters"]:
+        return "cluster"
+    if ref_s in presets["models"] or not is_file(Path(ref_s)):
+        return "model"
+    return document_kind(read_document(Path(ref_s)))
 
 
 def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
@@ -251,8 +258,6 @@ def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
         return ref
     data, source = _resolve(ref, "models")
     if is_hf_config(data):
-        from .hf import model_from_hf_config
-
         return model_from_hf_config(data, source, name=Path(str(ref)).stem)
     if isinstance(data, dict) and "name" not in data:
         data = {"name": Path(str(ref)).stem, **data}

@@ -115,6 +115,11 @@ class Plan(BaseModel):
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def headline(self) -> str:
+        """What trains where, the title the tables and exports put before `summary`:
+        `deepseek-v3 on 256 × H100`."""
+        return f"{self.model.name} on {self.world_size} × {self.cluster.gpu}"
+
     def layout_summary(self) -> str:
         """The parallel layout in one line: `tp2 cp1 dp8 pp4 vpp2 ep16 etp1 edp2 mbs1×64 bf16`.
 
@@ -135,7 +140,8 @@ class Plan(BaseModel):
         """Every choice beyond the parallel degrees, one token each, in the one vocabulary the
         tables, explanations, exports and README share:
 
-        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `dist-opt|no-dist-opt`
+        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `tp-comm-overlap`,
+        `cuda-graphs`, `dist-opt|no-dist-opt`
         (optimizer states sharded over data parallel or replicated),
         `recompute=core_attn,moe_act` (per pipeline rank when they differ:
         `recompute=core_attn|-|-|-`), `offload=expert_fc1`, `optimizer-offload=0.5` (fraction

@@ -1,0 +1,147 @@
+"""Stack features are plan choices: TP comm overlap and CUDA graphs are layout fields with their
+own cost, their own Megatron flags and their own search rule, never global constants."""
+
+import argparse
+
+import pytest
+
+from moeplan import Choices, Layout, Plan, TrainingSpec, load_cluster, load_model
+from moeplan.cost_models.calibration import default_calibration
+from moeplan.cost_models.estimate import estimate, fixed_buffer_bytes
+from moeplan.cost_models.layers import GRAPHED_SHARE, dense_layer, make_context, moe_layer
+from moeplan.errors import LayoutError
+from moeplan.planner.export import to_megatron_args
+from moeplan.planner.search import search
+from moeplan.runtime.support import features_not_executed, settings_not_executed
+from moeplan.specs import check_layout
+from moeplan.validation import case_of, read_rows
+
+from .conftest import SHARED
+
+GB = 1e9
+LLAMA = load_model("llama3-70b")
+H100 = load_cluster("h100", gpus=64)
+TR = TrainingSpec(seq_len=4096, global_batch_size=256)
+
+
+def _ctx(**axes):
+    layout = Layout.build(64, 256, **axes)
+    return make_context(LLAMA, H100, TR, layout, default_calibration())
+
+
+def test_without_tp_comm_overlap_all_tp_communication_is_exposed():
+    lc = dense_layer(_ctx(tp=8, pp=2))
+    assert lc.tp_s > 0
+    assert lc.exposed_fwd_s + lc.exposed_bwd_s == pytest.approx(lc.tp_s)
+
+
+def test_tp_comm_overlap_hides_at_most_its_share_and_costs_sms():
+    cal = default_calibration()
+    off = dense_layer(_ctx(tp=8, pp=2))
+    on = dense_layer(_ctx(tp=8, pp=2, tp_comm_overlap=True))
+    exposed = on.exposed_fwd_s + on.exposed_bwd_s
+    assert exposed < off.exposed_fwd_s + off.exposed_bwd_s
+    # never below the share η leaves exposed, plus the SM share of what it hides
+    floor = (1 - cal.tp_overlap_hidden) * on.tp_s
+    assert exposed >= floor - 1e-12
+    assert on.fwd_s == off.fwd_s and on.tensors == off.tensors  # same compute and memory
+
+
+def test_tp_comm_overlap_needs_tp():
+    with pytest.raises(LayoutError, match="tp_comm_overlap_needs_tp"):
+        check_layout(LLAMA, TR, Layout.build(64, 256, pp=4, tp_comm_overlap=True))
+
+
+def test_cuda_graphs_remove_the_captured_launch_overhead_for_graph_memory():
+    cal = default_calibration()
+    assert cal.layer_overhead_s > 0
+    no, yes = dense_layer(_ctx(tp=8, pp=2)), dense_layer(_ctx(tp=8, pp=2, cuda_graphs=True))
+    assert no.launch_s == pytest.approx(cal.layer_overhead_s)
+    assert yes.launch_s == pytest.approx(cal.layer_overhead_s * (1 - GRAPHED_SHARE["dense"]))
+    assert no.time_s - yes.time_s == pytest.approx(2 * (no.launch_s - yes.launch_s))
+    layout = Layout.build(64, 256, tp=8, pp=2)
+    graphed = layout.model_copy(update={"cuda_graphs": True})
+    extra = fixed_buffer_bytes(LLAMA, TR, graphed, cal) - fixed_buffer_bytes(LLAMA, TR, layout,
+                                                                             cal)
+    assert extra == pytest.approx(cal.cuda_graph_gb * GB)
+
+
+def test_moe_layers_keep_the_launches_of_their_dynamic_shaped_part():
+    m = load_model("mixtral-8x7b")
+    cal = default_calibration()
+    lay = Layout.build(64, 256, tp=2, ep=8, cuda_graphs=True)
+    lc = moe_layer(make_context(m, H100, TR, lay, cal))
+    assert 0 < lc.launch_s < cal.layer_overhead_s
+
+
+def test_graphs_and_overlap_make_a_step_faster_and_are_named_as_unvalidated_or_validated():
+    base = Layout.build(64, 256, tp=8, pp=2)
+    t0 = estimate(LLAMA, H100, TR, base)
+    t1 = estimate(LLAMA, H100, TR, base.model_copy(update={"tp_comm_overlap": True,
+                                                          "cuda_graphs": True}))
+    assert t1.step_time_s < t0.step_time_s
+    terms = {a.term: a for a in t1.assumptions}
+    graphs = next(a for k, a in terms.items() if "CUDA graphs" in k)
+    assert not graphs.validated  # no published row documents graphs
+    # the low end is priced without the unvalidated graphs
+    assert t1.interval.pessimistic_tokens_per_s_per_gpu < t1.tokens_per_s_per_gpu
+
+
+def _flags(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp-comm-overlap", action="store_true")
+    p.add_argument("--cuda-graph-impl")
+    p.add_argument("--cuda-graph-scope", nargs="+")
+    ns, _ = p.parse_known_args(argv)
+    return ns
+
+
+@pytest.mark.parametrize(("model", "axes", "scope"), [
+    ("llama3-70b", {"tp": 8, "pp": 2}, ["attn", "mlp"]),
+    ("mixtral-8x7b", {"tp": 2, "ep": 8}, ["attn", "moe_router", "moe_preprocess"])])
+def test_export_writes_the_megatron_flags_of_each_setting(model, axes, scope):
+    m = load_model(model)
+    on = Layout.build(64, 256, **axes, tp_comm_overlap=True, cuda_graphs=True)
+    plan = Plan(model=m, cluster=H100, training=TR, layout=on, choices=Choices())
+    ns = _flags(to_megatron_args(plan)[0])
+    assert ns.tp_comm_overlap and ns.cuda_graph_impl == "transformer_engine"
+    assert ns.cuda_graph_scope == scope
+    off = plan.model_copy(update={"layout": Layout.build(64, 256, **axes)})
+    ns = _flags(to_megatron_args(off)[0])
+    assert not ns.tp_comm_overlap and ns.cuda_graph_impl is None
+
+
+def test_search_turns_tp_overlap_on_for_megatron_and_off_for_the_runtime():
+    m = load_model("mixtral-8x7b")
+    tr = TrainingSpec(seq_len=4096, global_batch_size=512)
+    mega = search(m, H100, tr, 64, top_k=3, objective="expected")
+    assert all(p.layout.tp_comm_overlap == (p.layout.tp > 1) for p in mega.plans)
+    own = search(m, H100, tr, 64, top_k=3, objective="expected", target="moeplan")
+    assert not any(p.layout.tp_comm_overlap or p.layout.cuda_graphs for p in own.plans)
+
+
+def test_runtime_runs_the_same_function_without_the_speed_settings_and_says_so():
+    plan = Plan(model=LLAMA, cluster=H100, training=TR, choices=Choices(),
+                layout=Layout.build(64, 256, tp=8, pp=2, tp_comm_overlap=True,
+                                    cuda_graphs=True))
+    assert features_not_executed(plan) == []
+    assert len(settings_not_executed(plan)) == 2
+
+
+def test_validation_prices_nemo_recipes_with_tp_overlap_and_papers_without():
+    from moeplan.specs import list_presets
+
+    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    presets = list_presets()
+    seen = {"nemo": 0, "paper": 0}
+    for r in rows:
+        c = case_of(r, presets)
+        if isinstance(c, str) or c.layout.tp == 1:
+            continue
+        if r["source"].startswith("NVIDIA Megatron-Bridge"):
+            assert c.layout.tp_comm_overlap, r["id"]
+            seen["nemo"] += 1
+        elif r["source"].startswith("Narayanan"):
+            assert not c.layout.tp_comm_overlap, r["id"]
+            seen["paper"] += 1
+    assert seen["nemo"] > 10 and seen["paper"] > 5
