@@ -131,44 +131,39 @@ def _pct(v: list[float]) -> str:
     return f"{100 * sum(v) / len(v):.1f}%" if v else "–"
 
 
-# MAPE of the previous revision (cost models and profile of commit 6cdb609, measured with
+# MAPE of the previous revision (cost models and profile of commit 67b08f0, measured with
 # `moeplan validate --json` at that commit), for the "What changed" comparison.
-PREVIOUS = {"held-out": 14.4, "held-out, tokens/s published directly": 14.7,
-            "held-out, gpt-oss-120b excluded (see gaps)": 11.0, "fit (not evidence)": 14.1,
-            "all": 14.2}
-PREVIOUS_FAMILY = {"deepseek-v3": 16.0, "gpt-oss-120b": 44.1, "gpt3-175b": 15.2, "kimi-k2": 10.3,
-                   "llama3-405b": 7.6, "llama3-70b": 4.2, "llama3-8b": 8.0,
-                   "mixtral-8x22b": 19.2, "mixtral-8x7b": 6.2, "qwen2-57b-a14b": 13.2,
-                   "qwen3-235b-a22b": 12.8, "qwen3-30b-a3b": 10.2}
+PREVIOUS = {"held-out": 14.3, "held-out, tokens/s published directly": 15.3,
+            "held-out, gpt-oss-120b excluded (see gaps)": 10.7, "fit (not evidence)": 13.8,
+            "all": 14.0}
+PREVIOUS_FAMILY = {"deepseek-v3": 15.5, "gpt-oss-120b": 48.4, "gpt3-175b": 12.8, "kimi-k2": 12.3,
+                   "llama3-405b": 8.2, "llama3-70b": 3.6, "llama3-8b": 8.7,
+                   "mixtral-8x22b": 20.2, "mixtral-8x7b": 9.2, "qwen2-57b-a14b": 9.6,
+                   "qwen3-235b-a22b": 13.0, "qwen3-30b-a3b": 12.3}
 
 CHANGES = """## What changed
 
 Against the previous revision (held-out MAPE in the last column of the tables above and below):
 
-- **Overlap is physics** (`moeplan/cost_models/overlap.py`). Every hidden term is priced as
-  exposed = max(comm − the compute actually beside it, (1 − η)·comm): EP all-to-all under EP
-  overlap can hide at most the other micro-batch's compute of the same layer, TP communication
-  at most the layer's GEMMs, DP reduce-scatter/all-gather at most one micro-batch's backward /
-  forward, offload copies at most the chunk's compute. Hiding costs the compute beside it the
-  SM share the communication kernels take (`comm_sm_fraction`, per architecture). Under EP
-  overlap the warm-up and cool-down micro-batches have no partner and expose all of their
-  all-to-all (`overlap.edge_weight`). No communication class can be longer than the step.
-- **Host work is priced.** Optimizer offload costs the host Adam step (the host's memory
-  bandwidth per GPU, a new ClusterSpec field with a datasheet figure per preset) plus both
-  copies, against the GPU's own share.
-- **The steady-state pipeline boundary.** Each chunk pass of the steady state ends at a stage
-  boundary; `pp_boundary_s` (fitted) is what a rank loses there, so more virtual stages are
-  no longer free.
-- **Published recompute is read** (`recompute` column: full → `full`, selective →
-  `core_attn`), and **GPT models a row spells out** (`GPT 18.4B (heads 48, hidden 6144,
-  layers 40)`, vocabulary from the notes) are built as Megatron's GPT, so Narayanan et al.
-  2021 and MegaScale's Megatron-LM rows are scored (MegaScale's "Ampere A100-class" is priced
-  as `a100-80g`, recorded as assumed; its own-system rows change the architecture and are
-  skipped). Rows whose source does not state the precision are skipped.
-- **Unfolded expert TP.** The MoE Parallel Folding paper's "MCore" baseline rows leave etp
-  empty; that Megatron ran experts at the attention's TP, so they are priced with etp = tp.
-- **Refit** on the fit rows only (same objective and grid, plus `pp_boundary_s` and the
-  Blackwell SM share).
+- **Stack features are plan choices, not constants.** `tp_exposed` (a global 70–80 % of TP
+  communication hidden everywhere) is gone: TP comm overlap is the layout field
+  `tp_comm_overlap` (TE userbuffers, `--tp-comm-overlap`), and without it all TP communication
+  is exposed. With it, at most `tp_overlap_hidden` (fitted) hides behind the layer's GEMMs and
+  costs them the SM share. Validation turns it on only for rows whose source documents it:
+  NVIDIA's NeMo and Megatron-Bridge performance recipes enable it whenever TP > 1; Megatron-LM's
+  papers, the folding paper, TorchTitan and MegaScale's baseline are priced without it. The flat
+  per-layer launch overhead is now what a layer costs when its kernels are launched one by one;
+  `cuda_graphs` (`--cuda-graph-impl transformer_engine --cuda-graph-scope attn mlp` dense,
+  `attn moe_router moe_preprocess` MoE) removes the captured share for graph memory. No
+  published row documents graphs, so validation prices every row without them and the
+  interval's low end takes them away.
+- **Attention follows its kernel length.** REFERENCE's cuDNN figures (Hopper 553/422 TFLOPS
+  at 4K against 638/523 at 16K; Blackwell 1,324/1,083 against 1,698/1,298) are a power law in
+  the keys per kernel call, so a CP rank's ring steps over seq/cp keys run slower kernels
+  and long sequences faster ones (not fitted: the measured ratios).
+- **GEMM shape curve per architecture** (`gemm_half_dim_arch`, fitted) where the shared curve
+  does not describe a generation.
+- **Refit** on the fit rows only (same objective and grid, with the new constants).
 """.splitlines()
 
 ASSUMPTIONS = """## Assumptions and known gaps
@@ -176,8 +171,9 @@ ASSUMPTIONS = """## Assumptions and known gaps
 - Published layouts are taken as printed; missing vpp/cp/mbs mean 1, a missing etp means 1
   (or tp when etp = 1 breaks a rule, and tp first for the Parallel Folding paper's unfolded
   "MCore" baseline), dp is derived. Unpublished settings take moeplan's
-  defaults (alltoall dispatcher, no EP overlap, no recompute, distributed optimizer), except
-  the documented 26.06 MXFP8 MoE recipe rule above.
+  defaults (alltoall dispatcher, no EP overlap, no TP comm overlap, no CUDA graphs, no
+  recompute, distributed optimizer), except the documented 26.06 MXFP8 MoE recipe rule and
+  the NeMo/Megatron-Bridge TP comm overlap rule above.
 - Rows whose notes say Megatron-FSDP (FSDP=N>0), FSDP2, ZeRO-3 or FSDP-only are skipped, as are
   fine-tuning rows and a row its source flags as a performance regression.
 - Megatron-Bridge tables re-publish the same configuration across releases. Apart from the

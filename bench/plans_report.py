@@ -22,8 +22,8 @@ from pathlib import Path
 from moeplan import load_cluster
 from moeplan.cost_models.calibration import calibration_for
 from moeplan.planner.explain import describe
-from moeplan.planner.problem import layer_table
-from moeplan.planner.search import SearchResult, _options, _solve_layout, search
+from moeplan.planner.problem import OPTIONS, layer_table
+from moeplan.planner.search import SearchResult, _solve_layout, search
 from moeplan.specs import Plan, list_presets
 from moeplan.validation import case_of, predict_case, read_rows
 
@@ -82,7 +82,7 @@ def main() -> None:
         table = layer_table(model, cluster, tr, lay, cal)
         key = (lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, lay.dispatcher, lay.ep_overlap,
                tr.precision)
-        theirs, _ = _solve_layout(model, cluster, tr, lay, cal, table, _options("megatron"), key,
+        theirs, _ = _solve_layout(model, cluster, tr, lay, cal, table, OPTIONS, key,
                                   {}, SearchResult([], 0, 0, 0, 0.0, Counter()))
         seen = predict_case(case)
         t0 = time.perf_counter()

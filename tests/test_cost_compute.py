@@ -10,7 +10,6 @@ from moeplan.cost_models.compute import (
     attended_keys,
     attention_head_dim_factor,
     attention_time,
-    causal_attention_flops,
     gemm_efficiency,
     gemm_flops,
     gemm_time,
@@ -47,12 +46,6 @@ def test_gemm_time_by_hand():
     t = gemm_time(4096, 4096, 4096, 989, cal, cal.gemm_eff_max["hopper"], speedup=2.0, count=3)
     assert t == pytest.approx(3 * 2 * 4096**3 / (989e12 * eff * 2.0))
     assert gemm_time(0, 4096, 4096, 989, cal, 0.8) == 0.0
-
-
-def test_causal_attention_flops_halved():
-    s, a, d = 4096, 32, 128
-    assert causal_attention_flops(s, s, a, d, d) == pytest.approx(2 * s * s * a * 2 * d / 2)
-    assert causal_attention_flops(s, s, a, d, d, causal=False) == pytest.approx(4 * s * s * a * d)
 
 
 def test_attention_time_uses_measured_efficiencies():

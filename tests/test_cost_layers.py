@@ -95,8 +95,10 @@ def test_sliding_window_layer_prices_the_tiles_its_kernel_computes():
     m, s = c.model, 4096
     full, swa = dense_layer(c), dense_layer(c, sliding=True)
     per_key = s * m.num_attention_heads * 2 * (2 * m.head_dim_)  # QKᵀ + PV FLOPs per key
-    f_full = attention_time(per_key * attended_keys(s), c.peak, c.cal, c.arch, m.head_dim_)[0]
-    f_swa = attention_time(per_key * 256, c.peak, c.cal, c.arch, m.head_dim_)[0]
+    f_full = attention_time(per_key * attended_keys(s), c.peak, c.cal, c.arch, m.head_dim_,
+                            kv_len=s)[0]
+    # the window's short kernel runs at the short-kernel efficiency (attention_length_factors)
+    f_swa = attention_time(per_key * 256, c.peak, c.cal, c.arch, m.head_dim_, kv_len=128)[0]
     assert full.recompute_fwd_s["core_attn"] == pytest.approx(f_full)
     assert swa.recompute_fwd_s["core_attn"] == pytest.approx(f_swa)
     # flash attention keeps no s² scores: the window does not change the saved activations
@@ -111,6 +113,7 @@ def test_context_parallel_adds_per_step_corrections():
     c = ctx_for("llama3-8b", Layout(cp=2, dp=1), seq=16384)
     m, s, N = c.model, 16384, 8192
     a, d = m.num_attention_heads, m.head_dim_
-    core = attention_time(N * attended_keys(s) * a * 2 * (2 * d), c.peak, c.cal, c.arch, d)[0]
+    core = attention_time(N * attended_keys(s) * a * 2 * (2 * d), c.peak, c.cal, c.arch, d,
+                          kv_len=s / 2)[0]  # each ring step runs over s/cp keys
     merge = membound_time(2 * 8 * N * a * d, c.cluster.hbm_tb_s, c.cal)
     assert dense_layer(c).recompute_fwd_s["core_attn"] == pytest.approx(core + merge)

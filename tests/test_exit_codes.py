@@ -29,8 +29,9 @@ from moeplan.errors import (
 ERROR_MODULES = ("moeplan.errors", "moeplan.runtime.launch", "moeplan.cli", "moeplan.api",
                  "moeplan.planner.search", "moeplan.specs.loader", "moeplan.calibrate")
 # signals inside one module, caught there, never shown to a user: the search catches the
-# MILP's "this layout's stages fit no budget" and moves on to the next layout
-INTERNAL = {"moeplan.planner.ilp.InfeasibleStages"}
+# MILP's "this layout's stages fit no budget" (and "the solver stopped without a solution")
+# and moves on to the next layout
+INTERNAL = {"moeplan.planner.ilp.InfeasibleStages", "moeplan.planner.ilp.SolverStopped"}
 
 
 def _moeplan_exception_types() -> list[type[BaseException]]:

@@ -4,47 +4,52 @@ from __future__ import annotations
 
 import itertools
 
+import pulp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeplan.planner.ilp import (
-    Group,
     InfeasibleStages,
-    Item,
-    StageProblem,
-    _solve,
+    Outcome,
+    SolverStopped,
+    build,
+    decode,
     evaluate,
-    exact_fronts,
-    module_sets,
-    pareto,
+    outcome,
     solve,
     solve_fixed,
+    solve_milp,
+    solve_over,
 )
+from moeplan.planner.problem import Group, Item, Option, StageProblem
+from moeplan.planner.sets import exact_fronts, item_cost, module_sets, pareto, useful_sets
 
 FS = frozenset
+MOE_ACT, FULL, CORE_ATTN = (Option.recompute(m) for m in ("moe_act", "full", "core_attn"))
+OFF_FC1 = Option.offload("expert_fc1")
 
 
 def problem(items, L, pp, vpp=1, inflight=None, budget=1e12, m=4, fixed=None,
-            options=("moe_act", "full", "offload:expert_fc1"), host=0.0):
+            options=(MOE_ACT, FULL, OFF_FC1), host=0.0):
     S = pp * vpp
     return StageProblem(
         items=tuple(items), layer_item=0, free_layers=L,
         fixed=tuple(tuple(f) for f in (fixed or [()] * S)), pp=pp, vpp=vpp,
         inflight=tuple(inflight or [float(pp - s % pp) for s in range(S)]),
         host_s_per_byte=host, budget_bytes=(budget,) * pp, alpha=m - 1 / vpp, beta=1 / vpp,
-        options=tuple(options), exclusive=(("full", "moe_act"),))
+        options=tuple(options), exclusive=((FULL, MOE_ACT),))
 
 
 MOE = Item("moe", time_s=1.0, fwd_s=0.3, bwd_s=0.6, static_bytes=1.0,
            groups=(Group(2.0, FS(), None),  # the layer input stays even under full
-                   Group(8.0, FS({"moe_act", "full"}), "offload:expert_fc1")),
-           recompute_s=(("moe_act", 0.3), ("full", 1.0)))
+                   Group(8.0, FS({MOE_ACT, FULL}), OFF_FC1)),
+           recompute_s=((MOE_ACT, 0.3), (FULL, 1.0)))
 
 
 def test_unconstrained_memory_balances_layers_and_picks_nothing():
     # 4 identical layers on 2 ranks, m = 4: 2+2 layers, T_r = 2, step = (4−1)·2 + 4 = 10.
-    sol = solve(problem([MOE], 4, 2, options=("moe_act", "full")))
+    sol = solve(problem([MOE], 4, 2, options=(MOE_ACT, FULL)))
     assert sol.layers == [2, 2] and sol.options == [[], []]
     assert sol.objective_s == pytest.approx(10.0)
 
@@ -54,30 +59,30 @@ def test_memory_pressure_buys_the_cheapest_saving_on_the_first_rank_only():
     # 2·2·8 = 32 for 0.6 s; full frees the same for 2 s. Closed form: T0 = 2.6, T1 = 2,
     # step = 3·2.6 + 4.6 = 12.4. A 1+3 split needs 3·(1+10) = 33 > 30 on rank 1, so rank 1
     # would recompute: 3·1.3 = 3.9 → worse.
-    sol = solve(problem([MOE], 4, 2, inflight=[2, 1], budget=30, options=("moe_act", "full")))
+    sol = solve(problem([MOE], 4, 2, inflight=[2, 1], budget=30, options=(MOE_ACT, FULL)))
     assert sol.objective_s == pytest.approx(12.4)
-    assert sol.options == [["moe_act"], []]
+    assert sol.options == [[MOE_ACT], []]
     assert max(sol.rank_memory_bytes) <= 30
 
 
 def test_offload_hidden_behind_compute_costs_nothing():
     # Copy 8 bytes at 0.01 s/byte = 0.08 s per layer, hidden by fwd 0.3 and bwd 0.6.
     sol = solve(problem([MOE], 4, 2, inflight=[2, 1], budget=30, host=0.01,
-                        options=("moe_act", "offload:expert_fc1")))
-    assert sol.options[0] == ["offload:expert_fc1"]
+                        options=(MOE_ACT, OFF_FC1)))
+    assert sol.options[0] == [OFF_FC1]
     assert sol.objective_s == pytest.approx(10.0)
 
 
 def test_exposed_offload_copy_is_charged():
     # 0.5 s/byte: 4 s per layer copy, minus 0.3 and 0.6 hidden → 7.1 s exposed; recompute wins.
     sol = solve(problem([MOE], 4, 2, inflight=[2, 1], budget=30, host=0.5,
-                        options=("moe_act", "offload:expert_fc1")))
-    assert sol.options[0] == ["moe_act"]
+                        options=(MOE_ACT, OFF_FC1)))
+    assert sol.options[0] == [MOE_ACT]
 
 
 def test_fixed_items_count_on_their_rank():
     emb = Item("E", 0.5, 0.1, 0.1, 5.0, (Group(1.0),))
-    P = problem([MOE, emb], 4, 2, fixed=[((1, 1),), ()], options=("moe_act",))
+    P = problem([MOE, emb], 4, 2, fixed=[((1, 1),), ()], options=(MOE_ACT,))
     sol = solve(P)
     step, _ = evaluate(P, sol.layers, sol.options)
     assert step == pytest.approx(sol.objective_s)
@@ -89,6 +94,73 @@ def test_nothing_fits_is_reported():
         solve(problem([MOE], 4, 2, budget=3))
 
 
+def test_the_milp_proves_infeasibility_when_each_rank_fits_some_layers_but_not_all():
+    # Least memory per layer (full recompute keeps the 2-byte input): 1 + ψ·2, so 5 on rank 0
+    # (ψ = 2) and 3 on rank 1. A budget of 6 holds 1 + 2 = 3 of the 4 layers: every rank fits a
+    # set at some count (the pruning passes), only the MILP can prove the total infeasible.
+    P = problem([MOE], 4, 2, inflight=[2, 1], budget=6)
+    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    cand = useful_sets(P, C, exact_fronts(P, C))
+    assert all(cand)
+    assert solve_milp(build(P, C, cand)) is Outcome.INFEASIBLE
+    with pytest.raises(InfeasibleStages):
+        solve(P)
+
+
+def test_a_time_limit_before_any_solution_is_not_reported_as_infeasible():
+    # A problem that fits, stopped by a zero time limit before HiGHS has an incumbent: that
+    # proves nothing, so it must not read as infeasible (the CLI's exit 3).
+    P = problem([MOE] * 2, 6, 3, inflight=[3, 2, 1], budget=60, host=0.05,
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
+    assert solve(P).proven_optimal
+    with pytest.raises(SolverStopped) as stopped:
+        solve(P, time_limit_s=0.0)
+    assert not isinstance(stopped.value, InfeasibleStages)
+
+
+def test_an_incumbent_at_a_time_limit_is_decoded_but_not_claimed_optimal():
+    # pulp reports a HiGHS time limit with an incumbent as status "Optimal" with solution
+    # status "Solution Found"; decoding must keep the plan and drop the claim.
+    P = problem([MOE], 4, 2, inflight=[2, 1], budget=30, options=(MOE_ACT, FULL))
+    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    milp = build(P, C, exact_fronts(P, C))
+    assert solve_milp(milp) is Outcome.OPTIMAL
+    milp.lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
+    sol = decode(P, C, milp, outcome(milp.lp.status, milp.lp.sol_status))
+    assert not sol.proven_optimal
+    assert sol.objective_s == pytest.approx(12.4) and sol.options == [[MOE_ACT], []]
+
+
+@pytest.mark.parametrize(("status", "sol_status", "expected"), [
+    (pulp.LpStatusOptimal, pulp.LpSolutionOptimal, Outcome.OPTIMAL),
+    (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible, Outcome.INCUMBENT),
+    (pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible, Outcome.INFEASIBLE),
+    (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, Outcome.STOPPED),
+    # pulp's default solution status for "Not Solved" is "No Solution Exists": still no proof
+    (pulp.LpStatusNotSolved, pulp.LpStatusToSolution[pulp.LpStatusNotSolved], Outcome.STOPPED),
+    (pulp.LpStatusUndefined, pulp.LpSolutionInfeasible, Outcome.STOPPED),
+    (pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded, Outcome.STOPPED),
+])
+def test_solver_statuses_map_to_what_they_prove(status, sol_status, expected):
+    assert outcome(status, sol_status) is expected
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(limit=st.sampled_from([0.0, 1e-4, 1e-3, 3e-3, 1e-2]))
+def test_any_time_limit_gives_a_fitting_plan_or_a_stop_never_infeasibility(limit):
+    P = problem([MOE] * 2, 6, 3, inflight=[3, 2, 1], budget=60, host=0.05,
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
+    best = solve(P).objective_s
+    try:
+        sol = solve(P, time_limit_s=limit)
+    except SolverStopped:
+        return
+    assert max(sol.rank_memory_bytes) <= 60 * (1 + 1e-9)
+    assert sol.objective_s >= best - 1e-9
+    if sol.proven_optimal:
+        assert sol.objective_s == pytest.approx(best, rel=1e-9)
+
+
 def test_pareto_keeps_exactly_the_non_dominated_rows():
     import numpy as np
 
@@ -97,10 +169,8 @@ def test_pareto_keeps_exactly_the_non_dominated_rows():
 
 
 def test_module_sets_cost_each_subset_like_the_reference():
-    from moeplan.planner.ilp import item_cost
-
-    opts = ("moe_act", "full", "offload:expert_fc1")
-    C = module_sets([MOE], opts, (("full", "moe_act"),), 0.2)
+    opts = (MOE_ACT, FULL, OFF_FC1)
+    C = module_sets([MOE], opts, ((FULL, MOE_ACT),), 0.2)
     for k, chosen in enumerate(C.sets):
         dt, kept = item_cost(MOE, set(chosen), 0.2)
         assert C.add_time[k, 0] == pytest.approx(dt) and C.kept[k, 0] == pytest.approx(kept)
@@ -124,15 +194,15 @@ def brute_force(P: StageProblem) -> float:
 
 group_st = st.builds(
     Group, bytes=st.floats(0.5, 10.0),
-    recompute_by=st.sets(st.sampled_from(["moe_act", "full", "core_attn"]), max_size=2).map(FS),
-    offload_by=st.sampled_from([None, "offload:expert_fc1"]))
+    recompute_by=st.sets(st.sampled_from([MOE_ACT, FULL, CORE_ATTN]), max_size=2).map(FS),
+    offload_by=st.sampled_from([None, OFF_FC1]))
 item_st = st.builds(
     Item, name=st.just("k"), time_s=st.floats(0.1, 2.0), fwd_s=st.floats(0.0, 0.5),
     bwd_s=st.floats(0.0, 1.0), static_bytes=st.floats(0.0, 3.0),
     groups=st.lists(group_st, max_size=3).map(tuple),
-    recompute_s=st.tuples(st.tuples(st.just("moe_act"), st.floats(0, 1)),
-                          st.tuples(st.just("full"), st.floats(0, 2)),
-                          st.tuples(st.just("core_attn"), st.floats(0, 0.5))))
+    recompute_s=st.tuples(st.tuples(st.just(MOE_ACT), st.floats(0, 1)),
+                          st.tuples(st.just(FULL), st.floats(0, 2)),
+                          st.tuples(st.just(CORE_ATTN), st.floats(0, 0.5))))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -145,7 +215,7 @@ def test_milp_optimum_equals_brute_force(items, L, pp, vpp, with_fixed, budget, 
     if with_fixed:
         fixed[0].append((1, 1))
     P = problem(items, L, pp, vpp=vpp, budget=budget, host=host, fixed=fixed,
-                options=("moe_act", "full", "core_attn", "offload:expert_fc1"))
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
     ref = brute_force(P)
     if ref == float("inf"):
         with pytest.raises(InfeasibleStages):
@@ -181,17 +251,17 @@ def test_rank_separable_solution_with_layers_fixed_equals_the_milp_and_brute_for
     if with_fixed:
         fixed[0].append((1, 1))
     P = problem(items, sum(split), pp, vpp=vpp, budget=budget, host=host, fixed=fixed,
-                options=("moe_act", "full", "core_attn", "offload:expert_fc1"))
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
     C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
     ref = brute_force_sets(P, split)
     if ref == float("inf"):
         with pytest.raises(InfeasibleStages):
             solve_fixed(P, C, split)
         with pytest.raises(InfeasibleStages):
-            _solve(P, C, exact_fronts(P, C), split)
+            solve_over(P, C, exact_fronts(P, C), split)
         return
     fast = solve_fixed(P, C, split)
-    milp = _solve(P, C, exact_fronts(P, C), split)
+    milp = solve_over(P, C, exact_fronts(P, C), split)
     assert fast.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
     assert milp.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
     assert fast.layers == split

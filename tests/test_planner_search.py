@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from moeplan import InfeasibleError, load_cluster, load_model
 from moeplan.cost_models.estimate import estimate
 from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
+from moeplan.planner.problem import Option, split_options
 from moeplan.planner.search import OPTIMIZER_OFFLOAD_GRID, _layout, search
 from moeplan.specs import Choices, Layout, ModelSpec, TrainingSpec
 from moeplan.specs.loader import cluster_presets
 
-OPTIONS = ("moe_act", "full", "offload:expert_fc1")
+OPTIONS = (Option.recompute("moe_act"), Option.recompute("full"), Option.offload("expert_fc1"))
 
 
 def tiny_moe(layers: int, hidden: int, experts: int, ffn: int) -> ModelSpec:
@@ -35,12 +36,11 @@ def brute_force(model, cluster, training, world, space):
                            layouts, strict=True):
         tr = training.model_copy(update={"precision": enum.precisions[row[-1]]})
         for sub in subsets:
-            if "full" in sub and "moe_act" in sub:
+            recompute, offload = split_options(sub)
+            if "full" in recompute and "moe_act" in recompute:
                 continue
             for f in OPTIMIZER_OFFLOAD_GRID:
-                ch = Choices(recompute=[o for o in sub if ":" not in o],
-                             offload=[o.split(":")[1] for o in sub if ":" in o],
-                             optimizer_offload_fraction=f)
+                ch = Choices(recompute=recompute, offload=offload, optimizer_offload_fraction=f)
                 e = estimate(model, cluster, tr, layout, ch)
                 if e.fits and (best is None or e.step_time_s < best):
                     best = e.step_time_s
@@ -159,23 +159,24 @@ def test_screening_prices_layouts_within_its_slack_of_the_estimate(name, gpus, h
     # best by more than SCREEN_SLACK; that is safe only while the stage problem stays within
     # that factor of the estimate of the plan it decodes to.
     from moeplan.cost_models.calibration import calibration_for
-    from moeplan.planner.ilp import InfeasibleStages, balanced_layers, module_sets, solve_fixed
+    from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
+    from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
     from moeplan.planner.problem import layer_table, stage_problem
-    from moeplan.planner.search import SCREEN_SLACK, _choices, _options
+    from moeplan.planner.search import SCREEN_SLACK, _choices
+    from moeplan.planner.sets import module_sets
 
     model = load_model(name)
     cluster = load_cluster("h100", gpus=gpus).model_copy(update={"hbm_gb": hbm})
     tr = TrainingSpec(seq_len=4096, global_batch_size=512)
     enum = enumerate_layouts(model, cluster, tr, gpus, SearchSpace(precisions=("bf16",)))
     cal = calibration_for(None)
-    options = _options("megatron")
     ratios = []
     for row in enum.rows[:: max(1, len(enum.rows) // 400)]:
         if len(ratios) == 12:
             break
         layout = Layout(**_layout(row))
         table = layer_table(model, cluster, tr, layout, cal)
-        built = stage_problem(model, cluster, tr, layout, cal, table, options)
+        built = stage_problem(model, cluster, tr, layout, cal, table, ALL_OPTIONS)
         P = built.problem
         try:
             sol = solve_fixed(P, module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte),
@@ -202,3 +203,54 @@ def test_time_limited_search_returns_plans_instead_of_claiming_infeasible(limit)
     assert res.plans and all(p.estimate.fits for p in res.plans)
     if limit is not None and limit < 1.0:
         assert res.stopped_early
+
+
+def test_robust_best_equals_exhaustive_robust_pricing_with_unvalidated_overlap():
+    # 32 GPUs of 8-GPU nodes, ep up to 32: EP groups leave the node, where EP overlap and the
+    # flex dispatcher are unvalidated, so the twin bound (a row priced at its low end as its
+    # validated alltoall, no-overlap twin) prunes; its answer must be the exhaustive one
+    model = tiny_moe(4, 1024, 32, 512)
+    cluster = load_cluster("h100", gpus=32)
+    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    space = SearchSpace(precisions=("bf16",), max_pp=2, max_cp=1, max_mbs=1, max_vpp=2,
+                        allow_no_dist_opt=False, cuda_graphs=False)
+    got = search(model, cluster, training, 32, space=space, options=(), top_k=1)
+    assert got.pruned["robust_twin_bound"] > 0
+    enum = enumerate_layouts(model, cluster, training, 32, space)
+    best = None
+    for row in enum.rows:
+        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        e = estimate(model, cluster, training, layout, Choices())
+        if e.fits:
+            key = (e.interval.step_time_s[1], e.step_time_s)
+            best = key if best is None or key < best else best
+    e = got.plans[0].estimate
+    assert (e.interval.step_time_s[1], e.step_time_s) == pytest.approx(best, rel=1e-9)
+
+
+def test_recompute_and_offload_of_one_module_stay_apart_from_the_milp_to_the_plan():
+    # `moe_act` names both a recompute and an offload option: the MILP keeps them apart as
+    # Options, and the plan lists them apart again in SPEC §3's Choices format.
+    from moeplan.cost_models.layers import ActTensor, LayerCost
+    from moeplan.planner.ilp import StageSolution
+    from moeplan.planner.problem import FULL, Group, _groups
+    from moeplan.planner.search import _choices
+
+    lc = LayerCost(kind="moe", fwd_s=1.0, bwd_s=2.0, tensors=(
+        ActTensor("layer_input", 4.0),
+        ActTensor("moe_act_out", 8.0, frozenset({"moe_act"}), "moe_act"),
+        ActTensor("fc1_out", 2.0, frozenset({"moe"}), "expert_fc1")))
+    assert _groups(lc) == (  # ordered by the sorted recompute modules
+        Group(4.0),
+        Group(2.0, frozenset({FULL, Option.recompute("moe")}), Option.offload("expert_fc1")),
+        Group(8.0, frozenset({FULL, Option.recompute("moe_act")}), Option.offload("moe_act")))
+    both = [Option.recompute("moe_act"), Option.offload("moe_act")]
+    uniform = _choices(StageSolution(1.0, [2], [both]), 0, 1, 1, 0.0, [2])
+    assert (uniform.recompute, uniform.offload, uniform.stage_recompute) == (
+        ["moe_act"], ["moe_act"], None)
+    staged = _choices(StageSolution(1.0, [1, 1], [both, [Option.offload("expert_fc1")]]),
+                      1, 2, 1, 0.5, [1, 1])
+    dumped = staged.model_dump(mode="json")
+    assert dumped["stage_recompute"] == [["moe_act"], []]
+    assert dumped["stage_offload"] == [["moe_act"], ["expert_fc1"]]
+    assert dumped["stage_layers"] == [2, 1] and dumped["recompute"] == dumped["offload"] == []

@@ -98,7 +98,7 @@ class AttentionSample:
 
     @property
     def flops_fwd(self) -> float:
-        """compute.causal_attention_flops: 2·s²·h·(d_qk + d_v), halved by the causal mask."""
+        """Megatron's core-attention count: 2·s²·h·(d_qk + d_v), halved by the causal mask."""
         return self.batch * 2.0 * self.seq * self.seq * self.heads * 2 * self.head_dim / 2.0
 
 

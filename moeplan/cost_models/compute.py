@@ -12,8 +12,6 @@ import math
 
 from .calibration import Calibration
 
-BWD_GEMM_FACTOR = 2.0  # dgrad + wgrad, each the forward's FLOPs
-
 
 def gemm_flops(m: float, k: float, n: float) -> float:
     """Forward FLOPs of an (m×k)·(k×n) matmul: 2·m·k·n."""
@@ -55,18 +53,6 @@ def gemm_time(m: float, k: float, n: float, peak_tflops: float, cal: Calibration
         return 0.0
     eff = gemm_efficiency(m, k, n, eff_max, cal.gemm_half_dim if half_dim is None else half_dim)
     return count * gemm_flops(m, k, n) / (peak_tflops * 1e12 * eff * speedup)
-
-
-def causal_attention_flops(s_q: float, s_kv: float, heads: float, d_qk: float, d_v: float,
-                           causal: bool = True) -> float:
-    """Forward FLOPs of core attention for s_q queries over s_kv keys (per sequence).
-
-    2·s_q·s_kv·h·d_qk for QKᵀ plus 2·s_q·s_kv·h·d_v for PV; the causal mask halves it when the
-    queries see the whole key range (Megatron-LM's count). This is the *model* count behind
-    reported TFLOPS; the time of the kernel follows `attended_keys`.
-    """
-    f = 2.0 * s_q * s_kv * heads * (d_qk + d_v)
-    return f / 2.0 if causal else f
 
 
 FLASH_BLOCK = 128  # query/key tile of FlashAttention-2/3 and cuDNN fused attention (Dao 2023 §3)

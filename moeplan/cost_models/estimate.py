@@ -137,9 +137,9 @@ def layer_imbalances(model: ModelSpec, ep: int, imbalance: float,
 
 
 # ----------------------------------------------------------------------------- helpers
-def _layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost],
-                                                                    list[str]]:
-    """Cost of every distinct layer kind, and the key of each decoder layer."""
+def layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost], list[str]]:
+    """Cost of every distinct layer kind ("dense", "moe", "moe@1.3", "E", "L", "m", ...) and the
+    key of each decoder layer in model order: the per-layout table the planner builds once."""
     m = ctx.model
     keys, kinds = _layer_kinds(tuple(m.moe_layers()), tuple(m.sliding_layers()),
                                tuple(imbalances))
@@ -167,12 +167,6 @@ def _layer_kinds(moe: tuple[bool, ...], sliding: tuple[bool, ...], imbalances: t
         kinds.setdefault(key, (key, is_moe, swa, imb))
         keys.append(key)
     return tuple(keys), tuple(kinds.values())
-
-
-def layer_costs(ctx: Context, imbalances: list[float]) -> tuple[dict[str, LayerCost], list[str]]:
-    """Cost of every distinct layer kind ("dense", "moe", "moe@1.3", "E", "L", "m", ...) and the
-    key of each decoder layer in model order: the per-layout table the planner builds once."""
-    return _layer_costs(ctx, imbalances)
 
 
 def _chunk(items: list[tuple[str, LayerCost]], recompute: list[str], offload: list[str],
@@ -319,7 +313,7 @@ def estimate_breakdown(
     L = layout
     ctx = make_context(model, cluster, training, L, cal)
     imbs = layer_imbalances(model, L.ep, imbalance, routing_histogram)
-    costs, keys = _layer_costs(ctx, imbs)
+    costs, keys = layer_costs(ctx, imbs)
     stages = stage_layout_for(model.num_layers, L.pp, L.vpp, model.mtp_layers,
                               choices.stage_layout, choices.stage_layers)
     warnings: list[str] = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..specs.cluster import ClusterSpec
 from ..specs.layout import Layout
@@ -179,14 +179,14 @@ def graphed_share(kind: str, cuda_graphs: bool) -> float:
     return GRAPHED_SHARE.get(kind, 0.0) if cuda_graphs else 0.0
 
 
-def _layer(ctx: Context, **fields: object) -> LayerCost:
-    """A LayerCost carrying the cluster's host-link bandwidth (for offload option times) and
-    its kernel-launch overhead per pass: the calibrated per-layer overhead less the share CUDA
-    graphs capture (an MTP module launches like the layer it wraps)."""
+def _layer(ctx: Context, **fields: Any) -> LayerCost:
+    """A LayerCost, built by keyword, carrying the cluster's host-link bandwidth (for offload
+    option times) and its kernel-launch overhead per pass: the calibrated per-layer overhead
+    less the share CUDA graphs capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
         share = graphed_share(str(fields["kind"]), ctx.layout.cuda_graphs)
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
-    return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)  # type: ignore[arg-type]
+    return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:

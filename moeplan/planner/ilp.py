@@ -6,7 +6,8 @@ labelled as below, building / solving / decoding are separate functions):
 
   Sets      s ∈ S virtual stages on pp ranks r(s) = s mod p;  i ∈ I items (dense layer, MoE
             layer, embedding, loss, MTP layer);  o ∈ O module options (recompute `core_attn` …
-            `full`, offload `offload:attn_norm` …);  c ∈ C module sets (subsets of O).
+            `full`, offload `attn_norm` …: `problem.Option`);  c ∈ C module sets (subsets of O,
+            pruned in `planner.sets`).
   Data      t_i      time of one item per micro-batch (fwd + bwd + exposed communication)
             w_i      static bytes of one item on its rank (weights, grads, optimizer)
             Δt_ic    seconds module set c adds to item i per micro-batch: recompute forwards plus
@@ -40,11 +41,18 @@ the modules: b_ro = Σ_{c∋o} z_rc is the decision on module o at rank r.
 
 The optimizer-offload fraction f multiplies the stage layout (bilinear), so it is an outer
 parameter: the planner solves this MILP for each f on a grid (see `planner.search`).
+
+`build` → `solve_milp` → `decode`. The solver's status is reported as what it proves
+(`outcome`): infeasible raises InfeasibleStages (the only proof that nothing fits); a time limit
+with an incumbent decodes it, marked `proven_optimal=False`; a stop with no solution raises
+SolverStopped, which no caller may present as infeasibility.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -53,234 +61,82 @@ from dataclasses import dataclass, field
 import numpy as np
 import pulp
 
+from .problem import Option, StageProblem
+from .sets import (
+    ModuleSets,
+    coarse_sets,
+    exact_fronts,
+    fixed_on_rank,
+    item_cost,
+    module_sets,
+    useful_sets,
+)
+
 MS = 1e3  # the MILP's time unit is the millisecond
-
-
-@dataclass(frozen=True)
-class Group:
-    """Activation bytes of one item that the same options free or move."""
-
-    bytes: float
-    recompute_by: frozenset[str] = frozenset()
-    offload_by: str | None = None
-
-
-@dataclass(frozen=True)
-class Item:
-    """One layer kind (or the embedding/loss/MTP) for one micro-batch on one GPU."""
-
-    name: str
-    time_s: float  # t_i
-    fwd_s: float  # forward compute that hides the device-to-host copies
-    bwd_s: float  # backward compute that hides the host-to-device copies
-    static_bytes: float  # w_i
-    groups: tuple[Group, ...] = ()
-    recompute_s: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class StageProblem:
-    """Everything the MILP needs for one layout; built from the cost models by the planner."""
-
-    items: tuple[Item, ...]
-    layer_item: int  # ℓ: the repeated kind whose count per stage is decided
-    free_layers: int  # L − D: layers of kind ℓ to place
-    fixed: tuple[tuple[tuple[int, int], ...], ...]  # per stage: (item, count) fixed there
-    pp: int
-    vpp: int
-    inflight: tuple[float, ...]  # ψ_s
-    host_s_per_byte: float
-    budget_bytes: tuple[float, ...]  # B_r
-    alpha: float
-    beta: float
-    options: tuple[str, ...]  # O
-    exclusive: tuple[tuple[str, str], ...] = ()
-    fixed_layers: tuple[int, ...] | None = None  # X_r given (a user's stage layout)
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.vpp
-
-    def rank_of(self, s: int) -> int:
-        return s % self.pp
-
-    def mean_inflight(self, r: int) -> float:
-        """ψ̄_r: mean in-flight micro-batches over rank r's chunks."""
-        return sum(self.inflight[r::self.pp]) / self.vpp
-
-    def chunk_layers(self, X: Sequence[int]) -> list[int]:
-        """x_s from X_r: even split, the remainder to the chunks holding fewest micro-batches."""
-        x = [0] * self.stages
-        for r in range(self.pp):
-            q, extra = divmod(int(X[r]), self.vpp)
-            chunks = sorted(range(self.vpp), key=lambda v: (self.inflight[v * self.pp + r], -v))
-            for rank_in_order, v in enumerate(chunks):
-                x[v * self.pp + r] = q + (1 if rank_in_order < extra else 0)
-        return x
-
-
-class SetNames(Sequence[tuple[str, ...]]):
-    """The option names of each set, decoded from its bit mask only when asked: a search builds
-    thousands of sets per layout key and names the few it picks."""
-
-    def __init__(self, options: tuple[str, ...], masks: np.ndarray):
-        self.options, self.masks = options, masks
-
-    def __len__(self) -> int:
-        return len(self.masks)
-
-    def __getitem__(self, c):  # type: ignore[override]
-        if isinstance(c, slice):
-            return [self[i] for i in range(*c.indices(len(self)))]
-        m = int(self.masks[c])
-        return tuple(o for j, o in enumerate(self.options) if m >> j & 1)
-
-
-@dataclass(frozen=True)
-class ModuleSets:
-    """The non-dominated module sets C with Δt_ic and k_ic."""
-
-    sets: Sequence[tuple[str, ...]]
-    add_time: np.ndarray  # (C, I)
-    kept: np.ndarray  # (C, I)
-    fronts: dict = field(default_factory=dict, compare=False, repr=False)  # memo of rank fronts
+EXACT_LIMIT = 400  # candidate sets over all ranks up to which one exact MILP is solved
 
 
 @dataclass
 class StageSolution:
     objective_s: float
     layers: list[int]  # X_r, layers of kind ℓ per pp rank
-    options: list[list[str]]  # per pp rank
+    options: list[list[Option]]  # per pp rank
     rank_memory_bytes: list[float] = field(default_factory=list)
+    # False when the solver stopped at a time limit with an incumbent, or when a large problem
+    # was solved in two steps (layers on a thinned set front first): a good plan, not a proof
+    proven_optimal: bool = True
 
 
 class InfeasibleStages(Exception):
-    """No choice of module sets and stage layers fits the budget for this layout."""
+    """Proven: no choice of module sets and stage layers fits the budget for this layout."""
 
 
-def item_cost(item: Item, chosen: set[str], h: float) -> tuple[float, float]:
-    """(Δt, kept bytes) of one item under one module set: the reference for `module_sets`."""
-    rec = sum(t for o, t in item.recompute_s if o in chosen)
-    kept = off = 0.0
-    for g in item.groups:
-        if g.recompute_by & chosen:
-            continue
-        if g.offload_by in chosen:
-            off += g.bytes
-        else:
-            kept += g.bytes
-    copy = h * off
-    return rec + max(0.0, copy - item.fwd_s) + max(0.0, copy - item.bwd_s), kept
+class SolverStopped(Exception):
+    """The solver stopped (a time limit before its first solution, numerical trouble) with
+    neither a solution nor a proof that none exists. Never infeasibility: nothing is proven."""
 
 
-def module_sets(items: Sequence[Item], options: Sequence[str],
-                exclusive: Sequence[tuple[str, str]], h: float) -> ModuleSets:
-    """Every allowed subset of the options, costed per item with numpy; subsets that cost exactly
-    the same as a smaller one are dropped (the per-rank fronts are taken in `rank_sets`).
+class Outcome(enum.Enum):
+    """What a solver run established, read from pulp's (status, solution status)."""
 
-    Options no item reacts to (`mla_up_proj` without MLA, `shared_experts` without shared
-    experts) are left out before the subsets are formed: each halves the work and could only
-    add sets that cost the same as a smaller one."""
-    used = {o for it in items for o, t in it.recompute_s if t}
-    used |= {o for it in items for g in it.groups for o in (*g.recompute_by, g.offload_by)}
-    options = [o for o in options if o in used]
-    n_opt = len(options)
-    bit = {o: 1 << j for j, o in enumerate(options)}
-    masks = np.arange(1 << n_opt, dtype=np.int64)
-    ok = np.ones(masks.shape, dtype=bool)
-    for a, b in exclusive:
-        if a in bit and b in bit:
-            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
-    masks = masks[ok]
-    add = np.zeros((len(masks), len(items)))
-    kept = np.zeros((len(masks), len(items)))
-    for i, item in enumerate(items):
-        off = np.zeros(len(masks))
-        for o, t in item.recompute_s:
-            if o in bit and t:
-                add[:, i] += t * ((masks & bit[o]) != 0)
-        for g in item.groups:
-            rb = sum(bit[o] for o in g.recompute_by if o in bit)
-            freed = (masks & rb) != 0
-            moved = ~freed & ((masks & bit[g.offload_by]) != 0) if g.offload_by in bit else (
-                np.zeros(len(masks), dtype=bool))
-            off += g.bytes * moved
-            kept[:, i] += g.bytes * (~freed & ~moved)
-        copy = h * off
-        add[:, i] += np.maximum(0.0, copy - item.fwd_s) + np.maximum(0.0, copy - item.bwd_s)
-    vec = np.round(np.hstack([add, kept]), 12) + 0.0  # + 0.0: no −0.0 bytes
-    # identical cost vectors: keep the smallest set (fewest modules, then lowest mask); a dict
-    # over the rows' bytes, since sorting 10⁴ float rows (np.unique) costs ten times more
-    order = np.lexsort((masks, np.bitwise_count(masks)))
-    rows = np.ascontiguousarray(vec[order]).view(np.dtype((np.void, vec.shape[1] * 8))).ravel()
-    seen: dict[bytes, int] = {}
-    for pos, row in enumerate(rows.tolist()):
-        seen.setdefault(row, pos)
-    keep = order[np.sort(np.fromiter(seen.values(), dtype=np.int64))]
-    return ModuleSets(SetNames(tuple(options), masks[keep]), add[keep], kept[keep])
+    OPTIMAL = "optimal"  # a solution, proven optimal
+    INCUMBENT = "incumbent"  # a solution, not proven optimal (a time limit)
+    INFEASIBLE = "infeasible"  # proven: no solution exists
+    STOPPED = "stopped"  # neither a solution nor a proof
 
 
-def pareto(v: np.ndarray) -> np.ndarray:
-    """Indices of the rows no other row dominates (≤ everywhere, < somewhere); of equal rows the
-    first is kept.
+def outcome(status: int, sol_status: int) -> Outcome:
+    """Map pulp's statuses to what they establish.
 
-    Rows are swept in lexicographic order: a row can only be dominated by one before it, so each
-    is checked against the front found so far — O(N·F) instead of O(N²).
+    pulp reports a HiGHS or CBC time limit as status "Optimal" with the solution status
+    "Solution Found" when an incumbent exists, and as "Not Solved" when none does; only the
+    status "Infeasible" is a proof (HiGHS's "unbounded or infeasible" is one too here: T_r ≥ 0,
+    α, β ≥ 0 bound the objective below, so the MILP is never unbounded).
     """
-    order = np.lexsort(v.T[::-1])
-    front: list[int] = []
-    fv = np.empty((len(v), v.shape[1]))
-    n = 0
-    for k in order:
-        row = v[k]
-        if n and ((fv[:n] <= row).all(axis=1)).any():  # dominated, or equal to a kept row
-            continue
-        front.append(int(k))
-        fv[n] = row
-        n += 1
-    return np.array(sorted(front), dtype=np.int64)
+    if status == pulp.LpStatusInfeasible:
+        return Outcome.INFEASIBLE
+    if status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionOptimal:
+        return Outcome.OPTIMAL
+    if status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionIntegerFeasible:
+        return Outcome.INCUMBENT
+    return Outcome.STOPPED
 
 
-def fixed_on_rank(P: StageProblem, C: ModuleSets, r: int, cs: np.ndarray | slice = slice(None)
-                  ) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """What the items fixed on rank r add, per module set in `cs`: Σ n·Δt_ic and Σ n·ψ_s·k_ic,
-    and their constant time and static bytes Σ n·t_i and Σ n·w_i (the (time) and (memory)
-    rows of the formulation, without the repeated layer)."""
-    ft = np.zeros(len(C.add_time[cs]))
-    fk = np.zeros(len(ft))
-    t0 = m0 = 0.0
-    for s in range(r, P.stages, P.pp):
-        for i, n in P.fixed[s]:
-            ft += n * C.add_time[cs, i]
-            fk += n * P.inflight[s] * C.kept[cs, i]
-            t0 += n * P.items[i].time_s
-            m0 += n * P.items[i].static_bytes
-    return ft, fk, t0, m0
+@dataclass(frozen=True)
+class Milp:
+    """The built MILP with the variables decoding reads: X_r (ints when the layers are given)
+    and z_rc over each rank's candidate sets."""
 
-
-def rank_sets(P: StageProblem, C: ModuleSets, r: int, layers: float | None = None) -> list[int]:
-    """Indices of the module sets worth considering on rank r.
-
-    A rank's time and memory depend on a set only through four numbers: Δt and k of the
-    repeated layer, and Σ n·Δt and Σ n·ψ·k over the items fixed on the rank. A set dominated in
-    these four is never strictly better for any layer count, so that front is exact. With
-    `layers` given, the front is taken on the rank's two totals at that layer count instead
-    (smaller; exact only at that count).
-    """
-    ell = P.layer_item
-    ft, fk, _, _ = fixed_on_rank(P, C, r)
-    if layers is None:
-        v = np.stack([C.add_time[:, ell], C.kept[:, ell], ft, fk], axis=1)
-    else:
-        psi = P.mean_inflight(r)
-        v = np.stack([C.add_time[:, ell] * layers + ft, C.kept[:, ell] * psi * layers + fk], axis=1)
-    return [int(k) for k in pareto(np.round(v, 12))]
+    lp: pulp.LpProblem
+    X: list
+    z: dict[tuple[int, int], pulp.LpVariable]
+    cand: list[list[int]]
 
 
 def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
-          layers: Sequence[int] | None = None) -> tuple[pulp.LpProblem, dict]:
+          layers: Sequence[int] | None = None) -> Milp:
     """The MILP of the module docstring over the candidate sets of each rank; `layers` fixes
-    X_r. Returned with its variables for decoding."""
+    X_r."""
     R = P.pp
     lp = pulp.LpProblem("stage_choices", pulp.LpMinimize)
     U = P.free_layers
@@ -328,7 +184,7 @@ def build(P: StageProblem, C: ModuleSets, cand: list[list[int]],
         lp += Aff([(v, a * inv_b) for v, a in mem_terms], constant=m0 * inv_b) <= 1.0, (
             f"memory_rank_{r}")
     lp += P.alpha * M + P.beta * pulp.lpSum(T), "step_time_ms"
-    return lp, {"X": X, "z": z, "cand": cand}
+    return Milp(lp, X, z, cand)
 
 
 @contextlib.contextmanager
@@ -349,30 +205,43 @@ def _quiet_solver() -> Iterator[None]:
         os.close(devnull)
 
 
-def solver() -> pulp.LpSolver:
+def solver(time_limit_s: float | None = None) -> pulp.LpSolver:
     """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC."""
-    highs = pulp.HiGHS(msg=False)
-    return highs if highs.available() else pulp.PULP_CBC_CMD(msg=False)
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    return highs if highs.available() else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
 
 
-EXACT_LIMIT = 400  # candidate sets over all ranks up to which one exact MILP is solved
-COARSE_SETS = 8  # sets per rank in the first of the two MILPs for larger problems
-
-
-def _solve(P: StageProblem, C: ModuleSets, cand: list[list[int]],
-           layers: Sequence[int] | None) -> StageSolution:
-    lp, v = build(P, C, cand, layers)
+def solve_milp(milp: Milp, time_limit_s: float | None = None) -> Outcome:
+    """Run the solver on a built MILP; what it established, never decoded here."""
     with _quiet_solver():
-        lp.solve(solver())
-    if pulp.LpStatus[lp.status] != "Optimal":
-        raise InfeasibleStages(pulp.LpStatus[lp.status])
-    X = [round(float(pulp.value(x))) if not isinstance(x, int) else x for x in v["X"]]
+        milp.lp.solve(solver(time_limit_s))
+    return outcome(milp.lp.status, milp.lp.sol_status)
+
+
+def decode(P: StageProblem, C: ModuleSets, milp: Milp, result: Outcome) -> StageSolution:
+    """X_r and each rank's chosen set from a solved MILP, costed by `evaluate`.
+
+    Raises InfeasibleStages only on a proof, SolverStopped when there is no solution to read."""
+    if result is Outcome.INFEASIBLE:
+        raise InfeasibleStages("no module sets and layer split fit (proven by the solver)")
+    if result is Outcome.STOPPED:
+        raise SolverStopped(f"the solver stopped without a solution "
+                            f"({pulp.LpStatus[milp.lp.status]})")
+    X = [round(float(pulp.value(x))) if not isinstance(x, int) else x for x in milp.X]
     options = []
     for r in range(P.pp):
-        c = max(v["cand"][r], key=lambda c: pulp.value(v["z"][r, c]) or 0.0)
+        c = max(milp.cand[r], key=lambda c: pulp.value(milp.z[r, c]) or 0.0)
         options.append(list(C.sets[c]))
     obj, mem = evaluate(P, X, options)
-    return StageSolution(obj, X, options, mem)
+    return StageSolution(obj, X, options, mem, proven_optimal=result is Outcome.OPTIMAL)
+
+
+def solve_over(P: StageProblem, C: ModuleSets, cand: list[list[int]],
+               layers: Sequence[int] | None = None, time_limit_s: float | None = None
+               ) -> StageSolution:
+    """Build, solve and decode the MILP over the given candidate sets of each rank."""
+    milp = build(P, C, cand, layers)
+    return decode(P, C, milp, solve_milp(milp, time_limit_s))
 
 
 def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageSolution:
@@ -414,56 +283,20 @@ def balanced_layers(P: StageProblem) -> list[int]:
     return X
 
 
-def exact_fronts(P: StageProblem, C: ModuleSets) -> list[list[int]]:
-    """`rank_sets` of every rank, memoised on the module sets: the front depends only on which
-    items are fixed on the rank and the ratios of their in-flight counts (a common factor ψ
-    scales one coordinate and leaves dominance unchanged), so ranks and layouts share fronts."""
-    memo = C.fronts
-    out = []
-    for r in range(P.pp):
-        fixed = [(i, n, P.inflight[s]) for s in range(r, P.stages, P.pp) for i, n in P.fixed[s]]
-        psi0 = fixed[0][2] if fixed and fixed[0][2] else 1.0
-        sig = (P.layer_item, tuple((i, n, round(ps / psi0, 9)) for i, n, ps in fixed))
-        if sig not in memo:
-            memo[sig] = rank_sets(P, C, r)
-        out.append(memo[sig])
-    return out
-
-
-def useful_sets(P: StageProblem, C: ModuleSets, cand: list[list[int]]) -> list[list[int]]:
-    """Per rank, the candidate sets that are the rank's fastest fitting set at some layer count.
-
-    Exact: take any optimum (X*, z*) and give each rank r the fastest set that fits at X*_r; its
-    T_r does not grow and it still fits, and the objective grows with every T_r, so the result
-    is optimal too and uses only these sets. At most L − D + 1 sets per rank survive, usually a
-    handful (one when memory never binds), where the fronts hold hundreds: the MILP keeps the
-    whole choice of layers and sets but solves in milliseconds.
-    """
-    ell = P.layer_item
-    lay = P.items[ell]
-    X = np.arange(P.free_layers + 1, dtype=float)[:, None]  # (U+1, 1) layer counts
-    out = []
-    for r in range(P.pp):
-        cs = np.array(sorted(cand[r]), dtype=np.int64)  # ascending: ties go to the smaller set
-        ft, fk, t0, m0 = fixed_on_rank(P, C, r, cs)
-        t = np.round(X * (lay.time_s + C.add_time[cs, ell]) + ft + t0, 12)  # (U+1, |cs|)
-        m = X * (lay.static_bytes + P.mean_inflight(r) * C.kept[cs, ell]) + fk + m0
-        ok = m <= P.budget_bytes[r] * (1 + 1e-9)
-        fastest = np.argmin(np.where(ok, t, np.inf), axis=1)[ok.any(axis=1)]
-        out.append(sorted(set(cs[fastest].tolist())))
-    return out
-
-
 def solve(problem: StageProblem, sets: ModuleSets | None = None,
-          layers: Sequence[int] | None = None) -> StageSolution:
-    """Build, solve and decode; raises InfeasibleStages when nothing fits.
+          layers: Sequence[int] | None = None, time_limit_s: float | None = None
+          ) -> StageSolution:
+    """Prune the module sets, then build, solve and decode; raises InfeasibleStages when nothing
+    provably fits, SolverStopped when the solver stopped (`time_limit_s` per MILP) with neither
+    a solution nor a proof.
 
     `layers` (X_r per rank) fixes the stage split and leaves only the module sets, which
     separate by rank (`solve_fixed`). Otherwise, when the exact fronts hold at most EXACT_LIMIT
     sets in all, one MILP decides layers and sets together; larger ones (DeepSeek-V3's first and
     last ranks hold hundreds of non-dominated sets) are solved in two steps: the MILP over layers
-    and sets on a thinned front of each rank's sets at the balanced layer count, then every set
-    with those layers fixed.
+    and sets on a thinned front of each rank's sets at the balanced layer count
+    (`sets.coarse_sets`), then every set with those layers fixed. The thinned sets prove
+    nothing: when they fit no layer split, one MILP over all useful sets decides.
     """
     P = problem
     if min(P.budget_bytes) <= 0:
@@ -476,20 +309,15 @@ def solve(problem: StageProblem, sets: ModuleSets | None = None,
     if not all(exact):
         raise InfeasibleStages("a rank fits no module set at any layer count")
     if sum(map(len, exact)) <= EXACT_LIMIT:
-        return _solve(P, C, exact, None)
-    even = P.free_layers / P.pp
-    coarse = []
-    for r in range(P.pp):
-        front = rank_sets(P, C, r, even)
-        if len(front) > COARSE_SETS:  # thin evenly along the front (it is sorted by time)
-            front = [front[i] for i in sorted(set(np.linspace(0, len(front) - 1, COARSE_SETS)
-                                                  .round().astype(int)))]
-        coarse.append(front)
-    first = _solve(P, C, coarse, None)
-    return solve_fixed(P, C, first.layers)
+        return solve_over(P, C, exact, None, time_limit_s)
+    try:
+        first = solve_over(P, C, coarse_sets(P, C), None, time_limit_s)
+    except InfeasibleStages:
+        return solve_over(P, C, exact, None, time_limit_s)
+    return dataclasses.replace(solve_fixed(P, C, first.layers), proven_optimal=False)
 
 
-def evaluate(problem: StageProblem, layers: Sequence[int], options: Sequence[Sequence[str]]
+def evaluate(problem: StageProblem, layers: Sequence[int], options: Sequence[Sequence[Option]]
              ) -> tuple[float, list[float]]:
     """Objective and per-rank memory of given choices (layers X_r per rank), costed item by item
     with `item_cost` — independent of the MILP's algebra, for the brute-force reference."""

@@ -1,4 +1,5 @@
-"""From one layout to the MILP's data, by the cost models' own per-layer numbers.
+"""The MILP's data (`StageProblem`, its items and module options) and how one layout becomes it,
+by the cost models' own per-layer numbers.
 
 `stage_problem` mirrors `cost_models.estimate.estimate_breakdown` term by term — item times and
 overheads as `_chunk` adds them, static bytes as `static_memory`, in-flight micro-batches as the
@@ -11,7 +12,9 @@ the balanced layout's values, and the final ranking re-scores every plan with `e
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import (
@@ -26,12 +29,117 @@ from ..cost_models.layers import LayerCost, make_context
 from ..cost_models.memory import static_memory
 from ..cost_models.overlap import edge_weight
 from ..cost_models.pipeline import in_flight_chunks
-from ..specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
-from .ilp import Group, Item, StageProblem
+from ..specs import (
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+)
 
-OFFLOAD_PREFIX = "offload:"  # recompute and offload share module names (core_attn, moe_act)
+
+class Option(NamedTuple):
+    """One module decision o ∈ O of the MILP: re-run a module's forward in backward
+    (`recompute`), or move the activation it saves to host memory (`offload`).
+
+    The two kinds share module names (`core_attn`, `moe_act`), so the kind travels with the
+    name; a plan's Choices lists them apart again (`split_options`). A NamedTuple: the MILP's
+    set arithmetic hashes options in its inner loops, and a tuple hashes in C."""
+
+    kind: Literal["recompute", "offload"]
+    module: str
+
+    @classmethod
+    def recompute(cls, module: str) -> Option:
+        return cls("recompute", module)
+
+    @classmethod
+    def offload(cls, module: str) -> Option:
+        return cls("offload", module)
+
+    def __str__(self) -> str:
+        return self.module if self.kind == "recompute" else f"offload {self.module}"
+
+
+FULL = Option.recompute("full")
+OPTIONS: tuple[Option, ...] = (tuple(Option.recompute(m) for m in RECOMPUTE_MODULES)
+                               + tuple(Option.offload(m) for m in OFFLOAD_MODULES))
+"""Every recompute and offload option of SPEC §3: both targets execute all of them."""
 RECOMPUTE_EXCLUSIVE_WITH_FULL = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                                  "shared_experts")
+EXCLUSIVE = tuple((FULL, Option.recompute(o)) for o in RECOMPUTE_EXCLUSIVE_WITH_FULL)
+EP_OVERLAP_FORBIDS = (FULL, Option.recompute("moe"))  # Megatron refuses them with EP overlap
+
+
+def split_options(options: Iterable[Option]) -> tuple[list[str], list[str]]:
+    """(recompute modules, offload modules), each in the given order: a plan's Choices lists."""
+    opts = list(options)
+    return ([o.module for o in opts if o.kind == "recompute"],
+            [o.module for o in opts if o.kind == "offload"])
+
+
+@dataclass(frozen=True)
+class Group:
+    """Activation bytes of one item that the same options free or move."""
+
+    bytes: float
+    recompute_by: frozenset[Option] = frozenset()
+    offload_by: Option | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One layer kind (or the embedding/loss/MTP) for one micro-batch on one GPU."""
+
+    name: str
+    time_s: float  # t_i
+    fwd_s: float  # forward compute that hides the device-to-host copies
+    bwd_s: float  # backward compute that hides the host-to-device copies
+    static_bytes: float  # w_i
+    groups: tuple[Group, ...] = ()
+    recompute_s: tuple[tuple[Option, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """Everything the MILP (`planner.ilp`) needs for one layout; built by `stage_problem`."""
+
+    items: tuple[Item, ...]
+    layer_item: int  # ℓ: the repeated kind whose count per stage is decided
+    free_layers: int  # L − D: layers of kind ℓ to place
+    fixed: tuple[tuple[tuple[int, int], ...], ...]  # per stage: (item, count) fixed there
+    pp: int
+    vpp: int
+    inflight: tuple[float, ...]  # ψ_s
+    host_s_per_byte: float
+    budget_bytes: tuple[float, ...]  # B_r
+    alpha: float
+    beta: float
+    options: tuple[Option, ...]  # O
+    exclusive: tuple[tuple[Option, Option], ...] = ()
+    fixed_layers: tuple[int, ...] | None = None  # X_r given (a user's stage layout)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def rank_of(self, s: int) -> int:
+        return s % self.pp
+
+    def mean_inflight(self, r: int) -> float:
+        """ψ̄_r: mean in-flight micro-batches over rank r's chunks."""
+        return sum(self.inflight[r::self.pp]) / self.vpp
+
+    def chunk_layers(self, X: Sequence[int]) -> list[int]:
+        """x_s from X_r: even split, the remainder to the chunks holding fewest micro-batches."""
+        x = [0] * self.stages
+        for r in range(self.pp):
+            q, extra = divmod(int(X[r]), self.vpp)
+            chunks = sorted(range(self.vpp), key=lambda v: (self.inflight[v * self.pp + r], -v))
+            for rank_in_order, v in enumerate(chunks):
+                x[v * self.pp + r] = q + (1 if rank_in_order < extra else 0)
+        return x
 
 
 @dataclass(frozen=True)
@@ -43,12 +151,20 @@ class LayerTable:
     keys: list[str]
     imbalance: float
     groups: dict[str, tuple[Group, ...]] = field(default_factory=dict, compare=False)
+    recompute: dict[str, tuple[tuple[Option, float], ...]] = field(default_factory=dict,
+                                                                    compare=False)
 
     def groups_of(self, name: str) -> tuple[Group, ...]:
         """`_groups` of one layer kind, built once: every layout of the key reuses it."""
         if name not in self.groups:
             self.groups[name] = _groups(self.costs[name])
         return self.groups[name]
+
+    def recompute_of(self, name: str) -> tuple[tuple[Option, float], ...]:
+        """`_recompute_s` of one layer kind, built once like `groups_of`."""
+        if name not in self.recompute:
+            self.recompute[name] = _recompute_s(self.costs[name])
+        return self.recompute[name]
 
     def total_time_s(self, mtp_layers: int, edge: float = 0.0) -> float:
         """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time
@@ -77,13 +193,20 @@ def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
 def _groups(lc: LayerCost) -> tuple[Group, ...]:
     """Merge an item's activation tensors by (recompute options, offload option); `full` frees
     everything but the layer input, as `LayerCost._kept` says."""
-    merged: dict[tuple[frozenset[str], str | None], float] = {}
+    merged: dict[tuple[frozenset[Option], Option | None], float] = {}
     for t in lc.tensors:
-        rb = frozenset(t.recompute_by | ({"full"} if t.name != "layer_input" else set()))
-        key = (rb, OFFLOAD_PREFIX + t.offload_by if t.offload_by else None)
+        rb = frozenset(Option.recompute(o) for o in t.recompute_by) | (
+            {FULL} if t.name != "layer_input" else set())
+        key = (rb, Option.offload(t.offload_by) if t.offload_by else None)
         merged[key] = merged.get(key, 0.0) + t.bytes
     return tuple(Group(b, rb, ob) for (rb, ob), b in sorted(
-        merged.items(), key=lambda kv: (sorted(kv[0][0]), kv[0][1] or "")))
+        merged.items(), key=lambda kv: (sorted(o.module for o in kv[0][0]),
+                                        kv[0][1].module if kv[0][1] else "")))
+
+
+def _recompute_s(lc: LayerCost) -> tuple[tuple[Option, float], ...]:
+    """The forward seconds each recompute option re-runs, in module order."""
+    return tuple((Option.recompute(o), t) for o, t in sorted(lc.recompute_fwd_s.items()))
 
 
 @dataclass(frozen=True)
@@ -95,7 +218,7 @@ class Built:
 
 def stage_problem(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
-    cal: Calibration, table: LayerTable, options: tuple[str, ...],
+    cal: Calibration, table: LayerTable, options: tuple[Option, ...],
     optimizer_offload_fraction: float = 0.0, fixed_layers: tuple[int, ...] | None = None,
 ) -> Built:
     L = layout
@@ -109,8 +232,7 @@ def stage_problem(
         st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
                            moments, L.distributed_optimizer, f)
         return Item(name, _item_time(lc, edge), lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s,
-                    st.total,
-                    table.groups_of(name), tuple(sorted(lc.recompute_fwd_s.items())))
+                    st.total, table.groups_of(name), table.recompute_of(name))
 
     keys = table.keys
     kinds = list(dict.fromkeys(keys))
@@ -133,7 +255,7 @@ def stage_problem(
         groups: list[Group] = []
         for p in parts:
             groups += [Group(g.bytes / n, g.recompute_by, g.offload_by) for g in p.groups]
-        rec: dict[str, float] = {}
+        rec: dict[Option, float] = {}
         for p in parts:
             for o, t in p.recompute_s:
                 rec[o] = rec.get(o, 0.0) + t / n
@@ -158,15 +280,14 @@ def stage_problem(
     budget = static_activation_budget_bytes(
         cluster, cal, fixed_buffer_bytes(model, training, L, cal, table.imbalance))
 
-    if L.ep_overlap:  # Megatron forbids full and `moe` recompute with EP overlap
-        options = tuple(o for o in options if o not in ("full", "moe"))
-    exclusive = tuple(("full", o) for o in RECOMPUTE_EXCLUSIVE_WITH_FULL)
+    if L.ep_overlap:
+        options = tuple(o for o in options if o not in EP_OVERLAP_FORBIDS)
     problem = StageProblem(
         items=tuple(items), layer_item=0, free_layers=free,
         fixed=tuple(tuple(e) for e in fixed), pp=pp, vpp=vpp,
         inflight=tuple(inflight), host_s_per_byte=1.0 / (cluster.host_link_gb_s * 1e9),
         budget_bytes=(budget,) * pp, alpha=m - 1.0 / vpp, beta=1.0 / vpp, options=options,
-        exclusive=exclusive, fixed_layers=fixed_layers)
+        exclusive=EXCLUSIVE, fixed_layers=fixed_layers)
     return Built(problem, constant_time_s(model, cluster, training, layout, cal, table, f),
                  leading)
 

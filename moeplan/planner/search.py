@@ -43,28 +43,21 @@ from ..cost_models.estimate import (
 from ..cost_models.memory import GB
 from ..cost_models.uncertainty import max_peak_gb, pessimistic_layout
 from ..errors import InfeasibleError, SpecError
-from ..specs import (
-    OFFLOAD_MODULES,
-    RECOMPUTE_MODULES,
-    Choices,
-    ClusterSpec,
-    Layout,
-    ModelSpec,
-    Plan,
-    TrainingSpec,
-)
+from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
 from .explain import explain_plans
 from .ilp import (
     InfeasibleStages,
+    SolverStopped,
     StageSolution,
     balanced_layers,
-    module_sets,
+    evaluate,
     solve,
     solve_fixed,
 )
-from .problem import OFFLOAD_PREFIX, LayerTable, layer_table, stage_problem
+from .problem import OPTIONS, LayerTable, Option, layer_table, split_options, stage_problem
+from .sets import module_sets
 
 OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
 AUTO_PRECISION = {"ampere": ("bf16",), "hopper": ("bf16", "fp8-tensorwise"),
@@ -146,16 +139,12 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
     return SearchSpace(precisions=precisions, tp_comm_overlap=runs_stack, cuda_graphs=runs_stack)
 
 
-def _options(target: str) -> tuple[str, ...]:
-    """Recompute and offload options: both targets execute every module of SPEC §3."""
-    return tuple(RECOMPUTE_MODULES) + tuple(OFFLOAD_PREFIX + o for o in OFFLOAD_MODULES)
-
-
-def _layout_options(options: tuple[str, ...], layout: Layout, target: str) -> tuple[str, ...]:
+def _layout_options(options: tuple[Option, ...], layout: Layout, target: str
+                    ) -> tuple[Option, ...]:
     """The options a layout may take on a target: `moeplan run` executes EP overlap, but not
     together with activation offload (runtime/support.py), so that target drops offload there."""
     if target == "moeplan" and layout.ep_overlap:
-        return tuple(o for o in options if not o.startswith(OFFLOAD_PREFIX))
+        return tuple(o for o in options if o.kind != "offload")
     return options
 
 
@@ -205,9 +194,8 @@ def _bounds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, enum
 def _choices(sol: StageSolution, dense_first: int, pp: int, vpp: int, f: float,
              chunk_layers: list[int]) -> Choices:
     """Decode the MILP's per-rank sets and layer counts into a plan's Choices."""
-    rec = [[o for o in opts if not o.startswith(OFFLOAD_PREFIX)] for opts in sol.options]
-    off = [[o[len(OFFLOAD_PREFIX):] for o in opts if o.startswith(OFFLOAD_PREFIX)]
-           for opts in sol.options]
+    parts = [split_options(opts) for opts in sol.options]
+    rec, off = [p[0] for p in parts], [p[1] for p in parts]
     layers = list(chunk_layers)
     layers[0] += dense_first
     uniform = all(r == rec[0] for r in rec) and all(o == off[0] for o in off)
@@ -234,7 +222,7 @@ def search(
     imbalance: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
     space: SearchSpace | None = None,
-    options: tuple[str, ...] | None = None,
+    options: tuple[Option, ...] | None = None,
     cache: SearchCache | None = None,
     objective: str = "robust",
 ) -> SearchResult:
@@ -269,7 +257,7 @@ def search(
     usable = static_activation_budget_bytes(cluster, cal, cal.workspace_gb * GB)
     fits = mem_lb <= usable
     pruned["memory_bound"] += int((~fits).sum())
-    options = _options(target) if options is None else options
+    options = OPTIONS if options is None else options
     cache = cache if cache is not None else SearchCache()
     tables, sets_cache = cache.tables, cache.sets
     sig = cache.signature(model, cluster, training, imbalance)
@@ -366,6 +354,9 @@ def search(
                                      lb_pipe=float(lb[idx]), cutoff=kth(),
                                      with_interval=objective == "robust")
         solved[idx] = (status, plan)
+        if status == "unsolved":  # the solver stopped: nothing proven either way
+            pruned["milp_unsolved"] += 1
+            return solved[idx]
         if status == "infeasible":
             pruned["memory_milp"] += 1
             if not best:  # only while nothing fits is the closest candidate of any use
@@ -404,7 +395,10 @@ def search(
         status, plan = solved[j] if j in solved else solve_row(j)
         if status in ("bound", "screened", "infeasible"):
             return True
-        return plan is not None and rank_key(plan) >= kth() * scale
+        # a twin tied with the k-th key does not prune: the row shares the key and may win
+        # the tie on its point
+        return (plan is not None and len(best) >= top_k
+                and rank_key(plan) > -best[0][0])
 
     while heap:
         bound, idx, tight = heap[0]
@@ -538,12 +532,11 @@ estimate). A layout whose screened time exceeds the k-th best by more than this 
 enter the top k, so the estimate is skipped (counted as `screened_by_milp`)."""
 
 
-def _least_memory(model: ModelSpec, options: tuple[str, ...], ep_overlap: bool) -> Choices:
+def _least_memory(model: ModelSpec, options: tuple[Option, ...], ep_overlap: bool) -> Choices:
     """The choices that keep the least memory: everything recomputed (only selective modules
     with EP overlap, which forbids full and `moe` recompute) and offloaded, optimizer on host."""
-    offload = [o[len(OFFLOAD_PREFIX):] for o in options if o.startswith(OFFLOAD_PREFIX)]
-    recompute = [o for o in options if not o.startswith(OFFLOAD_PREFIX)
-                 and (o != "mla_up_proj" or model.attention == "mla")]
+    recompute, offload = split_options(options)
+    recompute = [o for o in recompute if o != "mla_up_proj" or model.attention == "mla"]
     if ep_overlap:
         recompute = [o for o in recompute if o not in ("full", "moe")]
     elif "full" in recompute:
@@ -553,7 +546,7 @@ def _least_memory(model: ModelSpec, options: tuple[str, ...], ep_overlap: bool) 
 
 
 def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                  layout: Layout, cal: Calibration, table: LayerTable, options: tuple[str, ...],
+                  layout: Layout, cal: Calibration, table: LayerTable, options: tuple[Option, ...],
                   key: tuple, sets_cache: dict, result: SearchResult,
                   balanced: bool = False, lb_pipe: float = 0.0, cutoff: float = math.inf,
                   fractions: tuple[float, ...] | None = None, with_interval: bool = True
@@ -563,7 +556,8 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
     Returns the fastest plan that fits and beats `cutoff` (or None) with a status: "plan";
     "screened" (fits, but cannot beat the cutoff); "bound" (the lower bound already cannot);
-    "infeasible" (no choice fits at any fraction).
+    "infeasible" (proven: no choice fits at any fraction); "unsolved" (the solver stopped
+    without a solution at some fraction and none fits at the others: nothing proven).
 
     `balanced` is the screening pass: layers split evenly, so the problem separates by rank and
     is solved exactly without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and
@@ -574,7 +568,7 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     grid = fractions or ((0.0,) if not options else OPTIMIZER_OFFLOAD_GRID)
     best: Plan | None = None
     base_const: float | None = None
-    fits = skipped = False
+    fits = skipped = stopped = False
     for f in grid:
         built = stage_problem(model, cluster, training, layout, cal, table, options, f)
         if base_const is None:
@@ -585,6 +579,13 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             skipped = True
             continue
         P = built.problem
+        if balanced and limit < math.inf and f == grid[0]:
+            # the balanced split with nothing recomputed or offloaded is the least any choice
+            # reaches at any fraction (choices only add time, fractions only add optimizer
+            # time): past the screen's slack, no fraction can be estimated, so none is solved
+            free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
+            if free + base_const > SCREEN_SLACK * limit:
+                return None, "bound"
         skey = (key, P.options, P.items[P.layer_item].name, tuple(i.name for i in P.items))
         if skey not in sets_cache:
             sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
@@ -596,6 +597,9 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 result.solved += 1
                 sol = solve(P, sets_cache[skey])
         except InfeasibleStages:
+            continue
+        except SolverStopped:
+            stopped = True
             continue
         fits = True
         pressure = any(sol.options)
@@ -611,7 +615,9 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:
         return best, "plan"
-    return None, "screened" if fits else "bound" if skipped else "infeasible"
+    if fits:
+        return None, "screened"
+    return None, "bound" if skipped else "unsolved" if stopped else "infeasible"
 
 
 def _infeasible_message(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, load_training
 from .enumerate import SearchSpace
+from .problem import Option
 from .search import SearchCache, search
 
 SECONDS_PER_DAY = 86_400.0
@@ -264,7 +265,7 @@ class Sweep:
     top_k: int = 1
     time_limit_s: float | None = None
     space: SearchSpace | None = None
-    options: tuple[str, ...] | None = None
+    options: tuple[Option, ...] | None = None
     progress: Progress | None = None
     expected: int = 1
     start: float = field(default_factory=time.perf_counter)
@@ -380,7 +381,7 @@ def k_of(pt: Point) -> tuple:
 
 def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gbs: int,
                  precision: str, top_k: int, share: float | None, space: SearchSpace | None,
-                 options: tuple[str, ...] | None, cache: SearchCache | None = None
+                 options: tuple[Option, ...] | None, cache: SearchCache | None = None
                  ) -> tuple[Plan | None, str | None, bool, float]:
     """One search: (best plan or None, why not, stopped at the time limit, seconds).
 
@@ -470,7 +471,7 @@ def whatif(
     time_limit_s: float | None = None,
     progress: Progress | None = None,
     space: SearchSpace | None = None,
-    options: tuple[str, ...] | None = None,
+    options: tuple[Option, ...] | None = None,
     workers: int = 0,
 ) -> WhatIf:
     """Sweep clusters × GPU counts × seqs × batches × precisions (SPEC §4 `moeplan whatif`).
