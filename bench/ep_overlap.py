@@ -60,9 +60,9 @@ def replay_s(records) -> float:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

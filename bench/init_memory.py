@@ -20,7 +20,7 @@ import json, resource, sys
 from moeplan.runtime.comm import SINGLE, Axis
 from moeplan.runtime.layers import materialize_
 from moeplan.runtime.model import Transformer
-from moeplan.runtime.parallelize import apply_ep
+from moeplan.runtime.parallelize import ExpertParallel, apply_ep
 from moeplan.specs import ModelSpec, load_model
 
 mode, ep, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -29,7 +29,7 @@ spec = ModelSpec.model_validate(base.model_copy(update=dict(
     name="qwen3-30b-a3b-short", num_layers=layers, num_experts=64)).model_dump())
 axis = Axis(None, ep, 0, tuple(range(ep)))
 model = Transformer(spec, seed=0, materialize=mode == "full")
-apply_ep(model, axis, SINGLE, axis, SINGLE, "alltoall")  # keep ep rank 0's experts
+apply_ep(model, ExpertParallel(ep=axis, tp_ep=axis))  # keep ep rank 0's experts
 materialize_(model, 0)
 held = sum(p.numel() * p.element_size() for p in model.parameters())
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -39,9 +39,9 @@ def make_plan(pp: int, vpp: int, m: int, hidden: int, seq: int) -> Plan:
 
 def worker(rank: int, port: int, pp: int, cases: list, steps: int, hidden: int, seq: int,
            queue) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -20,8 +20,8 @@ import time
 import torch
 
 from moeplan.runtime.data import MarkovData
+from moeplan.runtime.groups import local_groups
 from moeplan.runtime.model import Transformer
-from moeplan.runtime.parallelize import local_groups
 from moeplan.runtime.train import Trainer
 from moeplan.specs import Layout, ModelSpec, Plan, TrainingSpec, load_cluster
 

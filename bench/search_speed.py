@@ -3,7 +3,7 @@
 solved.
 
 Each case runs in a fresh process and times its first `search` call, so the lazy imports it
-pays for (networkx for the topology, PuLP/HiGHS) are in the figure; `--repeat N` adds warm runs
+pays for (PuLP/HiGHS) are in the figure; `--repeat N` adds warm runs
 of the same search in that process. The search is single-threaded, so its process CPU time is
 what the wall time would be on an idle core; both are printed with the load average.
 

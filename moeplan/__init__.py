@@ -81,7 +81,7 @@ def groups(
 
     Returns {"tp", "cp", "dp", "pp", "tp_cp", "ep", "etp", "edp"} → lists of global ranks.
     """
-    from .runtime.grid import PRINTED_AXES, RankGrid
+    from .specs.grid import PRINTED_AXES, RankGrid
 
     if plan is not None:
         layout = (plan if isinstance(plan, Plan) else load_plan(plan)).layout

@@ -932,7 +932,7 @@ def checkpoint_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Each complete step: its plan and whether every file matches the manifest."""
-    from .runtime.hf_io import list_checkpoints
+    from .runtime.checkpoint import list_checkpoints
 
     rows = list_checkpoints(ckpt_dir)
 
@@ -957,7 +957,7 @@ def checkpoint_export(
     """Write a checkpoint as config.json + sharded safetensors that transformers loads."""
     if to != "hf":
         raise SpecError(f"--to takes hf (Hugging Face), got {to!r}.")
-    from .runtime.hf_io import export_checkpoint
+    from .runtime.checkpoint import export_checkpoint
 
     path = export_checkpoint(ckpt_dir, output, step)
     emit({"path": str(path)}, as_json, lambda: err.print(

@@ -38,10 +38,10 @@ def make_plan(axes: dict, precision: str = "bf16"):
 
 def worker(rank: int, port: int, root: str) -> None:
     from moeplan.runtime import checkpoint
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.storage import newest_checkpoint
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     init_world(rank, port, WORLD)
     data, ckpt = str(Path(root) / "tokens.bin"), Path(root) / "ckpt"

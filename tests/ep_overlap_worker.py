@@ -52,9 +52,9 @@ def trace_rows(trainer) -> list[dict]:
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     init_world(rank, port, WORLD)
     results: dict = {}

@@ -77,9 +77,9 @@ def train_layouts(rank: int, port: int, world: int, out: str,
     """Train each (name, {model: plan}) for `steps` steps in one spawned world; rank 0 saves,
     per (name, model), the per-step losses and step times, the first step's full reduced
     gradients, the last grad norm and each pipeline rank's time blocked on receives."""
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     init_world(rank, port, world)
     results: dict = {}

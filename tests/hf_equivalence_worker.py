@@ -41,9 +41,9 @@ def make_plan(directory: Path, world: int, axes: dict):
 
 
 def worker(rank: int, port: int, root: str, out: str) -> None:
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     init_world(rank, port, WORLD)
     names = sorted(p.name for p in Path(root).iterdir() if p.is_dir())

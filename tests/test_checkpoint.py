@@ -30,7 +30,7 @@ from moeplan import errors as moeplan_errors
 from moeplan.errors import SpecError
 from moeplan.runtime.data import TokenData, write_tokens
 from moeplan.runtime.data import main as convert
-from moeplan.runtime.launch import RunOptions, check_resume
+from moeplan.runtime.launch import PreparedRun, RunOptions, check_resume, prepare_plan
 from moeplan.runtime.storage import (
     check_token_file,
     complete_steps,
@@ -148,7 +148,7 @@ def test_token_batches_depend_on_seed_and_step_only_not_the_dp_split(tmp_path):
 
 # ------------------------------------------------------------------------------------- non-finite
 def test_a_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path):
-    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.train import Trainer
 
     plan = load_plan(write_plan(tmp_path / "plan.json", 1))
@@ -505,7 +505,7 @@ def test_workers_load_exactly_the_step_the_launcher_verified(tmp_path, monkeypat
     import torch.distributed as dist
 
     from moeplan.runtime import checkpoint, worker
-    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.storage import manifest_sha256, step_dir
     from moeplan.runtime.train import Trainer
 
@@ -538,12 +538,19 @@ def test_workers_load_exactly_the_step_the_launcher_verified(tmp_path, monkeypat
 
 
 def test_the_launcher_passes_the_verified_step_to_the_workers(tmp_path):
+    """The launcher writes the prepared run once (OUT/run.json); the worker command names only
+    that directory, and what a worker reads back is the verified step and the prepared plans."""
     from moeplan.runtime.launch import torchrun_command
 
-    opts = RunOptions(steps=6, ckpt_dir="c", resume=True, resume_step=3, resume_manifest="ab")
-    cmd = torchrun_command(tmp_path / "plan.json", opts, tmp_path, 2)
-    sent = json.loads(cmd[cmd.index("--options") + 1])
-    assert sent["resume_step"] == 3 and sent["resume_manifest"] == "ab"
+    opts = RunOptions(steps=6, ckpt_dir="c", resume=True, resume_step=3, resume_manifest="ab",
+                      scale_down=True)
+    given, running = prepare_plan(write_plan(tmp_path / "plan.json", 2, tp=2), opts)
+    PreparedRun(given, running, opts).write(tmp_path / "out")
+    cmd = torchrun_command(opts, tmp_path / "out", 2)
+    assert cmd[-3:] == ["-m", "moeplan.runtime.worker", str(tmp_path / "out")]
+    back = PreparedRun.read(tmp_path / "out")
+    assert (back.options.resume_step, back.options.resume_manifest) == (3, "ab")
+    assert back.running == running and back.given == given and running != given
 
 
 def test_the_package_holds_no_pickle_loading_code():
@@ -689,9 +696,10 @@ def test_the_run_stops_after_the_configured_non_finite_steps_in_a_row(tmp_path, 
                        "OMP_NUM_THREADS": "1"}.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "out"
+    opts = RunOptions(steps=10, max_nonfinite_steps=2)
     with pytest.raises(SystemExit) as e:
-        worker.run_worker(write_plan(tmp_path / "plan.json", 1),
-                          RunOptions(steps=10, max_nonfinite_steps=2), out)
+        worker.run_worker(PreparedRun(*prepare_plan(write_plan(tmp_path / "plan.json", 1), opts),
+                                      opts), out)
     assert e.value.code == 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -1,6 +1,5 @@
 """Rank placement (Megatron Core's order) and α–β collective times, by hand."""
 
-import numpy as np
 import pytest
 
 from moeplan.cost_models.calibration import default_calibration
@@ -19,18 +18,18 @@ from moeplan.specs import Layout, load_cluster
 def test_groups_match_megatron_docstring_example():
     # Megatron's initialize_model_parallel docstring: 16 GPUs, tp 2, pp 4 → dp 2
     L = Layout(tp=2, pp=4, dp=2)
-    assert group_ranks(L, "tp").tolist()[:3] == [[0, 1], [2, 3], [4, 5]]
-    assert group_ranks(L, "dp").tolist()[:3] == [[0, 2], [1, 3], [4, 6]]
-    assert group_ranks(L, "pp").tolist()[0] == [0, 4, 8, 12]
+    assert group_ranks(L, "tp")[:3] == [[0, 1], [2, 3], [4, 5]]
+    assert group_ranks(L, "dp")[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert group_ranks(L, "pp")[0] == [0, 4, 8, 12]
 
 
 def test_expert_grid_folds_over_the_same_ranks():
     L = Layout(tp=2, dp=8, pp=2, ep=4, etp=1)  # 32 GPUs, edp = 32 / (1·4·2) = 4
-    assert group_ranks(L, "ep").tolist()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert group_ranks(L, "edp").tolist()[0] == [0, 4, 8, 12]
-    assert group_ranks(L, "etp").shape == (32, 1)
-    every = np.sort(group_ranks(L, "ep").ravel())
-    assert every.tolist() == list(range(32))
+    assert group_ranks(L, "ep")[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group_ranks(L, "edp")[0] == [0, 4, 8, 12]
+    etp = group_ranks(L, "etp")
+    assert (len(etp), len(etp[0])) == (32, 1)
+    assert sorted(r for g in group_ranks(L, "ep") for r in g) == list(range(32))
 
 
 def test_placement_inside_and_across_nvlink():

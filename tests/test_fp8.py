@@ -340,9 +340,9 @@ def world1(tmp_path_factory):
 
 
 def _train(plan, steps: int, seed: int = 1234):
-    from moeplan.runtime.grid import RankGrid
-    from moeplan.runtime.parallelize import build_groups
+    from moeplan.runtime.groups import build_groups
     from moeplan.runtime.train import Trainer
+    from moeplan.specs.grid import RankGrid
 
     trainer = Trainer(plan, build_groups(RankGrid.from_layout(plan.layout)), seed=seed)
     return trainer, [trainer.step(s)[0].loss for s in range(steps)]

@@ -57,7 +57,7 @@ def runs(hf_dirs, tmp_path_factory):
 
 def moeplan_loss(directory, **update) -> float:
     """World-1 step-1 loss, in process, of the checkpoint under a (possibly altered) spec."""
-    from moeplan.runtime.parallelize import local_groups
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.train import Trainer
 
     plan = make_plan(directory, 1, {})
@@ -196,8 +196,8 @@ def test_import_then_export_without_training_is_bit_identical(hf_dirs, tmp_path,
     import torch
     from safetensors.torch import load_file
 
+    from moeplan.runtime.groups import local_groups
     from moeplan.runtime.hf_io import HFWeights, write_hf
-    from moeplan.runtime.parallelize import local_groups
     from moeplan.runtime.train import Trainer
 
     d = hf_dirs[model]
@@ -242,7 +242,8 @@ def test_exported_checkpoint_in_transformers_gives_the_next_steps_loss(cli, hf_d
 
 def test_export_refuses_another_format_an_existing_directory_and_a_missing_step(cli, tmp_path):
     from moeplan import SpecError
-    from moeplan.runtime.hf_io import export_checkpoint, write_hf
+    from moeplan.runtime.checkpoint import export_checkpoint
+    from moeplan.runtime.hf_io import write_hf
 
     r = cli("checkpoint", "export", str(tmp_path), "--to", "gguf", "-o", str(tmp_path / "x"))
     assert r.returncode == 2 and "--to takes hf" in r.stderr and "Traceback" not in r.stderr
@@ -280,10 +281,11 @@ def test_each_rank_reads_exactly_the_elements_it_keeps(hf_dirs, model, tp_rank, 
     per-expert and v4 Mixtral expert names included)."""
     import torch
 
-    from moeplan.runtime.comm import SINGLE, Axis
+    from moeplan.runtime.comm import Axis
     from moeplan.runtime.hf_io import HFWeights, load_hf_
+    from moeplan.runtime.layers import shard_info
     from moeplan.runtime.model import Transformer
-    from moeplan.runtime.parallelize import apply_ep, apply_tp
+    from moeplan.runtime.parallelize import ExpertParallel, apply_ep, apply_tp
 
     d = hf_dirs[model]
     spec = hf_model_spec(d)
@@ -291,13 +293,13 @@ def test_each_rank_reads_exactly_the_elements_it_keeps(hf_dirs, model, tp_rank, 
     full = dict(whole.named_parameters())
     rank = Transformer(spec, materialize=False)
     apply_tp(rank, Axis(size=2, rank=tp_rank))
-    apply_ep(rank, Axis(size=2, rank=ep_rank), SINGLE, SINGLE, SINGLE, "alltoall")
+    apply_ep(rank, ExpertParallel(ep=Axis(size=2, rank=ep_rank)))
     w = HFWeights(d)
     load_hf_(rank, d, spec, weights=w)
     kept = 0
     for name, p in rank.named_parameters():
         t = full[name]
-        for dim, start, size in getattr(p, "moeplan_slices", ()):
+        for dim, start, size in shard_info(p).slices:
             t = t.narrow(dim, start, size)
         assert torch.equal(p, t), name
         kept += p.numel()

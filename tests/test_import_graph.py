@@ -19,15 +19,9 @@ PACKAGE = REPO / "moeplan"
 PLANNER_PACKAGES = ("moeplan.specs", "moeplan.cost_models", "moeplan.planner")
 FORBIDDEN_IN_PLANNER = ("torch", "moeplan.runtime", "moeplan.kernels", "moeplan.calibrate")
 
-# Cycles known when this test was written, each the set of modules it runs through; the first
-# two are being removed in parallel, the third (a lazy import in hf_io back to checkpoint and
-# train) was found by this test. Delete an entry once its cycle is gone (the test then keeps
-# it gone); a cycle not listed fails the test by name.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"moeplan.runtime.launch", "moeplan.runtime.worker"}),
-    frozenset({"moeplan.runtime.memory", "moeplan.runtime.moe"}),
-    frozenset({"moeplan.runtime.checkpoint", "moeplan.runtime.train", "moeplan.runtime.hf_io"}),
-)
+# Cycles allowed to remain, each the set of modules it runs through (none now: the ones known
+# when this test was written are gone). A cycle not listed fails the test by name.
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 def module_files() -> dict[str, Path]:

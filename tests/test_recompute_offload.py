@@ -17,9 +17,10 @@ import torch
 
 from moeplan.cost_models import calibration_for, dense_layer, make_context, moe_layer
 from moeplan.runtime.comm import Axis
+from moeplan.runtime.groups import ParallelGroups, local_groups
 from moeplan.runtime.memory import apply_memory, measure_activations
 from moeplan.runtime.model import Transformer
-from moeplan.runtime.parallelize import ParallelGroups, local_groups, parallelize
+from moeplan.runtime.parallelize import parallelize
 from moeplan.runtime.train import Trainer
 from moeplan.specs import (
     OFFLOAD_MODULES,

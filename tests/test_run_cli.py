@@ -152,3 +152,34 @@ def test_run_rejects_an_invalid_layout(cli, tmp_path):
     path.write_text(json.dumps(doc))
     r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not divisible by ep=3" in " ".join(r.stderr.split())
+
+
+def test_a_worker_trains_the_run_the_launcher_prepared_from_the_run_directory_alone(
+        tmp_path, monkeypatch):
+    """The worker gets only the run directory: the launcher's prepared (scaled-down) plan and
+    options come from OUT/run.json, and the plan file it was prepared from is gone."""
+    import socket
+
+    from moeplan.runtime import worker
+    from moeplan.runtime.launch import PreparedRun, RunOptions, prepare_plan
+
+    opts = RunOptions(steps=2, seed=3, scale_down=True)
+    given, running = prepare_plan(write_plan(tmp_path / "plan.json", 1), opts)
+    out = tmp_path / "run"
+    PreparedRun(given, running, opts).write(out)
+    (tmp_path / "plan.json").unlink()
+    with socket.socket() as sock:  # a free port for a one-process gloo group
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    monkeypatch.setattr(worker.signal, "signal", lambda *_: None)  # keep pytest's SIGTERM
+    monkeypatch.setattr(worker, "set_parent_death_signal", lambda *_: True)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                       "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    worker.main([str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["seed"], summary["scaled_down"]) == (2, 3, True)
+    assert summary["model"] == running.model.name != given.model.name
+    assert summary["layout"] == running.summary()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2

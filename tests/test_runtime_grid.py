@@ -10,7 +10,7 @@ import pytest
 
 from moeplan import groups
 from moeplan.errors import SpecError
-from moeplan.runtime.grid import RankGrid
+from moeplan.specs.grid import RankGrid
 
 
 def test_megatron_docstring_example_tp2_pp4_on_16_ranks():
@@ -101,26 +101,8 @@ def test_moeplan_groups_json(cli):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
-@pytest.mark.parametrize("axes", [
-    {"tp": 2, "cp": 2, "pp": 2, "ep": 4}, {"tp": 4, "pp": 2, "ep": 2, "etp": 2},
-    {"cp": 2, "pp": 4, "ep": 8}, {"tp": 2, "ep": 16, "etp": 1}, {"pp": 2, "ep": 4, "etp": 4},
-    {"tp": 8, "cp": 4}, {"ep": 32},
-])
-def test_the_cost_models_price_the_groups_the_runtime_builds(axes, order):
-    """The planner places ranks with its own (numpy) generator, since it must not import the
-    runtime; both must give every axis's groups exactly, or the plan prices other links."""
-    from moeplan.cost_models import group_ranks
-    from moeplan.specs import Layout
-
-    layout = Layout.build(32, 64, order=order, **axes)
-    grid = RankGrid.from_layout(layout)
-    for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
-        assert sorted(group_ranks(layout, axis).tolist()) == sorted(grid.groups(axis)), axis
-
-
 def test_an_ep_group_splits_by_nvlink_domain_into_domains_and_rails():
-    from moeplan.runtime.parallelize import ep_domains
+    from moeplan.runtime.groups import ep_domains
 
     assert ep_domains([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert ep_domains([8, 9, 10, 11, 12, 13, 14, 15], 4) == (

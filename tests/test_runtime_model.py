@@ -161,9 +161,9 @@ def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkey
     tp rank 1 of 2 / ep rank 1 of 2 holds exactly its slices of the model every plan starts
     from, and drew only its own experts and the embedding rows of its vocabulary shard."""
     from moeplan.runtime import layers
-    from moeplan.runtime.comm import SINGLE, Axis
+    from moeplan.runtime.comm import Axis
     from moeplan.runtime.layers import materialize_, shard_info
-    from moeplan.runtime.parallelize import apply_ep, apply_tp
+    from moeplan.runtime.parallelize import ExpertParallel, apply_ep, apply_tp
     from moeplan.specs import load_model
 
     spec = load_model(DATA / "tiny_qwen3_moe.yaml")
@@ -173,7 +173,7 @@ def test_a_rank_draws_only_its_shards_and_they_are_the_full_models_slices(monkey
     assert model.layers[1].mlp.experts.w_up.is_meta and model.embedding.weight.is_meta
     two = Axis(None, 2, 1, (0, 1))
     apply_tp(model, two)
-    apply_ep(model, two, SINGLE, two, two, "alltoall")
+    apply_ep(model, ExpertParallel(ep=two, tp_ep=two, seq=two))
     drawn: list[str] = []
     real = layers._name_generator
     monkeypatch.setattr(layers, "_name_generator", lambda s, n: drawn.append(n) or real(s, n))

@@ -6,7 +6,7 @@ Every function cites its formula's source; breakdowns are frozen dataclasses.
 Modules
 -------
 compute      GEMM FLOPs and shape-dependent efficiency, attention core, memory-bound bytes
-comm         topology graph (networkx), rank placement in Megatron's order, α–β collectives
+comm         NVLink domains, rank placement (specs.grid.RankGrid), α–β collectives
 memory       weights / grads / optimizer bytes (distributed optimizer sharding)
 pipeline     1F1B and interleaved step time, in-flight micro-batches per rank
 layers       per-layer, per-micro-batch costs split per recompute/offload module

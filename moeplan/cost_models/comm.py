@@ -1,8 +1,9 @@
 """Communication: where each parallel group's ranks sit, and α–β times of its collectives.
 
-Topology: a networkx graph with one node per GPU, one per NVLink switch domain, one for the
-scale-out fabric; GPU–switch edges carry the NVLink bandwidth, GPU–fabric edges the per-GPU NIC
-bandwidth. Ranks are placed in Megatron Core's order (`RankGenerator`, REFERENCE "Rank order"):
+Topology: GPUs in NVLink switch domains of `ClusterSpec.usable_domain` GPUs (rank r sits in
+domain r // domain), every GPU also on the scale-out fabric with its per-GPU NIC bandwidth.
+Ranks form groups as Megatron Core builds them (`specs.grid.RankGrid`, the grid the runtime
+builds its process groups from; REFERENCE "Rank order"):
 attention rank = tp + t·(cp + c·(dp + d·pp)), expert rank = etp + etp_size·(ep + e·(edp + …)).
 A group whose ranks share one NVLink domain talks over NVLink, otherwise its traffic to other
 domains crosses the scale-out NICs.
@@ -18,55 +19,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
-
-import numpy as np
 
 from ..specs.cluster import ClusterSpec
+from ..specs.grid import RankGrid
 from ..specs.layout import Layout
 from .calibration import Calibration
 
 
-@lru_cache(maxsize=16)
-def _topology_key(world: int, gpus_per_node: int, domain: int) -> tuple[int, ...]:
-    """Domain id of every rank, read off the networkx topology graph (cached per shape)."""
-    import networkx as nx  # lazy: keeps `import moeplan` and the CLI start-up light
-
-    g = nx.Graph()
-    g.add_node("fabric", kind="scaleout")
-    for r in range(world):
-        dom = r // domain
-        g.add_node(("gpu", r), kind="gpu", node=r // gpus_per_node, domain=dom)
-        g.add_edge(("gpu", r), ("nvswitch", dom), link="nvlink")
-        g.add_edge(("gpu", r), "fabric", link="scaleout")
-    return tuple(next(n[1] for n in g.neighbors(("gpu", r)) if n != "fabric")
-                 for r in range(world))
-
-
-def _grid(layout: Layout, expert: bool) -> tuple[list[str], list[int]]:
-    """Axis names and sizes, fastest-varying first, of the attention or expert grid."""
-    L = layout
-    if expert:
-        edp = L.edp or 1
-        names, sizes = ["tp", "cp", "ep", "dp", "pp"], [L.etp, 1, L.ep, edp, L.pp]
-    else:
-        names, sizes = ["tp", "cp", "ep", "dp", "pp"], [L.tp, L.cp, 1, L.dp, L.pp]
-    if L.order == "tp-cp-ep-pp-dp":
-        names[3], names[4], sizes[3], sizes[4] = names[4], names[3], sizes[4], sizes[3]
-    return names, sizes
-
-
-def group_ranks(layout: Layout, axis: str) -> np.ndarray:
-    """All groups of one axis as rows of ranks, as Megatron Core builds them.
+def group_ranks(layout: Layout, axis: str) -> list[list[int]]:
+    """All groups of one axis as lists of ranks, as Megatron Core builds them (the RankGrid's).
 
     axis ∈ tp, cp, dp, pp (attention grid) or etp, ep, edp (expert grid).
     """
-    expert = axis in ("etp", "ep", "edp")
-    name = {"etp": "tp", "edp": "dp"}.get(axis, axis)
-    names, sizes = _grid(layout, expert)
-    ranks = np.arange(int(np.prod(sizes))).reshape(sizes[::-1])  # C order: slowest first
-    i = len(names) - 1 - names.index(name)
-    return np.moveaxis(ranks, i, -1).reshape(-1, sizes[names.index(name)])
+    return RankGrid.from_layout(layout).groups(axis)
 
 
 @dataclass(frozen=True)
@@ -82,38 +47,26 @@ class GroupPlacement:
         return self.domains == 1
 
 
-class _Axes(NamedTuple):
-    """The layout fields rank placement reads: hashable, so placements are cached."""
-
-    tp: int
-    cp: int
-    dp: int
-    pp: int
-    ep: int
-    etp: int
-    edp: int
-    order: str
-    world_size: int
-
-
 def placement(layout: Layout, axis: str, cluster: ClusterSpec) -> GroupPlacement:
     """The worst-placed group of an axis (the slowest group sets the step)."""
     L = layout
-    world = L.world_size
-    return _placement(_Axes(L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.edp or 1, L.order, world),
-                      axis, cluster.gpus_per_node, cluster.usable_domain(world))
+    return _placement((L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.order), axis,
+                      cluster.usable_domain(L.world_size))
 
 
 @lru_cache(maxsize=8192)
-def _placement(axes: _Axes, axis: str, gpus_per_node: int, domain: int) -> GroupPlacement:
+def _placement(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
+               ) -> GroupPlacement:
     # a search asks for the same few thousand placements tens of thousands of times
-    groups = group_ranks(axes, axis)  # type: ignore[arg-type]
-    n = groups.shape[1]
+    tp, cp, dp, pp, ep, etp, order = sizes
+    groups = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order).groups(axis)
+    n = len(groups[0])
     if n == 1:
         return GroupPlacement(1, 1, 1)
-    dom = np.asarray(_topology_key(axes.world_size, gpus_per_node, domain))[groups]
-    spans = [len(set(row.tolist())) for row in dom[: min(len(dom), 64)]]
-    domains = max(spans)
+    # rank r sits in domain r // domain; every group is its first rank + the first group's
+    # offsets, so its span depends only on that rank modulo the domain
+    firsts = {ranks[0] % domain for ranks in groups}
+    domains = max(len({(b + r) // domain for r in groups[0]}) for b in firsts)
     return GroupPlacement(n, max(1, n // domains), domains)
 
 

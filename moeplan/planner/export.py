@@ -19,11 +19,20 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..commands import (
+    MASTER_ENDPOINT,
+    ShellRef,
+    format_lines,
+    quote,
+    run_argv,
+    slurm_task_argv,
+    split_procs,
+    torchrun_args,
+)
 from ..errors import LayoutError, SpecError
 from ..limits import excerpt
 from ..specs import (
@@ -684,32 +693,6 @@ def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
     return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
 
 
-class ShellRef(str):
-    """A token the generated script must expand (`$MASTER_ADDR:$MASTER_PORT`), written in
-    double quotes. Only tokens built by this module are ShellRefs, and they may hold nothing but
-    `$NAME` references and `[A-Za-z0-9_.:/-]`; every other token (plan paths, names, flag
-    values) is single-quoted by shlex.quote, so no input can reach the shell as code."""
-
-    # `${NAME:?}`: a placeholder the user must set (the shell stops, naming it, if unset)
-    _SAFE = re.compile(r"(?:\$[A-Z_][A-Z0-9_]*|\$\{[A-Z_][A-Z0-9_]*:\?\}|[A-Za-z0-9_.:/-])+")
-
-    def __new__(cls, text: str) -> ShellRef:
-        if not cls._SAFE.fullmatch(text):
-            raise ValueError(f"not a plain variable reference: {text!r}")
-        return super().__new__(cls, text)
-
-
-MASTER_ENDPOINT = ShellRef("$MASTER_ADDR:$MASTER_PORT")
-SLURM_JOB_ID = ShellRef("$SLURM_JOB_ID")
-
-
-def _sh(token: str) -> str:
-    """Shell-quote a token: ShellRefs in double quotes (expanded), all else literal."""
-    if isinstance(token, ShellRef):
-        return f'"{token}"'
-    return shlex.quote(token)
-
-
 def _comment(text: str) -> str:
     """One line of a `#` comment: control characters (a newline would end the comment and
     start a command) become spaces."""
@@ -723,17 +706,6 @@ def sbatch_value(text: str, limit: int = 64) -> str:
     return clean or "moeplan"
 
 
-def format_lines(argv: Sequence[str], indent: str = "") -> list[str]:
-    """Group argv into one line per flag (flag plus its values), each value shell-quoted."""
-    lines: list[list[str]] = []
-    for tok in argv:
-        if tok.startswith("--") or tok == "-m" or not lines:
-            lines.append([tok])
-        else:
-            lines[-1].append(tok)
-    return [indent + " ".join(_sh(t) for t in line) for line in lines]
-
-
 def format_megatron(argv: Sequence[str], comments: Sequence[str] = ()) -> str:
     """Flags one per line with trailing backslashes, ready to paste after `pretrain_gpt.py`,
     under `# ` comment lines."""
@@ -742,29 +714,7 @@ def format_megatron(argv: Sequence[str], comments: Sequence[str] = ()) -> str:
 
 def _procs(plan: Plan, nnodes: int | None, nproc_per_node: int | None) -> tuple[int, int]:
     """(nnodes, nproc_per_node) covering the plan's world size exactly."""
-    world = plan.world_size
-    for name, v in (("--nnodes", nnodes), ("--nproc-per-node", nproc_per_node)):
-        if v is not None and v <= 0:
-            raise SpecError(f"{name} must be a positive whole number, got {v}.")
-    if nnodes is None and nproc_per_node is None:
-        nproc_per_node = min(world, plan.cluster.gpus_per_node)
-    if nproc_per_node is None:
-        assert nnodes is not None
-        if world % nnodes:
-            raise SpecError(f"the plan needs {world} processes, which do not split evenly over "
-                            f"--nnodes {nnodes}; pick a node count that divides {world}.")
-        nproc_per_node = world // nnodes
-    if nnodes is None:
-        if world % nproc_per_node:
-            raise SpecError(f"the plan needs {world} processes, not a multiple of "
-                            f"--nproc-per-node {nproc_per_node}; pass --nnodes and "
-                            "--nproc-per-node whose product is the world size.")
-        nnodes = world // nproc_per_node
-    if nnodes * nproc_per_node != world:
-        raise SpecError(f"--nnodes {nnodes} × --nproc-per-node {nproc_per_node} = "
-                        f"{nnodes * nproc_per_node} processes, but the plan's layout needs "
-                        f"{world} (tp·cp·dp·pp); make the product equal {world}.")
-    return nnodes, nproc_per_node
+    return split_procs(plan.world_size, plan.cluster.gpus_per_node, nnodes, nproc_per_node)
 
 
 def torchrun_argv(
@@ -783,22 +733,16 @@ def torchrun_argv(
     every node.
     """
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
-    argv = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
-    if nnodes == 1:
-        argv.append("--standalone")
-    else:
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                 "--rdzv-id", rdzv_id]
-    if max_restarts:
-        argv += ["--max-restarts", str(max_restarts)]
-    return argv + ["-m", "moeplan", "run", plan_path, *run_args]
+    flags = torchrun_args(nnodes, nproc, rdzv_endpoint if nnodes > 1 else None,
+                          rdzv_id=rdzv_id, max_restarts=max_restarts)
+    return ["torchrun", *flags, "-m", *run_argv(plan_path, *run_args)]
 
 
 def _format_command(argv: Sequence[str], indent: str = "  ") -> str:
     head, rest = argv[0], list(argv[1:])
     mod = rest.index("-m")
     lines = format_lines(rest[:mod], indent)
-    lines.append(indent + " ".join(_sh(t) for t in rest[mod:]))
+    lines.append(indent + " ".join(quote(t) for t in rest[mod:]))
     return " \\\n".join([head, *lines])
 
 
@@ -836,8 +780,7 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
         head.append(f"#SBATCH --account={sbatch_value(account)}")
     # one `moeplan run` launcher per node (its memory guard, lifecycle and exit codes apply);
     # each starts its node's torchrun agent, all rendezvous on the first node
-    argv = ["moeplan", "run", plan_path, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--rdzv-endpoint", MASTER_ENDPOINT, "--rdzv-id", SLURM_JOB_ID]
+    argv = slurm_task_argv(plan_path, nnodes, nproc)
     body = [
         "",
         "set -euo pipefail",

@@ -31,6 +31,8 @@ only the first stage writes it, and both read it.
 
 The files are written into a temporary directory that `storage.publish` seals (manifest last,
 fsync, rename, `latest`); `load` reads only a step that `storage.verify` accepted.
+`read_checkpoint` loads a step whole into one process (`moeplan checkpoint list` and
+`checkpoint export --to hf`, which writes it with `hf_io.write_hf`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import SpecError
+from .hf_io import MAX_SHARD_BYTES, write_hf
 from .layers import shard_info
 from .storage import (
     CKPT_FORMAT,
@@ -56,6 +60,7 @@ from .storage import (
     META,
     PLAN,
     Verified,
+    complete_steps,
     publish,
     rank_file,
     step_dir,
@@ -145,7 +150,7 @@ def _placement(p: torch.Tensor, trainer: Trainer) -> tuple[tuple[int, ...], tupl
 def _saved_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Parameters this rank saves: all it holds but the last stage's copy of the embedding."""
     return {n: p for n, p in trainer.model.named_parameters()
-            if not getattr(p, "moeplan_duplicate", False)}
+            if not shard_info(p).duplicate}
 
 
 def _flat_ranges(trainer: Trainer):
@@ -493,3 +498,65 @@ def load(trainer: Trainer, path: str | Path, manifest_sha256: str | None = None)
             dict(trainer.model.named_parameters()),
             {k[len(prefix):]: state[k][0][1] for k in kernels})
     return v.step
+
+
+# ------------------------------------------------------------ reading a checkpoint whole
+def read_checkpoint(path: Path):
+    """(plan, every parameter and router buffer at full size) of a sealed step directory, read
+    by a single-process Trainer through the checkpoint module's own reshardable load (so the
+    model is gathered on this one process)."""
+    from ..specs import Choices, Layout, load_plan
+    from .groups import local_groups
+
+    plan = load_plan(path / "plan.json")
+    plan = plan.model_copy(update={
+        "layout": Layout.build(1, plan.training.global_batch_size), "choices": Choices(),
+        "cluster": plan.cluster.model_copy(update={"num_gpus": 1})})
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    trainer = Trainer(plan, local_groups(), seed=0)
+    load(trainer, path)
+    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    for name, b in trainer.model.named_buffers():
+        if name.endswith("expert_bias") and b is not None:
+            state[name] = b.detach()
+    return plan, state
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
+    """Each complete step of `ckpt_dir`: step, model, layout, verified (and the problem)."""
+    from ..specs import load_plan
+
+    if not Path(ckpt_dir).is_dir():
+        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
+    rows = []
+    for s in complete_steps(ckpt_dir):
+        path = step_dir(ckpt_dir, s)
+        row: dict[str, Any] = {"step": s, "path": str(path), "model": "?", "layout": "?",
+                               "verified": True, "problem": None}
+        try:
+            verify(path)
+            plan = load_plan(path / "plan.json")
+            L = plan.layout
+            row.update(model=plan.model.name, layout=f"tp{L.tp} cp{L.cp} ep{L.ep} etp{L.etp} "
+                       f"pp{L.pp} dp{L.dp}")
+        except SpecError as e:
+            row.update(verified=False, problem=str(e)[:200])
+        rows.append(row)
+    return rows
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | None = None,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """`moeplan checkpoint export CKPT_DIR --to hf -o OUT_DIR [--step N]`."""
+
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        raise SpecError(f"{ckpt_dir}: no complete checkpoint to export.")
+    if step is not None and step not in steps:
+        raise SpecError(f"{ckpt_dir}: no complete checkpoint of step {step}; complete steps: "
+                        f"{', '.join(map(str, steps[-10:]))}.")
+    path = step_dir(ckpt_dir, step if step is not None else steps[-1])
+    verify(path)
+    plan, state = read_checkpoint(path)
+    return write_hf(plan.model, state, out_dir, max_shard_bytes)

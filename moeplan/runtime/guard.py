@@ -25,7 +25,7 @@ from ..cost_models.calibration import calibration_for
 from ..cost_models.estimate import estimate_breakdown
 from ..errors import SpecError
 from ..specs import ClusterSpec, Plan, load_cluster
-from .grid import RankGrid
+from ..specs.grid import RankGrid
 
 GB = 1e9
 CPU_PROCESS_BASE_GB = 0.4  # measured peak RSS of a tiny gloo worker (python, torch, gloo): 0.33 GB

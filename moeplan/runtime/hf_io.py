@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..specs import ModelSpec
+from .layers import shard_info
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
 MAX_INDEX_BYTES = 64 << 20  # index.json of the largest public checkpoints is a few MB
@@ -381,8 +382,9 @@ def load_hf_(model: nn.Module, hf_dir: str | Path, spec: ModelSpec,
             continue
         src = mapping.source(name)
         full = src.shape(w)
-        want = getattr(t, "moeplan_init", (None, None))[1]
-        box = _box(full, getattr(t, "moeplan_slices", ()))
+        info = shard_info(t)
+        want = info.full_shape
+        box = _box(full, info.slices)
         local = tuple(b - a for a, b in box)
         if (want is not None and tuple(want) != full) or local != tuple(t.shape):
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} in the "
@@ -444,7 +446,7 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     for name, _module, _key, t, _buf in _tensors(model):
         src = mapping.source(name)
         full = src.shape(w)
-        want = tuple(getattr(t, "moeplan_init", (None, tuple(t.shape)))[1])
+        want = shard_info(t).full_shape or tuple(t.shape)
         if full != want:
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} but the "
                             f"plan's model needs {list(want)} for its {name!r}; the "
@@ -658,70 +660,3 @@ def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def read_checkpoint(path: Path):
-    """(plan, every parameter and router buffer at full size) of a sealed step directory, read
-    by a single-process Trainer through the checkpoint module's own reshardable load (so the
-    model is gathered on this one process)."""
-    import torch.distributed as dist
-
-    from ..specs import Choices, Layout, load_plan
-    from . import checkpoint
-    from .parallelize import local_groups
-    from .train import Trainer
-
-    plan = load_plan(path / "plan.json")
-    plan = plan.model_copy(update={
-        "layout": Layout.build(1, plan.training.global_batch_size), "choices": Choices(),
-        "cluster": plan.cluster.model_copy(update={"num_gpus": 1})})
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    trainer = Trainer(plan, local_groups(), seed=0)
-    checkpoint.load(trainer, path)
-    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
-    for name, b in trainer.model.named_buffers():
-        if name.endswith("expert_bias") and b is not None:
-            state[name] = b.detach()
-    return plan, state
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
-    """Each complete step of `ckpt_dir`: step, model, layout, verified (and the problem)."""
-    from ..specs import load_plan
-    from .storage import complete_steps, step_dir, verify
-
-    if not Path(ckpt_dir).is_dir():
-        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
-    rows = []
-    for s in complete_steps(ckpt_dir):
-        path = step_dir(ckpt_dir, s)
-        row: dict[str, Any] = {"step": s, "path": str(path), "model": "?", "layout": "?",
-                               "verified": True, "problem": None}
-        try:
-            verify(path)
-            plan = load_plan(path / "plan.json")
-            L = plan.layout
-            row.update(model=plan.model.name, layout=f"tp{L.tp} cp{L.cp} ep{L.ep} etp{L.etp} "
-                       f"pp{L.pp} dp{L.dp}")
-        except SpecError as e:
-            row.update(verified=False, problem=str(e)[:200])
-        rows.append(row)
-    return rows
-
-
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | None = None,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """`moeplan checkpoint export CKPT_DIR --to hf -o OUT_DIR [--step N]`."""
-    from .storage import complete_steps, step_dir, verify
-
-    steps = complete_steps(ckpt_dir)
-    if not steps:
-        raise SpecError(f"{ckpt_dir}: no complete checkpoint to export.")
-    if step is not None and step not in steps:
-        raise SpecError(f"{ckpt_dir}: no complete checkpoint of step {step}; complete steps: "
-                        f"{', '.join(map(str, steps[-10:]))}.")
-    path = step_dir(ckpt_dir, step if step is not None else steps[-1])
-    verify(path)
-    plan, state = read_checkpoint(path)
-    return write_hf(plan.model, state, out_dir, max_shard_bytes)

@@ -3,7 +3,10 @@
 Everything that can be refused is refused here, in the launching process, before any worker
 starts: an invalid layout, a world size that does not match the processes, a plan feature the
 runtime does not execute yet (each with its fix), a run that cannot fit in the memory present
-(guard.py). This module imports no torch, so those errors are instant.
+(guard.py). This module imports no torch, so those errors are instant. What passed is written
+once, with the options, to OUT/run.json (`options.PreparedRun`); the workers read that file and
+never prepare the plan themselves. The torchrun line comes from `moeplan.commands`, the builder
+`moeplan export` uses too.
 
 Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
 signal, so neither it nor its workers outlive this process, SIGKILLed or not. SIGINT and SIGTERM
@@ -22,47 +25,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..commands import torchrun_args
 from ..errors import MoeplanError, NotYetAvailable, RunFailed, RunStopped, SpecError
 from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
+from .options import PreparedRun, RunOptions
 from .storage import check_token_file, held_steps, resume_point, verify
 from .support import features_not_executed, settings_not_executed
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
-
-
-@dataclass
-class RunOptions:
-    """The options of `moeplan run` (SPEC §4 and "Run outputs")."""
-
-    steps: int = 10
-    data: str = "synthetic"
-    seed: int = 0
-    dtype: str | None = None  # fp32 | bf16; None: bf16 on GPU, fp32 on CPU
-    out: str | None = None
-    scale_down: bool = False
-    nproc_per_node: int | None = None
-    nnodes: int = 1
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_backend: str = "c10d"
-    rdzv_id: str | None = None
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0
-    resume: bool = False
-    max_restarts: int = 0
-    ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
-    max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
-    # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
-    # digest of its manifest; workers load exactly that step
-    resume_step: int | None = None
-    resume_manifest: str | None = None
-    cluster: str | None = None  # ClusterSpec of this machine, for predictions (calibrate -o)
-    init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
 
 class Stopped(RunStopped):
@@ -255,6 +229,8 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         check_cluster_ref(opts.cluster)
     world = running.layout.world_size
     out = Path(opts.out) if opts.out else default_out(plan)
+    opts.out = str(out)
+    prepared = PreparedRun(given, running, opts)
     joined = _joined_environment(opts)
     if joined is not None:
         if int(joined["WORLD_SIZE"]) != world:
@@ -269,7 +245,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         from .worker import run_worker
 
         set_parent_death_signal()  # this process is a rank: it dies with its launcher
-        signum = run_worker(plan, opts, out)
+        signum = run_worker(prepared, out)  # in this process: the plan is prepared already
         rank0 = joined.get("RANK", "0") == "0"
         summary = _read_summary(out / "summary.json") if rank0 else None
         if signum:
@@ -289,11 +265,12 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         print(describe_scale_down(given, running), file=sys.stderr, flush=True)
     guard_memory(running, opts, nproc)
     _save_plan(given, out)
+    prepared.write(out)  # OUT/run.json: what every worker reads, prepared once, here
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     started = time.time()
-    code, signum = _run_agent(torchrun_command(plan, opts, out, nproc), env)
+    code, signum = _run_agent(torchrun_command(opts, out, nproc), env)
     summary_path = out / "summary.json"
     fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
     summary = _read_summary(summary_path) if fresh else None
@@ -371,33 +348,15 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     return code, (got[0] if got else None)
 
 
-def torchrun_command(plan: Plan | str | Path, opts: RunOptions, out: Path,
-                     nproc: int) -> list[str]:
+def torchrun_command(opts: RunOptions, out: Path, nproc: int) -> list[str]:
     """The torchrun line that starts `nproc` workers on this node (torchrun's own agent, run
-    through `moeplan.runtime.agent`: same arguments, see agent.py)."""
-    if isinstance(plan, Plan):
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "plan.json"
-        write_json(path, plan.model_dump(mode="json"))
-        plan = path
-    cmd = [sys.executable, "-m", "moeplan.runtime.agent", f"--nproc-per-node={nproc}",
-           f"--nnodes={opts.nnodes}"]
-    if opts.nnodes == 1 and not opts.rdzv_endpoint:
-        cmd.append("--standalone")
-    else:
-        cmd += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}",
-                f"--rdzv-id={opts.rdzv_id or 'moeplan'}"]
-        if opts.node_rank is not None:
-            cmd.append(f"--node-rank={opts.node_rank}")
-    if opts.max_restarts:  # restarted workers resume from the newest checkpoint
-        cmd.append(f"--max-restarts={opts.max_restarts}")
-    worker_opts = {k: v for k, v in asdict(opts).items() if k in (
-        "steps", "data", "seed", "dtype", "scale_down", "ckpt_dir", "ckpt_every", "resume",
-        "ckpt_keep", "max_nonfinite_steps", "resume_step", "resume_manifest", "cluster",
-        "init_from")}
-    return [*cmd, "-m", "moeplan.runtime.worker", str(plan), "--out", str(out),
-            "--options", json.dumps(worker_opts)]
+    through `moeplan.runtime.agent`: same arguments, see agent.py); each worker trains the run
+    prepared in `out` (OUT/run.json, `PreparedRun`)."""
+    flags = torchrun_args(opts.nnodes, nproc, opts.rdzv_endpoint, opts.rdzv_backend,
+                          opts.rdzv_id or "moeplan", opts.node_rank, opts.max_restarts)
+    return [sys.executable, "-m", "moeplan.runtime.agent", *flags,
+            "-m", "moeplan.runtime.worker", str(out)]
 
 
-__all__ = ["MoeplanError", "RunFailed", "RunOptions", "Stopped", "check_resume", "guard_memory",
-           "prepare_plan", "run", "torchrun_command", "verified_resume"]
+__all__ = ["MoeplanError", "PreparedRun", "RunFailed", "RunOptions", "Stopped", "check_resume",
+           "guard_memory", "prepare_plan", "run", "torchrun_command", "verified_resume"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,20 +28,42 @@ from .cp import ring_attention
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """How a parameter is split: along `tp_dim` over tp, along dim 0 over ep (experts), along
-    `etp_dim` over etp. A parameter with none of these is replicated (within its grid)."""
+    """Everything the runtime records about one parameter, in one typed record.
+
+    How it is split: along `tp_dim` over tp, along dim 0 over ep (`expert`), along `etp_dim`
+    over etp (none of these: replicated within its grid), and the cuts this rank keeps
+    (`slices`, in the order `shard_` made them). How it is drawn while deferred
+    (`normal_weight`): N(0, `init_std`²) at `full_shape`. Pipeline roles of a shared embedding
+    (`pipeline.split_stage`): in the first/last-stage embedding group, and the last stage's
+    duplicate copy (summed gradient, counted once in the norm).
+
+    Kept in the parameter's one `moeplan_shard` attribute so it survives what replaces a
+    tensor's data (`shard_`, `.to()`) and is copied with the parameter (`materialize_`).
+    """
 
     tp_dim: int | None = None
     expert: bool = False
     etp_dim: int | None = None
+    slices: tuple[tuple[int, int, int], ...] = ()  # (dim, start, size) cuts, in order
+    init_std: float | None = None
+    full_shape: tuple[int, ...] | None = None
+    embedding_group: bool = False
+    duplicate: bool = False
+
+
+_NO_SHARD = ShardInfo()
 
 
 def shard_info(p: torch.Tensor) -> ShardInfo:
-    return getattr(p, "moeplan_shard", ShardInfo())
+    """The record of `p` (a plain, replicated, already drawn tensor when none was made)."""
+    return getattr(p, "moeplan_shard", _NO_SHARD)
 
 
-def set_shard_info(p: torch.Tensor, info: ShardInfo) -> None:
+def update_shard_info(p: torch.Tensor, **changes: object) -> ShardInfo:
+    """Record `changes` on `p` (the other fields stay as they were)."""
+    info = replace(shard_info(p), **changes)  # type: ignore[arg-type]
     p.moeplan_shard = info  # type: ignore[attr-defined]
+    return info
 
 
 def shard_(p: nn.Parameter, dim: int, axis: Axis) -> None:
@@ -54,8 +76,7 @@ def shard_(p: nn.Parameter, dim: int, axis: Axis) -> None:
         raise ValueError(f"dim {dim} of size {n} does not split over {axis.size} ranks")
     size = n // axis.size
     p.data = p.data.narrow(dim, axis.rank * size, size).clone()
-    cut = (dim, axis.rank * size, size)
-    p.moeplan_slices = (*getattr(p, "moeplan_slices", ()), cut)  # type: ignore[attr-defined]
+    update_shard_info(p, slices=(*shard_info(p).slices, (dim, axis.rank * size, size)))
 
 
 def normal_weight(shape: tuple[int, ...], std: float, gen: torch.Generator | None
@@ -67,7 +88,7 @@ def normal_weight(shape: tuple[int, ...], std: float, gen: torch.Generator | Non
     if gen is not None:
         return nn.Parameter(torch.randn(shape, generator=gen) * std)
     w = nn.Parameter(torch.empty(shape, device="meta"))
-    w.moeplan_init = (std, tuple(shape))  # type: ignore[attr-defined]
+    update_shard_info(w, init_std=std, full_shape=tuple(shape))
     return w
 
 
@@ -86,8 +107,9 @@ def _draw(name: str, p: torch.Tensor, seed: int) -> torch.Tensor:
     drawn, and each is cut to its other slices at once, so drawing never holds more than the
     shard and one block.
     """
-    std, full = p.moeplan_init  # type: ignore[attr-defined]
-    slices = list(getattr(p, "moeplan_slices", ()))
+    info = shard_info(p)
+    std, full, slices = info.init_std, info.full_shape, list(info.slices)
+    assert std is not None and full is not None, name
     lo, n = 0, full[0]
     for _dim, start, size in [c for c in slices if c[0] == 0]:
         lo, n = lo + start, size
@@ -120,7 +142,7 @@ def materialize_(model: nn.Module, seed: int) -> nn.Module:
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, p in list(module._parameters.items()):
-            if p is None or not p.is_meta or not hasattr(p, "moeplan_init"):
+            if p is None or not p.is_meta or shard_info(p).full_shape is None:
                 continue
             if id(p) not in done:
                 new = nn.Parameter(_draw(names[id(p)], p, seed), requires_grad=p.requires_grad)

@@ -37,25 +37,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-_STATE = {"recomputing": 0}
+from .layers import MLP, MLAttention
+from .moe import MoE
+from .replay import recompute_mode
+
 _SCOPES: list[_Scope] = []  # the decoder layer whose forward is running (innermost last)
 # the offload group of the layer that ran last inside the model chunk's forward now running
 # (one entry per running chunk; empty outside a chunk's forward, e.g. in a backward replay)
 _CHAIN: list[_OffloadGroup | None] = []
-
-
-def recomputing() -> bool:
-    """True while a backward pass re-runs a forward: stateful counters must not count twice."""
-    return _STATE["recomputing"] > 0
-
-
-@contextlib.contextmanager
-def _recompute_mode() -> Iterator[None]:
-    _STATE["recomputing"] += 1
-    try:
-        yield
-    finally:
-        _STATE["recomputing"] -= 1
 
 
 # ------------------------------------------------------------------------------- accounting
@@ -189,7 +178,7 @@ class _Recipe:
             # with a graph, as in forward: some ops pick another kernel without one
             leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
                       else x for x in self.inputs]
-            with torch.enable_grad(), _recompute_mode():
+            with torch.enable_grad(), recompute_mode():
                 out = self.fn(*leaves)
             self.outputs = tuple(o.detach() for o in (out if isinstance(out, tuple) else (out,)))
         return self.outputs
@@ -331,7 +320,7 @@ def _checkpointed(inner: Callable, *args: object, **kwargs: object) -> object:
             if isinstance(x, torch.Tensor):
                 scope.count_kept(x)
     return checkpoint(inner, *args, **kwargs, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _recompute_mode()))
+                      context_fn=lambda: (contextlib.nullcontext(), recompute_mode()))
 
 
 def _discarded(inner: Callable, *args: object) -> object:
@@ -349,9 +338,6 @@ def _discarded(inner: Callable, *args: object) -> object:
 # ------------------------------------------------------------------------------- apply_*
 def _sites(block: nn.Module) -> dict[str, list[tuple[object, str]]]:
     """Each plan module name → the (object, method) pairs it names in one decoder layer."""
-    from .layers import MLP, MLAttention
-    from .moe import MoE
-
     attn, mlp = block.attention, block.mlp
     mla = isinstance(attn, MLAttention)
     qkv = ([attn.q_down if attn.q_rank else attn.q_proj, attn.kv_down] if mla

@@ -1,7 +1,11 @@
 """A decoder-only (MoE) transformer built from a ModelSpec, sequence-first (s, b, h).
 
-The model is always built at full size from one seeded generator (same seed → same full weights,
-whatever the plan); `parallelize` then keeps each rank's shards. Embedding and output layer are
+Every weight is a function of (seed, parameter name) alone, so every plan trains the same full
+model, yet no rank builds it: a Trainer constructs it with its large weights on the meta device
+(`materialize=False`), drops the other pipeline stages (`pipeline.split_stage`), shards the rest
+(`parallelize`), and only then draws the shards this rank keeps (`layers.materialize_`, block by
+block from generators seeded by seed, name and block). Built alone (`materialize=True`, the
+single-process reference) it draws every weight at once. Embedding and output layer are
 vocab-parallel; the loss is a vocab-parallel cross-entropy, so no rank holds (tokens, V) logits.
 A pipeline stage runs `forward_chunk` on the parts it keeps (`pipeline.split_stage`); a cp rank
 takes its two load-balanced sequence chunks itself, so callers always pass full sequences.

@@ -1,9 +1,10 @@
 """The MoE layer: router → token dispatcher → grouped expert GEMMs → combine, plus shared experts.
 
-One dispatcher interface (`dispatch` / `combine`), two implementations sharing it:
+One dispatcher interface (`TokenDispatcher`: `dispatch` returns the expert input and a
+`DispatchState`, `combine` takes that state back), three implementations sharing it:
 `AllToAllDispatcher` (permute → all-to-all over EP → all-gather over ETP → sort by local
-expert, and the reverse) and `AllGatherDispatcher` (all-gather tokens over the tp×ep group, keep
-those of local experts, reduce-scatter back). With ep = etp = 1 the all-to-all dispatcher does no
+expert, and the reverse), `AllGatherDispatcher` (all-gather tokens over the tp×ep group, keep
+those of local experts, reduce-scatter back) and `FlexDispatcher` (across NVLink domains). With ep = etp = 1 the all-to-all dispatcher does no
 communication at all: it is the reference every parallel layout is tested against. Dropless by
 default; with a capacity factor, copies beyond an expert's capacity are dropped (lowest
 probability first, Megatron's "probs" policy) before dispatch.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,7 @@ from .comm import (
     scatter_seq,
 )
 from .layers import MLP, activation, normal_weight
-from .memory import recomputing
+from .replay import recomputing
 
 
 @dataclass
@@ -45,6 +47,47 @@ class Routing:
     aux_loss: torch.Tensor
     counts: torch.Tensor
     may_drop: bool = False  # capacity dropping on: some ids may be E
+
+
+@dataclass
+class DispatchState:
+    """What a dispatch leaves for its combine (one micro-batch of one MoE layer), the one
+    record the three dispatchers share.
+
+    The all-gather and all-to-all dispatchers set the permutation back to token order; the
+    all-to-all one also, when it communicates (`exchanged`), the exchange's split sizes and the
+    sort by local expert. The flex one keeps the rows it sent over the rail (with that hop's
+    split sizes) and the in-domain dispatch's own state.
+    """
+
+    tokens: int  # T: rows the combine returns
+    probs: torch.Tensor | None = None  # (T, k) routing probabilities that weight the combine
+    order: torch.Tensor | None = None  # from `backend.permute`: sorted copies → tokens
+    dropped: int = 0  # copies cut off after the permute (capacity drops, other ranks' experts)
+    local_counts: torch.Tensor | None = None  # (E_local,) rows per local expert
+    # the exchange's split sizes: all-to-all over ep (or the flex rail), then gather over etp
+    send: list[int] | None = None
+    recv: list[int] | None = None
+    etp_sizes: list[int] | None = None
+    sort: torch.Tensor | None = None  # arrival order → grouped by local expert
+    # flex only: the token of each row sent over the rail, and the in-domain dispatch
+    rows: torch.Tensor | None = None
+    inner: DispatchState | None = None
+
+    @property
+    def exchanged(self) -> bool:
+        return self.sort is not None
+
+
+class TokenDispatcher(Protocol):
+    """Tokens to their experts and back: `dispatch` x (T, h) → expert input (N, h) grouped by
+    local expert, its counts (E_local,) and the state `combine` needs to bring the expert
+    outputs (N, h) back to (T, h), weighted by the routing probabilities."""
+
+    def dispatch(self, x: torch.Tensor, routing: Routing
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]: ...
+
+    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor: ...
 
 
 class Router(nn.Module):
@@ -175,31 +218,33 @@ class AllToAllDispatcher:
     # dispatch = dispatch_pre → dispatch_hops → dispatch_post, combine = combine_pre →
     # combine_hops → combine_post: the EP overlap schedule (overlap.py) runs the same pieces
     # with the hops issued asynchronously between them
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def dispatch(self, x: torch.Tensor, routing: Routing
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
-        copies, ctx = self.dispatch_pre(x, routing)
-        for op in self.dispatch_hops(ctx):
+        copies, state = self.dispatch_pre(x, routing)
+        for op in self.dispatch_hops(state):
             copies = communicate(copies, op)
-        return (*self.dispatch_post(copies, ctx), ctx)
+        return (*self.dispatch_post(copies, state), state)
 
-    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
         # y (N, h) expert outputs grouped by local expert → (T, h) weighted by the probabilities
-        y = self.combine_pre(y, ctx)
-        for op in self.combine_hops(ctx):
+        y = self.combine_pre(y, state)
+        for op in self.combine_hops(state):
             y = communicate(y, op)
-        return self.combine_post(y, ctx)
+        return self.combine_post(y, state)
 
-    def dispatch_pre(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, dict]:
+    def dispatch_pre(self, x: torch.Tensor, routing: Routing
+                     ) -> tuple[torch.Tensor, DispatchState]:
         """Permute x (T, h) into copies sorted by global expert (dropped ones cut off) and
-        exchange the token counts; ctx holds what the other pieces need."""
+        exchange the token counts; the state holds what the other pieces need."""
         copies, order, counts = self.backend.permute(x, routing.experts, self.E + 1)
         # dropped copies sort last (id E); only then is a host sync needed to cut them off
         kept = int(counts[: self.E].sum()) if routing.may_drop else copies.shape[0]
-        ctx = {"order": order, "T": x.shape[0], "dropped": copies.shape[0] - kept,
-               "probs": routing.probs, "local_counts": counts[: self.E]}
+        state = DispatchState(x.shape[0], routing.probs, order, copies.shape[0] - kept,
+                              local_counts=counts[: self.E])
         copies = copies[:kept]  # (T·k − dropped, h) sorted by global expert
         if self.ep.trivial and self.etp.trivial:
-            return copies, ctx
+            return copies, state
         # every rank's per-expert counts, arranged [ep peer j][etp peer q][expert]
         all_counts = all_gather_sizes(counts[: self.E], self.tp_ep)
         all_counts = all_counts.view(self.ep.size, self.etp.size, self.E)
@@ -216,33 +261,34 @@ class AllToAllDispatcher:
             self.etp.size * self.ep.size)
         row_expert = torch.repeat_interleave(chunk_expert, chunk_sizes)
         sort = torch.argsort(row_expert, stable=True)
-        ctx.update(send=send, recv=recv, etp_sizes=etp_sizes, sort=sort,
-                   local_counts=mine.sum(dim=(0, 1)))  # (E_local,)
-        return copies, ctx
+        state.send, state.recv, state.etp_sizes, state.sort = send, recv, etp_sizes, sort
+        state.local_counts = mine.sum(dim=(0, 1))  # (E_local,)
+        return copies, state
 
-    def dispatch_hops(self, ctx: dict) -> list[AllToAllV | GatherV]:
+    def dispatch_hops(self, state: DispatchState) -> list[AllToAllV | GatherV]:
         """All-to-all over ep ([ep peer j][local expert l]), then all-gather over etp."""
-        if "sort" not in ctx:
+        if not state.exchanged:
             return []
-        return [op for op in (AllToAllV(self.ep, ctx["recv"], ctx["send"]),
-                              GatherV(self.etp, ctx["etp_sizes"])) if not op.axis.trivial]
+        assert state.recv is not None and state.send is not None and state.etp_sizes is not None
+        return [op for op in (AllToAllV(self.ep, state.recv, state.send),
+                              GatherV(self.etp, state.etp_sizes)) if not op.axis.trivial]
 
-    def dispatch_post(self, y: torch.Tensor, ctx: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_post(self, y: torch.Tensor, state: DispatchState
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows in arrival order → grouped by local expert; and the counts per local expert."""
-        return (y.index_select(0, ctx["sort"]) if "sort" in ctx else y), ctx["local_counts"]
+        assert state.local_counts is not None
+        return (y if state.sort is None else y.index_select(0, state.sort)), state.local_counts
 
-    def combine_pre(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
-        return _unsort(y, ctx["sort"]) if "sort" in ctx else y
+    def combine_pre(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        return y if state.sort is None else _unsort(y, state.sort)
 
-    def combine_hops(self, ctx: dict) -> list[AllToAllV | ScatterV]:
+    def combine_hops(self, state: DispatchState) -> list[AllToAllV | ScatterV]:
         """The adjoints of `dispatch_hops`, in reverse: reduce-scatter over etp, all-to-all back."""
-        return [op.adjoint() for op in reversed(self.dispatch_hops(ctx))]
+        return [op.adjoint() for op in reversed(self.dispatch_hops(state))]
 
-    def combine_post(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def combine_post(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """y (T·k − dropped, h) back at home, sorted by global expert → (T, h) weighted."""
-        if ctx["dropped"]:
-            y = torch.cat([y, y.new_zeros(ctx["dropped"], y.shape[1])])
-        return self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])
+        return _unpermute(self.backend, y, state)
 
 
 class FlexDispatcher:
@@ -265,28 +311,32 @@ class FlexDispatcher:
         self.inner = AllToAllDispatcher(self.E_dom, backend, domain, etp,
                                         domain if etp.trivial else tp_ep_domain)
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def dispatch(self, x: torch.Tensor, routing: Routing
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         # x (T, h) → expert input (N, h) grouped by local expert, counts (E_local,)
-        sent, ctx = self.rail_pre(x, routing)
-        rail = self.rail_hop(ctx)
+        sent, state = self.rail_pre(x, routing)
+        rail = self.rail_hop(state)
         xr, er, pr = (communicate(t, rail) if t.is_floating_point() else rail.start(t).wait()
                       for t in sent)  # integer ids: no gradient
-        y, ctx["inner"] = self.inner.dispatch_pre(xr, self.inner_routing(er, pr, routing))
-        for op in self.inner.dispatch_hops(ctx["inner"]):
+        y, inner = self.inner.dispatch_pre(xr, self.inner_routing(er, pr, routing))
+        state.inner = inner
+        for op in self.inner.dispatch_hops(inner):
             y = communicate(y, op)
-        y, local_counts = self.inner.dispatch_post(y, ctx["inner"])
-        return y, local_counts, ctx
+        y, local_counts = self.inner.dispatch_post(y, inner)
+        return y, local_counts, state
 
-    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
         # y (N, h) expert outputs → (T, h): each domain's weighted partial sum, summed at home
-        y = self.inner.combine_pre(y, ctx["inner"])
-        for op in self.inner.combine_hops(ctx["inner"]):
+        inner = state.inner
+        assert inner is not None
+        y = self.inner.combine_pre(y, inner)
+        for op in self.inner.combine_hops(inner):
             y = communicate(y, op)
-        partial = self.inner.combine_post(y, ctx["inner"])  # (Σ recv, h)
-        return self.rail_post(communicate(partial, self.rail_hop(ctx).adjoint()), ctx)
+        partial = self.inner.combine_post(y, inner)  # (Σ recv, h)
+        return self.rail_post(communicate(partial, self.rail_hop(state).adjoint()), state)
 
     def rail_pre(self, x: torch.Tensor, routing: Routing
-                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], DispatchState]:
         """One row per (token, domain holding one of its experts), grouped by domain: the
         rows of x, their expert ids within that domain and their probabilities; the row
         counts are exchanged over the rail."""
@@ -303,21 +353,31 @@ class FlexDispatcher:
         probs = routing.probs.index_select(0, rows) * hit  # (R, k), gradient flows back
         counts = all_gather_sizes(torch.tensor(send, device=x.device), self.rail)  # (D, D)
         recv = counts[:, self.rail.rank].tolist()
-        ctx = {"rows": rows, "send": send, "recv": recv, "T": x.shape[0]}
-        return (x.index_select(0, rows), ids, probs), ctx
+        return (x.index_select(0, rows), ids, probs), DispatchState(
+            x.shape[0], send=send, recv=recv, rows=rows)
 
-    def rail_hop(self, ctx: dict) -> AllToAllV:
+    def rail_hop(self, state: DispatchState) -> AllToAllV:
         """The scale-out hop: each row to the rank at this rank's position in its domain."""
-        return AllToAllV(self.rail, ctx["recv"], ctx["send"])
+        assert state.recv is not None and state.send is not None
+        return AllToAllV(self.rail, state.recv, state.send)
 
     @staticmethod
     def inner_routing(ids: torch.Tensor, probs: torch.Tensor, routing: Routing) -> Routing:
         """The rows received over the rail, routed to this domain's experts."""
         return Routing(ids, probs, routing.aux_loss, routing.counts, may_drop=True)
 
-    def rail_post(self, back: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def rail_post(self, back: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Partial sums back at home (R, h) → (T, h), summed per token."""
-        return back.new_zeros(ctx["T"], back.shape[1]).index_add(0, ctx["rows"], back)
+        assert state.rows is not None
+        return back.new_zeros(state.tokens, back.shape[1]).index_add(0, state.rows, back)
+
+
+def _unpermute(backend: KernelBackend, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    """Expert outputs sorted by expert, the dropped copies cut off (N, h) → (T, h) weighted."""
+    assert state.order is not None and state.probs is not None
+    if state.dropped:
+        y = torch.cat([y, y.new_zeros(state.dropped, y.shape[1])])
+    return backend.unpermute(y, state.order, state.probs, state.tokens)
 
 
 def _unsort(y: torch.Tensor, sort: torch.Tensor) -> torch.Tensor:
@@ -337,7 +397,8 @@ class AllGatherDispatcher:
         self.E_local = num_experts // ep.size
         self.first = ep.rank * self.E_local
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def dispatch(self, x: torch.Tensor, routing: Routing
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         xs = gather_seq(x, self.tp_ep)  # (T·n, h), every rank's tokens in group order
         experts = gather_seq(routing.experts, self.tp_ep) if not self.tp_ep.trivial else (
             routing.experts)
@@ -347,14 +408,11 @@ class AllGatherDispatcher:
         local = local.masked_fill(~mine, self.E_local)  # other ranks' experts → drop bin
         copies, order, counts = self.backend.permute(xs, local, self.E_local + 1)
         kept = int(counts[: self.E_local].sum())
-        ctx = {"order": order, "T": xs.shape[0], "dropped": copies.shape[0] - kept,
-               "probs": probs}
-        return copies[:kept], counts[: self.E_local], ctx
+        state = DispatchState(xs.shape[0], probs, order, copies.shape[0] - kept)
+        return copies[:kept], counts[: self.E_local], state
 
-    def combine(self, y: torch.Tensor, ctx: dict) -> torch.Tensor:
-        if ctx["dropped"]:
-            y = torch.cat([y, y.new_zeros(ctx["dropped"], y.shape[1])])
-        out = self.backend.unpermute(y, ctx["order"], ctx["probs"], ctx["T"])  # (T·n, h) partial
+    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        out = _unpermute(self.backend, y, state)  # (T·n, h) partial
         return scatter_seq(out, self.tp_ep)  # (T, h)
 
 
@@ -368,8 +426,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(spec, std, out_std, gen, backend)
         self.shared = (MLP(spec, spec.shared_expert_ffn_hidden_size, std, out_std, gen, backend,
                            gate=spec.shared_expert_gate) if spec.num_shared_experts else None)
-        self.dispatcher: AllToAllDispatcher | AllGatherDispatcher = AllToAllDispatcher(
-            spec.num_experts, backend)
+        self.dispatcher: TokenDispatcher = AllToAllDispatcher(spec.num_experts, backend)
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts,
                                                               dtype=torch.long), persistent=False)
         self.aux_loss: torch.Tensor | None = None
@@ -382,7 +439,7 @@ class MoE(nn.Module):
         self.aux_loss = routing.aux_loss
         if not recomputing():  # a recompute in backward must not count the tokens twice
             self.tokens_per_expert += routing.counts.detach()
-        expert_in, counts, ctx = self.dispatcher.dispatch(tokens, routing)
+        expert_in, counts, state = self.dispatcher.dispatch(tokens, routing)
         expert_out = self.experts(expert_in, counts)
-        y = self.dispatcher.combine(expert_out, ctx).view(s, b, h).to(x.dtype)
+        y = self.dispatcher.combine(expert_out, state).view(s, b, h).to(x.dtype)
         return y if self.shared is None else y + self.shared(x)

@@ -35,8 +35,8 @@ from torch import nn
 
 from ..specs import TrainingSpec
 from .comm import Axis, all_reduce_
+from .groups import ParallelGroups
 from .layers import shard_info
-from .parallelize import ParallelGroups
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:
@@ -151,7 +151,7 @@ class DistributedOptimizer:
             offsets.append(n)
             if _is_duplicate(p) and dup_start is None:
                 dup_start = n
-            if getattr(p, "moeplan_embedding_group", False):
+            if shard_info(p).embedding_group:
                 shared.append((n, p.numel()))
             n += p.numel()
             if tp_replicated and shard_info(p).tp_dim is None and not _is_duplicate(p):
@@ -309,7 +309,7 @@ def _to_host(g: torch.Tensor) -> torch.Tensor:
 
 
 def _is_duplicate(p: torch.Tensor) -> bool:
-    return getattr(p, "moeplan_duplicate", False)
+    return shard_info(p).duplicate
 
 
 def _accumulate_into(main_grad: torch.Tensor):

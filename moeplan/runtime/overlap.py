@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .comm import AllToAllV, GatherV, Pending, ScatterV
 from .model import Chunk, Transformer
-from .moe import AllToAllDispatcher, FlexDispatcher, MoE
+from .moe import AllToAllDispatcher, DispatchState, FlexDispatcher, MoE, Routing
 
 Op = AllToAllV | GatherV | ScatterV
 Steps = Generator[None, None, object]
@@ -287,77 +287,84 @@ def _plain_block(block, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
     return (out,)
 
 
+@dataclass
+class _Held:
+    """What the attention piece of one MoE layer leaves for the later pieces."""
+
+    state: DispatchState | None = None  # the dispatch (for flex: the rail hop's)
+    routing: Routing | None = None
+    shape: tuple[int, ...] = ()  # (s/t, b, h) of the MoE input
+
+
 def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
                ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
     """One MoE decoder layer: attention → dispatch hops → experts → combine hops → residual."""
     moe: MoE = block.mlp
     d = moe.dispatcher
-    ctx: dict = {}
-    shape: list[int] = []
+    held = _Held()
 
     def attention(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x1 = x + block.attention(block.attn_norm(x), rope)
         h = block.mlp_norm(x1)  # (s/t, b, h)
-        shape[:] = h.shape
+        held.shape = tuple(h.shape)
         tokens = h.reshape(-1, h.shape[-1])  # (T, h)
         routing = moe.router(tokens)
         moe.tokens_per_expert += routing.counts.detach()
         if isinstance(d, FlexDispatcher):
-            sent, c = d.rail_pre(tokens, routing)
+            sent, held.state = d.rail_pre(tokens, routing)
         else:
-            copies, c = d.dispatch_pre(tokens, routing)
+            copies, held.state = d.dispatch_pre(tokens, routing)
             sent = (copies,)
-        ctx.update(c, routing=routing)
+        held.routing = routing
         return (x1, h, routing.probs, routing.aux_loss, *sent)
 
     x1, h, probs, aux, *sent = tape.compute(f"attention{layer}", attention, x)
+    outer = held.state
+    assert outer is not None and held.routing is not None
     if isinstance(d, FlexDispatcher):  # hop 1 over the rail, then the fan-out in the domain
-        rail = d.rail_hop(ctx)
+        rail = d.rail_hop(outer)
         xr, er, pr = yield from tape.hop("dispatch", layer, [rail] * 3, sent)
         inner = d.inner
 
         def fan_out(xr: torch.Tensor, er: torch.Tensor, pr: torch.Tensor) -> tuple:
             # pr only rides along here: fan_in weights the partial sums with it
-            y, ctx["inner"] = inner.dispatch_pre(xr, d.inner_routing(er, pr, ctx["routing"]))
+            y, outer.inner = inner.dispatch_pre(xr, d.inner_routing(er, pr, held.routing))
             return (y,)
 
         (y,) = tape.compute(f"fan_out{layer}", fan_out, xr, er, pr)
-        inner_ctx = ctx["inner"]
+        state = outer.inner
+        assert state is not None
     else:
-        inner, inner_ctx, (y,) = d, ctx, sent
-    for op in inner.dispatch_hops(inner_ctx):
+        assert isinstance(d, AllToAllDispatcher)
+        inner, state, (y,) = d, outer, sent
+    for op in inner.dispatch_hops(state):
         (y,) = yield from tape.hop("dispatch", layer, [op], [y])
 
     def experts(y: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        expert_in, counts = inner.dispatch_post(y, inner_ctx)
-        out = inner.combine_pre(moe.experts(expert_in, counts), inner_ctx)
+        expert_in, counts = inner.dispatch_post(y, state)
+        out = inner.combine_pre(moe.experts(expert_in, counts), state)
         return (out,) if moe.shared is None else (out, moe.shared(h))
 
     out, *shared = tape.compute(f"experts{layer}", experts, y, h)
-    for op in inner.combine_hops(inner_ctx):
+    for op in inner.combine_hops(state):
         (out,) = yield from tape.hop("combine", layer, [op], [out])
     if isinstance(d, FlexDispatcher):
-        (partial,) = tape.compute(f"fan_in{layer}",
-                                  lambda out, pr: (_inner_post(inner, out, pr, inner_ctx),),
-                                  out, pr)
-        (out,) = yield from tape.hop("combine", layer, [d.rail_hop(ctx).adjoint()], [partial])
+        # the domain's weighted partial sums, with the probabilities as this piece's leaf
+        (partial,) = tape.compute(
+            f"fan_in{layer}", lambda out, pr: (inner.combine_post(out, replace(state, probs=pr)),),
+            out, pr)
+        (out,) = yield from tape.hop("combine", layer, [d.rail_hop(outer).adjoint()], [partial])
 
     def residual(out: torch.Tensor, probs: torch.Tensor, x1: torch.Tensor, *shared):
         if isinstance(d, FlexDispatcher):
-            y = d.rail_post(out, ctx)
+            y = d.rail_post(out, outer)
         else:
-            y = d.combine_post(out, {**ctx, "probs": probs})
-        y = y.view(*shape).to(x1.dtype)
+            y = d.combine_post(out, replace(outer, probs=probs))
+        y = y.view(*held.shape).to(x1.dtype)
         return (x1 + (y if not shared else y + shared[0]),)
 
     (x_out,) = tape.compute(f"combine{layer}", residual, out, probs, x1, *shared)
     return x_out, aux
-
-
-def _inner_post(inner: AllToAllDispatcher, out: torch.Tensor, pr: torch.Tensor,
-                ctx: dict) -> torch.Tensor:
-    """The domain's weighted partial sums, with the probabilities as this piece's leaf."""
-    return inner.combine_post(out, {**ctx, "probs": pr})
 
 
 def chunk_backward(fwd: ChunkForward, grad_out: torch.Tensor | None, x_in: torch.Tensor | None,

@@ -1,9 +1,10 @@
 """Pipeline parallelism: stages from the plan's stage layout, 1F1B and interleaved 1F1B.
 
 Stages. The plan's layout (Megatron's `--pipeline-model-parallel-layout`, `specs.stage_layout`)
-lists virtual stages in virtual-stage order: stage v·pp + r is pp rank r's chunk v. Every rank
-builds the full model from the seed, then `split_stage` keeps only its chunks' parts, so weights
-match the single-process model by construction. The embedding rides on the first virtual stage;
+lists virtual stages in virtual-stage order: stage v·pp + r is pp rank r's chunk v. Each rank
+constructs the model with its large weights deferred (meta device), `split_stage` keeps only its
+chunks' parts, and only those are drawn, by parameter name (`layers.materialize_`), so weights
+match the single-process model by construction without any rank holding the whole model. The embedding rides on the first virtual stage;
 the loss head (final norm, output layer, MTP depths) on the last. When the last stage also needs
 the embedding (tied output head, or MTP reading token embeddings) it keeps a copy whose gradient
 is summed with the first stage's over the embedding group (Megatron's `embedding_group`), and the
@@ -38,6 +39,7 @@ from torch import nn
 
 from ..specs import Plan, stage_layout_for
 from .comm import Axis
+from .layers import update_shard_info
 from .model import Chunk, LossTerms, Transformer
 from .overlap import ChunkForward, OverlapTrace, chunk_backward, chunk_forward, interleave
 
@@ -75,10 +77,8 @@ def split_stage(model: Transformer, chunks: list[Chunk], pp: int) -> Transformer
         model.output = None
         model.mtp = nn.ModuleList()
     if pp > 1 and needs_shared_embedding(model) and (embed or loss):
-        w = model.embedding.weight
-        w.moeplan_embedding_group = True  # type: ignore[attr-defined]
-        if not embed:  # the last stage's copy: summed gradient, counted once in the norm
-            w.moeplan_duplicate = True  # type: ignore[attr-defined]
+        # the last stage's copy: summed gradient, counted once in the norm
+        update_shard_info(model.embedding.weight, embedding_group=True, duplicate=not embed)
     elif not embed:
         model.embedding = None  # type: ignore[assignment]
     return model

@@ -21,10 +21,11 @@ from ..kernels import choose_backend
 from ..specs import Plan
 from .comm import all_reduce_
 from .data import MarkovData, TokenData
+from .groups import ParallelGroups
 from .layers import materialize_
 from .model import Transformer
 from .optimizer import DistributedOptimizer, lr_at
-from .parallelize import ParallelGroups, gather_full, parallelize
+from .parallelize import gather_full, parallelize
 from .pipeline import PipelineSchedule, plan_stages, rank_chunks, split_stage
 
 # DeepSeek-V3's aux-loss-free bias update speed γ (§2.1.2; Megatron moe_router_bias_update_rate)

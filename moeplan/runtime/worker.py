@@ -1,13 +1,15 @@
 """One torchrun worker: init the process group, build groups, model and optimizer, train,
 write metrics.jsonl / summary.json / routing.json (rank 0).
 
-gloo on CPU, NCCL on GPU (one device per local rank); the code path is otherwise identical.
+A worker only reads the run the launcher prepared (`options.PreparedRun`: OUT/run.json, or
+handed over in-process when `moeplan run` is itself a rank of a torchrun/SLURM launch); it never
+loads, validates or scales the plan again. gloo on CPU, NCCL on GPU (one device per local rank);
+the code path is otherwise identical.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -21,11 +23,11 @@ import torch.distributed as dist
 from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, strict_dumps, write_json
 from ..specs import Plan
+from ..specs.grid import RankGrid
 from . import checkpoint
-from .grid import RankGrid
-from .launch import RunOptions, prepare_plan
+from .groups import build_groups
 from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
-from .parallelize import build_groups
+from .options import PreparedRun, RunOptions
 from .storage import manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
 
@@ -44,13 +46,14 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | None:
-    """Train `opts.steps` steps as this process's rank (environment set by torchrun).
+def run_worker(run: PreparedRun, out: Path) -> int | None:
+    """Train `run.options.steps` steps of the prepared run as this process's rank (environment
+    set by torchrun).
 
     Returns the signal (SIGTERM/SIGINT) the ranks agreed to stop on, None when the run
     reached its last step."""
     stop = _StopOnSignal()  # from the start: a stop during set-up waits for the first step
-    given, running = prepare_plan(plan, opts)
+    given, running, opts = run.given, run.running, run.options
     device = _device()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         opts.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -70,7 +73,7 @@ def run_worker(plan: Plan | str | Path, opts: RunOptions, out: Path) -> int | No
 
         console = Console(stderr=True, highlight=False)
         console.print(f"[b]moeplan run[/] {running.model.name}: world {dist.get_world_size()} "
-                      f"({_layout_str(running)}), {device.type}/{dist.get_backend()}, "
+                      f"({running.summary()}), {device.type}/{dist.get_backend()}, "
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
                       + (f", resumed at step {start}" if start else ""))
         console.print(f"kernels: {trainer.kernels.reason}")
@@ -218,14 +221,6 @@ class _StopOnSignal:
         return int(self.flag.item())
 
 
-def _layout_str(plan: Plan) -> str:
-    L = plan.layout
-    vpp = f" vpp{L.vpp}" if L.vpp > 1 else ""
-    return (f"tp{L.tp} cp{L.cp} dp{L.dp} pp{L.pp}{vpp} ep{L.ep} etp{L.etp} edp{L.edp}, mbs {L.mbs}, "
-            f"{L.dispatcher}, {'distributed' if L.distributed_optimizer else 'replicated'} "
-            "optimizer")
-
-
 def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: list[float],
              device: torch.device, dtype: torch.dtype, opts: RunOptions) -> dict:
     """Measured figures (median step after the first) next to the plan's predictions, and
@@ -254,7 +249,7 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
         notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
     band = (predicted or {}).get("step_time_interval_s")
     return {
-        "model": running.model.name, "world_size": world, "layout": _layout_str(running),
+        "model": running.model.name, "world_size": world, "layout": running.summary(),
         "steps": opts.steps, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
         "seed": opts.seed, "scaled_down": opts.scale_down,
         "measured": {
@@ -327,13 +322,12 @@ def _ratio(measured: float, predicted: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="moeplan torchrun worker (started by `moeplan run`)")
-    p.add_argument("plan")
-    p.add_argument("--out", required=True)
-    p.add_argument("--options", default="{}", help="RunOptions fields as JSON")
+    p.add_argument("run_dir", help="the run directory holding the launcher's run.json")
     a = p.parse_args(argv)
     set_parent_death_signal(AGENT_PID_ENV)  # no worker outlives its agent (lifecycle.py)
     try:
-        run_worker(a.plan, RunOptions(**json.loads(a.options)), Path(a.out))
+        out = Path(a.run_dir)
+        run_worker(PreparedRun.read(out), out)
     except MoeplanError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

@@ -5,7 +5,10 @@ etp×ep×edp×pp cover the same ranks, each laid out in the plan's order (fastes
 This reproduces Megatron Core's `RankGenerator` and `generate_masked_orthogonal_rank_groups`
 (megatron/core/parallel_state.py) so that a plan maps 1:1 onto a Megatron run: the attention
 generator has ep = 1, the expert generator has tp → etp, cp = 1, dp → edp, same order string.
-No processes here: the groups are tested against golden tables and the rank formula.
+No processes here: the groups are tested against golden tables and the rank formula. The one
+grid of the project: the cost models place groups on NVLink domains with it
+(`cost_models.comm.placement`) and the runtime builds its process groups from it
+(`runtime.groups.build_groups`), so a plan is priced on the links it runs on.
 """
 
 from __future__ import annotations
@@ -48,17 +51,18 @@ def masked_orthogonal_groups(world: int, sizes: list[int], mask: list[bool]) -> 
     stride = _prefix_product(sizes)
     masked_stride = [d for d, m in zip(stride, mask, strict=False) if m]
     unmasked_stride = [d for d, m in zip(stride, mask, strict=False) if not m]
-    group_size = _prefix_product(masked_shape)[-1]
-    groups = []
-    for g in range(world // group_size):
-        gi = _decompose(g, unmasked_shape)
-        base = sum(i * d for i, d in zip(gi, unmasked_stride, strict=True))
-        groups.append([
-            base + sum(i * d for i, d in zip(_decompose(r, masked_shape), masked_stride,
-                                             strict=True))
-            for r in range(group_size)
-        ])
-    return groups
+    # rank = base(unmasked index) + offset(masked index): each part once, then every sum
+    offsets = _mixed_radix(masked_shape, masked_stride)
+    return [list(map(base.__add__, offsets)) for base in _mixed_radix(unmasked_shape,
+                                                                       unmasked_stride)]
+
+
+def _mixed_radix(shape: list[int], strides: list[int]) -> list[int]:
+    """Σ index_i · stride_i for every index of `shape`, the first axis fastest (= _decompose)."""
+    out = [0]
+    for size, stride in zip(shape, strides, strict=True):
+        out = [x + i * stride for i in range(size) for x in out]
+    return out
 
 
 @dataclass(frozen=True)

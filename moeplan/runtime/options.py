@@ -1,0 +1,95 @@
+"""What one `moeplan run` trains with: its options, and the prepared run the workers read.
+
+The launcher (launch.py) loads, validates and scales the plan once (`launch.prepare_plan`) and
+writes the result with the options into the run directory (`PreparedRun.write`, OUT/run.json,
+atomically); every torchrun worker reads that file (`PreparedRun.read`) and trains exactly it.
+So a worker never prepares the plan itself: it cannot disagree with the checks the launcher
+made (or repeat them world-size times). No torch here: the launcher imports this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ..errors import SpecError
+from ..fsio import write_json
+from ..specs import Plan
+
+RUN_FILE = "run.json"  # in the run directory: the prepared plans and options, for the workers
+RUN_FORMAT = 1
+
+
+@dataclass
+class RunOptions:
+    """The options of `moeplan run` (SPEC §4 and "Run outputs")."""
+
+    steps: int = 10
+    data: str = "synthetic"
+    seed: int = 0
+    dtype: str | None = None  # fp32 | bf16; None: bf16 on GPU, fp32 on CPU
+    out: str | None = None
+    scale_down: bool = False
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: bool = False
+    max_restarts: int = 0
+    ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
+    max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
+    # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
+    # digest of its manifest; workers load exactly that step
+    resume_step: int | None = None
+    resume_manifest: str | None = None
+    cluster: str | None = None  # ClusterSpec of this machine, for predictions (calibrate -o)
+    init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
+
+    @classmethod
+    def from_dict(cls, data: object, source: str) -> RunOptions:
+        """Options read back from a run file: a mapping of known fields only."""
+        known = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not set(data) <= known:
+            extra = sorted(set(data) - known) if isinstance(data, dict) else []
+            raise SpecError(f"{source}: `options` is not a mapping of run options"
+                            + (f" (unknown: {', '.join(map(str, extra[:5]))})" if extra else "")
+                            + "; it is written by `moeplan run`, so rerun it.")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """The plan as given (for its predictions and OUT/plan.json), the plan as it runs
+    (validated, scaled down when asked) and the options, all checked by the launcher."""
+
+    given: Plan
+    running: Plan
+    options: RunOptions
+
+    def write(self, out: Path) -> Path:
+        """OUT/run.json, atomically (temporary file, fsync, rename)."""
+        out.mkdir(parents=True, exist_ok=True)
+        return write_json(out / RUN_FILE, {
+            "format": RUN_FORMAT, "given": self.given.model_dump(mode="json"),
+            "running": (None if self.running is self.given
+                        else self.running.model_dump(mode="json")),
+            "options": asdict(self.options)})
+
+    @classmethod
+    def read(cls, out: Path) -> PreparedRun:
+        """The run the launcher wrote into `out` (bounded, strict JSON, plans re-validated)."""
+        from ..specs.loader import build, read_document
+
+        path = out / RUN_FILE
+        doc = read_document(path)
+        if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
+            raise SpecError(f"{path}: not a run file of this moeplan version (format "
+                            f"{RUN_FORMAT}); rerun `moeplan run`.")
+        given = build(Plan, doc.get("given"), "plan", str(path))
+        running = given if doc.get("running") is None else build(Plan, doc["running"], "plan",
+                                                                  str(path))
+        return cls(given, running, RunOptions.from_dict(doc.get("options"), str(path)))
