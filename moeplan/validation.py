@@ -417,7 +417,7 @@ def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> 
     for r in rows:
         if r["published_tokens_per_s_per_gpu"]:
             groups.setdefault(release_group(raw[r["id"]], r), []).append(r)
-    pairs, wrong = 0, []
+    pairs, wrong, split = 0, [], {"fit": [0, 0], "held-out": [0, 0], "mixed": [0, 0]}
     for members in groups.values():
         for i, a in enumerate(members):
             for b in members[i + 1:]:
@@ -425,12 +425,19 @@ def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> 
                 if pa == pb or config_key(raw[a["id"]]) == config_key(raw[b["id"]]):
                     continue  # a tie, or one layout published twice (no ordering claim)
                 pairs += 1
+                side = a.get("split") if a.get("split") == b.get("split") else "mixed"
+                tally = split.get(side or "mixed", split["mixed"])
+                tally[0] += 1
                 qa, qb = a["predicted_tokens_per_s_per_gpu"], b["predicted_tokens_per_s_per_gpu"]
                 if (qa - qb) * (pa - pb) <= 0:
                     wrong.append({"ids": [a["id"], b["id"]], "published": [pa, pb],
                                   "predicted": [qa, qb]})
+                else:
+                    tally[1] += 1
+    # the fit's ranking term sees only pairs of fit rows: held-out and mixed pairs are evidence
     return {"pairs": pairs, "ordered": pairs - len(wrong),
-            "share": (pairs - len(wrong)) / pairs if pairs else None, "misordered": wrong}
+            "share": (pairs - len(wrong)) / pairs if pairs else None, "misordered": wrong,
+            "by_split": {k: {"pairs": n, "ordered": o} for k, (n, o) in split.items()}}
 
 
 def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None
