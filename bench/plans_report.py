@@ -31,6 +31,12 @@ CASES = ("R0265", "R0089")  # Qwen3-235B-A22B on 256 H100, DeepSeek-V3 on 256 GB
 CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "published_runs.csv"
 
 
+def _detail(text: str) -> str:
+    """The source detail from its release on (the archive URL before it says nothing)."""
+    at = text.find("release ")
+    return text[at:] if at >= 0 else text[-60:]
+
+
 def row_of(name: str, plan: Plan, base: Plan | None) -> str:
     e = plan.estimate
     assert e is not None and e.interval is not None
@@ -95,7 +101,7 @@ def main() -> None:
         out += [f"## {model.name} on {gpus} × {cluster.gpu}, {tr.precision}, s {tr.seq_len}, "
                 f"GBS {tr.global_batch_size} ({rid})", "",
                 f"Published: tp{lay.tp} pp{lay.pp} vpp{lay.vpp} ep{lay.ep} mbs{lay.mbs} at "
-                f"**{pub:,.0f}** tokens/s/GPU ({r['source']}, {r['source_detail'][-60:]}). "
+                f"**{pub:,.0f}** tokens/s/GPU ({r['source']}, {_detail(r['source_detail'])}). "
                 f"Searches took {t1 - t0:.1f} s (robust) and {t2 - t1:.1f} s (expected).", "",
                 HEADER]
         if theirs is not None:
