@@ -41,6 +41,7 @@ from moeplan.specs import (
     load_plan,
 )
 
+from .test_checkpoint import _wait_for_step
 from .test_run_cli import write_plan
 
 LINUX = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -62,16 +63,6 @@ def _processes_mentioning(marker: str) -> list[int]:
     return pids
 
 
-def _wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout: float = 180
-                    ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run did not reach step {steps}")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,7 +79,7 @@ def test_sigkill_on_the_launcher_leaves_no_worker_within_15_s(tmp_path):
                              "--out", str(out)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _wait_for_steps(out / "metrics.jsonl", 2, proc)
+        _wait_for_step(out / "metrics.jsonl", 2, proc, timeout=180)
         assert len(_processes_mentioning(str(out))) == 4  # launcher, agent, two workers
     finally:
         proc.kill()  # SIGKILL: no handler runs in the launcher

@@ -34,7 +34,7 @@ from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
 from .options import PreparedRun, RunOptions
 from .storage import check_token_file, held_steps, resume_point, verify
-from .support import features_not_executed, settings_not_executed
+from .support import features_not_executed, settings_not_executed, without_speed_settings
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
 
@@ -90,8 +90,7 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
     if skipped:  # speed settings only: the same function runs without them
         print(f"note: this runtime runs without {' and '.join(skipped)}; the step time it "
               "measures is without them.", file=sys.stderr)
-        running = plan.model_copy(update={"layout": plan.layout.model_copy(
-            update={"tp_comm_overlap": False, "cuda_graphs": False})})
+        running = without_speed_settings(plan)
     if opts.scale_down:
         from .scale import scale_down_plan
 

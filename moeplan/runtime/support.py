@@ -88,14 +88,19 @@ def features_not_executed(plan: Plan) -> list[str]:
     return out
 
 
+SPEED_SETTINGS = {"tp_comm_overlap": "TP communication overlap (tp_comm_overlap)",
+                  "cuda_graphs": "CUDA graphs (cuda_graphs)"}
+"""Megatron stack settings this runtime runs without: they change the step time, never the
+function computed (TE userbuffers, CUDA graphs)."""
+
+
 def settings_not_executed(plan: Plan) -> list[str]:
-    """Megatron stack settings the plan names that this runtime runs without: they change the
-    step time, never the function computed (TE userbuffers, CUDA graphs), so the run goes
-    ahead and says that its measured time is without them."""
-    L = plan.layout
-    out = []
-    if L.tp_comm_overlap:
-        out.append("TP communication overlap (tp_comm_overlap)")
-    if L.cuda_graphs:
-        out.append("CUDA graphs (cuda_graphs)")
-    return out
+    """The SPEED_SETTINGS the plan names: the run goes ahead without them and says that its
+    measured time is without them."""
+    return [name for field, name in SPEED_SETTINGS.items() if getattr(plan.layout, field)]
+
+
+def without_speed_settings(plan: Plan) -> Plan:
+    """The plan as this runtime executes it: every SPEED_SETTINGS field off."""
+    off = {field: False for field in SPEED_SETTINGS}
+    return plan.model_copy(update={"layout": plan.layout.model_copy(update=off)})
