@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pulp
 
-from .problem import Option, StageProblem
+from .problem import Option, StageProblem, balanced_split
 from .sets import (
     ModuleSets,
     coarse_sets,
@@ -275,12 +275,7 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
 
 def balanced_layers(P: StageProblem) -> list[int]:
     """X_r as even as possible, the remainder to the ranks holding the fewest micro-batches."""
-    q, extra = divmod(P.free_layers, P.pp)
-    ranks = sorted(range(P.pp), key=lambda r: (P.mean_inflight(r), -r))
-    X = [q] * P.pp
-    for r in ranks[:extra]:
-        X[r] += 1
-    return X
+    return balanced_split(P.free_layers, P.pp, P.vpp, P.inflight)
 
 
 def solve(problem: StageProblem, sets: ModuleSets | None = None,

@@ -28,7 +28,7 @@ from ..cost_models.estimate import (
 from ..cost_models.layers import LayerCost, make_context
 from ..cost_models.memory import static_memory
 from ..cost_models.overlap import edge_weight
-from ..cost_models.pipeline import in_flight_chunks
+from ..cost_models.pipeline import in_flight_chunks, pipeline_time
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
@@ -177,6 +177,64 @@ class LayerTable:
         return t
 
 
+    def placement(self) -> tuple[str, int, str | None, int] | None:
+        """How `stage_problem` places this table's decoder layers: (repeated kind ℓ, its layers
+        to split, the leading kind fixed in stage 0 or None, its count); None for interleaved
+        kinds, which the problem prices as one average layer."""
+        counts = Counter(self.keys)
+        kinds = list(counts)
+        if len(kinds) == 1:
+            return kinds[0], len(self.keys), None, 0
+        if len(kinds) == 2 and self.keys == [kinds[0]] * counts[kinds[0]] + [kinds[1]] * (
+                counts[kinds[1]]):
+            return kinds[1], counts[kinds[1]], kinds[0], counts[kinds[0]]
+        return None
+
+    def balanced_pipeline_s(self, mtp_layers: int, pp: int, vpp: int, num_microbatches: int
+                            ) -> float:
+        """A lower bound on the pipeline time (`pipeline.pipeline_time`) of every plan the
+        search's screening can decode for a layout of this table at (pp, vpp, m): layers split
+        by `balanced_split`, the embedding and the leading layers on rank 0, the loss and MTP
+        on the last rank (as `stage_problem` places them), each item at its bare time at the
+        schedule's edge weight. Recompute and offload only add time, the optimizer-offload
+        fraction changes no item time, so no choice at any fraction is faster. Interleaved
+        layer kinds (priced as one average layer, where a rank's real layers may be cheaper)
+        get every item's time spread evenly over the ranks instead."""
+        edge = edge_weight(num_microbatches, pp, vpp)
+        t = {k: _item_time(lc, edge) for k, lc in self.costs.items()}
+        ends = (t["E"], t["L"] + (mtp_layers * t["m"] if mtp_layers else 0.0))
+        place = self.placement()
+        if place is None:
+            total = sum(ends) + sum(n * t[k] for k, n in Counter(self.keys).items())
+            return pipeline_time([total / pp] * pp, num_microbatches, vpp)[0]
+        ell, free, lead, n_lead = place
+        X = balanced_split(free, pp, vpp, inflight_per_stage(pp, vpp, num_microbatches))
+        T = [x * t[ell] for x in X]
+        T[0] += ends[0] + (n_lead * t[lead] if lead else 0.0)
+        T[pp - 1] += ends[1]
+        return pipeline_time(T, num_microbatches, vpp)[0]
+
+
+def inflight_per_stage(pp: int, vpp: int, num_microbatches: int) -> list[float]:
+    """ψ_s: micro-batches each virtual stage holds at its rank's peak (`in_flight_chunks`)."""
+    inflight = [0.0] * (pp * vpp)
+    for r in range(pp):
+        for v in in_flight_chunks(r, pp, vpp, num_microbatches):
+            inflight[v * pp + r] += 1
+    return inflight
+
+
+def balanced_split(free_layers: int, pp: int, vpp: int, inflight: Sequence[float]) -> list[int]:
+    """X_r as even as possible, the remainder to the ranks holding the fewest micro-batches
+    (ψ̄_r, `StageProblem.mean_inflight`): the screening's stage split (`ilp.balanced_layers`)."""
+    q, extra = divmod(free_layers, pp)
+    ranks = sorted(range(pp), key=lambda r: (sum(inflight[r::pp]) / vpp, -r))
+    X = [q] * pp
+    for r in ranks[:extra]:
+        X[r] += 1
+    return X
+
+
 def _item_time(lc: LayerCost, edge: float) -> float:
     """t_i as `estimate._chunk` adds it: fwd + bwd + two launch overheads + exposed comm."""
     return lc.time_at(edge)
@@ -272,10 +330,7 @@ def stage_problem(
         items.append(item("m", table.costs["m"]))
         fixed[S - 1].append((len(items) - 1, model.mtp_layers))
 
-    inflight = [0.0] * S
-    for r in range(pp):
-        for v in in_flight_chunks(r, pp, vpp, m):
-            inflight[v * pp + r] += 1
+    inflight = inflight_per_stage(pp, vpp, m)
 
     budget = static_activation_budget_bytes(
         cluster, cal, fixed_buffer_bytes(model, training, L, cal, table.imbalance))

@@ -341,11 +341,32 @@ def search(
         lb[idx] = max(float(lb[idx]), float(fill[idx]) * work[j])
         return float(lb[idx])
 
+    def pipeline_bound(idx: int, layout: Layout, tr: TrainingSpec, key: tuple) -> float:
+        """A bound on the step time of every plan the screening can decode for the row: its
+        balanced split's pipeline with nothing recomputed or offloaded
+        (`LayerTable.balanced_pipeline_s`); under the robust objective the larger of its own
+        and its pessimistic variant's, which the interval prices at the same choices and split.
+        Exact where the free-split screen of `_solve_layout` takes a slack, and it needs no
+        stage problem: with few layers per rank the balanced split leaves the last rank (loss,
+        MTP) heavy, which spreading all layers evenly (`tight_bound`) does not see."""
+        args = (model.mtp_layers, layout.pp, layout.vpp, layout.num_microbatches)
+        b = tables[key].balanced_pipeline_s(*args)
+        if objective == "robust":
+            worse = pessimistic_layout(model, cluster, tr, layout)
+            if worse is not None:
+                b = max(b, tables[table_key(worse, tr)].balanced_pipeline_s(*args))
+        return b
+
     def solve_row(idx: int) -> tuple[str, Plan | None]:
         """Screen one row (balanced stages), push its plan, and remember the outcome."""
         nonlocal closest
         layout, tr, key = row_setup(idx)
         if tight_bound(idx) >= kth():
+            pruned["time_bound"] += 1
+            solved[idx] = ("bound", None)
+            return solved[idx]
+        if pipeline_bound(idx, layout, tr, key) >= kth():
+            pruned["balanced_split_bound"] += 1
             solved[idx] = ("bound", None)
             return solved[idx]
         plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
