@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from ..cost_models.calibration import Calibration
@@ -215,13 +216,15 @@ class LayerTable:
         return pipeline_time(T, num_microbatches, vpp)[0]
 
 
-def inflight_per_stage(pp: int, vpp: int, num_microbatches: int) -> list[float]:
-    """ψ_s: micro-batches each virtual stage holds at its rank's peak (`in_flight_chunks`)."""
+@lru_cache(maxsize=4096)
+def inflight_per_stage(pp: int, vpp: int, num_microbatches: int) -> tuple[float, ...]:
+    """ψ_s: micro-batches each virtual stage holds at its rank's peak (`in_flight_chunks`);
+    a function of the schedule only, which thousands of layouts of a search share."""
     inflight = [0.0] * (pp * vpp)
     for r in range(pp):
         for v in in_flight_chunks(r, pp, vpp, num_microbatches):
             inflight[v * pp + r] += 1
-    return inflight
+    return tuple(inflight)
 
 
 def balanced_split(free_layers: int, pp: int, vpp: int, inflight: Sequence[float]) -> list[int]:

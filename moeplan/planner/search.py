@@ -301,6 +301,14 @@ def search(
         tr = training.model_copy(update={"precision": prec})
         return layout, tr, table_key(layout, tr)
 
+    worse_of: dict[int, Layout | None] = {}
+
+    def pessimistic(idx: int, layout: Layout, tr: TrainingSpec) -> Layout | None:
+        """`pessimistic_layout` of the row, once per row (bounds and the twin both ask)."""
+        if idx not in worse_of:
+            worse_of[idx] = pessimistic_layout(model, cluster, tr, layout)
+        return worse_of[idx]
+
     def bound_work(idx: int) -> float:
         """One micro-batch's time over all layers, the tighter bound's unit. Under the robust
         objective a layout whose overlap or dispatcher no fit row backs is ranked by its
@@ -308,7 +316,7 @@ def search(
         layout, tr, key = row_setup(idx)
         w = tables[key].total_time_s(model.mtp_layers)
         if objective == "robust":
-            worse = pessimistic_layout(model, cluster, tr, layout)
+            worse = pessimistic(idx, layout, tr)
             if worse is not None:
                 w = max(w, tables[table_key(worse, tr)].total_time_s(model.mtp_layers))
         return w
@@ -352,7 +360,7 @@ def search(
         args = (model.mtp_layers, layout.pp, layout.vpp, layout.num_microbatches)
         b = tables[key].balanced_pipeline_s(*args)
         if objective == "robust":
-            worse = pessimistic_layout(model, cluster, tr, layout)
+            worse = pessimistic(idx, layout, tr)
             if worse is not None:
                 b = max(b, tables[table_key(worse, tr)].balanced_pipeline_s(*args))
         return b
@@ -401,7 +409,7 @@ def search(
         row fits the twin and the twin's best choices are at least as fast). When the twin
         cannot enter the top k, neither can the row: the twin is screened first."""
         layout, tr, _ = row_setup(idx)
-        worse = pessimistic_layout(model, cluster, tr, layout)
+        worse = pessimistic(idx, layout, tr)
         if worse is None or (worse.tp_comm_overlap, worse.cuda_graphs) != (
                 layout.tp_comm_overlap, layout.cuda_graphs):
             return False
@@ -627,15 +635,16 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit):
             choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
                                P.chunk_layers(sol.layers))
-            est = estimate(model, cluster, training, layout, choices,
-                           with_interval=with_interval)
+            est = estimate(model, cluster, training, layout, choices, with_interval=False)
             if est.fits and est.step_time_s < limit:
                 best = Plan(model=model, cluster=cluster, training=training, layout=layout,
                             choices=choices, estimate=est)
         if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:
-        return best, "plan"
+        # fractions compete on the point, so only the winner needs its interval (the
+        # pessimistic variant's estimate doubles the price of one)
+        return (_with_interval(best) if with_interval else best), "plan"
     if fits:
         return None, "screened"
     return None, "bound" if skipped else "unsolved" if stopped else "infeasible"

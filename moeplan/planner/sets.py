@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -73,18 +74,14 @@ def module_sets(items: Sequence[Item], options: Sequence[Option],
 
     Options no item reacts to (`mla_up_proj` without MLA, `shared_experts` without shared
     experts) are left out before the subsets are formed: each halves the work and could only
-    add sets that cost the same as a smaller one."""
-    used = {o for it in items for o, t in it.recompute_s if t}
-    used |= {o for it in items for g in it.groups for o in (*g.recompute_by, g.offload_by)}
-    options = [o for o in options if o in used]
-    n_opt = len(options)
+    add sets that cost the same as a smaller one. Subsets that act alike on every item (the
+    same recompute options with a time, the same tensors freed and moved) cost the same to the
+    bit, so only the smallest of each such class is costed (`_acting_sets`, shared by every
+    layout whose items have the same shape): a fifth of the subsets for DeepSeek-V3."""
+    shape = tuple((tuple(o for o, t in it.recompute_s if t),
+                   tuple((g.recompute_by, g.offload_by) for g in it.groups)) for it in items)
+    options, masks = _acting_sets(tuple(options), tuple(exclusive), shape)
     bit = {o: 1 << j for j, o in enumerate(options)}
-    masks = np.arange(1 << n_opt, dtype=np.int64)
-    ok = np.ones(masks.shape, dtype=bool)
-    for a, b in exclusive:
-        if a in bit and b in bit:
-            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
-    masks = masks[ok]
     add = np.zeros((len(masks), len(items)))
     kept = np.zeros((len(masks), len(items)))
     for i, item in enumerate(items):
@@ -93,24 +90,78 @@ def module_sets(items: Sequence[Item], options: Sequence[Option],
             if o in bit and t:
                 add[:, i] += t * ((masks & bit[o]) != 0)
         for g in item.groups:
-            rb = sum(bit[o] for o in g.recompute_by if o in bit)
-            freed = (masks & rb) != 0
-            moved = ~freed & ((masks & bit[g.offload_by]) != 0) if g.offload_by in bit else (
-                np.zeros(len(masks), dtype=bool))
+            freed, moved = _freed_moved(masks, g.recompute_by, g.offload_by, bit)
             off += g.bytes * moved
             kept[:, i] += g.bytes * (~freed & ~moved)
         copy = h * off
         add[:, i] += np.maximum(0.0, copy - item.fwd_s) + np.maximum(0.0, copy - item.bwd_s)
+    # identical cost vectors: keep the smallest set (masks come in that order: fewest modules,
+    # then lowest mask); a dict over the rows' bytes, since sorting float rows costs more
     vec = np.round(np.hstack([add, kept]), 12) + 0.0  # + 0.0: no −0.0 bytes
-    # identical cost vectors: keep the smallest set (fewest modules, then lowest mask); a dict
-    # over the rows' bytes, since sorting 10⁴ float rows (np.unique) costs ten times more
-    order = np.lexsort((masks, np.bitwise_count(masks)))
-    rows = np.ascontiguousarray(vec[order]).view(np.dtype((np.void, vec.shape[1] * 8))).ravel()
+    keep = _first_of_each(vec)
+    return ModuleSets(SetNames(options, masks[keep]), add[keep], kept[keep])
+
+
+def _freed_moved(masks: np.ndarray, recompute_by: frozenset[Option], offload_by: Option | None,
+                 bit: dict[Option, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per set: whether it frees a tensor group (recomputes a module that re-creates it) and,
+    if not, whether it moves the group to host (offloads it)."""
+    rb = sum(bit[o] for o in recompute_by if o in bit)
+    freed = (masks & rb) != 0
+    moved = ~freed & ((masks & bit[offload_by]) != 0) if offload_by in bit else (
+        np.zeros(len(masks), dtype=bool))
+    return freed, moved
+
+
+def _first_of_each(rows: np.ndarray) -> np.ndarray:
+    """Indices of the first occurrence of each distinct row, ascending."""
+    view = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))
     seen: dict[bytes, int] = {}
-    for pos, row in enumerate(rows.tolist()):
+    for pos, row in enumerate(view.ravel().tolist()):
         seen.setdefault(row, pos)
-    keep = order[np.sort(np.fromiter(seen.values(), dtype=np.int64))]
-    return ModuleSets(SetNames(tuple(options), masks[keep]), add[keep], kept[keep])
+    return np.sort(np.fromiter(seen.values(), dtype=np.int64))
+
+
+@lru_cache(maxsize=256)
+def _acting_sets(options: tuple[Option, ...], exclusive: tuple[tuple[Option, Option], ...],
+                 shape: tuple[tuple[tuple[Option, ...],
+                                    tuple[tuple[frozenset[Option], Option | None], ...]], ...]
+                 ) -> tuple[tuple[Option, ...], np.ndarray]:
+    """(the options some item reacts to, the smallest allowed subset of each class that acts
+    alike on every item), subsets in order of fewest modules then lowest mask.
+
+    `shape` is, per item, the recompute options with a nonzero time and each tensor group's
+    (recompute options, offload option): everything but the numbers. Two subsets that recompute
+    the same timed modules and free and move the same groups of every item get the same sums
+    term by term, so their costs are equal to the bit and the smaller one stands for both. The
+    shape repeats across the layouts of a search (only byte counts and times change), so the
+    classes are formed once per shape."""
+    used = {o for rec, groups in shape for o in rec}
+    used |= {o for _, groups in shape for rb, ob in groups for o in (*rb, ob)}
+    options = tuple(o for o in options if o in used)
+    bit = {o: 1 << j for j, o in enumerate(options)}
+    masks = np.arange(1 << len(options), dtype=np.int64)
+    ok = np.ones(masks.shape, dtype=bool)
+    for a, b in exclusive:
+        if a in bit and b in bit:
+            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
+    masks = masks[ok]
+    masks = masks[np.lexsort((masks, np.bitwise_count(masks)))]
+    cols = []
+    for rec, groups in shape:
+        cols.append(masks & sum(bit[o] for o in rec if o in bit))
+        code = np.zeros(len(masks), dtype=np.int64)
+        for k, (rb, ob) in enumerate(groups):
+            if k and k % 31 == 0:  # two bits per group, 62 per column
+                cols.append(code)
+                code = np.zeros(len(masks), dtype=np.int64)
+            freed, moved = _freed_moved(masks, rb, ob, bit)
+            code |= (freed.astype(np.int64) | moved.astype(np.int64) << 1) << (2 * (k % 31))
+        cols.append(code)
+    sig = np.stack(cols, axis=1) if cols else np.zeros((len(masks), 1), dtype=np.int64)
+    reps = masks[_first_of_each(sig)]
+    reps.flags.writeable = False
+    return options, reps
 
 
 def pareto(v: np.ndarray) -> np.ndarray:
