@@ -293,13 +293,19 @@ def search(
             tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
         return key
 
+    setups: dict[int, tuple[Layout, TrainingSpec, tuple]] = {}
+
     def row_setup(idx: int) -> tuple[Layout, TrainingSpec, tuple]:
-        row = enum.rows[idx]
-        prec = enum.precisions[int(row[COL["precision"]])]
-        layout = Layout(**_layout(row),
-                        tp_comm_overlap=space.tp_comm_overlap and int(row[COL["tp"]]) > 1)
-        tr = training.model_copy(update={"precision": prec})
-        return layout, tr, table_key(layout, tr)
+        """The row's Layout, training and table key, built once per row (bounds, the twin
+        check and the screen all ask for them)."""
+        if idx not in setups:
+            row = enum.rows[idx]
+            prec = enum.precisions[int(row[COL["precision"]])]
+            layout = Layout(**_layout(row),
+                            tp_comm_overlap=space.tp_comm_overlap and int(row[COL["tp"]]) > 1)
+            tr = training.model_copy(update={"precision": prec})
+            setups[idx] = (layout, tr, table_key(layout, tr))
+        return setups[idx]
 
     worse_of: dict[int, Layout | None] = {}
 
