@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import (
@@ -154,6 +154,7 @@ class LayerTable:
     groups: dict[str, tuple[Group, ...]] = field(default_factory=dict, compare=False)
     recompute: dict[str, tuple[tuple[Option, float], ...]] = field(default_factory=dict,
                                                                     compare=False)
+    memo: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def groups_of(self, name: str) -> tuple[Group, ...]:
         """`_groups` of one layer kind, built once: every layout of the key reuses it."""
@@ -181,15 +182,18 @@ class LayerTable:
     def placement(self) -> tuple[str, int, str | None, int] | None:
         """How `stage_problem` places this table's decoder layers: (repeated kind ℓ, its layers
         to split, the leading kind fixed in stage 0 or None, its count); None for interleaved
-        kinds, which the problem prices as one average layer."""
-        counts = Counter(self.keys)
-        kinds = list(counts)
-        if len(kinds) == 1:
-            return kinds[0], len(self.keys), None, 0
-        if len(kinds) == 2 and self.keys == [kinds[0]] * counts[kinds[0]] + [kinds[1]] * (
-                counts[kinds[1]]):
-            return kinds[1], counts[kinds[1]], kinds[0], counts[kinds[0]]
-        return None
+        kinds, which the problem prices as one average layer. Derived once per table."""
+        if "placement" not in self.memo:
+            counts = Counter(self.keys)
+            kinds = list(counts)
+            place: tuple[str, int, str | None, int] | None = None
+            if len(kinds) == 1:
+                place = kinds[0], len(self.keys), None, 0
+            elif len(kinds) == 2 and self.keys == [kinds[0]] * counts[kinds[0]] + [kinds[1]] * (
+                    counts[kinds[1]]):
+                place = kinds[1], counts[kinds[1]], kinds[0], counts[kinds[0]]
+            self.memo["placement"] = place
+        return self.memo["placement"]
 
     def balanced_pipeline_s(self, mtp_layers: int, pp: int, vpp: int, num_microbatches: int
                             ) -> float:
@@ -202,17 +206,20 @@ class LayerTable:
         layer kinds (priced as one average layer, where a rank's real layers may be cheaper)
         get every item's time spread evenly over the ranks instead."""
         edge = edge_weight(num_microbatches, pp, vpp)
-        t = {k: _item_time(lc, edge) for k, lc in self.costs.items()}
-        ends = (t["E"], t["L"] + (mtp_layers * t["m"] if mtp_layers else 0.0))
+        costs = self.costs
+        first = _item_time(costs["E"], edge)
+        last = _item_time(costs["L"], edge) + (
+            mtp_layers * _item_time(costs["m"], edge) if mtp_layers else 0.0)
         place = self.placement()
         if place is None:
-            total = sum(ends) + sum(n * t[k] for k, n in Counter(self.keys).items())
+            total = first + last + sum(n * _item_time(costs[k], edge)
+                                       for k, n in Counter(self.keys).items())
             return pipeline_time([total / pp] * pp, num_microbatches, vpp)[0]
         ell, free, lead, n_lead = place
-        X = balanced_split(free, pp, vpp, inflight_per_stage(pp, vpp, num_microbatches))
-        T = [x * t[ell] for x in X]
-        T[0] += ends[0] + (n_lead * t[lead] if lead else 0.0)
-        T[pp - 1] += ends[1]
+        t = _item_time(costs[ell], edge)
+        T = [x * t for x in screen_split(free, pp, vpp, num_microbatches)]
+        T[0] += first + (n_lead * _item_time(costs[lead], edge) if lead else 0.0)
+        T[pp - 1] += last
         return pipeline_time(T, num_microbatches, vpp)[0]
 
 
@@ -236,6 +243,13 @@ def balanced_split(free_layers: int, pp: int, vpp: int, inflight: Sequence[float
     for r in ranks[:extra]:
         X[r] += 1
     return X
+
+
+@lru_cache(maxsize=8192)
+def screen_split(free_layers: int, pp: int, vpp: int, num_microbatches: int) -> tuple[int, ...]:
+    """`balanced_split` of a schedule's own in-flight counts, once per schedule."""
+    return tuple(balanced_split(free_layers, pp, vpp,
+                                inflight_per_stage(pp, vpp, num_microbatches)))
 
 
 def _item_time(lc: LayerCost, edge: float) -> float:

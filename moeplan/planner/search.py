@@ -315,17 +315,18 @@ def search(
             worse_of[idx] = pessimistic_layout(model, cluster, tr, layout)
         return worse_of[idx]
 
-    def bound_work(idx: int) -> float:
-        """One micro-batch's time over all layers, the tighter bound's unit. Under the robust
-        objective a layout whose overlap or dispatcher no fit row backs is ranked by its
-        pessimistic variant (uncertainty.pessimistic_layout), so that variant's time bounds it."""
+    def bound_tables(idx: int) -> list[LayerTable]:
+        """The tables that bound a row's key: its own and, under the robust objective, those
+        of its pessimistic variant (uncertainty.pessimistic_layout) when its overlap or
+        dispatcher no fit row backs, since that variant prices its rank."""
         layout, tr, key = row_setup(idx)
-        w = tables[key].total_time_s(model.mtp_layers)
+        out = [tables[key]]
         if objective == "robust":
             worse = pessimistic(idx, layout, tr)
             if worse is not None:
-                w = max(w, tables[table_key(worse, tr)].total_time_s(model.mtp_layers))
-        return w
+                out.append(tables[table_key(worse, tr)])
+        return out
+
 
     # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
     # layout's tighter bound (every layer's time spread perfectly over the pipeline) needs them:
@@ -340,6 +341,9 @@ def search(
     pp, vpp, m = enum.rows[:, COL["pp"]], enum.rows[:, COL["vpp"]], enum.rows[:, COL["nmb"]]
     fill = (m + (pp - 1) / vpp) / pp  # micro-batch times on the critical rank per layer time
     work: dict[int, float] = {}
+    key_list, pp_list, vpp_list, m_list = key_of.tolist(), pp.tolist(), vpp.tolist(), m.tolist()
+    key_tables: dict[int, list[LayerTable]] = {}
+    split_lb: dict[tuple[int, int, int, int], float] = {}
     heap = list(zip(t_lb[cand].tolist(), cand.tolist(), [False] * len(cand), strict=True))
     heapq.heapify(heap)
     lb = t_lb.copy()
@@ -350,10 +354,30 @@ def search(
 
     def tight_bound(idx: int) -> float:
         j = int(key_of[idx])
-        if j not in work:
-            work[j] = bound_work(idx)
+        if j not in work:  # one micro-batch's time over all layers, the tighter bound's unit
+            key_tables[j] = bound_tables(idx)
+            work[j] = max(t.total_time_s(model.mtp_layers) for t in key_tables[j])
         lb[idx] = max(float(lb[idx]), float(fill[idx]) * work[j])
         return float(lb[idx])
+
+    def order_bound(idx: int) -> float:
+        """The key a row re-enters the heap with. Robust: the larger of `tight_bound` and its
+        key's balanced split with nothing recomputed or offloaded (`pipeline_bound`, from the
+        same tables as `tight_bound`), both bounds on what the row can reach. The balanced
+        split tracks what screening finds far better than the even spread, so the rows that
+        set the k-th best are screened first and the k-th best tightens early: half the rows
+        screened on DeepSeek-V3. The order decides only which plans outside the top k get
+        priced (`best_validated` is the best of those when the top k has none); the point
+        objective keeps its order, since its top k rarely holds a validated plan."""
+        t = tight_bound(idx)
+        if objective != "robust" or t >= kth():  # past the k-th best the order is moot
+            return t
+        j, p, v, n = key_list[idx], pp_list[idx], vpp_list[idx], m_list[idx]
+        b = split_lb.get((j, p, v, n))
+        if b is None:
+            b = split_lb[j, p, v, n] = max(
+                [tb.balanced_pipeline_s(model.mtp_layers, p, v, n) for tb in key_tables[j]])
+        return t if t >= b else b
 
     def pipeline_bound(idx: int, layout: Layout, tr: TrainingSpec, key: tuple) -> float:
         """A bound on the step time of every plan the screening can decode for the row: its
@@ -447,7 +471,7 @@ def search(
         if progress and done % 200 == 0:
             progress(done, 2 * len(cand))  # each row leaves the heap at most twice
         if not tight:
-            heapq.heappush(heap, (tight_bound(idx), idx, True))
+            heapq.heappush(heap, (order_bound(idx), idx, True))
             continue
         # anytime: past the limit, stop once a plan that fits is in hand (never before it, so a
         # short limit still returns the first feasible plan, and "nothing fits" stays a proof)
