@@ -223,6 +223,30 @@ class LayerTable:
         return pipeline_time(T, num_microbatches, vpp)[0]
 
 
+def recompute_pipeline_s(table: LayerTable, problem: StageProblem, layers: Sequence[int],
+                         options: Sequence[Sequence[Option]], num_microbatches: int) -> float:
+    """A lower bound on the pipeline time `estimate` gives the plan decoded from a solution
+    (layers X_r and each rank's options): every item at its bare time plus the forwards its
+    rank's recompute re-runs, counted as `LayerCost.recompute_s` counts them. Offload copies
+    are left out: the estimate hides them behind a whole chunk, the problem behind each item,
+    so they are the one term where the problem may exceed the estimate. 0 for a problem that
+    prices interleaved layer kinds as one average layer."""
+    P = problem
+    if any(it.name not in table.costs for it in P.items):
+        return 0.0
+    lay = P.items[P.layer_item]
+    T = []
+    for r in range(P.pp):
+        rc = [o.module for o in options[r] if o.kind == "recompute"]
+        t = layers[r] * (lay.time_s + table.costs[lay.name].recompute_s(rc))
+        for s in range(r, P.stages, P.pp):
+            for i, n in P.fixed[s]:
+                it = P.items[i]
+                t += n * (it.time_s + table.costs[it.name].recompute_s(rc))
+        T.append(t)
+    return pipeline_time(T, num_microbatches, P.vpp)[0]
+
+
 @lru_cache(maxsize=4096)
 def inflight_per_stage(pp: int, vpp: int, num_microbatches: int) -> tuple[float, ...]:
     """ψ_s: micro-batches each virtual stage holds at its rank's peak (`in_flight_chunks`);

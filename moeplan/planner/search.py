@@ -56,7 +56,15 @@ from .ilp import (
     solve,
     solve_fixed,
 )
-from .problem import OPTIONS, LayerTable, Option, layer_table, split_options, stage_problem
+from .problem import (
+    OPTIONS,
+    LayerTable,
+    Option,
+    layer_table,
+    recompute_pipeline_s,
+    split_options,
+    stage_problem,
+)
 from .sets import module_sets
 
 OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
@@ -662,7 +670,11 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             continue
         fits = True
         pressure = any(sol.options)
-        if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit):
+        # the estimate is the dearest step of a screen: skipped past the screen's slack, and
+        # where the plan's bare and recomputed time alone (exact, no slack) misses the limit
+        if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit) and (
+                limit == math.inf or recompute_pipeline_s(
+                    table, P, sol.layers, sol.options, layout.num_microbatches) < limit):
             choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
                                P.chunk_layers(sol.layers))
             est = estimate(model, cluster, training, layout, choices, with_interval=False)
