@@ -281,11 +281,25 @@ def _item_time(lc: LayerCost, edge: float) -> float:
     return lc.time_at(edge)
 
 
+EP_BLIND = ("attention_block", "dense_layer", "loss_layer")
+"""The per-layer cost functions (cost_models.layers, memoised per context) that read neither the
+MoE dispatcher nor EP overlap: layouts that differ only in those share their results
+(`test_layer_tables_shared_across_dispatchers_equal_fresh_ones` keeps this true)."""
+
+
 def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
-                cal: Calibration, imbalance: float = 1.0) -> LayerTable:
+                cal: Calibration, imbalance: float = 1.0, shared: dict | None = None
+                ) -> LayerTable:
+    """The layout's per-layer costs. `shared`: the EP_BLIND results of a layout that differs
+    at most in the dispatcher and EP overlap, reused here and filled for the next such layout
+    (a search prices up to four such twins per group of tp, cp, ep, etp and mbs)."""
     ctx = make_context(model, cluster, training, layout, cal)
+    if shared:
+        ctx.memo.update(shared)
     imbs = layer_imbalances(model, layout.ep, imbalance, None)
     costs, keys = layer_costs(ctx, imbs)
+    if shared is not None:
+        shared.update((k, v) for k, v in ctx.memo.items() if k[0] in EP_BLIND)
     return LayerTable(costs, keys, imbalance)
 
 

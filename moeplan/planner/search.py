@@ -68,6 +68,12 @@ from .problem import (
 from .sets import module_sets
 
 OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
+SCHEDULE_FIELDS = frozenset({"dp", "pp", "vpp", "mbs", "num_microbatches",
+                             "distributed_optimizer"})
+"""Layout fields that no modelled assumption reads (uncertainty.assumption_keys: the groups'
+sizes and placements, the dispatcher and the stack settings), so the search looks a layout's
+pessimistic variant up once for all schedules of its groups
+(`test_pessimistic_variant_depends_on_no_schedule_field` keeps this true)."""
 AUTO_PRECISION = {"ampere": ("bf16",), "hopper": ("bf16", "fp8-tensorwise"),
                   "blackwell": ("bf16", "mxfp8")}
 TARGETS = ("megatron", "moeplan")
@@ -119,6 +125,7 @@ class SearchCache:
 
     tables: dict[tuple, LayerTable] = field(default_factory=dict)
     sets: dict[tuple, Any] = field(default_factory=dict)
+    twins: dict[tuple, dict] = field(default_factory=dict)  # problem.layer_table's `shared`
     _sigs: dict[str, int] = field(default_factory=dict)
 
     def signature(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -298,7 +305,9 @@ def search(
                model.tie_embeddings and layout.pp == 1,
                tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
         if key not in tables:
-            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance)
+            twins = key[:6] + key[8:]  # the key but the dispatcher and EP overlap
+            tables[key] = layer_table(model, cluster, tr, layout, cal, imbalance,
+                                      shared=cache.twins.setdefault(twins, {}))
         return key
 
     setups: dict[int, tuple[Layout, TrainingSpec, tuple]] = {}
@@ -316,11 +325,21 @@ def search(
         return setups[idx]
 
     worse_of: dict[int, Layout | None] = {}
+    variant_of: dict[tuple, dict[str, Any] | None] = {}
 
     def pessimistic(idx: int, layout: Layout, tr: TrainingSpec) -> Layout | None:
-        """`pessimistic_layout` of the row, once per row (bounds and the twin both ask)."""
+        """`pessimistic_layout` of the row, once per row (bounds and the twin both ask), its
+        assumptions looked up once per class of layouts that differ only in the schedule
+        (SCHEDULE_FIELDS) and share the groups' placements and the precision."""
         if idx not in worse_of:
-            worse_of[idx] = pessimistic_layout(model, cluster, tr, layout)
+            cls = (tr.precision, row_setup(idx)[2][-1],
+                   tuple(v for f, v in layout if f not in SCHEDULE_FIELDS))
+            if cls not in variant_of:
+                worse = pessimistic_layout(model, cluster, tr, layout)
+                variant_of[cls] = None if worse is None else {
+                    f: v for f, v in worse if getattr(layout, f) != v}
+            changes = variant_of[cls]
+            worse_of[idx] = None if changes is None else layout.model_copy(update=changes)
         return worse_of[idx]
 
     def bound_tables(idx: int) -> list[LayerTable]:
