@@ -205,6 +205,94 @@ item_st = st.builds(
                           st.tuples(st.just(CORE_ATTN), st.floats(0, 0.5))))
 
 
+def every_subset_sets(items, options, exclusive, h):
+    """`module_sets` as it was before subsets were grouped by how they act: every allowed
+    subset costed with numpy, the smallest of each equal cost vector kept."""
+    import numpy as np
+
+    used = {o for it in items for o, t in it.recompute_s if t}
+    used |= {o for it in items for g in it.groups for o in (*g.recompute_by, g.offload_by)}
+    options = [o for o in options if o in used]
+    bit = {o: 1 << j for j, o in enumerate(options)}
+    masks = np.arange(1 << len(options), dtype=np.int64)
+    ok = np.ones(masks.shape, dtype=bool)
+    for a, b in exclusive:
+        if a in bit and b in bit:
+            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
+    masks = masks[ok]
+    add, kept = np.zeros((len(masks), len(items))), np.zeros((len(masks), len(items)))
+    for i, item in enumerate(items):
+        off = np.zeros(len(masks))
+        for o, t in item.recompute_s:
+            if o in bit and t:
+                add[:, i] += t * ((masks & bit[o]) != 0)
+        for g in item.groups:
+            freed = (masks & sum(bit[o] for o in g.recompute_by if o in bit)) != 0
+            moved = ~freed & ((masks & bit[g.offload_by]) != 0) if g.offload_by in bit else (
+                np.zeros(len(masks), dtype=bool))
+            off += g.bytes * moved
+            kept[:, i] += g.bytes * (~freed & ~moved)
+        add[:, i] += np.maximum(0.0, h * off - item.fwd_s) + np.maximum(0.0, h * off - item.bwd_s)
+    vec = np.round(np.hstack([add, kept]), 12) + 0.0
+    order = np.lexsort((masks, np.bitwise_count(masks)))
+    seen: dict = {}
+    for pos, row in enumerate(map(bytes, vec[order])):
+        seen.setdefault(row, pos)
+    keep = order[np.sort(np.fromiter(seen.values(), dtype=np.int64))]
+    return masks[keep], add[keep], kept[keep]
+
+
+def assert_sets_equal_every_subset_sets(items, options, exclusive, h):
+    import numpy as np
+
+    C = module_sets(items, options, exclusive, h)
+    masks, add, kept = every_subset_sets(items, options, exclusive, h)
+    assert np.array_equal(np.asarray(C.sets.masks), masks)
+    assert np.array_equal(C.add_time, add) and np.array_equal(C.kept, kept)
+
+
+# coarse values, so that different subsets often cost the same
+coarse = st.sampled_from([0.0, 0.5, 1.0, 2.0])
+coarse_item = st.builds(
+    Item, name=st.just("k"), time_s=st.just(1.0), fwd_s=coarse, bwd_s=coarse,
+    static_bytes=st.just(1.0),
+    groups=st.lists(st.builds(
+        Group, bytes=st.sampled_from([1.0, 2.0]),
+        recompute_by=st.sets(st.sampled_from([MOE_ACT, FULL, CORE_ATTN]), max_size=2).map(FS),
+        offload_by=st.sampled_from([None, OFF_FC1, Option.offload("moe_act")])),
+        max_size=4).map(tuple),
+    recompute_s=st.tuples(st.tuples(st.just(MOE_ACT), coarse), st.tuples(st.just(FULL), coarse),
+                          st.tuples(st.just(CORE_ATTN), coarse)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(st.one_of(item_st, coarse_item), min_size=1, max_size=3),
+       host=st.sampled_from([0.0, 0.5, 1.0]))
+def test_module_sets_keep_the_smallest_subset_of_each_cost_like_costing_every_subset(items,
+                                                                                    host):
+    # module_sets costs one subset per class of subsets that act alike on every item; the
+    # sets, their order and their costs must be those of costing every subset
+    options = (MOE_ACT, FULL, CORE_ATTN, OFF_FC1, Option.offload("moe_act"))
+    assert_sets_equal_every_subset_sets(items, options, ((FULL, MOE_ACT), (FULL, CORE_ATTN)),
+                                        host)
+
+
+def test_module_sets_of_a_deepseek_v3_layout_equal_costing_every_subset():
+    from moeplan import load_cluster, load_model
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.planner.problem import OPTIONS, layer_table, stage_problem
+    from moeplan.specs import Layout, TrainingSpec
+
+    model, cluster = load_model("deepseek-v3"), load_cluster("h100", gpus=1024)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=8192)
+    cal = calibration_for(None)
+    for ovl in (False, True):  # EP overlap forbids full and moe recompute
+        layout = Layout(tp=2, pp=16, vpp=2, dp=32, ep=32, num_microbatches=256, ep_overlap=ovl)
+        P = stage_problem(model, cluster, tr, layout, cal,
+                          layer_table(model, cluster, tr, layout, cal), OPTIONS).problem
+        assert_sets_equal_every_subset_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=st.lists(item_st, min_size=2, max_size=2), L=st.integers(2, 6),
        pp=st.integers(1, 3), vpp=st.integers(1, 2), with_fixed=st.booleans(),

@@ -254,3 +254,170 @@ def test_recompute_and_offload_of_one_module_stay_apart_from_the_milp_to_the_pla
     assert dumped["stage_recompute"] == [["moe_act"], []]
     assert dumped["stage_offload"] == [["moe_act"], ["expert_fc1"]]
     assert dumped["stage_layers"] == [2, 1] and dumped["recompute"] == dumped["offload"] == []
+
+
+@pytest.mark.parametrize(("first_dense", "mtp", "band"), [(1, 1, None), (1, 0, 0.02)])
+def test_robust_best_equals_exhaustive_robust_pricing_with_dense_lead_mtp_and_a_measured_band(
+        first_dense, mtp, band):
+    # The balanced-split bound places a leading dense layer on the first rank and MTP on the
+    # last; a cluster's own measured interval band replaces the published regimes' (and so
+    # the factor that turns the k-th robust key into a point threshold)
+    model = tiny_moe(4, 1024, 32, 512).model_copy(
+        update={"first_k_dense": first_dense, "mtp_layers": mtp})
+    cluster = load_cluster("h100", gpus=32)
+    if band is not None:
+        cluster = cluster.model_copy(update={"calibration": {
+            "interval_runs": {"runs": 10, "low": band, "high": band}}})
+    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    space = SearchSpace(precisions=("bf16",), max_pp=2, max_cp=1, max_mbs=1, max_vpp=2,
+                        allow_no_dist_opt=False, cuda_graphs=False)
+    got = search(model, cluster, training, 32, space=space, options=(), top_k=1)
+    enum = enumerate_layouts(model, cluster, training, 32, space)
+    best = None
+    for row in enum.rows:
+        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        e = estimate(model, cluster, training, layout, Choices())
+        if e.fits:
+            key = (e.interval.step_time_s[1], e.step_time_s)
+            best = key if best is None or key < best else best
+    e = got.plans[0].estimate
+    assert (e.interval.step_time_s[1], e.step_time_s) == pytest.approx(best, rel=1e-9)
+
+
+def test_a_measured_band_sets_the_robust_key_factor():
+    from moeplan.planner.search import _least_key_factor, search_space
+
+    model = load_model("mixtral-8x7b")
+    cluster = load_cluster("h100", gpus=64)
+    space = search_space(cluster, "auto", "megatron")
+    published = _least_key_factor(model, cluster, space)
+    measured = cluster.model_copy(update={"calibration": {
+        "interval_runs": {"runs": 10, "low": 0.05, "high": 0.05}}})
+    assert _least_key_factor(model, measured, space) == pytest.approx(1 / 0.95)
+    assert published > 1 / 0.95  # the published regimes are wider than this band
+
+
+def _screened_plans(name, cluster, gpus, gbs, hbm, count):
+    """(model, table, problem, solution, layout, estimate breakdown) of `count` rows spread
+    over the search's candidates, screened with balanced stages as the search screens them."""
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.cost_models.estimate import estimate_breakdown
+    from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
+    from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
+    from moeplan.planner.problem import layer_table, stage_problem
+    from moeplan.planner.search import _choices
+    from moeplan.planner.sets import module_sets
+
+    model = load_model(name)
+    cluster = load_cluster(cluster, gpus=gpus).model_copy(update={"hbm_gb": hbm})
+    tr = TrainingSpec(seq_len=4096, global_batch_size=gbs)
+    enum = enumerate_layouts(model, cluster, tr, gpus, SearchSpace(precisions=("bf16",)))
+    cal = calibration_for(None)
+    out = []
+    for row in enum.rows[:: max(1, len(enum.rows) // (20 * count))]:
+        if len(out) == count:
+            break
+        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        table = layer_table(model, cluster, tr, layout, cal)
+        built = stage_problem(model, cluster, tr, layout, cal, table, ALL_OPTIONS)
+        P = built.problem
+        try:
+            sol = solve_fixed(P, module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte),
+                              balanced_layers(P))
+        except InfeasibleStages:
+            continue
+        ch = _choices(sol, built.leading_layers, layout.pp, layout.vpp, 0.0,
+                      P.chunk_layers(sol.layers))
+        b = estimate_breakdown(model, cluster, tr, layout, ch, with_interval=False)
+        out.append((model, table, P, sol, layout, b))
+    return out
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus", "gbs", "hbm"), [
+    ("deepseek-v3", "h100", 1024, 8192, 80.0),   # dense lead layers, MTP, pp up to 32
+    ("deepseek-v3", "h100", 1024, 8192, 1e4),    # the same with room: nothing chosen
+    ("qwen3-235b-a22b", "h100", 256, 2048, 50.0),  # memory pressure: recompute chosen
+    ("gpt-oss-120b", "b200", 64, 512, 180.0)])   # interleaved sliding/full attention
+def test_screening_bounds_never_exceed_the_pipeline_the_estimate_prices(name, cluster, gpus,
+                                                                        gbs, hbm):
+    # The search drops a row when its balanced split, bare, cannot beat the k-th best, and
+    # skips an estimate when the bare split plus its recompute cannot: exact only while both
+    # stay at or below the pipeline time `estimate` gives the plan screening decodes
+    from moeplan.cost_models.pipeline import pipeline_time
+    from moeplan.planner.problem import recompute_pipeline_s
+
+    plans = _screened_plans(name, cluster, gpus, gbs, hbm, 10)
+    assert len(plans) >= 6
+    chose_recompute = False
+    for model, table, P, sol, layout, b in plans:
+        m = layout.num_microbatches
+        pipe = pipeline_time([r.time_s for r in b.ranks], m, layout.vpp)[0]
+        bare = table.balanced_pipeline_s(model.mtp_layers, layout.pp, layout.vpp, m)
+        with_rec = recompute_pipeline_s(table, P, sol.layers, sol.options, m)
+        assert bare <= pipe * (1 + 1e-12) and with_rec <= pipe * (1 + 1e-12)
+        assert b.estimate.step_time_s > pipe
+        chose_recompute |= any(o.kind == "recompute" for opts in sol.options for o in opts)
+        if table.placement() is not None and not any(sol.options):
+            # nothing chosen: the bound is the estimate's own split and items, so it is tight
+            assert bare == pytest.approx(pipe, rel=1e-9)
+            assert with_rec == pytest.approx(pipe, rel=1e-9)
+    if name == "qwen3-235b-a22b":
+        assert chose_recompute
+    if hbm > 1e3:
+        assert not chose_recompute
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus"), [("deepseek-v3", "h100", 1024),
+                                                       ("qwen3-235b-a22b", "gb200-nvl72", 256),
+                                                       ("mixtral-8x7b", "b200", 64)])
+def test_pessimistic_variant_depends_on_no_schedule_field(name, cluster, gpus):
+    # The search looks a layout's pessimistic variant up once per class of layouts that differ
+    # only in SCHEDULE_FIELDS: every layout of a class must have the same variant
+    from moeplan.cost_models.comm import placement
+    from moeplan.cost_models.uncertainty import pessimistic_layout
+    from moeplan.planner.search import SCHEDULE_FIELDS, search_space
+
+    model, c = load_model(name), load_cluster(cluster, gpus=gpus)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=2048)
+    space = search_space(c, "auto", "megatron")
+    enum = enumerate_layouts(model, c, tr, gpus, space)
+    classes: dict = {}
+    for row in enum.rows[:: max(1, len(enum.rows) // 3000)]:
+        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        t = tr.model_copy(update={"precision": enum.precisions[row[-1]]})
+        cls = (t.precision, tuple(placement(layout, a, c) for a in ("tp", "cp", "ep", "etp")),
+               tuple(v for f, v in layout if f not in SCHEDULE_FIELDS))
+        worse = pessimistic_layout(model, c, t, layout)
+        change = None if worse is None else {f: v for f, v in worse if getattr(layout, f) != v}
+        classes.setdefault(cls, []).append(change)
+    assert any(len(v) > 1 for v in classes.values())
+    assert any(v[0] for v in classes.values())  # some layouts have a pessimistic variant
+    for changes in classes.values():
+        assert all(ch == changes[0] for ch in changes)
+
+
+def test_layer_tables_shared_across_dispatchers_equal_fresh_ones():
+    # Layouts that differ only in the dispatcher and EP overlap share the EP_BLIND layer
+    # costs (problem.layer_table's `shared`): each table must equal the one built alone
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.planner.problem import layer_table
+
+    cal = calibration_for(None)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=2048)
+    cases = [("deepseek-v3", "h100", 1024, dict(tp=2, pp=16, vpp=2, ep=64)),
+             ("qwen3-235b-a22b", "gb200-nvl72", 256, dict(tp=1, pp=4, vpp=2, ep=32)),
+             ("gpt-oss-120b", "h100", 64, dict(tp=2, pp=2, vpp=2, ep=8, mbs=2))]
+    for name, cname, gpus, axes in cases:
+        model, cluster = load_model(name), load_cluster(cname, gpus=gpus)
+        dp = gpus // (axes["tp"] * axes["pp"])
+        for graphs in (False, True):
+            shared: dict = {}
+            for disp, ovl in (("alltoall", False), ("flex", True), ("allgather", False),
+                              ("alltoall", True), ("flex", False)):
+                layout = Layout(**axes, dp=dp, num_microbatches=2048 // (dp * axes.get("mbs", 1)),
+                                dispatcher=disp, ep_overlap=ovl, cuda_graphs=graphs,
+                                tp_comm_overlap=True)
+                fresh = layer_table(model, cluster, tr, layout, cal)
+                twin = layer_table(model, cluster, tr, layout, cal, shared=shared)
+                assert twin.costs == fresh.costs and twin.keys == fresh.keys
+            assert shared  # the twins did share

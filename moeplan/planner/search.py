@@ -590,7 +590,11 @@ def _least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace
     """The least ratio of a robust rank key (the interval's high end of step time) to the point
     step time over every regime a layout of this search can fall in: e^(−q_lo) of the regime
     with the smallest downside (uncertainty.tokens_interval takes the low end from the point or
-    below it, never above)."""
+    below it, never above). A cluster's own measured band (`moeplan calibrate --from-runs`)
+    replaces every regime's, so it is the factor."""
+    measured = U.measured_bounds(cluster)
+    if measured is not None:
+        return math.exp(-min(measured[0], 0.0))
     prof = U.default_profile()
     return min(math.exp(-min(prof.bounds(U.regime_names(model, cluster, prec, fab))[0], 0.0))
                for prec in space.precisions for fab in ("nvlink", "scale-out"))
