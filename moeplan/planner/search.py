@@ -333,7 +333,7 @@ def search(
         (SCHEDULE_FIELDS) and share the groups' placements and the precision."""
         if idx not in worse_of:
             cls = (tr.precision, row_setup(idx)[2][-1],
-                   tuple(v for f, v in layout if f not in SCHEDULE_FIELDS))
+                   tuple(v for f, v in layout.__dict__.items() if f not in SCHEDULE_FIELDS))
             if cls not in variant_of:
                 worse = pessimistic_layout(model, cluster, tr, layout)
                 variant_of[cls] = None if worse is None else {
@@ -354,7 +354,6 @@ def search(
                 out.append(tables[table_key(worse, tr)])
         return out
 
-
     # Layer costs depend on (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) only, and a
     # layout's tighter bound (every layer's time spread perfectly over the pipeline) needs them:
     # rows wait in one heap under the cheap bound and get the tighter one, with their key's
@@ -366,26 +365,29 @@ def search(
     key_of = np.full(len(enum.rows), -1)
     key_of[cand] = _unique_rows(enum.rows[cand][:, key_cols])[1]
     pp, vpp, m = enum.rows[:, COL["pp"]], enum.rows[:, COL["vpp"]], enum.rows[:, COL["nmb"]]
-    fill = (m + (pp - 1) / vpp) / pp  # micro-batch times on the critical rank per layer time
+    # micro-batch times on the critical rank per layer time (lists: read once per row)
+    fill = ((m + (pp - 1) / vpp) / pp).tolist()
     work: dict[int, float] = {}
     key_list, pp_list, vpp_list, m_list = key_of.tolist(), pp.tolist(), vpp.tolist(), m.tolist()
     key_tables: dict[int, list[LayerTable]] = {}
     split_lb: dict[tuple[int, int, int, int], float] = {}
     heap = list(zip(t_lb[cand].tolist(), cand.tolist(), [False] * len(cand), strict=True))
     heapq.heapify(heap)
-    lb = t_lb.copy()
+    lb = t_lb.tolist()
     refine: list[tuple[int, Layout, TrainingSpec, tuple]] = []
     done = 0
     solved: dict[int, tuple[str, Plan | None]] = {}
     row_index: dict[bytes, int] = {}
 
     def tight_bound(idx: int) -> float:
-        j = int(key_of[idx])
+        j = key_list[idx]
         if j not in work:  # one micro-batch's time over all layers, the tighter bound's unit
             key_tables[j] = bound_tables(idx)
             work[j] = max(t.total_time_s(model.mtp_layers) for t in key_tables[j])
-        lb[idx] = max(float(lb[idx]), float(fill[idx]) * work[j])
-        return float(lb[idx])
+        b = fill[idx] * work[j]
+        if b > lb[idx]:
+            lb[idx] = b
+        return lb[idx]
 
     def order_bound(idx: int) -> float:
         """The key a row re-enters the heap with. Robust: the larger of `tight_bound` and its
@@ -437,7 +439,7 @@ def search(
         plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
                                      _layout_options(options, layout, target), key,
                                      sets_cache, result, balanced=True,
-                                     lb_pipe=float(lb[idx]), cutoff=kth(),
+                                     lb_pipe=lb[idx], cutoff=kth(),
                                      with_interval=objective == "robust")
         solved[idx] = (status, plan)
         if status == "unsolved":  # the solver stopped: nothing proven either way
@@ -522,7 +524,7 @@ def search(
         screened = best[k][3]
         plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key],
                                 _layout_options(options, layout, target), key,
-                                sets_cache, result, lb_pipe=float(lb[idx]),
+                                sets_cache, result, lb_pipe=lb[idx],
                                 fractions=(screened.choices.optimizer_offload_fraction,),
                                 with_interval=objective == "robust")
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
