@@ -354,6 +354,9 @@ def test_screening_bounds_never_exceed_the_pipeline_the_estimate_prices(name, cl
         pipe = pipeline_time([r.time_s for r in b.ranks], m, layout.vpp)[0]
         bare = table.balanced_pipeline_s(model.mtp_layers, layout.pp, layout.vpp, m)
         with_rec = recompute_pipeline_s(table, P, sol.layers, sol.options, m)
+        steady = table.balanced_pipeline_s(model.mtp_layers, layout.pp, layout.vpp, m,
+                                           steady=True)  # the search's heap order
+        assert steady <= bare * (1 + 1e-12)
         assert bare <= pipe * (1 + 1e-12) and with_rec <= pipe * (1 + 1e-12)
         assert b.estimate.step_time_s > pipe
         chose_recompute |= any(o.kind == "recompute" for opts in sol.options for o in opts)

@@ -195,8 +195,8 @@ class LayerTable:
             self.memo["placement"] = place
         return self.memo["placement"]
 
-    def balanced_pipeline_s(self, mtp_layers: int, pp: int, vpp: int, num_microbatches: int
-                            ) -> float:
+    def balanced_pipeline_s(self, mtp_layers: int, pp: int, vpp: int, num_microbatches: int,
+                            steady: bool = False) -> float:
         """A lower bound on the pipeline time (`pipeline.pipeline_time`) of every plan the
         search's screening can decode for a layout of this table at (pp, vpp, m): layers split
         by `balanced_split`, the embedding and the leading layers on rank 0, the loss and MTP
@@ -204,8 +204,29 @@ class LayerTable:
         schedule's edge weight. Recompute and offload only add time, the optimizer-offload
         fraction changes no item time, so no choice at any fraction is faster. Interleaved
         layer kinds (priced as one average layer, where a rank's real layers may be cheaper)
-        get every item's time spread evenly over the ranks instead."""
-        edge = edge_weight(num_microbatches, pp, vpp)
+        get every item's time spread evenly over the ranks instead.
+
+        `steady`: items at their steady-state time (edge weight 0, the least, as
+        `total_time_s` takes it), computed once per table: the cheap form a search orders
+        thousands of layouts by."""
+        if steady:
+            if "steady" not in self.memo:
+                self.memo["steady"] = self._bare_times(mtp_layers, 0.0)
+            ell_s, first, last, total = self.memo["steady"]
+        else:
+            ell_s, first, last, total = self._bare_times(
+                mtp_layers, edge_weight(num_microbatches, pp, vpp))
+        place = self.placement()
+        if place is None:
+            return pipeline_time([total / pp] * pp, num_microbatches, vpp)[0]
+        T = [x * ell_s for x in screen_split(place[1], pp, vpp, num_microbatches)]
+        T[0] += first
+        T[pp - 1] += last
+        return pipeline_time(T, num_microbatches, vpp)[0]
+
+    def _bare_times(self, mtp_layers: int, edge: float) -> tuple[float, float, float, float]:
+        """(repeated layer, rank 0's fixed items, the last rank's fixed items, all items) at
+        their bare time at this edge weight, placed as `placement` says."""
         costs = self.costs
         first = _item_time(costs["E"], edge)
         last = _item_time(costs["L"], edge) + (
@@ -214,13 +235,11 @@ class LayerTable:
         if place is None:
             total = first + last + sum(n * _item_time(costs[k], edge)
                                        for k, n in Counter(self.keys).items())
-            return pipeline_time([total / pp] * pp, num_microbatches, vpp)[0]
+            return 0.0, first, last, total
         ell, free, lead, n_lead = place
         t = _item_time(costs[ell], edge)
-        T = [x * t for x in screen_split(free, pp, vpp, num_microbatches)]
-        T[0] += first + (n_lead * _item_time(costs[lead], edge) if lead else 0.0)
-        T[pp - 1] += last
-        return pipeline_time(T, num_microbatches, vpp)[0]
+        first += n_lead * _item_time(costs[lead], edge) if lead else 0.0
+        return t, first, last, free * t + first + last
 
 
 def recompute_pipeline_s(table: LayerTable, problem: StageProblem, layers: Sequence[int],

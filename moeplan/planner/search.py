@@ -392,7 +392,8 @@ def search(
     def order_bound(idx: int) -> float:
         """The key a row re-enters the heap with. Robust: the larger of `tight_bound` and its
         key's balanced split with nothing recomputed or offloaded (`pipeline_bound`, from the
-        same tables as `tight_bound`), both bounds on what the row can reach. The balanced
+        same tables as `tight_bound` and, like it, at steady-state item times), both bounds on
+        what the row can reach. The balanced
         split tracks what screening finds far better than the even spread, so the rows that
         set the k-th best are screened first and the k-th best tightens early: half the rows
         screened on DeepSeek-V3. The order decides only which plans outside the top k get
@@ -405,7 +406,8 @@ def search(
         b = split_lb.get((j, p, v, n))
         if b is None:
             b = split_lb[j, p, v, n] = max(
-                [tb.balanced_pipeline_s(model.mtp_layers, p, v, n) for tb in key_tables[j]])
+                [tb.balanced_pipeline_s(model.mtp_layers, p, v, n, steady=True)
+                 for tb in key_tables[j]])
         return t if t >= b else b
 
     def pipeline_bound(idx: int, layout: Layout, tr: TrainingSpec, key: tuple) -> float:
