@@ -341,6 +341,7 @@ def main() -> None:
         "intervals.json (80% intervals, memory margin)",
         f"python bench/accuracy_report.py {args.csv_name}   # this file",
         f"moeplan validate {args.csv_name} --json           # the same numbers, per row",
+        "python bench/korthikanti_table5.py                              # Table 5 runs (dense A100)",
         "```",
         "",
         f"Code at commit `{commit}` plus the working tree at the time of writing.",
