@@ -107,6 +107,11 @@ def test_attention_runs_faster_on_longer_kernels_as_measured():
                                                                                       "hopper")
     assert short[0] < 1.0 < long_[0]
     assert attention_length_factors(1e6, "hopper") == attention_length_factors(32768, "hopper")
+    # a fitted cap stops the gain early and leaves shorter kernels as measured
+    capped = attention_length_factors(16384, "blackwell", cap=4096)
+    assert capped == pytest.approx((1.0, 1.0))
+    assert attention_length_factors(2048, "blackwell", cap=4096) == attention_length_factors(
+        2048, "blackwell")
 
 
 def test_context_parallel_attention_pays_for_shorter_kernels():

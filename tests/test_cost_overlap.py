@@ -3,7 +3,12 @@ recommended plan has a communication class longer than its step."""
 
 import pytest
 
-from moeplan.cost_models.overlap import edge_weight, exposed_time, overlap_cost
+from moeplan.cost_models.overlap import (
+    edge_weight,
+    exposed_time,
+    overlap_cost,
+    staged_exposed_time,
+)
 from moeplan.cost_models.pipeline import pipeline_time
 from moeplan.planner.search import search
 from moeplan.specs import TrainingSpec, load_cluster, load_model
@@ -14,6 +19,29 @@ def test_exposed_never_below_comm_minus_concurrent_compute():
     assert exposed_time(1.0, 100.0, eta=0.93) == pytest.approx(0.07)  # η caps what hides
     assert exposed_time(1.0, 100.0, eta=1.0) == 0.0
     assert exposed_time(0.0, 5.0) == 0.0
+
+
+def test_staged_exposure_of_one_chunk_is_the_plain_overlap_rule():
+    for comm, own in ((1.0, 0.3), (0.2, 0.5), (2.0, 2.0)):
+        assert staged_exposed_time(comm, 1, own, gap_s=10.0) == pytest.approx(
+            exposed_time(comm, own))
+
+
+def test_interleaved_chunks_spread_dp_communication_over_the_schedule_ends():
+    """Four chunks pp passes apart: only the last chunk's part waits after the last pass when
+    the gaps are long; with no gap the parts queue and the whole backlog is left; never more
+    than the communication, never less than zero, and more gap never exposes more."""
+    comm, own = 1.0, 0.1
+    assert staged_exposed_time(comm, 4, own, gap_s=10.0) == pytest.approx(comm / 4 - own)
+    assert staged_exposed_time(comm, 4, own, gap_s=0.0) == pytest.approx(comm - own)
+    prev = comm
+    for gap in (0.0, 0.05, 0.1, 0.2, 0.5):
+        e = staged_exposed_time(comm, 4, own, gap)
+        assert 0.0 <= e <= prev + 1e-12
+        prev = e
+    # pp = 2: two passes of a chunk between parts, against one window of the four passes
+    assert staged_exposed_time(comm, 4, own, 2 * own) < exposed_time(comm, 4 * own)
+    assert staged_exposed_time(0.0, 4, own, 0.1) == 0.0
 
 
 def test_hiding_costs_the_compute_beside_it():

@@ -74,6 +74,9 @@ class Calibration:
     # no published row documents graphs, so this is a prior, not a fit (Megatron-LM's guide:
     # graphs "increase memory usage")
     cuda_graph_gb: float = 2.0
+    # keys per attention kernel call past which longer kernels stop gaining efficiency
+    # (compute.attention_length_factors; fitted, within ATTN_SEQ_RANGE)
+    attn_length_cap: float = 32768.0
 
     def sm_fraction(self, arch: str) -> float:
         return self.comm_sm_fraction.get(arch, 0.15)

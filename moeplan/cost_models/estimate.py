@@ -42,7 +42,7 @@ from .layers import (
     mtp_layer,
 )
 from .memory import GB, StaticMemory, static_memory
-from .overlap import edge_weight, exposed_time
+from .overlap import edge_weight, exposed_time, staged_exposed_time
 from .pipeline import in_flight_chunks, pipeline_time
 
 
@@ -247,7 +247,12 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         rs = C.all_reduce_time(4 * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
             4 * expert_params, edp_place, cluster, cal)
         ag = 0.0
-    dp_exposed = exposed_time(rs, bwd_window_s) + exposed_time(ag, fwd_window_s)
+    # each model chunk's grads reduce-scatter once its last backward is done and its params
+    # all-gather before its first forward; the interleaved schedule spaces a stage's chunks
+    # pp passes apart at both ends of the step (overlap.staged_exposed_time)
+    v = L.vpp
+    dp_exposed = (staged_exposed_time(rs, v, bwd_window_s / v, L.pp * bwd_window_s / v)
+                  + staged_exposed_time(ag, v, fwd_window_s / v, L.pp * fwd_window_s / v))
     moments = moments_bytes(training)
     dense_shards, expert_shards = (L.dp * L.cp, max(1, L.edp)) if L.distributed_optimizer else (
         1, 1)
@@ -476,7 +481,7 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
     speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
     arch = cluster.architecture
-    gain = attention_length_factors(ATTN_SEQ_RANGE[1], arch)  # the longest kernels' gain
+    gain = attention_length_factors(ATTN_SEQ_RANGE[1], arch, cal.attn_length_cap)  # longest
     eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0],
               cal.attn_bwd_eff[arch] * gain[1])
     tokens = training.global_batch_size * training.seq_len

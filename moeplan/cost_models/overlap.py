@@ -27,6 +27,23 @@ def exposed_time(comm_s: float, concurrent_s: float, eta: float = 1.0) -> float:
     return max(comm_s - max(concurrent_s, 0.0), (1.0 - min(max(eta, 0.0), 1.0)) * comm_s)
 
 
+def staged_exposed_time(comm_s: float, chunks: int, own_pass_s: float, gap_s: float) -> float:
+    """Exposure of a communication issued in `chunks` equal parts, one per model chunk, each
+    able to run beside its own chunk's pass (`own_pass_s`: bucketed, as Megatron's
+    overlap_grad_reduce / overlap_param_gather issue it) and beside the `gap_s` of other
+    chunks' passes that separate consecutive parts (the interleaved schedule runs pp passes of
+    one chunk before the next chunk's: a stage's chunk j finishes its last backward pp·j chunk
+    passes before the stage's last, and starts its first forward pp·j passes after the first).
+    One link serves the parts in turn, so what is left after the last pass is the worst
+    backlog, max over k of ((k+1)·part − own − k·gap); one chunk gives `exposed_time(comm,
+    own)`. Never more than the whole communication, never negative."""
+    if comm_s <= 0.0:
+        return 0.0
+    part = comm_s / max(chunks, 1)
+    worst = max((k + 1) * part - own_pass_s - k * gap_s for k in range(max(chunks, 1)))
+    return min(comm_s, max(0.0, worst))
+
+
 def overlap_cost(comm_s: float, concurrent_s: float, eta: float, sm_fraction: float) -> float:
     """Critical-path seconds of overlapping `comm_s` with `concurrent_s` of compute: the
     exposed part plus the slowdown of the compute that ran beside the hidden part."""
