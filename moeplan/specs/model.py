@@ -7,6 +7,7 @@ planner, the cost models and the runtime's TFLOPS counter all use one definition
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -262,21 +263,14 @@ class ModelSpec(BaseModel):
 
     def moe_layers(self) -> list[bool]:
         """Which decoder layers carry an MoE block (Megatron's --moe-layer-freq semantics)."""
-        if not self.is_moe:
-            return [False] * self.num_layers
-        if self.moe_layer_pattern is not None:
-            return [bool(v) for v in self.moe_layer_pattern]
-        return [
-            i >= self.first_k_dense and i % self.moe_layer_freq == 0
-            for i in range(self.num_layers)
-        ]
+        pattern = tuple(self.moe_layer_pattern) if self.moe_layer_pattern is not None else None
+        return list(_moe_pattern(self.num_layers, self.is_moe, pattern, self.first_k_dense,
+                                 self.moe_layer_freq))
 
     def sliding_layers(self) -> list[bool]:
         """Which layers use sliding-window attention (pattern tiled over the layers)."""
-        p = self.attention_pattern
-        if not p or self.sliding_window is None:
-            return [False] * self.num_layers
-        return [p[i % len(p)] == "S" for i in range(self.num_layers)]
+        return list(_sliding_pattern(self.num_layers, self.attention_pattern,
+                                     self.sliding_window is not None))
 
     @property
     def num_moe_layers(self) -> int:
@@ -426,3 +420,23 @@ class ModelSpec(BaseModel):
         mtp_extra = 6 * mtp * (3 * h + 2 * h * h)
         logits = 6 * h * self.vocab_size * (mtp + 1)
         return float(mlp + attn + mtp_extra + logits)
+
+
+# The layer patterns are asked for once per layer cost a search builds (thousands of times per
+# search); they depend on a few fields only, so they are computed once per distinct value.
+@functools.lru_cache(maxsize=256)
+def _moe_pattern(num_layers: int, is_moe: bool, pattern: tuple[int, ...] | None,
+                 first_k_dense: int, freq: int) -> tuple[bool, ...]:
+    if not is_moe:
+        return (False,) * num_layers
+    if pattern is not None:
+        return tuple(bool(v) for v in pattern)
+    return tuple(i >= first_k_dense and i % freq == 0 for i in range(num_layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _sliding_pattern(num_layers: int, pattern: str | None, has_window: bool
+                     ) -> tuple[bool, ...]:
+    if not pattern or not has_window:
+        return (False,) * num_layers
+    return tuple(pattern[i % len(pattern)] == "S" for i in range(num_layers))
