@@ -110,7 +110,7 @@ class LayerCost:
         rc = set(recompute)
         if "full" in rc:
             return self.recompute_fwd_s.get("full", 0.0)
-        return sum(self.recompute_fwd_s.get(r, 0.0) for r in rc)
+        return sum(self.recompute_fwd_s.get(r, 0.0) for r in sorted(rc))  # one order: one sum
 
 
 @dataclass(frozen=True)
