@@ -176,13 +176,15 @@ Against the previous revision (held-out MAPE in the last column of the tables ab
   With v virtual stages a stage's chunks finish (and start) pp passes apart, so the parts
   queue on the link beside the other chunks' passes instead of all waiting behind one
   micro-batch's backward (`overlap.staged_exposed_time`: the worst backlog after the last
-  pass; one chunk gives the old rule). The B200/B300 HGX runs whose DP crosses InfiniBand at
-  vpp 5–8 were the ones it moves.
+  pass; one chunk gives the old rule). With the profile unchanged it moves 29 rows by more
+  than 1%, most the B200 HGX runs whose DP crosses InfiniBand at vpp 5–8 (Llama3-405B on
+  128 B200: +16%).
 - **The attention length gain is capped by a fitted constant.** REFERENCE's cuDNN 4K → 16K
   gain is a single-kernel microbenchmark. Carried to 32K keys it left every long-sequence run
-  over-predicted, growing with length (NeMo long-sequence Llama3-8B +12% at 32K to +35% at
-  256K, Mixtral-8x22B at 64K +24%). `attn_length_cap` is now fitted on the fit rows with the
-  other constants and comes out at 4K: longer kernels keep the 4K efficiency, shorter ones
+  over-predicted, growing with length (NeMo long-sequence Llama3-8B +12% at 32K to +42% at
+  256K, NeMo Mixtral-8x22B at 64K +23–27%, Parallel Folding Mixtral-8x22B +29–52%).
+  `attn_length_cap` is now fitted on the fit rows with the other constants and comes out at
+  4K: longer kernels keep the 4K efficiency, shorter ones
   (a CP rank's ring steps) the measured fall-off.
 - **Refit** on the fit rows only, warm-started from the previous optimum: objective 0.1546 →
   0.1457.
@@ -224,9 +226,9 @@ ASSUMPTIONS = """## Assumptions and known gaps
   (R0324, Mixtral-8x22B at 64K, recorded `full`) has TFLOPS/tokens equal to the `causal_halved`
   count within 0.1%. The data file is left as published; R0324 itself is scored on its
   published tokens/s and is still over-predicted by about a third.
-- gpt-oss-120b is over-predicted in every precision and on every GPU: BF16 by 16–76% (H100
-  included) and MXFP8 by 35% now that its 26.06 recipe's EP overlap is priced; on H100, GB200
-  and GB300 the BF16 rows sit at one ratio (≈ 1.6×) across MBS 1 and 4, PP 1 and 4, EP 8 and
+- gpt-oss-120b is over-predicted in every precision and on every GPU: BF16 by 19–76% (H100
+  included) and MXFP8 by 31–36% now that its 26.06 recipe's EP overlap is priced; on H100, GB200
+  and GB300 the BF16 rows sit at one ratio (1.5–1.7×) across MBS 1 and 4, PP 1 and 4, EP 8 and
   64, so what is missing scales with the layer's compute, not with a layout. The MXFP8-to-BF16
   speed ratio (1.75× on 64 GB200, EP64, MBS 4) is not a GEMM-only ratio: the workload configs
   give the MXFP8 recipe the fused CuTe-DSL grouped MLP, full-iteration CUDA graphs, HybridEP,

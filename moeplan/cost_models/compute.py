@@ -118,7 +118,7 @@ def attention_length_factors(kv_len: float, arch: str, cap: float = ATTN_SEQ_RAN
 
     The cap is fitted because the gain is a single-kernel microbenchmark's: whether a training
     step's longer kernels realise it is for the measured runs to say. They say it stops early
-    (the long-sequence NeMo and Parallel Folding runs, 16K–256K, are over-predicted by 12–42%,
+    (the long-sequence NeMo and Parallel Folding runs, 16K–256K, are over-predicted by 12–52%,
     growing with length, when it is carried to 32K), while the fall-off of shorter kernels is
     kept as measured."""
     (f4, b4), (f16, b16) = ATTN_LENGTH_TFLOPS.get(arch, ATTN_LENGTH_TFLOPS["hopper"])
