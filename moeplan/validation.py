@@ -138,6 +138,22 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
     return {}
 
 
+# The same recipes reduce data-parallel gradients in bf16: Megatron-Bridge's performance configs
+# (`cfg.ddp.grad_reduce_in_fp32 = False` in their common settings), NeMo 2.0's performance
+# scripts and recipes' performance mode (`recipe.trainer.plugins.grad_reduce_in_fp32 = False`),
+# NeMo 1's launcher configs (`optim.grad_sync_dtype=bf16`). Megatron-LM reduces in fp32 unless
+# told (`--grad-reduce-in-bf16`), as the TrainingSpec default does.
+BF16_GRAD_REDUCE_SOURCES = TP_OVERLAP_SOURCES
+
+
+def training_settings(row: dict[str, str]) -> dict[str, Any]:
+    """Training numerics the row's source documents for its recipe family but does not print
+    (bf16 gradient reduction)."""
+    if (row.get("source", "") or "").startswith(BF16_GRAD_REDUCE_SOURCES):
+        return {"grad_reduce_dtype": "bf16"}
+    return {}
+
+
 def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
     """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
     src = row.get("source", "") or ""
@@ -147,14 +163,34 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
 
 
 def config_key(row: dict[str, str]) -> str:
-    cols = ("model_preset", "cluster_preset", "precision_preset", "seq_len", "global_batch_seqs",
+    cols = ("cluster_preset", "precision_preset", "seq_len", "global_batch_seqs",
             "micro_batch", "tp", "pp", "vpp", "cp", "ep", "etp", "num_gpus")
-    return "|".join((row.get(c) or "").strip() for c in cols)
+    return "|".join([model_preset_of(row)] + [(row.get(c) or "").strip() for c in cols])
 
 
 def split_of(row: dict[str, str]) -> str:
     """'fit' or 'held-out', deterministic in the row's configuration."""
     return "fit" if zlib.crc32(config_key(row).encode()) % 2 == 0 else "held-out"
+
+
+# Rows whose `model_preset` cell is empty but whose `model` names an architecture moeplan has a
+# preset for (NeMo's performance-summary spellings; the shared CSV leaves the cell empty where no
+# preset existed when it was written). Nemotron-8B/22B are left out: their sources do not give
+# the architecture.
+MODEL_NAME_PRESETS = {
+    "LLAMA2-7B": "llama2-7b", "LLAMA2-13B": "llama2-13b", "LLAMA2-70B": "llama2-70b",
+    "GPT3-5B": "gpt3-5b", "GPT3-20B": "gpt3-20b",
+    "Nemotron-15B": "nemotron4-15b", "Nemotron-340B": "nemotron4-340b",
+    "Nemotron-4 340B (96 layers, hidden 18432, 96 heads, 8 KV heads, squared-ReLU)":
+        "nemotron4-340b",
+}
+
+
+def model_preset_of(row: dict[str, str]) -> str:
+    """The row's model preset: its `model_preset` cell, else the preset its `model` names
+    (MODEL_NAME_PRESETS), else empty."""
+    mp = (row.get("model_preset") or "").strip()
+    return mp or MODEL_NAME_PRESETS.get((row.get("model") or "").strip(), "")
 
 
 def family_of(model_preset: str) -> str:
@@ -221,7 +257,7 @@ def published_recompute(row: dict[str, str]) -> Choices:
 def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str:
     """The RunCase for a row, or the reason it cannot be predicted."""
     notes = row.get("other_notes", "") or ""
-    mp, cp_ = (row.get("model_preset") or "").strip(), (row.get("cluster_preset") or "").strip()
+    mp, cp_ = model_preset_of(row), (row.get("cluster_preset") or "").strip()
     described = described_gpt(row)
     assumed_cluster: dict[str, Any] = {}
     if "system=megascale" in notes.lower():
@@ -264,7 +300,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
             "vpp": _int(row, "vpp", 1), "mbs": _int(row, "micro_batch", 1)}
     etp = _int(row, "etp")
     try:
-        training = TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=prec)
+        numerics = training_settings(row)
+        training = TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=prec, **numerics)
     except Exception as err:  # pydantic ValidationError
         return f"training settings invalid: {err}"
     layout: Layout | None = None
@@ -298,7 +335,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
                    _float(row, "memory_gb"),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
-                   {**assumed, **assumed_cluster}, published_recompute(row))
+                   {**assumed, **numerics, **assumed_cluster}, published_recompute(row))
 
 
 def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | None:

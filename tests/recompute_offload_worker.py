@@ -24,6 +24,9 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
         "optimizer_offload_fraction": 0.5}),
     "cp2_dp2_ep2_recompute_moe": (4, {"cp": 2, "ep": 2}, {"recompute": ["moe", "core_attn"]}),
     "cp2_dp2_ep2": (4, {"cp": 2, "ep": 2}, {}),
+    # not a memory choice but a numerics one (TrainingSpec.grad_reduce_dtype): gradients
+    # accumulated and reduced over dp·cp and edp in bf16
+    "cp2_dp2_ep2_bf16_grads": (4, {"cp": 2, "ep": 2}, {}),
     "pp2_dp2": (4, {"pp": 2}, {}),
     "pp2_dp2_stages": (4, {"pp": 2}, {
         "stage_recompute": [["full"], ["moe", "shared_experts", "layernorm"]],
@@ -35,8 +38,13 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
 def worker(rank: int, port: int, out: str) -> None:
     from moeplan.specs import Choices
 
-    layouts = ((name, {m: make_plan(m, world, axes).model_copy(
-                    update={"choices": Choices(**choices)}) for m in MODELS})
+    def plan(m: str, name: str, world: int, axes: dict, choices: dict):
+        p = make_plan(m, world, axes)
+        training = p.training.model_copy(
+            update={"grad_reduce_dtype": "bf16" if name.endswith("bf16_grads") else "fp32"})
+        return p.model_copy(update={"choices": Choices(**choices), "training": training})
+
+    layouts = ((name, {m: plan(m, name, world, axes, choices) for m in MODELS})
                for name, (world, axes, choices) in LAYOUTS.items())
     train_layouts(rank, port, WORLD, out, layouts, STEPS)
 

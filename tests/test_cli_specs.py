@@ -12,7 +12,8 @@ from .conftest import DATA
 
 MODEL_PRESETS = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen2-57b-a14b",
                  "mixtral-8x7b", "mixtral-8x22b", "llama3-8b", "llama3-70b", "llama3-405b",
-                 "gpt3-175b", "gpt-oss-120b"]
+                 "gpt3-175b", "gpt-oss-120b", "llama2-7b", "llama2-13b", "llama2-70b",
+                 "gpt3-5b", "gpt3-20b", "nemotron4-15b", "nemotron4-340b"]
 CLUSTER_PRESETS = ["a100-80g", "h100", "h200", "h800", "b200", "b300", "gb200-nvl72",
                    "gb300-nvl72"]
 

@@ -196,7 +196,9 @@ def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overla
     early = case_of(_bridge_row("26.04.01"), presets)
     seen, plain = predict_case(late), predict_case(early)
     assert seen["predicted_tokens_per_s_per_gpu"] > plain["predicted_tokens_per_s_per_gpu"]
-    assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex"} and plain["assumed"] == {}
+    bf16_grads = {"grad_reduce_dtype": "bf16"}  # the same recipes' gradient reduction
+    assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex", **bf16_grads}
+    assert plain["assumed"] == bf16_grads
 
 
 def test_fit_reads_fit_rows_only(tmp_path):
@@ -217,3 +219,21 @@ def test_fit_reads_fit_rows_only(tmp_path):
     assert {split_of(r) for r in rows} == {"fit", "held-out"}
     _, cases, _ = mod.fit(rows, sweeps=0)
     assert cases and all(split_of(c.row) == "fit" for c in cases)
+
+
+def test_rows_naming_a_preset_architecture_are_scored_with_it():
+    """The shared CSV leaves `model_preset` empty where no preset existed; a row whose `model`
+    names one (NeMo's spelling) is predicted with it and split by it, and an unnamed one is
+    still skipped."""
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of, config_key
+
+    row = {"id": "N1", "source": "NVIDIA NeMo performance summary (NeMo 24.07)",
+           "model": "LLAMA2-7B", "gpu": "H100-SXM", "num_gpus": "8", "seq_len": "4096",
+           "global_batch_seqs": "128", "micro_batch": "1", "tp": "1", "pp": "1",
+           "tokens_per_s_per_gpu": "16934", "model_preset": "", "cluster_preset": "h100",
+           "precision_preset": "fp8-tensorwise", "flops_convention": "full"}
+    case = case_of(row, list_presets())
+    assert case.model.name == "llama2-7b" and case.family == "llama2"
+    assert config_key(row).startswith("llama2-7b|")
+    assert case_of({**row, "model": "Nemotron-22B"}, list_presets()) == "no model preset"

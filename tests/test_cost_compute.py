@@ -126,3 +126,20 @@ def test_context_parallel_attention_pays_for_shorter_kernels():
     tp2cp2 = dense_layer(make_context(m, c, tr, Layout.build(64, 64, tp=2, cp=2, pp=4), cal))
     # same attention FLOPs per GPU, but the cp=2 rank runs them over 4K-key kernels
     assert tp2cp2.recompute_fwd_s["core_attn"] > tp4.recompute_fwd_s["core_attn"]
+
+
+def test_load_balanced_cp_runs_half_its_off_diagonal_ring_steps_over_one_kv_chunk():
+    """TE's load-balanced causal ring: every rank holds two chunks of c = s/(2·cp) tokens and
+    does the same work per step; the steps whose K/V come from an earlier rank attend over one
+    chunk (c keys), the diagonal and later-rank steps over two (2c)."""
+    from moeplan.cost_models.layers import cp_kernel_lengths
+
+    assert cp_kernel_lengths(8192, 1) == ((1.0, 8192),)
+    assert cp_kernel_lengths(8192, 1, window=128) == ((1.0, 128),)
+    for cp in (2, 4, 8, 32):
+        parts = cp_kernel_lengths(65536, cp)
+        assert sum(share for share, _ in parts) == pytest.approx(1.0)
+        (long_share, long_kv), (short_share, short_kv) = parts
+        assert long_kv == 65536 / cp and short_kv == 65536 / (2 * cp)
+        assert short_share == pytest.approx((cp - 1) / (2 * cp))  # → ½ of the work at large cp
+    assert cp_kernel_lengths(65536, 4, window=4096) == ((0.625, 4096), (0.375, 4096))

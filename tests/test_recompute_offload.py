@@ -249,6 +249,24 @@ def test_multi_rank_layouts_with_memory_choices_train_like_without(ranks, model,
     assert_same_training(got, ref)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_gradient_reduction_trains_within_bf16_rounding_of_fp32(ranks, model):
+    """`grad_reduce_dtype: bf16` accumulates and reduces gradients in bf16 (Megatron's
+    --grad-reduce-in-bf16): the step's gradients agree with the fp32 run to bf16 precision, and
+    they are really rounded (not silently reduced in fp32)."""
+    got, ref = ranks[("cp2_dp2_ep2_bf16_grads", model)], ranks[("cp2_dp2_ep2", model)]
+    rounded = 0
+    for name, g in got["grads"].items():
+        r = ref["grads"][name]
+        assert g.dtype == torch.bfloat16, name
+        torch.testing.assert_close(g.float(), r, rtol=2e-2, atol=1e-2 * r.abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        rounded += int(not torch.equal(g.float(), r))
+    assert rounded > 0
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b)
+
+
 # ------------------------------------------------------------------------------ CLI
 @pytest.mark.slow
 def test_run_executes_a_plan_with_recompute_offload_and_optimizer_offload(cli, tmp_path):

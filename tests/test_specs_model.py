@@ -22,6 +22,13 @@ PUBLISHED = [
     ("gpt3-175b", 175, None, 0.015, 0),
     ("gpt-oss-120b", 116.8, None, 0.015, 0),
     ("kimi-k2", 1040, 32.6, 0.015, 0.04),
+    ("llama2-7b", 6.74, None, 0.015, 0),
+    ("llama2-13b", 13.0, None, 0.015, 0),
+    ("llama2-70b", 69.0, None, 0.015, 0),
+    ("gpt3-5b", 5.0, None, 0.02, 0),
+    ("gpt3-20b", 20.0, None, 0.02, 0),
+    ("nemotron4-15b", 15.6, None, 0.015, 0),       # 12.5B non-embedding + 3.2B embedding
+    ("nemotron4-340b", 341, None, 0.015, 0),
 ]
 
 

@@ -145,3 +145,52 @@ def test_validation_prices_nemo_recipes_with_tp_overlap_and_papers_without():
             assert not c.layout.tp_comm_overlap, r["id"]
             seen["paper"] += 1
     assert seen["nemo"] > 10 and seen["paper"] > 5
+
+
+# ------------------------------------------------------------- bf16 gradient reduction
+def _extras(training: TrainingSpec, layout: Layout):
+    from moeplan.cost_models.estimate import step_extras
+
+    return step_extras(LLAMA, H100, training, layout, default_calibration(),
+                       dense_params=4e9, expert_params=0.0, fwd_window_s=1.0, bwd_window_s=2.0)
+
+
+def test_bf16_gradient_reduction_moves_half_the_bytes_and_keeps_half_the_gradient_memory():
+    lay = Layout.build(64, 256, tp=8, pp=2)
+    bf16 = TR.model_copy(update={"grad_reduce_dtype": "bf16"})
+    fp32_x, bf16_x = _extras(TR, lay), _extras(bf16, lay)
+    assert bf16_x.reduce_scatter_s == pytest.approx(fp32_x.reduce_scatter_s / 2, rel=0.02)
+    assert bf16_x.all_gather_s == fp32_x.all_gather_s  # bf16 parameters either way
+    a = estimate(LLAMA, H100, TR, lay, with_interval=False)
+    b = estimate(LLAMA, H100, bf16, lay, with_interval=False)
+    assert b.memory.grads_gb == pytest.approx(a.memory.grads_gb / 2)
+    assert b.memory.weights_gb == a.memory.weights_gb
+    assert b.time.dp_comm_s < a.time.dp_comm_s and b.step_time_s <= a.step_time_s
+
+
+def test_bf16_gradient_reduction_exports_its_megatron_flag():
+    plan = Plan(model=LLAMA, cluster=H100, choices=Choices(), layout=Layout.build(64, 256, tp=8),
+                training=TR.model_copy(update={"grad_reduce_dtype": "bf16"}))
+    assert "--grad-reduce-in-bf16" in to_megatron_args(plan)[0]
+    assert "--grad-reduce-in-bf16" not in to_megatron_args(
+        plan.model_copy(update={"training": TR}))[0]
+
+
+def test_validation_reduces_gradients_in_bf16_for_nvidia_recipes_and_fp32_for_papers():
+    from moeplan.specs import list_presets
+
+    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    presets = list_presets()
+    seen = {"recipe": 0, "paper": 0}
+    for r in rows:
+        c = case_of(r, presets)
+        if isinstance(c, str):
+            continue
+        if r["source"].startswith(("NVIDIA Megatron-Bridge", "NVIDIA NeMo 2.0")):
+            assert c.training.grad_reduce_dtype == "bf16", r["id"]
+            assert c.assumed.get("grad_reduce_dtype") == "bf16", r["id"]
+            seen["recipe"] += 1
+        elif r["source"].startswith(("Narayanan", "MoE Parallel Folding", "Korthikanti")):
+            assert c.training.grad_reduce_dtype == "fp32", r["id"]
+            seen["paper"] += 1
+    assert seen["recipe"] > 50 and seen["paper"] > 10

@@ -45,8 +45,10 @@ Per layout (a `Layout`; choices are what the planner decides):
     The whole per-layout table at once (layer kinds deduplicated; "E", "L", "m" included).
 
 ``static_memory(dense_params, expert_params, dense_shards=dp·cp, expert_shards=edp,
-moments_bytes=4, distributed_optimizer=True, optimizer_offload_fraction=0.0) -> StaticMemory``
-    Weights, grads, optimizer bytes of a stage (sum the layers' params).
+moments_bytes=4, distributed_optimizer=True, optimizer_offload_fraction=0.0, grad_bytes=4)
+-> StaticMemory``
+    Weights, grads, optimizer bytes of a stage (sum the layers' params); `grad_bytes` is
+    ``estimate.grad_reduce_bytes(training)`` (2 when gradients are reduced in bf16).
 
 ``pipeline_time(rank_times, num_microbatches, vpp) -> (step_s, bubble_s)`` and
 ``in_flight_chunks(rank, pp, vpp, m) -> [chunk index per in-flight forward]``

@@ -221,8 +221,8 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     exposure, and the optimizer step, for a rank holding these parameters.
 
     PP: activations (SP-sharded) cross between consecutive virtual stages; the steady state
-    overlaps them, warm-up and cool-down do not. DP: grads reduce-scatter (fp32) and params
-    all-gather (bf16), hidden behind the last micro-batch's backward and the first one's forward
+    overlaps them, warm-up and cool-down do not. DP: grads reduce-scatter (fp32, or bf16 with
+    `TrainingSpec.grad_reduce_dtype`) and params all-gather (bf16), hidden behind the last micro-batch's backward and the first one's forward
     (Megatron overlap_grad_reduce, overlap_param_gather). Optimizer: Adam over the rank's shard in
     HBM; the offloaded share crosses the host link (grads down, params up).
     """
@@ -238,14 +238,15 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     dense_dp = C.GroupPlacement(L.dp * L.cp, dp_place.per_domain,
                                 max(dp_place.domains, C.placement(L, "cp", cluster).domains))
     edp_place = C.placement(L, "edp", cluster)
+    grad = grad_reduce_bytes(training)
     if L.distributed_optimizer:
-        rs = C.ring_time(4 * dense_params, dense_dp, cluster, cal) + C.ring_time(
-            4 * expert_params, edp_place, cluster, cal)
+        rs = C.ring_time(grad * dense_params, dense_dp, cluster, cal) + C.ring_time(
+            grad * expert_params, edp_place, cluster, cal)
         ag = C.ring_time(2 * dense_params, dense_dp, cluster, cal) + C.ring_time(
             2 * expert_params, edp_place, cluster, cal)
     else:
-        rs = C.all_reduce_time(4 * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
-            4 * expert_params, edp_place, cluster, cal)
+        rs = C.all_reduce_time(grad * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
+            grad * expert_params, edp_place, cluster, cal)
         ag = 0.0
     # each model chunk's grads reduce-scatter once its last backward is done and its params
     # all-gather before its first forward; the interleaved schedule spaces a stage's chunks
@@ -289,6 +290,12 @@ def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
     """Most static + activation bytes a rank may hold and still fit (uncertainty.max_peak_gb
     less the fixed buffers, before fragmentation): the budget of the MILP and the search."""
     return (U.max_peak_gb(cluster, cal) * GB - fixed_bytes) / (1 + cal.frag_frac)
+
+
+def grad_reduce_bytes(training: TrainingSpec) -> int:
+    """Bytes per gradient the data-parallel reduction moves: 4 (fp32 main grads, Megatron's
+    default) or 2 (`--grad-reduce-in-bf16`)."""
+    return 2 if training.grad_reduce_dtype == "bf16" else 4
 
 
 def moments_bytes(training: TrainingSpec) -> int:
@@ -348,7 +355,8 @@ def estimate_breakdown(
         dense = sum(c.dense_params for c in chunks)
         expert = sum(c.expert_params for c in chunks)
         static = static_memory(dense, expert, dense_shards, expert_shards, moments,
-                               L.distributed_optimizer, choices.optimizer_offload_fraction)
+                               L.distributed_optimizer, choices.optimizer_offload_fraction,
+                               grad_reduce_bytes(training))
         act = sum(chunks[v].activation_bytes
                   for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
         has_moe = model.is_moe and any("moe" in k for c in chunks for k in c.layers)
@@ -490,7 +498,8 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     dense, experts = params or bound_params(model)
     edp = max(1, world // (etp * ep * pp))
     moments = moments_bytes(training)
-    st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True)
+    st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True,
+                       grad_bytes=grad_reduce_bytes(training))
     return t, st.weights + st.grads
 
 

@@ -247,6 +247,26 @@ def _per_context(fn: Callable[..., T]) -> Callable[..., T]:
     return cached
 
 
+def cp_kernel_lengths(seq: float, cp: int, window: float | None = None
+                      ) -> tuple[tuple[float, float], ...]:
+    """(share of the attention work, keys per kernel call) of one rank's attention.
+
+    Without CP one kernel runs over the whole sequence (or the window). Load-balanced causal CP
+    (Megatron/TE `AttnFuncWithCPAndKVP2P`) gives each rank two chunks of c = s/(2·cp) tokens
+    and runs one kernel per ring step, every step the same work (2c² scores): the diagonal
+    step and the steps whose K/V come from a later rank see 2c keys (the rank's full query
+    against both K/V chunks, or its second query chunk against them), the steps from an
+    earlier rank see c (both query chunks against that rank's first K/V chunk), which is
+    (cp − 1)/2 of the cp steps on the average rank. Shorter kernels run at the measured
+    fall-off (`compute.attention_length_factors`)."""
+    if cp <= 1:
+        return ((1.0, seq if window is None else min(seq, window)),)
+    c = seq / (2 * cp)
+    short = (cp - 1) / (2 * cp)
+    lengths = (2 * c, c) if window is None else (min(2 * c, window), min(c, window))
+    return ((1.0 - short, lengths[0]), (short, lengths[1]))
+
+
 @_per_context
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
@@ -280,9 +300,11 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     # same causal share) over the keys a tiled kernel computes: (s + B)/2 causal, ⌈(w−1)/B⌉+1
     # tiles under a sliding window w (compute.attended_keys), at the head dim's efficiency
     flops = N * attended_keys(seq, window) * (a / t) * 2 * (d_qk + d_v)
-    kv_len = seq / ctx.layout.cp if window is None else min(seq / ctx.layout.cp, window)
-    core_f, core_b = attention_time(flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
-                                    kv_len)
+    core_f = core_b = 0.0
+    for share, kv_len in cp_kernel_lengths(seq, ctx.layout.cp, window):
+        f_, b_ = attention_time(share * flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
+                                kv_len)
+        core_f, core_b = core_f + f_, core_b + b_
     norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
     gemm_f = down + up + proj

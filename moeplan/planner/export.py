@@ -180,6 +180,7 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--exp-avg-sq-dtype": MegatronFlag(1, str, _DTYPES, _A + "_add_experimental_args"),
     # ---- precision
     "--bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
+    "--grad-reduce-in-bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
     "--fp8-format": MegatronFlag(1, str, ("e4m3", "hybrid"),
                                  _A + "_add_transformer_engine_args (dest fp8)"),
     "--fp8-recipe": MegatronFlag(1, str, ("tensorwise", "delayed", "mxfp8", "blockwise",
@@ -581,6 +582,8 @@ def _memory_args(a: _Args, plan: Plan, warn: list[str]) -> None:
 
 def _precision_args(a: _Args, plan: Plan) -> None:
     a.add("--bf16")  # base dtype; FP8/FP4 recipes apply to the GEMMs on top of it
+    if plan.training.grad_reduce_dtype == "bf16":
+        a.add("--grad-reduce-in-bf16")
     rec = _PRECISION_FLAGS.get(plan.training.precision)
     if rec:
         a.add(rec[0], rec[1])

@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import (
     fixed_buffer_bytes,
+    grad_reduce_bytes,
     layer_costs,
     layer_imbalances,
     moments_bytes,
@@ -355,14 +356,14 @@ def stage_problem(
 ) -> Built:
     L = layout
     S, pp, vpp, m = L.pp * L.vpp, L.pp, L.vpp, L.num_microbatches
-    moments = moments_bytes(training)
+    moments, grad_bytes = moments_bytes(training), grad_reduce_bytes(training)
     dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
     edge = edge_weight(m, pp, vpp)
     f = optimizer_offload_fraction
 
     def item(name: str, lc: LayerCost) -> Item:
         st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
-                           moments, L.distributed_optimizer, f)
+                           moments, L.distributed_optimizer, f, grad_bytes)
         return Item(name, _item_time(lc, edge), lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s,
                     st.total, table.groups_of(name), table.recompute_of(name))
 

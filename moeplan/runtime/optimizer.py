@@ -2,7 +2,8 @@
 
 Megatron's distributed optimizer (Megatron Core `distributed/param_and_grad_buffer.py`,
 `optimizer/distrib_optimizer.py`): parameters of one family live as views into one flat buffer;
-gradients accumulate into a flat buffer; after backward the buffer is reduce-scattered over the
+gradients accumulate into a flat buffer (fp32, or bf16 with `TrainingSpec.grad_reduce_dtype`:
+Megatron's `--grad-reduce-in-bf16`); after backward the buffer is reduce-scattered over the
 family's data-parallel group, each rank runs Adam on its shard with fp32 master weights and
 moments, and the updated parameters are all-gathered back. Dense parameters reduce over dp
 (×cp), expert parameters over edp, so expert gradients are averaged exactly like dense ones.
@@ -125,6 +126,7 @@ class DistributedOptimizer:
     def __init__(self, model: nn.Module, training: TrainingSpec, groups: ParallelGroups,
                  distributed: bool = True, offload_fraction: float = 0.0):
         self.training, self.groups, self.distributed = training, groups, distributed
+        self.grad_dtype = torch.bfloat16 if training.grad_reduce_dtype == "bf16" else torch.float32
         named = list(model.named_parameters())
         dense = [(n, p) for n, p in named if not shard_info(p).expert]
         # tp-replicated first: their tp all-reduce is one contiguous slice; stage copies last
@@ -162,15 +164,17 @@ class DistributedOptimizer:
         fam = _Family(axis, [nm for nm, _ in named], [p for _, p in named], offsets, rep_end, n,
                       n if dup_start is None else dup_start, shared)
         fam.param_buf = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
-        # fp32 gradient accumulation whatever the weights' dtype (Megatron's main_grad)
-        fam.grad_buf = torch.zeros(padded, dtype=torch.float32, device=ref.device)
+        # fp32 gradient accumulation whatever the weights' dtype (Megatron's main_grad), or bf16
+        # with `TrainingSpec.grad_reduce_dtype` (Megatron --grad-reduce-in-bf16: the buffer, and
+        # so the accumulation over micro-batches and every reduction, is bf16)
+        fam.grad_buf = torch.zeros(padded, dtype=self.grad_dtype, device=ref.device)
         decay = torch.zeros(padded, dtype=torch.bool, device=ref.device)
         for (_, p), off in zip(named, offsets, strict=True):
             view = fam.param_buf[off: off + p.numel()].view_as(p)
             view.copy_(p.data)
             p.data = view
             gview = fam.grad_buf[off: off + p.numel()].view_as(p)
-            if p.dtype == torch.float32:
+            if p.dtype == fam.grad_buf.dtype:
                 p.grad = gview  # autograd accumulates in place into the flat buffer
             else:
                 p.register_post_accumulate_grad_hook(_accumulate_into(gview))
@@ -228,7 +232,7 @@ class DistributedOptimizer:
         total = torch.zeros((), dtype=torch.float32, device=self.families[0].grad_buf.device)
         tp = self.groups.tp.size
         for f in self.families:
-            g = f.grad_shard
+            g = f.grad_shard.float()
             g = g[: max(0, min(f.duplicate_start - f.shard.start, g.numel()))]
             rep = max(0, min(f.replicated_end - f.shard.start, g.numel()))
             part = torch.dot(g[:rep], g[:rep]) / tp + torch.dot(g[rep:], g[rep:])  # fp32, no copy
@@ -256,7 +260,7 @@ class DistributedOptimizer:
         b1, b2 = t.adam_beta1, t.adam_beta2
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
         for f in self.families:
-            g = f.grad_shard * clip
+            g = f.grad_shard.float() * clip
             host = [(p, _to_host(g[p.lo: p.hi])) for p in f.parts if p.offloaded]  # D2H first
             for p in f.parts:
                 if not p.offloaded:

@@ -33,6 +33,11 @@ class TrainingSpec(BaseModel):
     optimizer_moments_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Adam moment storage (bf16 saves 4 bytes/param, Megatron option)."
     )
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Data-parallel gradient reduction dtype: bf16 halves the reduce-"
+        "scatter/all-reduce bytes at some precision cost (Megatron --grad-reduce-in-bf16; "
+        "NVIDIA's NeMo and Megatron-Bridge performance recipes set it)."
+    )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
     moe_capacity_factor: float | None = Field(
