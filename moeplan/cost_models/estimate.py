@@ -441,7 +441,10 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
     keys = U.regime_keys(model, cluster, training.precision, layout)
     lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys,
                                           measured=U.measured_bounds(cluster))
-    per_step = est.tokens_per_s_per_gpu * est.step_time_s
+    # tokens per GPU per step, exact: plans whose intervals share a low end then share a
+    # robust key to the last bit, and the search breaks the tie by the expected step time
+    # rather than by the rounding of tokens/s × step
+    per_step = training.global_batch_size * training.seq_len / layout.world_size
     interval = Interval(level=U.LEVEL, tokens_per_s_per_gpu=(lo, hi),
                         step_time_s=(per_step / hi, per_step / lo),
                         pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n)
