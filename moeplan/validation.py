@@ -146,12 +146,24 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
 BF16_GRAD_REDUCE_SOURCES = TP_OVERLAP_SOURCES
 
 
+# NeMo 2.0's FP8 mixed-precision recipes gather FP8 parameters: `bf16_with_fp8_mixed` (the
+# unnamed "FP8" of its performance tables, delayed scaling) sets `fp8_params=True` /
+# `fp8_param_gather=True`, and so does its `bf16_with_mxfp8_mixed` (what that "FP8" is on
+# Blackwell). Its current-scaling recipe ("FP8-CS") and Megatron-Bridge's MXFP8 recipe do not
+# document one setting across releases, so those rows keep bf16 gathers.
+FP8_PARAM_GATHER_SOURCES = ("NVIDIA NeMo 2.0 performance summary",)
+
+
 def training_settings(row: dict[str, str]) -> dict[str, Any]:
     """Training numerics the row's source documents for its recipe family but does not print
-    (bf16 gradient reduction)."""
-    if (row.get("source", "") or "").startswith(BF16_GRAD_REDUCE_SOURCES):
-        return {"grad_reduce_dtype": "bf16"}
-    return {}
+    (bf16 gradient reduction, FP8 parameter all-gather)."""
+    src = row.get("source", "") or ""
+    out: dict[str, Any] = {}
+    if src.startswith(BF16_GRAD_REDUCE_SOURCES):
+        out["grad_reduce_dtype"] = "bf16"
+    if src.startswith(FP8_PARAM_GATHER_SOURCES) and _cell(row, "precision") == "FP8":
+        out["fp8_param_gather"] = True
+    return out
 
 
 def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:

@@ -194,3 +194,48 @@ def test_validation_reduces_gradients_in_bf16_for_nvidia_recipes_and_fp32_for_pa
             assert c.training.grad_reduce_dtype == "fp32", r["id"]
             seen["paper"] += 1
     assert seen["recipe"] > 50 and seen["paper"] > 10
+
+
+# ------------------------------------------------------------ FP8 parameter all-gather
+def test_fp8_parameter_gather_halves_the_gemm_weights_gather_and_keeps_embeddings_bf16():
+    from moeplan.cost_models.estimate import step_extras
+
+    lay = Layout.build(64, 256, tp=8, pp=2)
+    fp8 = TR.model_copy(update={"precision": "fp8-tensorwise"})
+    gather = fp8.model_copy(update={"fp8_param_gather": True})
+    args = dict(dense_params=4e9, expert_params=0.0, fwd_window_s=1.0, bwd_window_s=2.0)
+    cal = default_calibration()
+    plain = step_extras(LLAMA, H100, fp8, lay, cal, **args)
+    half = step_extras(LLAMA, H100, gather, lay, cal, **args)
+    assert half.all_gather_s == pytest.approx(plain.all_gather_s / 2, rel=0.02)
+    assert half.reduce_scatter_s == plain.reduce_scatter_s  # gradients are not FP8
+    # the embedding and output layer keep bf16 weights: all-embedding gathers as before
+    emb = step_extras(LLAMA, H100, gather, lay, cal, **args, embedding_params=4e9)
+    assert emb.all_gather_s == pytest.approx(plain.all_gather_s)
+    plan = Plan(model=LLAMA, cluster=H100, training=gather, layout=lay, choices=Choices())
+    assert "--fp8-param-gather" in to_megatron_args(plan)[0]
+    assert any("fp8_param_gather" in f for f in features_not_executed(plan))
+
+
+def test_fp8_parameter_gather_needs_an_fp8_recipe():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="fp8_param_gather: needs an FP8 precision"):
+        TrainingSpec(seq_len=4096, global_batch_size=256, fp8_param_gather=True)
+
+
+def test_validation_gathers_fp8_parameters_only_where_nemo_2_documents_it():
+    from moeplan.specs import list_presets
+
+    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    presets = list_presets()
+    on = off = 0
+    for r in rows:
+        c = case_of(r, presets)
+        if isinstance(c, str):
+            continue
+        documented = (r["source"].startswith("NVIDIA NeMo 2.0 performance summary")
+                      and r["precision"].strip() == "FP8")
+        assert c.training.fp8_param_gather == documented, r["id"]
+        on, off = on + documented, off + (not documented and c.training.precision != "bf16")
+    assert on >= 5 and off > 50

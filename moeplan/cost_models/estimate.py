@@ -216,7 +216,8 @@ class StepExtras:
 def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
                 cal: Calibration, dense_params: float, expert_params: float,
                 fwd_window_s: float, bwd_window_s: float,
-                optimizer_offload_fraction: float = 0.0) -> StepExtras:
+                optimizer_offload_fraction: float = 0.0,
+                embedding_params: float = 0.0) -> StepExtras:
     """PP point-to-point exposure, DP gradient reduce-scatter / parameter all-gather and their
     exposure, and the optimizer step, for a rank holding these parameters.
 
@@ -224,7 +225,10 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     overlaps them, warm-up and cool-down do not. DP: grads reduce-scatter (fp32, or bf16 with
     `TrainingSpec.grad_reduce_dtype`) and params all-gather (bf16), hidden behind the last micro-batch's backward and the first one's forward
     (Megatron overlap_grad_reduce, overlap_param_gather). Optimizer: Adam over the rank's shard in
-    HBM; the offloaded share crosses the host link (grads down, params up).
+    HBM; the offloaded share crosses the host link (grads down, params up). With
+    `TrainingSpec.fp8_param_gather` the GEMM weights gather in one byte each; the
+    `embedding_params` among `dense_params` (embedding and output layer, no FP8 GEMM of their
+    own in the recipes) stay bf16.
     """
     L = layout
     n_sp = L.mbs * training.seq_len / L.cp / L.tp
@@ -242,8 +246,9 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     if L.distributed_optimizer:
         rs = C.ring_time(grad * dense_params, dense_dp, cluster, cal) + C.ring_time(
             grad * expert_params, edp_place, cluster, cal)
-        ag = C.ring_time(2 * dense_params, dense_dp, cluster, cal) + C.ring_time(
-            2 * expert_params, edp_place, cluster, cal)
+        w = 1 if training.fp8_param_gather else 2
+        ag = C.ring_time(2 * embedding_params + w * (dense_params - embedding_params), dense_dp,
+                         cluster, cal) + C.ring_time(w * expert_params, edp_place, cluster, cal)
     else:
         rs = C.all_reduce_time(grad * dense_params, dense_dp, cluster, cal) + C.all_reduce_time(
             grad * expert_params, edp_place, cluster, cal)
@@ -292,6 +297,10 @@ def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
     return (U.max_peak_gb(cluster, cal) * GB - fixed_bytes) / (1 + cal.frag_frac)
 
 
+EMBEDDING_KINDS = ("E", "L")
+"""Layer-table keys of the embedding and the output layer: parameters without an FP8 GEMM."""
+
+
 def grad_reduce_bytes(training: TrainingSpec) -> int:
     """Bytes per gradient the data-parallel reduction moves: 4 (fp32 main grads, Megatron's
     default) or 2 (`--grad-reduce-in-bf16`)."""
@@ -334,6 +343,8 @@ def estimate_breakdown(
                         f"{L.pp * L.vpp}; using the balanced layout {format_stage_layout(stages)}")
     if max(imbs, default=1.0) > 1.0:
         warnings.append(f"routing imbalance up to {max(imbs):.2f}× priced at the busiest EP rank")
+    if (biased := U.model_warning(model)) is not None:
+        warnings.append(biased)
     # decoder layer index per 't' in model order
     layer_iter = iter(keys)
     stage_items: list[list[tuple[str, LayerCost]]] = []
@@ -374,7 +385,9 @@ def estimate_breakdown(
         expert_params=sum(c.expert_params for c in crit.chunks),
         fwd_window_s=sum(c.fwd_s for c in crit.chunks),
         bwd_window_s=sum(c.bwd_s for c in crit.chunks),
-        optimizer_offload_fraction=choices.optimizer_offload_fraction)
+        optimizer_offload_fraction=choices.optimizer_offload_fraction,
+        embedding_params=sum(costs[k].dense_params for c in crit.chunks for k in c.layers
+                             if k in EMBEDDING_KINDS))
     pp_exposed, dp_exposed, opt_s = extras.pp_exposed_s, extras.dp_exposed_s, extras.optimizer_s
     rs, ag = extras.reduce_scatter_s, extras.all_gather_s
     step = pipe_s + pp_exposed + dp_exposed + opt_s + cal.step_overhead_s

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -103,6 +103,9 @@ class IntervalProfile:
     memory_evidence: str
     evidence: dict[str, list[str]]  # assumption key -> fit row ids
     cross_validated: dict[str, Any]  # coverage and width measured on rows unseen by the bounds
+    # model preset -> (fit rows, median, lowest, highest published/predicted), for the models
+    # whose fit rows are off as a whole (bench/fit_intervals.py::model_evidence)
+    models: dict[str, tuple[int, float, float, float]] = field(default_factory=dict)
 
     def bounds(self, keys: Sequence[str]) -> tuple[float, float, str, int]:
         for k in keys:
@@ -126,7 +129,24 @@ def profile_from_dict(d: dict[str, Any]) -> IntervalProfile:
         memory_rel_error=float(d["memory"]["rel_error"]),
         memory_evidence=str(d["memory"]["evidence"]),
         evidence={k: list(v) for k, v in d["evidence"].items()},
-        cross_validated=dict(d.get("cross_validated", {})))
+        cross_validated=dict(d.get("cross_validated", {})),
+        models={k: (int(v["rows"]), float(v["median"]), float(v["low"]), float(v["high"]))
+                for k, v in d.get("models", {}).items()})
+
+
+def model_warning(model: ModelSpec, profile: IntervalProfile | None = None) -> str | None:
+    """A warning for a model whose published runs the cost models miss as a whole (the fit
+    could not take the bias up without hurting the other models), naming what was measured."""
+    p = profile or default_profile()
+    ev = p.models.get(model.name)
+    if ev is None:
+        return None
+    rows, med, low, high = ev
+    side, end = ("slower", "low") if med < 1 else ("faster", "high")
+    return (f"published runs of {model.name} ran {side} than moeplan predicts: "
+            f"{low:.2f}-{high:.2f}x the prediction on {rows} fit rows (median {med:.2f}x); "
+            f"expect this plan near its interval's {end} end or beyond it (what is known of "
+            "the cause: docs/ACCURACY.md)")
 
 
 # ----------------------------------------------------------------------------- memory

@@ -181,6 +181,7 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     # ---- precision
     "--bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
     "--grad-reduce-in-bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
+    "--fp8-param-gather": MegatronFlag(0, None, None, _A + "_add_transformer_engine_args"),
     "--fp8-format": MegatronFlag(1, str, ("e4m3", "hybrid"),
                                  _A + "_add_transformer_engine_args (dest fp8)"),
     "--fp8-recipe": MegatronFlag(1, str, ("tensorwise", "delayed", "mxfp8", "blockwise",
@@ -588,6 +589,8 @@ def _precision_args(a: _Args, plan: Plan) -> None:
     if rec:
         a.add(rec[0], rec[1])
         a.add(rec[2], rec[3])
+    if plan.training.fp8_param_gather:
+        a.add("--fp8-param-gather")
 
 
 def schedule(plan: Plan, train_iters: int | None = None) -> tuple[int, int, int]:

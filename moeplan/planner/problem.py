@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import (
+    EMBEDDING_KINDS,
     fixed_buffer_bytes,
     grad_reduce_bytes,
     layer_costs,
@@ -433,5 +434,7 @@ def constant_time_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         expert_params=sum(table.costs[k].expert_params for k in table.keys) / pp,
         fwd_window_s=sum(table.costs[k].fwd_s for k in table.keys) / pp,
         bwd_window_s=sum(table.costs[k].bwd_s for k in table.keys) / pp,
-        optimizer_offload_fraction=f)
+        optimizer_offload_fraction=f,
+        embedding_params=sum(table.costs[k].dense_params for k in table.keys
+                             if k in EMBEDDING_KINDS) / pp)
     return e.pp_exposed_s + e.dp_exposed_s + e.optimizer_s + cal.step_overhead_s

@@ -76,6 +76,11 @@ def features_not_executed(plan: Plan) -> list[str]:
                        "loss L: `moeplan estimate ... --stage-layout "
                        f"'{mtp_on_last_stage(stages)}' -o plan.json`)")
     out += ep_overlap_not_executed(plan)
+    if plan.training.fp8_param_gather:
+        out.append("FP8 parameter all-gather (set `fp8_param_gather: false` in the plan's "
+                   "training: this runtime keeps bf16 weights and quantises them per GEMM; or "
+                   "run it with Megatron: `moeplan export PLAN --format megatron` writes "
+                   "--fp8-param-gather)")
     # activation recompute / offload and optimizer offload run as the choices say (memory.py,
     # optimizer.py)
     # every precision recipe runs: te / torch-fp8 on a GPU, else emulated (kernels/select.py)

@@ -38,6 +38,11 @@ class TrainingSpec(BaseModel):
         "scatter/all-reduce bytes at some precision cost (Megatron --grad-reduce-in-bf16; "
         "NVIDIA's NeMo and Megatron-Bridge performance recipes set it)."
     )
+    fp8_param_gather: bool = Field(
+        False, description="Keep the GEMM weights in FP8 and all-gather them in FP8 over data "
+        "parallelism (Megatron --fp8-param-gather): half the parameter all-gather bytes of "
+        "those weights; needs an FP8 precision recipe."
+    )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
     moe_capacity_factor: float | None = Field(
@@ -49,6 +54,9 @@ class TrainingSpec(BaseModel):
     def _check(self) -> TrainingSpec:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr ({self.lr}); lower it")
+        if self.fp8_param_gather and not self.precision.startswith(("fp8", "mxfp8")):
+            raise ValueError(f"fp8_param_gather: needs an FP8 precision recipe, not "
+                             f"{self.precision}; set fp8_param_gather false or pick fp8-*/mxfp8")
         return self
 
     @property
