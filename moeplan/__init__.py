@@ -119,6 +119,7 @@ def search(
     calibration: str | None = None,
     progress: object = None,
     objective: str = "robust",
+    grad_reduce_dtype: str = "fp32",
 ):
     """The best plans for a model on a cluster (SPEC §4 `moeplan search`); see
     `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
@@ -129,7 +130,8 @@ def search(
     c = load_cluster(cluster, gpus, calibration)
     if training is None:
         training = load_training(seq_len=seq, global_batch_size=gbs or default_gbs(seq),
-                                 precision="bf16" if precision == "auto" else precision)
+                                 precision="bf16" if precision == "auto" else precision,
+                                 grad_reduce_dtype=grad_reduce_dtype)
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
                    time_limit_s=time_limit_s, imbalance=imbalance, objective=objective,
                    progress=progress)  # type: ignore[arg-type]

@@ -116,6 +116,7 @@ def plan_from_options(
     stage_layout: str | None = None,
     calibration: str | Path | None = None,
     optimizer_offload_fraction: float = 0.0,
+    grad_reduce_dtype: str = "fp32",
 ) -> Plan:
     """A Plan (no estimate yet) from command-line style values; dp and micro-batches derived."""
     missing = [f for f, v in (("--gbs", gbs),) if v is None]
@@ -125,7 +126,8 @@ def plan_from_options(
     if missing:
         raise SpecError(f"moeplan estimate needs {', '.join(missing)} (or a PLAN.json).")
     m = load_model(model)
-    t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision)
+    t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision,
+                      grad_reduce_dtype=grad_reduce_dtype)
     try:
         layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
     except ValidationError as err:

@@ -55,6 +55,10 @@ out = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+GRAD_REDUCE_HELP = ("Data-parallel gradient reduction dtype: fp32 (Megatron's default) or bf16 "
+                    "(half the bytes and gradient memory; Megatron --grad-reduce-in-bf16).")
+
+
 REPORT_HELP = ("Write a self-contained HTML page: the plans side by side, the chosen plan's "
                "memory per pipeline rank and step-time breakdown as plots.")
 
@@ -258,6 +262,7 @@ def estimate(
         "--tp-comm-overlap", help="TP comm overlapped with the GEMMs (TE userbuffers).")] = False,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
+    grad_reduce: Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)] = "fp32",
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -296,7 +301,7 @@ def estimate(
                 "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
-                                 calibration)
+                                 calibration, grad_reduce_dtype=grad_reduce)
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
     if report:
@@ -424,6 +429,7 @@ def search(
                          "the 80 % tokens/s/GPU interval, so a plan wins only if it still wins "
                          "when its unvalidated effects disappoint; expected: rank by the point "
                          "estimate.")] = "robust",
+    grad_reduce: Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)] = "fp32",
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
@@ -448,7 +454,8 @@ def search(
 
     res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                      top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
-                     calibration=calibration, progress=progress, objective=objective)
+                     calibration=calibration, progress=progress, objective=objective,
+                     grad_reduce_dtype=grad_reduce)
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)

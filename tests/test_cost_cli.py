@@ -6,6 +6,8 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from moeplan.cli import main
 from moeplan.validation import flops_per_token_in, predict_case, split_of, validate_rows
 
@@ -237,3 +239,17 @@ def test_rows_naming_a_preset_architecture_are_scored_with_it():
     assert case.model.name == "llama2-7b" and case.family == "llama2"
     assert config_key(row).startswith("llama2-7b|")
     assert case_of({**row, "model": "Nemotron-22B"}, list_presets()) == "no model preset"
+
+
+def test_grad_reduce_flag_prices_bf16_reduction_and_refuses_other_dtypes(capsys):
+    base = ["estimate", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "64",
+            "--gbs", "256", "--tp", "8", "--json"]
+    code, out, _ = run_cli(base, capsys)
+    fp32 = json.loads(out)
+    code2, out2, _ = run_cli(base + ["--grad-reduce", "bf16"], capsys)
+    bf16 = json.loads(out2)
+    assert code == code2 == 0
+    assert bf16["memory"]["grads_gb"] == pytest.approx(fp32["memory"]["grads_gb"] / 2)
+    assert bf16["time"]["dp_comm_s"] < fp32["time"]["dp_comm_s"]
+    code, _, err = run_cli(base + ["--grad-reduce", "fp16"], capsys)
+    assert code == 2 and "grad_reduce_dtype" in err and "Traceback" not in err

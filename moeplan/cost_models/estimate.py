@@ -223,8 +223,9 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
 
     PP: activations (SP-sharded) cross between consecutive virtual stages; the steady state
     overlaps them, warm-up and cool-down do not. DP: grads reduce-scatter (fp32, or bf16 with
-    `TrainingSpec.grad_reduce_dtype`) and params all-gather (bf16), hidden behind the last micro-batch's backward and the first one's forward
-    (Megatron overlap_grad_reduce, overlap_param_gather). Optimizer: Adam over the rank's shard in
+    `TrainingSpec.grad_reduce_dtype`) and params all-gather (bf16), hidden behind the last
+    micro-batch's backward and the first one's forward (Megatron overlap_grad_reduce,
+    overlap_param_gather). Optimizer: Adam over the rank's shard in
     HBM; the offloaded share crosses the host link (grads down, params up). With
     `TrainingSpec.fp8_param_gather` the GEMM weights gather in one byte each; the
     `embedding_params` among `dense_params` (embedding and output layer, no FP8 GEMM of their
