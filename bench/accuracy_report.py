@@ -284,9 +284,9 @@ ASSUMPTIONS = """## Assumptions and known gaps
   (or tp when etp = 1 breaks a rule, and tp first for the Parallel Folding paper's unfolded
   "MCore" baseline), dp is derived. Unpublished settings take moeplan's
   defaults (alltoall dispatcher, no EP overlap, no TP comm overlap, no CUDA graphs, no
-  recompute, distributed optimizer, fp32 gradient reduction), except the documented 26.06
-  MXFP8 MoE recipe rule, and the NeMo/Megatron-Bridge TP comm overlap and bf16 gradient
-  reduction rules above.
+  recompute, distributed optimizer, fp32 gradient reduction, bf16 parameter gathers), except
+  the documented 26.06 MXFP8 MoE recipe rule, the NeMo/Megatron-Bridge TP comm overlap and bf16
+  gradient reduction rules, and NeMo 2.0's FP8 parameter gather rule above.
 - Rows whose notes say Megatron-FSDP (FSDP=N>0), FSDP2, ZeRO-3 or FSDP-only are skipped, as are
   fine-tuning rows and a row its source flags as a performance regression.
 - Megatron-Bridge tables re-publish the same configuration across releases. Apart from the
