@@ -233,6 +233,40 @@ Against the previous revision (held-out MAPE in the last column of the tables ab
 """.splitlines()
 
 
+def _span(errors: list[float]) -> str:
+    """A list of errors as "+23%" or "+26–31%"."""
+    lo, hi = round(100 * min(errors)), round(100 * max(errors))
+    return f"{lo:+d}%" if lo == hi else f"{lo:+d}–{hi}%"
+
+
+def long_context_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The measured errors ASSUMPTIONS quotes (long-context rows, gpt-oss-120b), per length."""
+    from moeplan.specs import load_model
+    from moeplan.validation import flops_per_token_in
+
+    def seq(r: dict[str, Any]) -> int:
+        return int(RAW[r["id"]]["seq_len"])
+
+    llama = [r for r in rows if r["model"] == "llama2-7b"
+             and RAW[r["id"]]["source"].startswith("NVIDIA NeMo long-sequence")]
+    parts = [f"{_span([err(r) for r in llama if seq(r) == s])} at {s // 1024}K"
+             for s in (4096, 8192, 32768)]
+    longest = [err(r) for r in llama if seq(r) >= 131072]
+    llama_long = (", ".join(parts) + f" and {_span(longest)} from 128K to "
+                  f"{max(seq(r) for r in llama) // 1048576}M")
+    fold = [r for r in rows if r["model"] == "mixtral-8x22b" and seq(r) > 4096
+            and RAW[r["id"]]["source"].startswith("MoE Parallel Folding")]
+    mix = load_model("mixtral-8x22b")
+    folding = ", ".join(
+        f"{_span([err(r) for r in fold if seq(r) == s])} against "
+        f"{flops_per_token_in(mix, s, 'full') / flops_per_token_in(mix, s, 'causal_halved'):.2f}"
+        f" at {s // 1024}K" for s in sorted({seq(r) for r in fold}))
+    oss = [r for r in rows if r["model"] == "gpt-oss-120b"]
+    return {"llama2_long": llama_long, "folding_long": folding,
+            "oss_bf16": _span([err(r) for r in oss if r["precision"] == "bf16"]),
+            "oss_mx": _span([err(r) for r in oss if r["precision"] == "mxfp8"])}
+
+
 def same_rows_mape(held: list[dict[str, Any]]) -> str:
     """MAPE over the held-out rows the previous revision could score: those whose CSV names a
     preset in `model_preset` or spells out a GPT's dimensions (not the rows this revision
@@ -295,21 +329,19 @@ ASSUMPTIONS = """## Assumptions and known gaps
   256 B300 (PP8 EP8, MBS 2) is published at 4.9k tokens/s/GPU in 26.04 and at 5.9k in
   26.04.01, with the same layout.
 - Long-context rows are over-predicted, increasingly with sequence length: Mixtral-8x22B at
-  16K–128K and NeMo's Llama-2-7B runs on H100 (+3% at 4K, +15% at 8K, +23% at 32K and +26–31%
-  from 128K to 1M, CP up to 32; tokens derived from TFLOPS with the `full` convention their
-  source records, which is the physically possible one here: under `causal_halved` the 1M
+  16K–128K and NeMo's Llama-2-7B runs on H100 ({llama2_long}, CP up to 32; tokens derived
+  from TFLOPS with the `full` convention their source records, which is the physically possible one here: under `causal_halved` the 1M
   run's attention would run faster than any H100 attention kernel). What is missing grows with
   the attention share of the step, so the attention kernels and the CP ring at these lengths
   run slower than the 4K-calibrated efficiency. For the MoE Parallel Folding rows (tokens derived from
-  MFU with the `full` convention recorded for them) the error grows like the ratio of the
-  `full` to the `causal_halved` FLOP count at each length (+15% against 1.13 at 16K, +23%
-  against 1.22 at 32K, +28% against 1.37 at 64K, +33–49% against 1.54 at 128K), which points
+  MFU with the `full` convention recorded for them) the error grows with the ratio of the
+  `full` to the `causal_halved` FLOP count at each length ({folding_long}), which points
   at the convention: the one NeMo row of this kind that publishes both
   (R0324, Mixtral-8x22B at 64K, recorded `full`) has TFLOPS/tokens equal to the `causal_halved`
   count within 0.1%. The data file is left as published; R0324 itself is scored on its
   published tokens/s and is still over-predicted by about a third.
-- gpt-oss-120b is over-predicted in every precision and on every GPU: BF16 by 19–76% (H100
-  included) and MXFP8 by 31–36% now that its 26.06 recipe's EP overlap is priced; on H100, GB200
+- gpt-oss-120b is over-predicted in every precision and on every GPU: BF16 by {oss_bf16} (H100
+  included) and MXFP8 by {oss_mx} now that its 26.06 recipe's EP overlap is priced; on H100, GB200
   and GB300 the BF16 rows sit at one ratio (1.5–1.7×) across MBS 1 and 4, PP 1 and 4, EP 8 and
   64, so what is missing scales with the layer's compute, not with a layout. The MXFP8-to-BF16
   speed ratio (1.75× on 64 GB200, EP64, MBS 4) is not a GEMM-only ratio: the workload configs
@@ -495,8 +527,10 @@ def main() -> None:
                      f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | "
                      f"{r['published_tokens_per_s_per_gpu']:,.0f} | {100 * err(r):+.1f}% |")
     assumptions = []
+    figures = long_context_figures(rows)
     for line in ASSUMPTIONS:
-        assumptions += gpt_oss_cross_stack() if line == "<<CROSS_STACK>>" else [line]
+        assumptions += (gpt_oss_cross_stack() if line == "<<CROSS_STACK>>"
+                        else [line.format(**figures)])
     lines += ["", *anatomy(), "", *assumptions]
     skipped: dict[str, int] = defaultdict(int)
     for s in res["skipped"]:

@@ -138,8 +138,9 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
     return {}
 
 
-# The same recipes reduce data-parallel gradients in bf16: Megatron-Bridge's performance configs
-# (`cfg.ddp.grad_reduce_in_fp32 = False` in their common settings), NeMo 2.0's performance
+# NVIDIA's performance recipes (TP_OVERLAP_SOURCES) also reduce data-parallel gradients in bf16:
+# Megatron-Bridge's performance configs (`cfg.ddp.grad_reduce_in_fp32 = False` in their
+# common settings), NeMo 2.0's performance
 # scripts and recipes' performance mode (`recipe.trainer.plugins.grad_reduce_in_fp32 = False`),
 # NeMo 1's launcher configs (`optim.grad_sync_dtype=bf16`). Megatron-LM reduces in fp32 unless
 # told (`--grad-reduce-in-bf16`), as the TrainingSpec default does.

@@ -173,36 +173,13 @@ def test_screening_prices_layouts_within_its_slack_of_the_estimate(name, gpus, h
     # The screening pass skips `estimate` for layouts whose stage-problem time exceeds the k-th
     # best by more than SCREEN_SLACK; that is safe only while the stage problem stays within
     # that factor of the estimate of the plan it decodes to.
-    from moeplan.cost_models.calibration import calibration_for
-    from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
-    from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
-    from moeplan.planner.problem import layer_table, stage_problem
-    from moeplan.planner.search import SCREEN_SLACK, _choices
-    from moeplan.planner.sets import module_sets
+    from moeplan.planner.search import SCREEN_SLACK
 
-    model = load_model(name)
-    cluster = load_cluster("h100", gpus=gpus).model_copy(update={"hbm_gb": hbm})
-    tr = TrainingSpec(seq_len=4096, global_batch_size=512)
-    enum = enumerate_layouts(model, cluster, tr, gpus, SearchSpace(precisions=("bf16",)))
-    cal = calibration_for(None)
+    plans = _screened_plans(name, "h100", gpus, 512, hbm, 12, stride=400, tp_overlap=False)
     ratios = []
-    for row in enum.rows[:: max(1, len(enum.rows) // 400)]:
-        if len(ratios) == 12:
-            break
-        layout = Layout(**_layout(row))
-        table = layer_table(model, cluster, tr, layout, cal)
-        built = stage_problem(model, cluster, tr, layout, cal, table, ALL_OPTIONS)
-        P = built.problem
-        try:
-            sol = solve_fixed(P, module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte),
-                              balanced_layers(P))
-        except InfeasibleStages:
-            continue
-        ch = _choices(sol, built.leading_layers, layout.pp, layout.vpp, 0.0,
-                      P.chunk_layers(sol.layers))
-        est = estimate(model, cluster, tr, layout, ch)
-        assert est.fits
-        ratios.append((sol.objective_s + built.constant_s) / est.step_time_s)
+    for _, _, built, sol, _, b in plans:
+        assert b.estimate.fits
+        ratios.append((sol.objective_s + built.constant_s) / b.estimate.step_time_s)
     assert len(ratios) >= 8
     assert min(ratios) > 1 / SCREEN_SLACK and max(ratios) < SCREEN_SLACK, (min(ratios),
                                                                         max(ratios))
@@ -310,9 +287,11 @@ def test_a_measured_band_sets_the_robust_key_factor():
     assert published > 1 / 0.95  # the published regimes are wider than this band
 
 
-def _screened_plans(name, cluster, gpus, gbs, hbm, count):
-    """(model, table, problem, solution, layout, estimate breakdown) of `count` rows spread
-    over the search's candidates, screened with balanced stages as the search screens them."""
+def _screened_plans(name, cluster, gpus, gbs, hbm, count, stride=None, tp_overlap=True):
+    """(model, table, stage problem, solution, layout, estimate breakdown) of `count` rows
+    spread over the search's candidates (every len/`stride`-th; default len/(20·count)),
+    screened with balanced stages as the search screens them; TP comm overlap wherever tp > 1
+    (as the search prices) unless `tp_overlap` is off."""
     from moeplan.cost_models.calibration import calibration_for
     from moeplan.cost_models.estimate import estimate_breakdown
     from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
@@ -327,10 +306,10 @@ def _screened_plans(name, cluster, gpus, gbs, hbm, count):
     enum = enumerate_layouts(model, cluster, tr, gpus, SearchSpace(precisions=("bf16",)))
     cal = calibration_for(None)
     out = []
-    for row in enum.rows[:: max(1, len(enum.rows) // (20 * count))]:
+    for row in enum.rows[:: max(1, len(enum.rows) // (stride or 20 * count))]:
         if len(out) == count:
             break
-        layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
+        layout = Layout(**_layout(row), tp_comm_overlap=tp_overlap and bool(row[0] > 1))
         table = layer_table(model, cluster, tr, layout, cal)
         built = stage_problem(model, cluster, tr, layout, cal, table, ALL_OPTIONS)
         P = built.problem
@@ -342,7 +321,7 @@ def _screened_plans(name, cluster, gpus, gbs, hbm, count):
         ch = _choices(sol, built.leading_layers, layout.pp, layout.vpp, 0.0,
                       P.chunk_layers(sol.layers))
         b = estimate_breakdown(model, cluster, tr, layout, ch, with_interval=False)
-        out.append((model, table, P, sol, layout, b))
+        out.append((model, table, built, sol, layout, b))
     return out
 
 
@@ -362,7 +341,8 @@ def test_screening_bounds_never_exceed_the_pipeline_the_estimate_prices(name, cl
     plans = _screened_plans(name, cluster, gpus, gbs, hbm, 10)
     assert len(plans) >= 6
     chose_recompute = False
-    for model, table, P, sol, layout, b in plans:
+    for model, table, built, sol, layout, b in plans:
+        P = built.problem
         m = layout.num_microbatches
         pipe = pipeline_time([r.time_s for r in b.ranks], m, layout.vpp)[0]
         bare = table.balanced_pipeline_s(model.mtp_layers, layout.pp, layout.vpp, m)

@@ -2,6 +2,7 @@
 own cost, their own Megatron flags and their own search rule, never global constants."""
 
 import argparse
+import functools
 
 import pytest
 
@@ -22,6 +23,16 @@ GB = 1e9
 LLAMA = load_model("llama3-70b")
 H100 = load_cluster("h100", gpus=64)
 TR = TrainingSpec(seq_len=4096, global_batch_size=256)
+
+
+@functools.cache
+def published_cases():
+    """(row, RunCase) of every predictable row of the shared published runs, read once."""
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    return [(r, c) for r in rows for c in [case_of(r, presets)] if not isinstance(c, str)]
 
 
 def _ctx(**axes):
@@ -129,14 +140,9 @@ def test_runtime_runs_the_same_function_without_the_speed_settings_and_says_so()
 
 
 def test_validation_prices_nemo_recipes_with_tp_overlap_and_papers_without():
-    from moeplan.specs import list_presets
-
-    rows = read_rows(SHARED / "data" / "published_runs.csv")
-    presets = list_presets()
     seen = {"nemo": 0, "paper": 0}
-    for r in rows:
-        c = case_of(r, presets)
-        if isinstance(c, str) or c.layout.tp == 1:
+    for r, c in published_cases():
+        if c.layout.tp == 1:
             continue
         if r["source"].startswith("NVIDIA Megatron-Bridge"):
             assert c.layout.tp_comm_overlap, r["id"]
@@ -177,15 +183,8 @@ def test_bf16_gradient_reduction_exports_its_megatron_flag():
 
 
 def test_validation_reduces_gradients_in_bf16_for_nvidia_recipes_and_fp32_for_papers():
-    from moeplan.specs import list_presets
-
-    rows = read_rows(SHARED / "data" / "published_runs.csv")
-    presets = list_presets()
     seen = {"recipe": 0, "paper": 0}
-    for r in rows:
-        c = case_of(r, presets)
-        if isinstance(c, str):
-            continue
+    for r, c in published_cases():
         if r["source"].startswith(("NVIDIA Megatron-Bridge", "NVIDIA NeMo 2.0")):
             assert c.training.grad_reduce_dtype == "bf16", r["id"]
             assert c.assumed.get("grad_reduce_dtype") == "bf16", r["id"]
@@ -225,15 +224,8 @@ def test_fp8_parameter_gather_needs_an_fp8_recipe():
 
 
 def test_validation_gathers_fp8_parameters_only_where_nemo_2_documents_it():
-    from moeplan.specs import list_presets
-
-    rows = read_rows(SHARED / "data" / "published_runs.csv")
-    presets = list_presets()
     on = off = 0
-    for r in rows:
-        c = case_of(r, presets)
-        if isinstance(c, str):
-            continue
+    for r, c in published_cases():
         documented = (r["source"].startswith("NVIDIA NeMo 2.0 performance summary")
                       and r["precision"].strip() == "FP8")
         assert c.training.fp8_param_gather == documented, r["id"]
