@@ -63,6 +63,8 @@ START: dict[str, Any] = {
     "frag_frac": 0.05, "workspace_gb": 1.5, "reserve_gb": 2.0,
     # keys per attention kernel past which the microbenchmark's length gain is not realised
     "attn_length_cap": 32768.0,
+    # share of those microbenchmark attention efficiencies a training step realises
+    "attn_realised": {"hopper": 1.0, "blackwell": 1.0},
     "calibrated": [],
 }
 
@@ -79,11 +81,14 @@ GRID: list[tuple[str, list[float]]] = [
     ("gemm_half_dim_arch.hopper", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
     ("gemm_half_dim_arch.blackwell", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
     ("comm_sm_fraction.blackwell", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]),
+    ("comm_sm_fraction.hopper", [0.0, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5]),
     ("pp_boundary_s", [0.0, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.2e-3]),
     ("a2a_nvlink_eff", [0.4, 0.55, 0.7, 0.85, 1.0]),
     ("a2a_scaleout_eff", [0.5, 0.7, 0.9, 1.0]),
     ("membound_scale", [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),
     ("layer_overhead_s", [0.0, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3]),
+    ("attn_realised.hopper", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]),
+    ("attn_realised.blackwell", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]),
     ("attn_length_cap", [4096.0, 5793.0, 8192.0, 11585.0, 16384.0, 23170.0, 32768.0]),
 ]
 TIED = {"lowp_gain.fp8-tensorwise": ["lowp_gain.fp8-delayed", "lowp_gain.fp8-blockwise"]}

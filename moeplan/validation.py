@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .bridge_recipes import Recipe, recipe_for
 from .errors import LayoutError, MoeplanError, SpecError
 from .limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, excerpt
 from .specs import Choices, Layout, TrainingSpec, list_presets, load_cluster, load_model
@@ -322,7 +323,15 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     why = ""
     from .specs import layout_violations
 
-    recipe = recipe_settings(row, model, prec, cluster.architecture)
+    cp, ep, vpp, mbs = axes["cp"], axes["ep"], axes["vpp"], axes["mbs"]
+    bridge = recipe_for(row.get("source", "") or "", release_of(row), mp,
+                        (row.get("gpu") or "").strip(), prec, (gpus, gbs, mbs, tp, pp, vpp, cp, ep))
+    # the release rule documents a later recipe revision than the table: it wins where both speak
+    recipe = {**(bridge.settings if bridge else {}),
+              **recipe_settings(row, model, prec, cluster.architecture)}
+    choices = published_recompute(row)
+    if bridge and bridge.recompute and not choices.recompute:
+        choices = Choices(recompute=list(bridge.recompute))
     # a documented setting the published layout cannot take (Megatron's EP overlap needs
     # virtual pipeline stages when pp > 1) was not in that run's recipe
     # an unpublished etp is 1, or TP where the source's Megatron predates Parallel Folding (the
@@ -337,7 +346,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
         except (LayoutError, MoeplanError, ValueError) as err:  # ValueError: pydantic's
             why = str(err)
             continue
-        v = layout_violations(model, training, lay, gpus, published_recompute(row), cluster)
+        v = layout_violations(model, training, lay, gpus, choices, cluster)
         if not v:
             layout, assumed = lay, extra
             break
@@ -348,7 +357,19 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
                    _float(row, "memory_gb"),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
-                   {**assumed, **numerics, **assumed_cluster}, published_recompute(row))
+                   {**assumed, **numerics, **assumed_cluster, **_recipe_note(bridge, choices)},
+                   choices)
+
+
+def _recipe_note(bridge: Recipe | None, choices: Choices) -> dict[str, Any]:
+    """What `assumed` records of a matched Megatron-Bridge recipe: its name and the recompute it
+    set (the layout settings it set are recorded with the layout's)."""
+    if bridge is None:
+        return {}
+    note: dict[str, Any] = {"recipe": bridge.name}
+    if choices.recompute and list(bridge.recompute) == choices.recompute:
+        note["recompute"] = list(choices.recompute)
+    return note
 
 
 def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | None:

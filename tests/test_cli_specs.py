@@ -77,6 +77,32 @@ def test_every_cluster_preset_keeps_its_sources():
         assert c.name == name
 
 
+def test_measured_matmul_ceilings_sit_below_the_datasheet_and_name_their_source():
+    """A GPU preset's MAMF figures are measurements below its datasheet peaks, with their
+    source; a hostile ceiling is refused with the field named."""
+    import pytest
+    from pydantic import ValidationError
+
+    from moeplan import load_cluster
+
+    measured = 0
+    for name in list_presets()["clusters"]:
+        c = load_cluster(name)
+        if not c.mamf_tflops:
+            continue
+        measured += 1
+        assert "mamf_tflops" in c.sources, name
+        assert c.mamf_tflops["bf16"] < c.bf16_tflops, name
+        if "fp8" in c.mamf_tflops:
+            assert c.mamf_tflops["bf16"] < c.mamf_tflops["fp8"] < c.fp8_tflops, name
+        assert c.mamf("mxfp8") == c.mamf_tflops.get("fp8") and c.mamf("nvfp4") is None
+    assert measured >= 6
+    base = load_cluster("h100").model_dump()
+    for bad in ({"bf16": -1.0}, {"bf16": float("inf")}, {"fp4": 100.0}):
+        with pytest.raises(ValidationError, match="mamf_tflops"):
+            type(load_cluster("h100")).model_validate({**base, "mamf_tflops": bad})
+
+
 def _assert_clean_error(r, *words):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr

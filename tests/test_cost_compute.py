@@ -51,8 +51,9 @@ def test_gemm_time_by_hand():
 def test_attention_time_uses_measured_efficiencies():
     cal = default_calibration()
     f, b = attention_time(1e15, 989, cal, "hopper")
-    assert f == pytest.approx(1e15 / (989e12 * cal.attn_fwd_eff["hopper"]))
-    assert b == pytest.approx(2.5e15 / (989e12 * cal.attn_bwd_eff["hopper"]))
+    real = min(1.0, cal.attn_realised.get("hopper", 1.0))  # the share a step realises
+    assert f == pytest.approx(1e15 / (989e12 * cal.attn_fwd_eff["hopper"] * real))
+    assert b == pytest.approx(2.5e15 / (989e12 * cal.attn_bwd_eff["hopper"] * real))
 
 
 def test_attended_keys_count_whole_flash_tiles():
@@ -143,3 +144,31 @@ def test_load_balanced_cp_runs_half_its_off_diagonal_ring_steps_over_one_kv_chun
         assert long_kv == 65536 / cp and short_kv == 65536 / (2 * cp)
         assert short_share == pytest.approx((cp - 1) / (2 * cp))  # → ½ of the work at large cp
     assert cp_kernel_lengths(65536, 4, window=4096) == ((0.625, 4096), (0.375, 4096))
+
+
+def test_a_training_step_realises_at_most_the_attention_microbenchmark():
+    """`attn_realised` scales the measured kernel efficiencies down to what a step realises,
+    per architecture; above 1 it is clipped, so no fit can make attention beat the kernel."""
+    base = default_calibration().with_overrides({"attn_realised": {"hopper": 1.0}})
+    f1, b1 = attention_time(1e15, 989.0, base, "hopper", 128.0, 4096.0)
+    slow = base.with_overrides({"attn_realised": {"hopper": 0.8}})
+    f8, b8 = attention_time(1e15, 989.0, slow, "hopper", 128.0, 4096.0)
+    assert f8 == pytest.approx(f1 / 0.8) and b8 == pytest.approx(b1 / 0.8)
+    fast = base.with_overrides({"attn_realised": {"hopper": 1.5}})
+    assert attention_time(1e15, 989.0, fast, "hopper", 128.0, 4096.0) == pytest.approx((f1, b1))
+    # another architecture keeps its own share
+    other = attention_time(1e15, 2250.0, slow, "blackwell", 128.0, 4096.0)
+    assert other == pytest.approx(attention_time(1e15, 2250.0, base, "blackwell", 128.0, 4096.0))
+
+
+def test_no_gemm_runs_faster_than_the_gpus_measured_matmul_ceiling():
+    """The fitted shape curve may promise more than the hardware does for large GEMMs; the
+    measured ceiling (ClusterSpec.mamf) bounds every GEMM, and leaves smaller ones alone."""
+    cal = default_calibration()
+    big = gemm_time(16384, 16384, 16384, 989, cal, 0.95, ceiling_tflops=794.5)
+    assert big == pytest.approx(gemm_flops(16384, 16384, 16384) / 794.5e12)
+    assert big > gemm_time(16384, 16384, 16384, 989, cal, 0.95)
+    small = gemm_time(128, 2048, 1024, 989, cal, 0.95, ceiling_tflops=794.5)
+    assert small == pytest.approx(gemm_time(128, 2048, 1024, 989, cal, 0.95))
+    fp8 = gemm_time(16384, 16384, 16384, 989, cal, 0.95, speedup=1.9, ceiling_tflops=1402.6)
+    assert fp8 == pytest.approx(gemm_flops(16384, 16384, 16384) / 1402.6e12)

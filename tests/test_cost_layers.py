@@ -109,11 +109,14 @@ def test_context_parallel_adds_per_step_corrections():
     # llama3-8b, s 16384 over cp 2: N = 8192 queries per rank over (s + 128)/2 keys, plus c
     # per-step fp32 merges of the partial output (read + write, 8 bytes per element)
     from moeplan.cost_models.compute import attended_keys, attention_time, membound_time
+    from moeplan.cost_models.layers import cp_kernel_lengths
 
     c = ctx_for("llama3-8b", Layout(cp=2, dp=1), seq=16384)
     m, s, N = c.model, 16384, 8192
     a, d = m.num_attention_heads, m.head_dim_
-    core = attention_time(N * attended_keys(s) * a * 2 * (2 * d), c.peak, c.cal, c.arch, d,
-                          kv_len=s / 2)[0]  # each ring step runs over s/cp keys
+    work = N * attended_keys(s) * a * 2 * (2 * d)
+    # each ring step's kernel runs over its own K/V: s/cp keys, or one chunk of s/(2·cp)
+    core = sum(attention_time(share * work, c.peak, c.cal, c.arch, d, kv_len=keys)[0]
+               for share, keys in cp_kernel_lengths(s, 2))
     merge = membound_time(2 * 8 * N * a * d, c.cluster.hbm_tb_s, c.cal)
     assert dense_layer(c).recompute_fwd_s["core_attn"] == pytest.approx(core + merge)

@@ -104,3 +104,14 @@ def test_plan_json_round_trips_with_derived_fields(tmp_path):
 def test_contradicting_derived_field_is_refused():
     with pytest.raises(ValueError, match="edp"):
         Layout.model_validate({"tp": 1, "dp": 4, "ep": 2, "edp": 4})
+
+
+def test_a_derived_field_beside_a_mistyped_axis_is_refused_naming_the_axis():
+    """A hand-edited plan with `world_size` kept and `tp` broken fails field validation on `tp`
+    (no TypeError from comparing the derived field first)."""
+    from pydantic import ValidationError
+
+    for bad in ({"tp": None, "world_size": 8}, {"pp": "two", "edp": 1}, {"dp": [2], "edp": 2}):
+        with pytest.raises(ValidationError) as e:
+            Layout.model_validate(bad)
+        assert next(iter(set(bad) - {"world_size", "edp"})) in str(e.value)

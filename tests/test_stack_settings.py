@@ -231,3 +231,94 @@ def test_validation_gathers_fp8_parameters_only_where_nemo_2_documents_it():
         assert c.training.fp8_param_gather == documented, r["id"]
         on, off = on + documented, off + (not documented and c.training.precision != "bf16")
     assert on >= 5 and off > 50
+
+
+# ------------------------------------------------------------- Megatron-Bridge recipes
+def _bridge(**over: str) -> dict[str, str]:
+    """A Megatron-Bridge row of DeepSeek-V3 on 256 B200 at the sizes of the 26.04 B200 MXFP8
+    recipe (PP8 VPP2 EP32, MBS 1, GBS 4096)."""
+    row = {"id": "B1", "source": "NVIDIA Megatron-Bridge performance summary",
+           "source_detail": "docs; release 26.04.01 NeMo container; DGX-B200", "gpu": "B200",
+           "num_gpus": "256", "seq_len": "4096", "global_batch_seqs": "4096", "micro_batch": "1",
+           "tp": "1", "pp": "8", "vpp": "2", "ep": "32", "tokens_per_s_per_gpu": "3000",
+           "model_preset": "deepseek-v3", "cluster_preset": "b200",
+           "precision_preset": "mxfp8", "flops_convention": "causal_halved"}
+    return {**row, **over}
+
+
+def test_a_bridge_row_with_a_recipes_sizes_is_priced_with_that_recipes_settings():
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    case = case_of(_bridge(), presets)
+    assert case.assumed["recipe"] == "DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2"
+    assert case.layout.dispatcher == "flex" and case.layout.ep_overlap
+    assert case.layout.cuda_graphs
+    assert case.choices.recompute == ["mla_up_proj", "mlp"]
+    # one size off, another source, another precision: no recipe, moeplan's defaults
+    for row in (_bridge(global_batch_seqs="2048"), _bridge(vpp="4"),
+                _bridge(source="NVIDIA NeMo 2.0 performance summary"),
+                _bridge(precision_preset="nvfp4")):
+        other = case_of(row, presets)
+        assert "recipe" not in other.assumed, row
+        assert other.layout.dispatcher == "alltoall" and not other.layout.ep_overlap, row
+        assert not other.layout.cuda_graphs and other.choices.recompute == [], row
+
+
+def test_a_recipe_that_kept_its_sizes_prices_only_the_releases_that_ran_it():
+    """DeepSeek-V3 on GB200 ran PP4 VPP4 EP64 before and after the 26.06 MXFP8 recipe change;
+    only the 26.06 rows are priced with that recipe's EP overlap."""
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    over = dict(gpu="GB200", cluster_preset="gb200-nvl72", pp="4", vpp="4", ep="64")
+    early = case_of(_bridge(**over), presets)
+    late = case_of(_bridge(**over, source_detail="docs; release 26.06 NeMo container"), presets)
+    assert "recipe" not in early.assumed and not early.layout.ep_overlap
+    assert late.assumed["recipe"] == "DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2"
+    assert late.layout.ep_overlap and late.choices.recompute == ["mla_up_proj"]
+
+
+def test_every_recipe_is_a_layout_megatron_would_run_with_its_settings():
+    """The table is checked the way a row is: each recipe builds as a layout with its settings
+    and recompute, on its model and GPU, without a rule violation (so no recipe silently falls
+    back to the defaults), and its recompute modules exist in moeplan."""
+    from moeplan.bridge_recipes import RECIPE_FILES, RECIPES
+    from moeplan.specs import layout_violations
+    from moeplan.specs.layout import RecomputeModule
+
+    cluster_of = {"GB300": "gb300-nvl72", "GB200": "gb200-nvl72", "B300": "b300",
+                  "B200": "b200", "H100-SXM": "h100"}
+    allowed = set(RecomputeModule.__args__)
+    assert len({r.name for r in RECIPES}) == len(RECIPES)
+    for r in RECIPES:
+        assert r.model in RECIPE_FILES and set(r.recompute) <= allowed, r.name
+        model, cluster = load_model(r.model), load_cluster(cluster_of[r.gpu], r.gpus)
+        for precision in r.precisions:
+            training = TrainingSpec(seq_len=4096, global_batch_size=r.gbs, precision=precision)
+            lay = Layout.build(r.gpus, r.gbs, tp=r.tp, pp=r.pp, vpp=r.vpp, cp=r.cp, ep=r.ep,
+                               mbs=r.mbs, **r.settings)
+            v = layout_violations(model, training, lay, r.gpus,
+                                  Choices(recompute=list(r.recompute)), cluster)
+            assert not v, (r.name, precision, v)
+
+
+def test_each_ep_transfer_hides_only_behind_its_partner_block():
+    """Merged 1F1B overlaps forward dispatch with the MLP backward, backward dispatch with the
+    MLP forward, and the two combines with the attention passes: the exposed EP time is at
+    least what the attention passes leave uncovered of the combines, even where the layer as a
+    whole has compute to spare."""
+    from moeplan.cost_models.layers import attention_block
+    from moeplan.cost_models.overlap import exposed_time
+
+    m = load_model("qwen3-235b-a22b")
+    c = load_cluster("h100", gpus=256)
+    t = TrainingSpec(seq_len=4096, global_batch_size=2048)
+    lay = Layout.build(256, 2048, tp=2, pp=8, vpp=4, ep=32, ep_overlap=True)
+    ctx = make_context(m, c, t, lay, default_calibration())
+    lc, at = moe_layer(ctx), attention_block(ctx, False)
+    ep_exposed = lc.exposed_fwd_s + lc.exposed_bwd_s - lc.tp_s  # TP exposed at most tp_s
+    combines = exposed_time(lc.ep_s / 4, at.fwd) + exposed_time(lc.ep_s / 4, at.bwd)
+    assert combines > 0 and ep_exposed >= combines
+    pooled = exposed_time(lc.ep_s, lc.fwd_s + lc.bwd_s, ctx.cal.ep_overlap_hidden)
+    assert lc.exposed_fwd_s + lc.exposed_bwd_s >= pooled

@@ -212,6 +212,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "num_gpus": None,
         "bf16_tflops": float(f"{bf16_peak:.4g}"),
         "fp32_tflops": float(f"{fp32_peak:.4g}"),
+        "mamf_tflops": {"bf16": float(f"{bf16_peak:.4g}")},
         "hbm_gb": float(f"{mem_gb:.4g}"),
         "hbm_tb_s": float(f"{copy_gb_s / 1e3:.4g}"),
         "nvlink_gb_s": float(f"{link_gb_s:.4g}"),
@@ -226,6 +227,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "sources": {
             "bf16_tflops": f"best bf16 GEMM of the grid{per}",
             "fp32_tflops": f"best fp32 GEMM of the grid{per}",
+            "mamf_tflops": f"best bf16 GEMM of the grid{per}: no GEMM is priced faster",
             "gemm_eff_max": f"{m.dtype} GEMM curve fitted against bf16_tflops "
                             f"(rms log error {gemm_err:.3f})",
             "hbm_tb_s": f"{biggest} MiB copy"

@@ -77,6 +77,11 @@ class Calibration:
     # keys per attention kernel call past which longer kernels stop gaining efficiency
     # (compute.attention_length_factors; fitted, within ATTN_SEQ_RANGE)
     attn_length_cap: float = 32768.0
+    # share of the attention microbenchmark's throughput (attn_fwd_eff/attn_bwd_eff, measured
+    # on cuDNN kernels alone) that a training step's attention realises, per architecture:
+    # the step also runs TE's layout changes, RoPE and softmax-statistics traffic around the
+    # kernel and, under CP, one kernel per ring step; fitted on the fit rows, ≤ 1 (missing: 1)
+    attn_realised: dict[str, float] = field(default_factory=dict)
 
     def sm_fraction(self, arch: str) -> float:
         return self.comm_sm_fraction.get(arch, 0.15)

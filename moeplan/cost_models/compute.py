@@ -45,14 +45,20 @@ def lowp_speedup(peak_bf16: float, peak_lowp: float | None, gain: float) -> floa
 
 def gemm_time(m: float, k: float, n: float, peak_tflops: float, cal: Calibration,
               eff_max: float, speedup: float = 1.0, count: float = 1.0,
-              half_dim: float | None = None) -> float:
+              half_dim: float | None = None, ceiling_tflops: float | None = None) -> float:
     """Forward seconds of `count` identical GEMMs of shape (m×k)·(k×n) at BF16 peak × speed-up,
     `eff_max` the GPU's calibrated peak GEMM efficiency, `half_dim` its architecture's shape
-    curve (`Calibration.half_dim_for`; the shared one when None)."""
+    curve (`Calibration.half_dim_for`; the shared one when None). `ceiling_tflops` is the
+    measured maximum achievable matmul rate of the GPU in that format
+    (`ClusterSpec.mamf`): the fitted curve may never run a GEMM faster than the hardware was
+    measured to go."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
     eff = gemm_efficiency(m, k, n, eff_max, cal.gemm_half_dim if half_dim is None else half_dim)
-    return count * gemm_flops(m, k, n) / (peak_tflops * 1e12 * eff * speedup)
+    rate = peak_tflops * eff * speedup
+    if ceiling_tflops:
+        rate = min(rate, ceiling_tflops)
+    return count * gemm_flops(m, k, n) / (rate * 1e12)
 
 
 FLASH_BLOCK = 128  # query/key tile of FlashAttention-2/3 and cuDNN fused attention (Dao 2023 §3)
@@ -133,11 +139,13 @@ def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: s
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
     (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
     scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given and
-    by `attention_length_factors` when the keys per kernel call are. `flops_fwd` is the work
-    the kernel does (see `attended_keys`), not the model count."""
+    by `attention_length_factors` when the keys per kernel call are, and by the share of the
+    microbenchmark a training step realises (`Calibration.attn_realised`). `flops_fwd` is the
+    work the kernel does (see `attended_keys`), not the model count."""
     f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
     lf, lb = (attention_length_factors(kv_len, arch, cal.attn_length_cap) if kv_len
               else (1.0, 1.0))
+    f *= min(1.0, cal.attn_realised.get(arch, 1.0))
     fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f * lf)
     bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f * lb)
     return fwd, bwd

@@ -130,6 +130,9 @@ class Context:
     cp_place: C.GroupPlacement
     ep_place: C.GroupPlacement
     etp_place: C.GroupPlacement
+    # measured GEMM ceilings (ClusterSpec.mamf): the recipe's GEMMs, and those it leaves bf16
+    ceiling: float | None = None
+    ceiling_bf16: float | None = None
     # per-context results shared by the layer kinds (the attention block of a dense, an MoE and
     # an MTP layer is the same one)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -155,6 +158,7 @@ def make_context(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         model, cluster, training, layout, cal, cluster.architecture, cluster.bf16_tflops, speed,
         cal.gemm_eff_max_for(cluster), C.placement(layout, "tp", cluster), C.placement(layout, "cp", cluster),
         C.placement(layout, "ep", cluster), C.placement(layout, "etp", cluster),
+        cluster.mamf(training.precision), cluster.mamf("bf16"),
     )
 
 
@@ -163,7 +167,8 @@ def _gemm(ctx: Context, m: float, k: float, n: float, covered: bool = True, coun
           ) -> float:
     """Forward seconds of a GEMM; `covered` GEMMs run at the precision recipe's speed-up."""
     return gemm_time(m, k, n, ctx.peak, ctx.cal, ctx.eff_max, ctx.speedup if covered else 1.0,
-                     count, ctx.cal.half_dim_for(ctx.arch))
+                     count, ctx.cal.half_dim_for(ctx.arch),
+                     ctx.ceiling if covered else ctx.ceiling_bf16)
 
 
 GRAPHED_SHARE = {"dense": 1.0, "moe": 0.5}
@@ -447,12 +452,20 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     ep = 4 * (a2a + etp)
     tp = at.tp + (4 * _tp_ring(ctx, N * h * BF16) if t > 1 and m.num_shared_experts else 0.0)
     tp_f, tp_b = _tp_exposed(ctx, tp, at.gemm_fwd + g_e + shared_g)
-    # EP overlap (Megatron Core's merged 1F1B): one micro-batch's dispatch/combine runs beside
-    # another micro-batch's compute of the same layer, forward beside backward, so at most that
-    # compute (fwd + bwd of the layer) can hide it. Without overlap, dispatch feeds the experts
-    # and combine feeds the next layer: all of it is on the critical path. A micro-batch with no
-    # partner (warm-up, cool-down) exposes all of it: `edge_exposed_s`.
-    ep_exp = (overlap_cost(ep, fwd + bwd, ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch))
+    # EP overlap (Megatron Core's merged 1F1B, `--overlap-moe-expert-parallel-comm`): the
+    # forward of one micro-batch runs beside the backward of another, layer by layer, and each
+    # transfer beside one compute block of the other pass (the DeepSeek-V3 report's pairing,
+    # §3.2.1 Figure 4): forward dispatch beside the MLP backward, backward dispatch beside the
+    # MLP forward, forward combine beside the attention backward, backward combine beside the
+    # attention forward. A transfer hides only behind its own partner, so a layer whose
+    # attention is short exposes its combines even when the layer as a whole has time to spare.
+    # Without overlap, dispatch feeds the experts and combine feeds the next layer: all of it is
+    # on the critical path. A micro-batch with no partner (warm-up, cool-down) exposes all of
+    # it: `edge_exposed_s`.
+    mlp_f = norm2 + moe_f + shared_g + shared_act
+    eta, sm = ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch)
+    ep_exp = (sum(overlap_cost(ep / 4, beside, eta, sm)
+                  for beside in (2 * mlp_f, mlp_f, at.bwd, at.fwd))
               if L.ep_overlap else ep)
     exp_f = tp_f + at.cp_exposed_fwd + ep_exp / 2
     exp_b = tp_b + at.cp_exposed_bwd + ep_exp / 2

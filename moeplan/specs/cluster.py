@@ -74,6 +74,12 @@ class ClusterSpec(BaseModel):
         "bandwidth over its GPUs): the host Adam step of optimizer offload is bound by it. The "
         "default is a conservative two-socket DDR5 server shared by 8 GPUs; `moeplan calibrate` "
         "measures it.")
+    mamf_tflops: dict[Literal["bf16", "fp8"], float] = Field(
+        default_factory=dict,
+        description="Measured maximum achievable matmul TFLOPS per GEMM input format (the best "
+        "a brute-force search over GEMM shapes reaches on this GPU, e.g. the ml-engineering "
+        "MAMF table): no GEMM of the cost models runs faster. A missing format has no ceiling "
+        "but the datasheet peak.")
     calibration: dict[str, Any] = Field(
         default_factory=dict,
         description="Efficiency constants overriding the shipped calibration profile "
@@ -151,6 +157,21 @@ class ClusterSpec(BaseModel):
         if precision in BLACKWELL_ONLY and self.architecture != "blackwell":
             return None
         return getattr(self, PRECISION_PEAK_FIELD[precision])
+
+    def mamf(self, precision: str) -> float | None:
+        """The measured GEMM ceiling for a precision recipe's GEMMs (FP8 and MXFP8 both run
+        8-bit tensor-core GEMMs), or None when no measurement bounds them."""
+        fmt = "bf16" if precision == "bf16" else "fp8" if PRECISION_PEAK_FIELD.get(
+            precision) == "fp8_tflops" else None
+        return self.mamf_tflops.get(fmt) if fmt else None  # type: ignore[arg-type]
+
+    @field_validator("mamf_tflops")
+    @classmethod
+    def _mamf_finite(cls, v: dict[str, float]) -> dict[str, float]:
+        for fmt, tflops in v.items():
+            if not (math.isfinite(tflops) and 0 < tflops <= 1e6):
+                raise ValueError(f"mamf_tflops.{fmt} must be a positive finite TFLOPS figure")
+        return v
 
     def supports(self, precision: str) -> bool:
         return self.peak_tflops(precision) is not None

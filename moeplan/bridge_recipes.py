@@ -1,0 +1,169 @@
+"""Megatron-Bridge performance recipes: the settings behind the rows NVIDIA publishes.
+
+Megatron-Bridge's performance summary prints each run's sizes (GPUs, global batch, micro-batch,
+TP/PP/VPP/EP) but not its stack settings: the token dispatcher, EP communication overlap, CUDA
+graphs, recomputed modules. Those live in the recipe that produced the row,
+`scripts/performance/configs/<family>/<family>_workload_base_configs.py` (a `WorkloadBaseConfig`
+per model, GPU, precision and variant). A row whose printed sizes equal one of those recipes'
+ran it, so `validation` prices that row with the recipe's settings instead of moeplan's defaults.
+
+Only what moeplan prices is carried over, named as in `Layout` and `Choices`:
+  dispatcher   "flex" where the recipe sets `moe_flex_dispatcher_backend` (HybridEP or DeepEP,
+               which the flex token dispatcher runs), else Megatron's "alltoall"
+  ep_overlap   `moe_a2a_overlap`
+  cuda_graphs  `cuda_graph_impl` "full_iteration", or "transformer_engine" with a scope that
+               captures the attention block (`Layout.cuda_graphs` prices that scope); a scope of
+               the router alone is left uncaptured, as moeplan prices no such partial scope
+  recompute    `recompute_modules` (Megatron's names are moeplan's)
+The sizes are the recipe's after its `replace(...)` chain is resolved; an unset `num_gpus`,
+`micro_batch_size` or parallel size is the `WorkloadBaseConfig` default the recipe inherits
+(TP/PP/VPP 1). Precision names: BF16 "bf16", FP8_CS "fp8-tensorwise", FP8_SC (sub-channel)
+"fp8-blockwise", FP8_MX "mxfp8", NVFP4 "nvfp4".
+
+One revision of each file was read; a recipe whose sizes changed between releases matches only
+the rows of the releases that ran those sizes, which is why the match is on every printed size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SOURCE = "NVIDIA Megatron-Bridge performance summary"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One Megatron-Bridge workload base config, reduced to what a published row can be matched
+    on (`sizes`) and what moeplan prices (`settings`, `recompute`)."""
+
+    name: str                       # the config constant's name in the recipe file
+    model: str                      # moeplan model preset
+    gpu: str                        # the published row's `gpu` cell
+    precisions: tuple[str, ...]     # moeplan precision presets the recipe name covers
+    gpus: int
+    gbs: int
+    mbs: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    settings: dict[str, Any] = field(default_factory=dict)
+    recompute: tuple[str, ...] = ()
+    since: tuple[int, int] | None = None  # first release (year, month) whose rows ran it
+
+    def sizes(self) -> tuple[int, ...]:
+        return (self.gpus, self.gbs, self.mbs, self.tp, self.pp, self.vpp, self.cp, self.ep)
+
+
+
+_FLEX = {"dispatcher": "flex"}
+_FLEX_GRAPHS = {"dispatcher": "flex", "cuda_graphs": True}
+_FLEX_OVERLAP_GRAPHS = {"dispatcher": "flex", "ep_overlap": True, "cuda_graphs": True}
+_FP8 = ("fp8-tensorwise", "fp8-blockwise")
+
+# Megatron-Bridge's MXFP8 MoE recipes took EP overlap, full-iteration CUDA graphs and the fused
+# CuTe-DSL grouped MLP in the 26.06 release (Megatron-Bridge issue #2885, "delayed to 26.06"); where
+# such a recipe kept the sizes of its earlier revision, only rows from that release on ran it.
+MXFP8_OVERLAP_FROM = (26, 6)
+
+DEEPSEEK = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py"
+QWEN3 = "scripts/performance/configs/qwen/qwen3_workload_base_configs.py"
+GPT_OSS = "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py"
+
+RECIPES: tuple[Recipe, ...] = (
+    # DeepSeek-V3 (DEEPSEEK): every variant dispatches through HybridEP or DeepEP
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX_V2", "deepseek-v3", "GB300", ("mxfp8",),
+           256, 4096, 1, pp=2, vpp=8, ep=32, settings=_FLEX_OVERLAP_GRAPHS),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX_GBS15360", "deepseek-v3", "GB300",
+           ("mxfp8",), 256, 15360, 1, pp=2, vpp=8, ep=32, settings=_FLEX_OVERLAP_GRAPHS),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_CS_V2", "deepseek-v3", "GB300", _FP8,
+           256, 4096, 2, pp=2, vpp=8, ep=32, settings=_FLEX, recompute=("mla_up_proj",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_BF16_V2", "deepseek-v3", "GB300", ("bf16",),
+           256, 4096, 1, pp=4, vpp=4, ep=64, settings=_FLEX_GRAPHS, recompute=("moe_act",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2", "deepseek-v3", "GB200", ("mxfp8",),
+           256, 4096, 1, pp=4, vpp=4, ep=64, settings=_FLEX_OVERLAP_GRAPHS,
+           recompute=("mla_up_proj",), since=MXFP8_OVERLAP_FROM),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_CS_V2", "deepseek-v3", "GB200", _FP8,
+           256, 4096, 1, pp=4, vpp=4, ep=64, settings=_FLEX_GRAPHS, recompute=("mlp",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_BF16_V2", "deepseek-v3", "GB200", ("bf16",),
+           256, 4096, 1, pp=4, vpp=4, ep=64, settings=_FLEX_GRAPHS,
+           recompute=("mla_up_proj",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_B300_FP8_MX_V2", "deepseek-v3", "B300", ("mxfp8",),
+           256, 4096, 1, pp=8, vpp=2, ep=8, settings=_FLEX_OVERLAP_GRAPHS,
+           recompute=("mla_up_proj",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V2", "deepseek-v3", "B200", ("bf16",) + _FP8,
+           256, 4096, 1, pp=16, ep=8, settings=_FLEX, recompute=("mla_up_proj",)),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2", "deepseek-v3", "B200", ("mxfp8",),
+           256, 4096, 1, pp=8, vpp=2, ep=32, settings=_FLEX_OVERLAP_GRAPHS,
+           recompute=("mla_up_proj", "mlp")),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1", "deepseek-v3", "H100-SXM", ("bf16",) + _FP8,
+           1024, 8192, 1, tp=2, pp=8, vpp=4, ep=64, settings=_FLEX,
+           recompute=("mla_up_proj", "mlp")),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V2", "deepseek-v3", "H100-SXM",
+           ("bf16", "fp8-tensorwise"), 1024, 16384, 1, tp=2, pp=8, vpp=4, ep=64, settings=_FLEX,
+           recompute=("mla_up_proj", "mlp")),
+    Recipe("DEEPSEEK_V3_PRETRAIN_CONFIG_H100_FP8_SC_V2", "deepseek-v3", "H100-SXM",
+           ("fp8-blockwise",), 1024, 16384, 1, tp=2, pp=8, vpp=2, ep=64, settings=_FLEX,
+           recompute=("mla_up_proj", "mlp")),
+    # Qwen3-235B-A22B (QWEN3)
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2", "qwen3-235b-a22b", "GB300",
+           ("mxfp8",), 256, 8192, 2, pp=4, vpp=12, ep=32, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_BF16_V2", "qwen3-235b-a22b", "GB300",
+           ("bf16",) + _FP8, 256, 8192, 2, pp=4, ep=32, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2", "qwen3-235b-a22b", "GB200",
+           ("mxfp8",), 256, 8192, 1, pp=8, vpp=3, ep=32, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_CS_V2", "qwen3-235b-a22b", "GB200", _FP8,
+           256, 8192, 1, pp=8, ep=32, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_BF16_V2", "qwen3-235b-a22b", "GB200",
+           ("bf16",), 256, 8192, 1, pp=8, ep=8, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_V1", "qwen3-235b-a22b", "H100-SXM",
+           ("bf16",) + _FP8, 256, 2048, 1, tp=2, pp=8, vpp=4, ep=32,
+           settings={"ep_overlap": True}),
+    Recipe("QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_V2", "qwen3-235b-a22b", "H100-SXM",
+           ("bf16",) + _FP8, 256, 8192, 1, tp=2, pp=8, vpp=4, ep=32,
+           settings={"ep_overlap": True}),
+    # Qwen3-30B-A3B (QWEN3): single-node recipes, the router-only graph scope left uncaptured
+    Recipe("QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_BF16_V1", "qwen3-30b-a3b", "GB200",
+           ("bf16",) + _FP8, 8, 512, 4, ep=8, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_30B_A3B_PRETRAIN_CONFIG_B200_V1", "qwen3-30b-a3b", "B200",
+           ("bf16", "mxfp8") + _FP8, 8, 512, 4, ep=8, settings=_FLEX_GRAPHS),
+    Recipe("QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_V1", "qwen3-30b-a3b", "H100-SXM",
+           ("bf16",) + _FP8, 16, 1024, 1, ep=16, settings=_FLEX),
+    # gpt-oss-120b (GPT_OSS; base: 64 GPUs, EP 8, micro-batch 1)
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_GB300_BF16_V2", "gpt-oss-120b", "GB300", ("bf16",),
+           64, 1280, 4, ep=64, settings={"cuda_graphs": True}),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2", "gpt-oss-120b", "GB200", ("bf16",),
+           64, 1280, 4, ep=64, settings={"ep_overlap": True},
+           recompute=("layernorm", "moe_act")),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_B300_BF16_V2", "gpt-oss-120b", "B300", ("bf16",),
+           64, 1280, 4, ep=8, settings=_FLEX_GRAPHS),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_B200_BF16_V2", "gpt-oss-120b", "B200",
+           ("bf16", "mxfp8"), 64, 1280, 4, ep=8, recompute=("layernorm", "moe_act")),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2", "gpt-oss-120b", "H100-SXM",
+           ("bf16",) + _FP8, 64, 1280, 1, pp=4, ep=8, recompute=("layernorm", "moe_act")),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_GB300_FP8_MX_V2", "gpt-oss-120b", "GB300", ("mxfp8",),
+           64, 1280, 4, ep=16, settings=_FLEX_OVERLAP_GRAPHS),
+    Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_GB200_FP8_MX_V2", "gpt-oss-120b", "GB200", ("mxfp8",),
+           64, 1280, 4, ep=64, settings=_FLEX_OVERLAP_GRAPHS),
+)
+"""Each family's recipes, read from the file its comment names (Megatron-Bridge repository)."""
+
+RECIPE_FILES = {"deepseek-v3": DEEPSEEK, "qwen3-235b-a22b": QWEN3, "qwen3-30b-a3b": QWEN3,
+                "gpt-oss-120b": GPT_OSS}
+
+
+def recipe_for(source: str, release: tuple[int, int] | None, model: str, gpu: str,
+               precision: str, sizes: tuple[int, ...]) -> Recipe | None:
+    """The recipe a Megatron-Bridge row ran: same model, GPU and precision, every printed size
+    (GPUs, global batch, micro-batch, TP, PP, VPP, CP, EP) equal, and a release the recipe had
+    reached. None for any other row."""
+    if not source.startswith(SOURCE):
+        return None
+    for r in RECIPES:
+        if (r.model == model and r.gpu == gpu and precision in r.precisions
+                and r.sizes() == sizes
+                and (r.since is None or (release is not None and release >= r.since))):
+            return r
+    return None
