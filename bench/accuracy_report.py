@@ -180,14 +180,18 @@ both revisions score the same 102 held-out rows):
 - **Megatron-Bridge's recipes price the rows that ran them.** The performance summary prints a
   run's sizes, not its dispatcher, EP overlap, CUDA graphs or recompute; those live in the
   workload configs (`scripts/performance/configs/<family>/*_workload_base_configs.py`).
-  `moeplan/bridge_recipes.py` holds 31 of them for DeepSeek-V3, Qwen3-235B-A22B,
-  Qwen3-30B-A3B and gpt-oss-120b, reduced to what moeplan prices. A row is priced with a
-  recipe only when its model, GPU, precision and every printed size (GPUs, global batch,
-  micro-batch, TP, PP, VPP, CP, EP) equal the recipe's, and, where the recipe kept the sizes
-  of an earlier revision with other settings (the 26.06 MXFP8 change), only from that
-  release on; the 26.06 rule still wins where both speak. 40 scored rows match (12 held-out,
-  28 fit). DeepSeek-V3 on 256 B200 (R0091, PP8 VPP2 EP32), priced with all-to-all and no
-  overlap at −55%, ran DeepEP with EP overlap and recomputed `mla_up_proj` and `mlp`: −6%,
+  `moeplan/bridge_recipes.py` holds {recipes} of them for DeepSeek-V3, Kimi-K2,
+  Qwen3-235B-A22B, Qwen3-30B-A3B and gpt-oss-120b, reduced to what moeplan prices. A row is
+  priced with a recipe only when its model, GPU, precision and every printed size (GPUs,
+  global batch, micro-batch, TP, PP, VPP, CP, EP) equal the recipe's, and, where the recipe
+  kept the sizes of an earlier revision with other settings (the 26.06 MXFP8 change), only
+  from that release on. The 26.06 rule still wins where both speak, and is silent where a
+  row's sizes contradict the table's recipe for its release: Kimi-K2 on 256 GB300 at 26.06
+  (R0053) printed MBS 2, the sizes of the recipe without EP overlap, not the MBS 1 of the
+  MXFP8 recipe with it (+32% with the overlap, −1% without). {matched} scored rows match
+  ({matched_held} held-out, {matched_fit} fit). DeepSeek-V3 on 256 B200 (R0091, PP8 VPP2
+  EP32), priced with all-to-all and no overlap at −55%, ran DeepEP with EP overlap and
+  recomputed `mla_up_proj` and `mlp`: −6%,
   and its 178 GB fits the B200 where the default settings' 218 GB did not. Qwen3-235B on
   256 H100 (R0265 and its re-publications) ran EP overlap (R0265: −9% → +8%); DeepSeek-V3 on
   1,024 H100 (R0291) ran HybridEP (−19% → −3%). An earlier round applied these configs on the
@@ -262,7 +266,7 @@ def long_context_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
             "r0324": f"{100 * next(err(r) for r in rows if r['id'] == 'R0324'):+.0f}%"}
 
 
-def change_figures(held: list[dict[str, Any]]) -> dict[str, str]:
+def change_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
     """The fitted constants and family errors "What changed" quotes, read from the shipped
     profile and the rows (so the text cannot go stale)."""
     import moeplan.cost_models as cm
@@ -273,9 +277,16 @@ def change_figures(held: list[dict[str, Any]]) -> dict[str, str]:
     about = re.search(r"objective ([0-9.]+)", shipped.get("_about", ""))
 
     def fam(name: str) -> str:
-        return _pct([abs(err(r)) for r in held if r["model"] == name])
+        return _pct([abs(err(r)) for r in rows
+                     if r["model"] == name and r["split"] == "held-out"])
 
-    return {"attn_h": f"{cal.attn_realised.get('hopper', 1.0):.2f}",
+    from moeplan.bridge_recipes import RECIPES
+
+    matched = [r for r in rows if "recipe" in r["assumed"]]
+    return {"recipes": str(len(RECIPES)), "matched": str(len(matched)),
+            "matched_held": str(sum(r["split"] == "held-out" for r in matched)),
+            "matched_fit": str(sum(r["split"] == "fit" for r in matched)),
+            "attn_h": f"{cal.attn_realised.get('hopper', 1.0):.2f}",
             "attn_b": f"{cal.attn_realised.get('blackwell', 1.0):.2f}",
             "llama2": fam("llama2-7b"), "mixtral": fam("mixtral-8x22b"),
             "sm_h": f"{cal.sm_fraction('hopper'):.2f}",
@@ -510,7 +521,7 @@ def main() -> None:
         "preset, or use FSDP), so memory is checked",
         "against the DeepSeek-V3 anatomy below.",
         "",
-        *[line.format(**change_figures(held)) for line in CHANGES],
+        *[line.format(**change_figures(rows)) for line in CHANGES],
         "",
         "## By GPU generation",
         "",

@@ -71,6 +71,7 @@ MXFP8_OVERLAP_FROM = (26, 6)
 DEEPSEEK = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py"
 QWEN3 = "scripts/performance/configs/qwen/qwen3_workload_base_configs.py"
 GPT_OSS = "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py"
+KIMI = "scripts/performance/configs/kimi/kimi_workload_base_configs.py"
 
 RECIPES: tuple[Recipe, ...] = (
     # DeepSeek-V3 (DEEPSEEK): every variant dispatches through HybridEP or DeepEP
@@ -147,11 +148,26 @@ RECIPES: tuple[Recipe, ...] = (
            64, 1280, 4, ep=16, settings=_FLEX_OVERLAP_GRAPHS),
     Recipe("GPT_OSS_120B_PRETRAIN_CONFIG_GB200_FP8_MX_V2", "gpt-oss-120b", "GB200", ("mxfp8",),
            64, 1280, 4, ep=64, settings=_FLEX_OVERLAP_GRAPHS),
+    # Kimi-K2 (KIMI): the MXFP8 variant moved to MBS 1 with EP overlap and full-iteration
+    # graphs; the others keep MBS 2 (GB300) and HybridEP without overlap
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_GB300_FP8_MX", "kimi-k2", "GB300", ("mxfp8",),
+           256, 4096, 1, pp=4, vpp=4, ep=64, settings=_FLEX_OVERLAP_GRAPHS,
+           since=MXFP8_OVERLAP_FROM),
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_GB300", "kimi-k2", "GB300", ("bf16", "nvfp4") + _FP8,
+           256, 4096, 2, pp=4, vpp=4, ep=64, settings=_FLEX, recompute=("mla_up_proj",)),
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_GB200", "kimi-k2", "GB200", ("bf16", "mxfp8") + _FP8,
+           256, 2048, 1, pp=4, vpp=4, ep=64, settings=_FLEX, recompute=("mla_up_proj",)),
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_B300", "kimi-k2", "B300", ("bf16", "mxfp8") + _FP8,
+           256, 4096, 2, pp=16, ep=16, recompute=("mla_up_proj",)),
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_B200", "kimi-k2", "B200", ("bf16", "mxfp8") + _FP8,
+           256, 2048, 1, pp=16, ep=16, recompute=("mla_up_proj",)),
+    Recipe("KIMI_K2_PRETRAIN_CONFIG_H100", "kimi-k2", "H100-SXM", ("bf16",) + _FP8,
+           1024, 8192, 1, tp=8, pp=16, vpp=2, ep=64, recompute=("mla_up_proj", "mlp")),
 )
 """Each family's recipes, read from the file its comment names (Megatron-Bridge repository)."""
 
 RECIPE_FILES = {"deepseek-v3": DEEPSEEK, "qwen3-235b-a22b": QWEN3, "qwen3-30b-a3b": QWEN3,
-                "gpt-oss-120b": GPT_OSS}
+                "gpt-oss-120b": GPT_OSS, "kimi-k2": KIMI}
 
 
 def recipe_for(source: str, release: tuple[int, int] | None, model: str, gpu: str,
@@ -167,3 +183,16 @@ def recipe_for(source: str, release: tuple[int, int] | None, model: str, gpu: st
                 and (r.since is None or (release is not None and release >= r.since))):
             return r
     return None
+
+
+def contradicts(source: str, release: tuple[int, int] | None, model: str, gpu: str,
+                precision: str, sizes: tuple[int, ...]) -> bool:
+    """Whether a Megatron-Bridge row's printed sizes contradict the recipe the table has for its
+    model, GPU and precision at its release: that row ran another revision of the recipe, so
+    no revision's unprinted settings may be assumed for it."""
+    if not source.startswith(SOURCE):
+        return False
+    known = [r for r in RECIPES if r.model == model and r.gpu == gpu
+             and precision in r.precisions
+             and (r.since is None or (release is not None and release >= r.since))]
+    return bool(known) and all(r.sizes() != sizes for r in known)

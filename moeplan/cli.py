@@ -388,8 +388,10 @@ def validate(
                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
         if any(r.get("assumed") for r in res["rows"]):
             notes.insert(0, "* priced with settings its source's recipe documents but the row "
-                         "does not print (EP overlap and the flex dispatcher of "
-                         "Megatron-Bridge's 26.06+ MXFP8 MoE recipes; `assumed` in --json)")
+                         "does not print (the Megatron-Bridge workload recipe whose sizes it "
+                         "matches: dispatcher, EP overlap, CUDA graphs, recompute; the 26.06+ "
+                         "MXFP8 MoE rule; NVIDIA recipes' TP overlap and bf16 gradient "
+                         "reduction; `assumed` in --json)")
         rk = res["ranking"]
         notes.append(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
                      f"{rk['pairs']}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bridge_recipes import Recipe, recipe_for
+from .bridge_recipes import Recipe, contradicts, recipe_for
 from .errors import LayoutError, MoeplanError, SpecError
 from .limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, excerpt
 from .specs import Choices, Layout, TrainingSpec, list_presets, load_cluster, load_model
@@ -324,11 +324,13 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     from .specs import layout_violations
 
     cp, ep, vpp, mbs = axes["cp"], axes["ep"], axes["vpp"], axes["mbs"]
-    bridge = recipe_for(row.get("source", "") or "", release_of(row), mp,
-                        (row.get("gpu") or "").strip(), prec, (gpus, gbs, mbs, tp, pp, vpp, cp, ep))
-    # the release rule documents a later recipe revision than the table: it wins where both speak
-    recipe = {**(bridge.settings if bridge else {}),
-              **recipe_settings(row, model, prec, cluster.architecture)}
+    where = (row.get("source", "") or "", release_of(row), mp, (row.get("gpu") or "").strip(),
+             prec, (gpus, gbs, mbs, tp, pp, vpp, cp, ep))
+    bridge = recipe_for(*where)
+    # the release rule documents a later recipe revision than the table: it wins where both
+    # speak, and is silent where the row's sizes contradict the table's recipe for that release
+    rule = {} if contradicts(*where) else recipe_settings(row, model, prec, cluster.architecture)
+    recipe = {**(bridge.settings if bridge else {}), **rule}
     choices = published_recompute(row)
     if bridge and bridge.recompute and not choices.recompute:
         choices = Choices(recompute=list(bridge.recompute))

@@ -322,3 +322,19 @@ def test_each_ep_transfer_hides_only_behind_its_partner_block():
     assert combines > 0 and ep_exposed >= combines
     pooled = exposed_time(lc.ep_s, lc.fwd_s + lc.bwd_s, ctx.cal.ep_overlap_hidden)
     assert lc.exposed_fwd_s + lc.exposed_bwd_s >= pooled
+
+
+def test_a_26_06_row_whose_sizes_contradict_its_recipe_is_not_given_the_recipes_overlap():
+    """Kimi-K2's 26.06 MXFP8 recipe runs MBS 1 with EP overlap; a 26.06 row printed at MBS 2
+    ran another revision, so neither that recipe nor the 26.06 rule prices it."""
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    over = dict(model_preset="kimi-k2", gpu="GB300", cluster_preset="gb300-nvl72", pp="4",
+                vpp="4", ep="64", source_detail="docs; release 26.06 NeMo container")
+    ran = case_of(_bridge(**over), presets)
+    assert ran.assumed["recipe"] == "KIMI_K2_PRETRAIN_CONFIG_GB300_FP8_MX"
+    assert ran.layout.ep_overlap and ran.layout.cuda_graphs
+    other = case_of(_bridge(**over, micro_batch="2"), presets)
+    assert "recipe" not in other.assumed
+    assert not other.layout.ep_overlap and other.layout.dispatcher == "alltoall"
