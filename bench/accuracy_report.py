@@ -221,6 +221,14 @@ both revisions score the same 102 held-out rows):
   ceiling costs accuracy: the same refit with the ceiling removed scored 12.1% held-out.
 - **H100 communication kernels' SM share is fitted** (`comm_sm_fraction.hopper`, a fixed 0.15
   prior before): the documented EP overlap of the H100 rows above now tells it: {sm_h}.
+- **Fit rows that use an effect but miss it no longer validate it.** An effect (EP overlap
+  or the flex dispatcher on a fabric, CUDA graphs, CP at a length, a GPU's calibration) was
+  validated by any fit row that relied on it. Now its fit rows must sit within the 1.2×
+  "off as a whole" ratio in the median (`bench/fit_intervals.py::split_evidence`); otherwise
+  the effect keeps its pessimistic low end and the estimate says what its rows measured. The
+  flex dispatcher across H100 nodes is one such effect: its two fit rows (Qwen3-30B-A3B on 16
+  H100) measured 0.81× the prediction. So is gpt-oss's BF16 calibration on every Blackwell
+  GPU.
 - **Refit** on the fit rows only (127): objective {objective} (previous revision 0.1489).
   Ranking within a release: 20 of 22 pairs (19 before).
 - **Tried and not adopted** (earlier rounds): a capped loss (13.6% held-out, 14 of 22 pairs

@@ -78,14 +78,44 @@ def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
+                                                       dict[str, dict[str, Any]]]:
+    """(validated, contradicted) evidence per assumption key from the fit rows: the fit rows
+    that rely on an effect validate it unless their median published/predicted ratio is off
+    by MODEL_RATIO or more either way, the threshold a model is "off as a whole" at. Rows that
+    use an effect and miss it say the effect may not deliver what it is priced at, so it keeps
+    its pessimistic low end."""
+    ids: dict[str, list[str]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["split"] != "fit":
+            continue
+        for k in r["assumption_keys"]:
+            ids[k].append(r["id"])
+            if r["published_tokens_per_s_per_gpu"] and r["predicted_tokens_per_s_per_gpu"]:
+                ratios[k].append(r["published_tokens_per_s_per_gpu"]
+                                 / r["predicted_tokens_per_s_per_gpu"])
+    validated, contradicted = {}, {}
+    for k, rs in ids.items():
+        rt = sorted(ratios[k])
+        med = rt[len(rt) // 2] if rt else 1.0
+        if abs(math.log(med)) >= math.log(MODEL_RATIO):
+            contradicted[k] = {"rows": rs, "median": round(med, 3)}
+        else:
+            validated[k] = rs
+    return validated, contradicted
+
+
 def profile_doc(regimes: dict, evidence: dict, memory: dict, cv: dict,
-                models: dict | None = None) -> dict[str, Any]:
+                models: dict | None = None, contradicted: dict | None = None
+                ) -> dict[str, Any]:
     return {"_about": "80 % prediction intervals of moeplan (bench/fit_intervals.py): conformal "
             "bounds of held-out published runs per regime, assumption evidence from fit rows, "
             "memory-model error from the DeepSeek-V3 anatomy, models whose fit rows are off "
             "as a whole.",
             "level": U.LEVEL, "min_rows": U.MIN_ROWS, "regimes": regimes, "memory": memory,
-            "evidence": evidence, "cross_validated": cv, "models": models or {}}
+            "evidence": evidence, "contradicted": contradicted or {}, "cross_validated": cv,
+            "models": models or {}}
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -111,11 +141,7 @@ def main() -> None:
     by_id = {r["id"]: r for r in raw}
     # 1. evidence from the fit rows (what each fit row's layout relies on)
     first = validate_rows(raw)
-    evidence: dict[str, list[str]] = defaultdict(list)
-    for r in first["rows"]:
-        if r["split"] == "fit":
-            for k in r["assumption_keys"]:
-                evidence[k].append(r["id"])
+    evidence, contradicted = split_evidence(first["rows"])
     parts = anatomy_parts()
     worst = max(parts, key=lambda k: abs(parts[k][0] / parts[k][1] - 1))
     err = abs(parts[worst][0] / parts[worst][1] - 1)
@@ -125,7 +151,7 @@ def main() -> None:
                   f"{k} {100 * (a / b - 1):+.1f}%" for k, (a, b) in parts.items())}
     # 2. re-predict with that evidence (the pessimistic low ends depend on it)
     out = Path(args.out)
-    write_json(out, profile_doc({}, dict(evidence), memory, {}))
+    write_json(out, profile_doc({}, dict(evidence), memory, {}, None, contradicted))
     U.default_profile.cache_clear()
     rows = scored(validate_rows(raw)["rows"])
     held = [r for r in rows if r["split"] == "held-out"]
@@ -134,7 +160,8 @@ def main() -> None:
     cv_rows = []
     for k in range(K_FOLDS):
         train = [r for r in held if fold[r["id"]] != k]
-        prof = U.profile_from_dict(profile_doc(regime_bounds(train), evidence, memory, {}))
+        prof = U.profile_from_dict(profile_doc(regime_bounds(train), evidence, memory, {}, None,
+                                               contradicted))
         for r in held:
             if fold[r["id"]] == k:
                 lo, hi, regime, _ = U.tokens_interval(
@@ -153,11 +180,12 @@ def main() -> None:
                         for k, v in sorted(by_regime.items())}}
     regimes = regime_bounds(held)
     models = model_evidence(rows)
-    write_json(out, profile_doc(regimes, dict(evidence), memory, cv, models))
+    write_json(out, profile_doc(regimes, dict(evidence), memory, cv, models, contradicted))
     U.default_profile.cache_clear()
     print(f"held-out rows {len(held)}; cross-validated coverage {cv['coverage']:.1%}, median "
           f"width {cv['median_width']:.1%}; {len(regimes)} regimes; memory error "
-          f"{err:.1%}; models off as a whole: {', '.join(models) or 'none'}; wrote {out}",
+          f"{err:.1%}; models off as a whole: {', '.join(models) or 'none'}; effects their "
+          f"fit rows contradict: {', '.join(contradicted) or 'none'}; wrote {out}",
           file=sys.stderr)
 
 

@@ -92,3 +92,36 @@ def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
              + [row("c", "fit", 50, 100)] * 4 + [row("d", "held-out", 50, 100)] * 9)
     assert set(model_evidence(rows_)) == {"a"}  # b within 20%, c too few rows, d held-out
     assert model_evidence(rows_)["a"] == {"rows": 5, "median": 0.6, "low": 0.6, "high": 0.6}
+
+
+def test_fit_rows_that_use_an_effect_but_miss_it_do_not_validate_it():
+    """An effect is validated by the fit rows that rely on it only when they sit within the
+    "off as a whole" ratio in the median; otherwise it keeps its pessimistic low end and says
+    what its rows measured."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fit_intervals.py"
+    spec = importlib.util.spec_from_file_location("fit_intervals", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(i, key, pub, pred, split="fit"):
+        return {"id": i, "split": split, "assumption_keys": [key],
+                "published_tokens_per_s_per_gpu": pub, "predicted_tokens_per_s_per_gpu": pred}
+
+    rows = [row("A", "flex/x", 100, 130), row("B", "flex/x", 100, 128),
+            row("C", "ep_overlap/x", 100, 103), row("D", "ep_overlap/x", 100, 97),
+            row("E", "flex/x", 100, 100, split="held-out")]  # held-out rows never count
+    validated, contradicted = mod.split_evidence(rows)
+    assert validated == {"ep_overlap/x": ["C", "D"]}
+    assert contradicted == {"flex/x": {"rows": ["A", "B"], "median": round(100 / 128, 3)}}
+
+    prof = U.profile_from_dict({
+        "level": 0.8, "regimes": {}, "memory": {"rel_error": 0.1, "evidence": "-"},
+        "evidence": validated, "contradicted": contradicted})
+    strip = object()
+    term = U._term("flex/x", "flex", prof, "no rows", strip)
+    assert not term.assumption.validated and term.pessimistic is strip
+    assert "2 fit rows use it (A, B)" in term.assumption.evidence
+    assert U._term("ep_overlap/x", "overlap", prof, "no rows", strip).assumption.validated

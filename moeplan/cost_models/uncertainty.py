@@ -106,6 +106,9 @@ class IntervalProfile:
     # model preset -> (fit rows, median, lowest, highest published/predicted), for the models
     # whose fit rows are off as a whole (bench/fit_intervals.py::model_evidence)
     models: dict[str, tuple[int, float, float, float]] = field(default_factory=dict)
+    # assumption key -> (fit row ids, median published/predicted) for the effects whose fit
+    # rows are off as a whole: rows that use an effect but miss it do not validate it
+    contradicted: dict[str, tuple[list[str], float]] = field(default_factory=dict)
 
     def bounds(self, keys: Sequence[str]) -> tuple[float, float, str, int]:
         for k in keys:
@@ -131,7 +134,9 @@ def profile_from_dict(d: dict[str, Any]) -> IntervalProfile:
         evidence={k: list(v) for k, v in d["evidence"].items()},
         cross_validated=dict(d.get("cross_validated", {})),
         models={k: (int(v["rows"]), float(v["median"]), float(v["low"]), float(v["high"]))
-                for k, v in d.get("models", {}).items()})
+                for k, v in d.get("models", {}).items()},
+        contradicted={k: (list(v["rows"]), float(v["median"]))
+                      for k, v in d.get("contradicted", {}).items()})
 
 
 def model_warning(model: ModelSpec, profile: IntervalProfile | None = None) -> str | None:
@@ -214,6 +219,11 @@ def _term(key: str, term: str, profile: IntervalProfile, none_text: str,
     if rows:
         return Term(Assumption(term=term, validated=True,
                                evidence=f"{len(rows)} fit rows: {_ids(rows)}"))
+    if key in profile.contradicted:
+        off, med = profile.contradicted[key]
+        return Term(Assumption(term=term, validated=False, evidence=(
+            f"{len(off)} fit rows use it ({_ids(off)}) but measured {med:.2f}× the prediction "
+            "in the median: they do not validate it")), pessimistic)
     return Term(Assumption(term=term, validated=False, evidence=none_text), pessimistic)
 
 
