@@ -166,10 +166,33 @@ def objective(cases: list, over: dict[str, Any]) -> float:
     return sum(errs) / len(errs) + RANK_WEIGHT * rank_penalty(preds, cases)
 
 
-def fit(rows: list[dict[str, str]], sweeps: int = 12) -> tuple[dict[str, Any], list, float]:
+def models_off(cases: list, over: dict[str, Any]) -> list[str]:
+    """The models whose fit rows the profile `over` misses as a whole
+    (`uncertainty.off_as_a_whole`, the rule `estimate` warns by)."""
+    from moeplan.cost_models.uncertainty import off_as_a_whole
+
+    ratios: dict[str, list[float]] = {}
+    for c in cases:
+        if c.family == "gpt-dense":  # GPTs at their own dimensions are not one model
+            continue
+        try:
+            r = predict_case(c, over)
+        except MoeplanError:
+            continue
+        if r["published_tokens_per_s_per_gpu"] and r["predicted_tokens_per_s_per_gpu"]:
+            ratios.setdefault(c.model.name, []).append(
+                r["published_tokens_per_s_per_gpu"] / r["predicted_tokens_per_s_per_gpu"])
+    return sorted(m for m, rs in ratios.items() if off_as_a_whole(rs))
+
+
+def fit(rows: list[dict[str, str]], sweeps: int = 12, leave_out: tuple[str, ...] = ()
+        ) -> tuple[dict[str, Any], list, float]:
+    """Coordinate descent from START over GRID and EFF_GRID on the fit rows, without the rows
+    of the models in `leave_out`."""
     presets = list_presets()
     cases = [c for r in rows if split_of(r) == "fit"
-             for c in [case_of(r, presets)] if not isinstance(c, str)]
+             for c in [case_of(r, presets)] if not isinstance(c, str)
+             and c.model.name not in leave_out]
     over: dict[str, Any] = json.loads(json.dumps(START))
     gpus = sorted({load_gpu(c) for c in cases})
     grid = [(f"gemm_eff_max.{g}", EFF_GRID) for g in gpus] + GRID
@@ -232,7 +255,16 @@ def main() -> None:
     ap.add_argument("--sweeps", type=int, default=12)
     args = ap.parse_args()
     rows = read_rows(args.csv)
+    # two passes: a model the first pass still misses as a whole on every GPU is bound by its
+    # software stack (gpt-oss-120b: NeMo Automodel runs it on the same H100s at the predicted
+    # speed, Megatron-Bridge's recipe 1.3× slower), and hardware constants fitted to it skew
+    # every other model on that hardware; the second pass, from the same start, leaves its
+    # rows out (they stay in the held-out score and in the estimate's model warning)
     over, cases, best = fit(rows, args.sweeps)
+    left_out = tuple(models_off(cases, over))
+    if left_out:
+        print(f"left out as missed as a whole: {', '.join(left_out)}", file=sys.stderr)
+        over, cases, best = fit(rows, args.sweeps, left_out)
     cal = _profile(over).to_dict()
     # architecture entries (for GPUs the fit never saw): the median of that architecture's GPUs
     from moeplan.specs import load_cluster
@@ -245,13 +277,28 @@ def main() -> None:
         cal["gemm_eff_max"][arch] = sorted(vals)[len(vals) // 2]
     cal["calibrated"] = sorted({f"{load_gpu(c)}/{c.training.precision}/"
                                 f"{'moe' if c.model.is_moe else 'dense'}" for c in cases})
+    out = (f"; the rows of {', '.join(left_out)} left out, which the first pass missed as a "
+           "whole" if left_out else "")
     doc = {"_about": "Efficiency constants of the moeplan cost models, fitted by "
            "bench/fit_calibration.py on the fit rows of published_runs.csv "
            f"({len(cases)} rows, objective {best:.4f}: mean |log error| plus the ranking "
-           "hinge over pairs of fit rows); held-out rows are not used.",
+           f"hinge over pairs of fit rows{out}); held-out rows are not used.",
            **cal}
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_atomically(Path(args.out), json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """temp file in the target's directory, fsync, rename: a crash leaves the old profile."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_gpu(case: Any) -> str:

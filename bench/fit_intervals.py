@@ -55,13 +55,12 @@ def regime_bounds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-MODEL_ROWS = 5
-MODEL_RATIO = 1.2
+MODEL_RATIO = U.MODEL_RATIO
 
 
 def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per model preset, the fit rows' published/predicted ratio where it is off as a whole:
-    at least MODEL_ROWS rows and a median beyond MODEL_RATIO either way. A bias the fit leaves
+    `uncertainty.off_as_a_whole` (enough rows, a median beyond MODEL_RATIO). A bias the fit leaves
     in one model's rows is one the constants could not take up without hurting the others (a
     recipe's software, not the hardware); `estimate` names it for plans of that model."""
     by_model: dict[str, list[float]] = defaultdict(list)
@@ -72,7 +71,7 @@ def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for name, ratios in sorted(by_model.items()):
         med = sorted(ratios)[len(ratios) // 2]
-        if len(ratios) >= MODEL_ROWS and abs(math.log(med)) >= math.log(MODEL_RATIO):
+        if U.off_as_a_whole(ratios):
             out[name] = {"rows": len(ratios), "median": round(med, 3),
                          "low": round(min(ratios), 3), "high": round(max(ratios), 3)}
     return out

@@ -118,6 +118,21 @@ class IntervalProfile:
         return -0.35, 0.35, "none (no held-out rows)", 0
 
 
+MODEL_ROWS = 5
+MODEL_RATIO = 1.2
+"""A model is missed "as a whole" when at least MODEL_ROWS of its fit rows sit, in the median,
+MODEL_RATIO or more off the prediction either way: a bias the constants could not take up
+without hurting the other models (its software stack's, not the hardware's)."""
+
+
+def off_as_a_whole(ratios: Sequence[float]) -> bool:
+    """Whether one model's published/predicted ratios over its fit rows are off as a whole."""
+    if len(ratios) < MODEL_ROWS:
+        return False
+    med = sorted(ratios)[len(ratios) // 2]
+    return abs(math.log(med)) >= math.log(MODEL_RATIO)
+
+
 @lru_cache(maxsize=1)
 def default_profile() -> IntervalProfile:
     text = (resources.files("moeplan.cost_models") / "intervals.json").read_text()
