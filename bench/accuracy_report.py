@@ -18,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from moeplan.validation import ape, read_rows, validate_rows
+from moeplan.cost_models import uncertainty as U
+from moeplan.validation import ape, case_of, read_rows, validate_rows
 
 GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)", "H100": "Hopper (H100/H200)", "H200": "Hopper (H100/H200)",
               "B200": "Blackwell HGX (B200/B300)", "B300": "Blackwell HGX (B200/B300)",
@@ -188,15 +189,17 @@ both revisions score the same 102 held-out rows):
   from that release on. The 26.06 rule still wins where both speak, and is silent where a
   row's sizes contradict the table's recipe for its release: Kimi-K2 on 256 GB300 at 26.06
   (R0053) printed MBS 2, the sizes of the recipe without EP overlap, not the MBS 1 of the
-  MXFP8 recipe with it (+32% with the overlap, −1% without). {matched} scored rows match
-  ({matched_held} held-out, {matched_fit} fit). DeepSeek-V3 on 256 B200 (R0091, PP8 VPP2
-  EP32), priced with all-to-all and no overlap at −55%, ran DeepEP with EP overlap and
-  recomputed `mla_up_proj` and `mlp`: −6%,
-  and its 178 GB fits the B200 where the default settings' 218 GB did not. Qwen3-235B on
-  256 H100 (R0265 and its re-publications) ran EP overlap (R0265: −9% → +8%); DeepSeek-V3 on
-  1,024 H100 (R0291) ran HybridEP (−19% → −3%). An earlier round applied these configs on the
-  layout alone, without the batch, GPU count and release gate, and lost accuracy (15.3%); this
-  one does not.
+  MXFP8 recipe with it ({r0053_rule} with the overlap, {r0053} without). {matched} scored rows
+  match ({matched_held} held-out, {matched_fit} fit). DeepSeek-V3 on 256 B200 (R0091, PP8
+  VPP2 EP32), priced with moeplan's defaults (all-to-all, no overlap, no recompute) at
+  {r0091_plain}, ran DeepEP with EP overlap and recomputed `mla_up_proj` and `mlp`:
+  {r0091}, and its {r0091_gb} GB fits the B200 where the defaults' {r0091_plain_gb} GB did
+  not. Qwen3-235B on 256 H100 (R0265 and its re-publications) ran EP overlap (R0265:
+  {r0265_plain} without, {r0265} with); DeepSeek-V3 on 1,024 H100 (R0291) ran HybridEP and
+  recomputed `mla_up_proj` and `mlp` ({r0291_plain} without, {r0291} with). Every figure
+  here is this profile's. An earlier round applied these configs on the layout alone,
+  without the batch, GPU count and release gate, and lost accuracy (15.3%); this one does
+  not.
 - **Each EP transfer hides behind its own partner.** Merged 1F1B runs forward dispatch beside
   the MLP backward, backward dispatch beside the MLP forward, and the combines beside the
   attention passes (the DeepSeek-V3 report's pairing). Exposure is now summed over those four
@@ -228,15 +231,15 @@ both revisions score the same 102 held-out rows):
   "off as a whole" ratio in the median (`bench/fit_intervals.py::split_evidence`); otherwise
   the effect keeps its pessimistic low end and the estimate says what its rows measured. The
   flex dispatcher across H100 nodes is one such effect: its two fit rows (Qwen3-30B-A3B on 16
-  H100) measured 0.81× the prediction. So is gpt-oss's BF16 calibration on every Blackwell
+  H100) measured {flex_h100}× the prediction. So is gpt-oss's BF16 calibration on every Blackwell
   GPU.
 - **A model the fit misses as a whole no longer calibrates the hardware.** The fit runs
   twice. The first pass, on every fit row, still misses gpt-oss-120b on every GPU and in
-  both precisions (median 0.6× the prediction): the `estimate` warning's rule
+  both precisions (median {oss_first}× the prediction): the `estimate` warning's rule
   (`uncertainty.off_as_a_whole`: at least 5 fit rows, a median 1.2× off). That bias is its
   software stack's: NeMo Automodel runs the same model on the same 64 H100 at the predicted
   speed, Megatron-Bridge's recipe 1.3× slower (below). Fitted to it, the per-GPU GEMM
-  efficiencies absorbed part of it, B300's most (0.575 with those rows, 0.825 without), and
+  efficiencies absorbed part of it, B300's most (0.575 with those rows, {b300} without), and
   priced the other models on that GPU too slow. The second pass, from the same start, leaves
   those rows out (`bench/fit_calibration.py::models_off`). They stay in every score here and
   in the model warning, and gpt-oss's BF16 calibrations count as unvalidated. On the
@@ -305,8 +308,41 @@ def change_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
     from moeplan.bridge_recipes import RECIPES
 
     matched = [r for r in rows if "recipe" in r["assumed"]]
+    first = re.search(r"\(([0-9.]+)x the prediction in the median\)", shipped.get("_about", ""))
+    flex = U.default_profile().contradicted.get("flex/hopper/scale-out")
+    by_id = {r["id"]: r for r in rows}
+
+    def pct(e: float) -> str:
+        return f"{100 * e:+.0f}%"
+
+    def priced(rid: str, recompute: bool = True, **layout: Any) -> tuple[str, str]:
+        """A row's error and peak GB under this profile with its layout settings changed."""
+        from moeplan.cost_models.estimate import estimate
+        from moeplan.specs import Choices, list_presets, load_cluster
+
+        case = case_of(RAW[rid], list_presets())
+        lay = case.layout.model_copy(update=layout)
+        est = estimate(case.model, load_cluster(case.cluster_name, lay.world_size),
+                       case.training, lay, case.choices if recompute else Choices())
+        pub = by_id[rid]["published_tokens_per_s_per_gpu"]  # tokens derived where only TFLOPS
+        return (pct(est.tokens_per_s_per_gpu / pub - 1),
+                f"{est.memory.peak_gb:.0f}")
+
+    plain = {"dispatcher": "alltoall", "ep_overlap": False, "cuda_graphs": False}
+    r0091_plain, r0091_plain_gb = priced("R0091", False, **plain)
     fit_rows = re.search(r"\(([0-9]+) rows", shipped.get("_about", ""))
-    return {"recipes": str(len(RECIPES)), "matched": str(len(matched)),
+    return {"r0091": pct(err(by_id["R0091"])), "r0091_gb": priced("R0091")[1],
+            "r0091_plain": r0091_plain, "r0091_plain_gb": r0091_plain_gb,
+            "r0265": pct(err(by_id["R0265"])),
+            "r0265_plain": priced("R0265", ep_overlap=False)[0],
+            "r0291": pct(err(by_id["R0291"])),
+            "r0291_plain": priced("R0291", False, dispatcher="alltoall")[0],
+            "r0053": pct(err(by_id["R0053"])),
+            "r0053_rule": priced("R0053", ep_overlap=True, dispatcher="flex")[0],
+            "flex_h100": f"{flex[1]:.2f}" if flex else "?",
+            "oss_first": first.group(1) if first else "?",
+            "b300": f"{cal.gemm_eff_max['B300']:.3f}",
+            "recipes": str(len(RECIPES)), "matched": str(len(matched)),
             "fit_rows": fit_rows.group(1) if fit_rows else "?",
             "matched_held": str(sum(r["split"] == "held-out" for r in matched)),
             "matched_fit": str(sum(r["split"] == "fit" for r in matched)),
@@ -488,6 +524,7 @@ def main() -> None:
     held = [r for r in rows if r["split"] == "held-out"]
     fit = [r for r in rows if r["split"] == "fit"]
     direct = [r for r in held if not r["tokens_derived_from_tflops"]]
+    changes = change_figures(rows)  # computed once, quoted by "What changed"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
 
@@ -545,7 +582,7 @@ def main() -> None:
         "preset, or use FSDP), so memory is checked",
         "against the DeepSeek-V3 anatomy below.",
         "",
-        *[line.format(**change_figures(rows)) for line in CHANGES],
+        *[line.format(**changes) for line in CHANGES],
         "",
         "## By GPU generation",
         "",

@@ -22,6 +22,7 @@ from typing import Any
 
 from moeplan.cost_models.calibration import Calibration
 from moeplan.errors import MoeplanError
+from moeplan.fsio import write_json
 from moeplan.specs import list_presets
 from moeplan.validation import case_of, predict_case, read_rows, split_of
 
@@ -166,9 +167,10 @@ def objective(cases: list, over: dict[str, Any]) -> float:
     return sum(errs) / len(errs) + RANK_WEIGHT * rank_penalty(preds, cases)
 
 
-def models_off(cases: list, over: dict[str, Any]) -> list[str]:
+def models_off(cases: list, over: dict[str, Any]) -> dict[str, float]:
     """The models whose fit rows the profile `over` misses as a whole
-    (`uncertainty.off_as_a_whole`, the rule `estimate` warns by)."""
+    (`uncertainty.off_as_a_whole`, the rule `estimate` warns by), with the median
+    published/predicted ratio of their rows."""
     from moeplan.cost_models.uncertainty import off_as_a_whole
 
     ratios: dict[str, list[float]] = {}
@@ -182,7 +184,8 @@ def models_off(cases: list, over: dict[str, Any]) -> list[str]:
         if r["published_tokens_per_s_per_gpu"] and r["predicted_tokens_per_s_per_gpu"]:
             ratios.setdefault(c.model.name, []).append(
                 r["published_tokens_per_s_per_gpu"] / r["predicted_tokens_per_s_per_gpu"])
-    return sorted(m for m, rs in ratios.items() if off_as_a_whole(rs))
+    return {m: sorted(rs)[len(rs) // 2] for m, rs in sorted(ratios.items())
+            if off_as_a_whole(rs)}
 
 
 def fit(rows: list[dict[str, str]], sweeps: int = 12, leave_out: tuple[str, ...] = ()
@@ -261,7 +264,8 @@ def main() -> None:
     # every other model on that hardware; the second pass, from the same start, leaves its
     # rows out (they stay in the held-out score and in the estimate's model warning)
     over, cases, best = fit(rows, args.sweeps)
-    left_out = tuple(models_off(cases, over))
+    off = models_off(cases, over)
+    left_out = tuple(off)
     if left_out:
         print(f"left out as missed as a whole: {', '.join(left_out)}", file=sys.stderr)
         over, cases, best = fit(rows, args.sweeps, left_out)
@@ -277,28 +281,16 @@ def main() -> None:
         cal["gemm_eff_max"][arch] = sorted(vals)[len(vals) // 2]
     cal["calibrated"] = sorted({f"{load_gpu(c)}/{c.training.precision}/"
                                 f"{'moe' if c.model.is_moe else 'dense'}" for c in cases})
-    out = (f"; the rows of {', '.join(left_out)} left out, which the first pass missed as a "
-           "whole" if left_out else "")
+    out = ("; the rows of " + ", ".join(f"{m} left out, which the first pass missed as a whole "
+                                         f"({r:.2f}x the prediction in the median)"
+                                         for m, r in off.items()) if off else "")
     doc = {"_about": "Efficiency constants of the moeplan cost models, fitted by "
            "bench/fit_calibration.py on the fit rows of published_runs.csv "
            f"({len(cases)} rows, objective {best:.4f}: mean |log error| plus the ranking "
            f"hinge over pairs of fit rows{out}); held-out rows are not used.",
            **cal}
-    write_atomically(Path(args.out), json.dumps(doc, indent=2) + "\n")
+    write_json(args.out, doc)  # strict JSON, temp file + fsync + rename
     print(f"wrote {args.out}", file=sys.stderr)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """temp file in the target's directory, fsync, rename: a crash leaves the old profile."""
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_gpu(case: Any) -> str:

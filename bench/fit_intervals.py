@@ -16,17 +16,15 @@ memory margin from the DeepSeek-V3 anatomy (worst part's relative error). Determ
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from moeplan.cost_models import uncertainty as U
+from moeplan.fsio import write_json
 from moeplan.validation import (
     anatomy_parts,
     config_key,
@@ -55,14 +53,12 @@ def regime_bounds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-MODEL_RATIO = U.MODEL_RATIO
-
-
 def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per model preset, the fit rows' published/predicted ratio where it is off as a whole:
-    `uncertainty.off_as_a_whole` (enough rows, a median beyond MODEL_RATIO). A bias the fit leaves
-    in one model's rows is one the constants could not take up without hurting the others (a
-    recipe's software, not the hardware); `estimate` names it for plans of that model."""
+    """Per model preset, the fit rows' published/predicted ratio where it is off as a whole
+    (`uncertainty.off_as_a_whole`: enough rows, a median beyond `uncertainty.MODEL_RATIO`). A
+    bias the fit leaves in one model's rows is one the constants could not take up without
+    hurting the others (a recipe's software, not the hardware); `estimate` names it for plans
+    of that model."""
     by_model: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         if r["split"] == "fit" and r["family"] != "gpt-dense":
@@ -81,7 +77,7 @@ def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
                                                        dict[str, dict[str, Any]]]:
     """(validated, contradicted) evidence per assumption key from the fit rows: the fit rows
     that rely on an effect validate it unless their median published/predicted ratio is off
-    by MODEL_RATIO or more either way, the threshold a model is "off as a whole" at. Rows that
+    by `uncertainty.MODEL_RATIO` or more either way, the threshold a model is "off as a whole" at. Rows that
     use an effect and miss it say the effect may not deliver what it is priced at, so it keeps
     its pessimistic low end."""
     ids: dict[str, list[str]] = defaultdict(list)
@@ -97,9 +93,8 @@ def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
     validated, contradicted = {}, {}
     for k, rs in ids.items():
         rt = sorted(ratios[k])
-        med = rt[len(rt) // 2] if rt else 1.0
-        if abs(math.log(med)) >= math.log(MODEL_RATIO):
-            contradicted[k] = {"rows": rs, "median": round(med, 3)}
+        if U.off_as_a_whole(rt, min_rows=1):
+            contradicted[k] = {"rows": rs, "median": round(rt[len(rt) // 2], 3)}
         else:
             validated[k] = rs
     return validated, contradicted
@@ -115,15 +110,6 @@ def profile_doc(regimes: dict, evidence: dict, memory: dict, cv: dict,
             "level": U.LEVEL, "min_rows": U.MIN_ROWS, "regimes": regimes, "memory": memory,
             "evidence": evidence, "contradicted": contradicted or {}, "cross_validated": cv,
             "models": models or {}}
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def scored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -150,7 +136,7 @@ def main() -> None:
                   f"{k} {100 * (a / b - 1):+.1f}%" for k, (a, b) in parts.items())}
     # 2. re-predict with that evidence (the pessimistic low ends depend on it)
     out = Path(args.out)
-    write_json(out, profile_doc({}, dict(evidence), memory, {}, None, contradicted))
+    write_json(out, indent=1, data=profile_doc({}, dict(evidence), memory, {}, None, contradicted))
     U.default_profile.cache_clear()
     rows = scored(validate_rows(raw)["rows"])
     held = [r for r in rows if r["split"] == "held-out"]
@@ -179,7 +165,7 @@ def main() -> None:
                         for k, v in sorted(by_regime.items())}}
     regimes = regime_bounds(held)
     models = model_evidence(rows)
-    write_json(out, profile_doc(regimes, dict(evidence), memory, cv, models, contradicted))
+    write_json(out, indent=1, data=profile_doc(regimes, dict(evidence), memory, cv, models, contradicted))
     U.default_profile.cache_clear()
     print(f"held-out rows {len(held)}; cross-validated coverage {cv['coverage']:.1%}, median "
           f"width {cv['median_width']:.1%}; {len(regimes)} regimes; memory error "

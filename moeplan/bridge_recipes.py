@@ -57,7 +57,6 @@ class Recipe:
         return (self.gpus, self.gbs, self.mbs, self.tp, self.pp, self.vpp, self.cp, self.ep)
 
 
-
 _FLEX = {"dispatcher": "flex"}
 _FLEX_GRAPHS = {"dispatcher": "flex", "cuda_graphs": True}
 _FLEX_OVERLAP_GRAPHS = {"dispatcher": "flex", "ep_overlap": True, "cuda_graphs": True}
@@ -170,6 +169,14 @@ RECIPE_FILES = {"deepseek-v3": DEEPSEEK, "qwen3-235b-a22b": QWEN3, "qwen3-30b-a3
                 "gpt-oss-120b": GPT_OSS, "kimi-k2": KIMI}
 
 
+def _known(release: tuple[int, int] | None, model: str, gpu: str, precision: str
+           ) -> list[Recipe]:
+    """The table's recipes for a model, GPU and precision that a release had reached."""
+    return [r for r in RECIPES if r.model == model and r.gpu == gpu
+            and precision in r.precisions
+            and (r.since is None or (release is not None and release >= r.since))]
+
+
 def recipe_for(source: str, release: tuple[int, int] | None, model: str, gpu: str,
                precision: str, sizes: tuple[int, ...]) -> Recipe | None:
     """The recipe a Megatron-Bridge row ran: same model, GPU and precision, every printed size
@@ -177,12 +184,7 @@ def recipe_for(source: str, release: tuple[int, int] | None, model: str, gpu: st
     reached. None for any other row."""
     if not source.startswith(SOURCE):
         return None
-    for r in RECIPES:
-        if (r.model == model and r.gpu == gpu and precision in r.precisions
-                and r.sizes() == sizes
-                and (r.since is None or (release is not None and release >= r.since))):
-            return r
-    return None
+    return next((r for r in _known(release, model, gpu, precision) if r.sizes() == sizes), None)
 
 
 def contradicts(source: str, release: tuple[int, int] | None, model: str, gpu: str,
@@ -190,9 +192,5 @@ def contradicts(source: str, release: tuple[int, int] | None, model: str, gpu: s
     """Whether a Megatron-Bridge row's printed sizes contradict the recipe the table has for its
     model, GPU and precision at its release: that row ran another revision of the recipe, so
     no revision's unprinted settings may be assumed for it."""
-    if not source.startswith(SOURCE):
-        return False
-    known = [r for r in RECIPES if r.model == model and r.gpu == gpu
-             and precision in r.precisions
-             and (r.since is None or (release is not None and release >= r.since))]
+    known = _known(release, model, gpu, precision) if source.startswith(SOURCE) else []
     return bool(known) and all(r.sizes() != sizes for r in known)

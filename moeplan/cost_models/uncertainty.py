@@ -125,9 +125,10 @@ MODEL_RATIO or more off the prediction either way: a bias the constants could no
 without hurting the other models (its software stack's, not the hardware's)."""
 
 
-def off_as_a_whole(ratios: Sequence[float]) -> bool:
-    """Whether one model's published/predicted ratios over its fit rows are off as a whole."""
-    if len(ratios) < MODEL_ROWS:
+def off_as_a_whole(ratios: Sequence[float], min_rows: int = MODEL_ROWS) -> bool:
+    """Whether published/predicted ratios (one model's fit rows, or the fit rows relying on one
+    effect, which need only `min_rows` of them) are off as a whole."""
+    if not ratios or len(ratios) < min_rows:
         return False
     med = sorted(ratios)[len(ratios) // 2]
     return abs(math.log(med)) >= math.log(MODEL_RATIO)
