@@ -38,17 +38,21 @@ def export(
     nproc_per_node: int | None = None,
     train_iters: int | None = None,
     train_tokens: float | None = None,
+    cadence: object = None,
 ) -> dict:
-    """Export a Plan (or plan file) as Megatron-LM flags, a torchrun line or a Slurm script.
+    """Export a Plan (or plan file) as a Megatron-LM launch, a torchrun line or a Slurm script.
 
     Returns the `moeplan export --json` document. Imported lazily so that `import moeplan`
     stays light; see `moeplan.planner.export` for the flag mapping (and `train_iters` /
-    `train_tokens`, which scale the Megatron schedule).
+    `train_tokens`, which scale the Megatron schedule, and `cadence`, its log, eval and save
+    intervals).
     """
+    from .planner.export import Cadence
     from .planner.export import export as _export
 
     return _export(plan, format, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                   train_iters=train_iters, train_tokens=train_tokens)
+                   train_iters=train_iters, train_tokens=train_tokens,
+                   cadence=cadence if isinstance(cadence, Cadence) else Cadence())
 
 
 __all__ += ["groups", "run"]

@@ -38,6 +38,7 @@ from .specs.loader import (
     read_text,
     ref_kind,
 )
+from .specs.rules import check_target
 
 
 def describe_spec(ref: str | Path, seq: int = 4096) -> dict[str, Any]:
@@ -117,6 +118,7 @@ def plan_from_options(
     calibration: str | Path | None = None,
     optimizer_offload_fraction: float = 0.0,
     grad_reduce_dtype: str = "fp32",
+    target: str = "megatron",
 ) -> Plan:
     """A Plan (no estimate yet) from command-line style values; dp and micro-batches derived."""
     missing = [f for f, v in (("--gbs", gbs),) if v is None]
@@ -136,7 +138,8 @@ def plan_from_options(
                               "stage_layout": stage_layout,
                               "optimizer_offload_fraction": optimizer_offload_fraction},
                     "choices", "command line")
-    return Plan(model=m, cluster=c, training=t, layout=layout, choices=choices)
+    check_target(target)
+    return Plan(model=m, cluster=c, training=t, layout=layout, choices=choices, target=target)
 
 
 def estimate(
@@ -149,12 +152,14 @@ def estimate(
     imbalance: float = 1.0,
     routing_histogram: dict[str, Any] | str | Path | None = None,
     calibration: dict[str, Any] | None = None,
+    target: str | None = None,
 ) -> Estimate:
     """Predict step time, throughput and memory of one layout.
 
     `model` may be a Plan or a plan file (then the other specs come from it), or a ModelSpec /
-    preset name with `cluster`, `training` and `layout`. Raises LayoutError naming each broken
-    Megatron rule; a valid layout that does not fit returns `fits=False`.
+    preset name with `cluster`, `training` and `layout`. Raises LayoutError naming each rule of
+    the target executor it breaks (`target`, else the plan's, else megatron); a valid layout
+    that does not fit returns `fits=False`.
     """
     from .cost_models import estimate as _estimate
 
@@ -165,6 +170,7 @@ def estimate(
     if isinstance(model, Plan):
         plan = model
         m, c, t, lay, ch = plan.model, plan.cluster, plan.training, plan.layout, plan.choices
+        target = target or plan.target
     else:
         if cluster is None or training is None or layout is None:
             raise SpecError("estimate needs a Plan, or a model with cluster, training and layout.")
@@ -177,4 +183,4 @@ def estimate(
     hist = (load_routing_histogram(routing_histogram)
             if isinstance(routing_histogram, (str, Path)) else routing_histogram)
     return _estimate(m, c, t, lay, ch, imbalance=imbalance, routing_histogram=hist,
-                     calibration=calibration)
+                     calibration=calibration, target=target or "megatron")

@@ -34,6 +34,7 @@ from .errors import (
     exit_rule,
 )
 from .fsio import check_writable, strict_dumps, write_json
+from .specs.rules import check_target
 from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
@@ -89,6 +90,9 @@ AXIS_HELP = {
     "etp": "Expert tensor parallel size.",
     "mbs": "Micro-batch size in sequences.",
 }
+TARGET_HELP = ("The executor the plan is for, whose rules it must keep (docs/EXPORT.md): "
+               "megatron (Megatron-LM; one recompute and offload set for every stage) or "
+               "moeplan (`moeplan run`).")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
@@ -276,9 +280,14 @@ def estimate(
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
                       ] = None,
     report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
+    target: Annotated[str | None, typer.Option(
+        "--target", help=TARGET_HELP + " Default: the plan's own, else megatron.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Predict step time, throughput and memory of one layout."""
+    """Predict step time, throughput and memory of one layout.
+
+    The layout is checked against every rule of its target executor (exit 2 naming each one
+    it breaks, with the fix)."""
     _check_report(report)
     from .api import estimate as api_estimate
     from .api import plan_from_options, with_calibration
@@ -301,7 +310,11 @@ def estimate(
                 "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
-                                 calibration, grad_reduce_dtype=grad_reduce)
+                                 calibration, grad_reduce_dtype=grad_reduce,
+                                 target=target or "megatron")
+    if target is not None:
+        check_target(target)
+        plan = plan.model_copy(update={"target": target})
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
     if report:
@@ -415,8 +428,7 @@ def search(
     precision: Annotated[str, typer.Option("--precision", help="bf16, fp8-delayed, "
                          "fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4, or auto.")] = "bf16",
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
-    target: Annotated[str, typer.Option("--target", help="megatron (anything Megatron Core "
-                      "runs) or moeplan (what `moeplan run` executes today).")] = "megatron",
+    target: Annotated[str, typer.Option("--target", help=TARGET_HELP)] = "megatron",
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
                           "searching after this many seconds and report the best so far.")
                           ] = None,
@@ -790,24 +802,42 @@ def export(
     train_tokens: Annotated[float | None, typer.Option(
         "--train-tokens", help="megatron: tokens to train (e.g. 1e12), as iterations at the "
         "plan's global batch.")] = None,
+    flags_only: Annotated[bool, typer.Option(
+        "--flags-only", help="megatron: print the pretrain_gpt.py flags alone, without the "
+        "environment and the torchrun line.")] = False,
+    log_interval: Annotated[int, typer.Option("--log-interval", help="megatron: iterations "
+                                              "between log lines.")] = 10,
+    save_interval: Annotated[int | None, typer.Option(
+        "--save-interval", help="megatron: iterations between checkpoints (default 1,000, or "
+        "the run's length if shorter).")] = None,
+    eval_interval: Annotated[int | None, typer.Option(
+        "--eval-interval", help="megatron: iterations between evaluations (default: at each "
+        "checkpoint).")] = None,
+    eval_iters: Annotated[int, typer.Option("--eval-iters", help="megatron: validation "
+                                            "iterations per evaluation.")] = 10,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export a plan as Megatron-LM flags, a torchrun line or a Slurm script.
+    """Export a plan as a Megatron-LM launch, a torchrun line or a Slurm script.
 
-    Warnings (plan choices Megatron cannot express exactly) go to stderr.
+    Each format first checks the plan against its executor's rules and exits 2 naming any it
+    breaks. Warnings (plan choices Megatron cannot express exactly) go to stderr.
     """
     from . import export as export_plan
+    from .planner.export import Cadence
 
     doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node,
-                      train_iters=train_iters, train_tokens=train_tokens)
+                      train_iters=train_iters, train_tokens=train_tokens,
+                      cadence=Cadence(log_interval, save_interval, eval_interval, eval_iters))
     for w in doc.get("warnings", []):
         err.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
 
     def render() -> None:
-        if doc["format"] == "megatron":
+        if doc["format"] == "megatron" and flags_only:
             from .planner.export import format_megatron
 
             sys.stdout.write(format_megatron(doc["args"], doc["comments"]) + "\n")
+        elif doc["format"] == "megatron":
+            sys.stdout.write(doc["launch"])
         else:
             sys.stdout.write(doc["script"])
 

@@ -27,13 +27,18 @@ class SpecError(MoeplanError):
     """A model, cluster, training or plan description is invalid; the message names the field."""
 
 
-class LayoutError(MoeplanError):
-    """A layout breaks one or more of Megatron Core's validity rules (each named)."""
+EXECUTORS = {"megatron": "Megatron-LM", "moeplan": "`moeplan run`"}
 
-    def __init__(self, violations: list[tuple[str, str]]):
-        self.violations = violations
+
+class LayoutError(MoeplanError):
+    """A plan breaks one or more rules of its target executor (each named, with its fix; the
+    rules table is `moeplan.specs.rules`)."""
+
+    def __init__(self, violations: list[tuple[str, str]], target: str | None = None):
+        self.violations, self.target = violations, target
         lines = "; ".join(f"[{rule}] {why}" for rule, why in violations)
-        super().__init__(f"invalid layout: {lines}")
+        who = f" for {EXECUTORS.get(target, target)}" if target else ""
+        super().__init__(f"invalid layout{who}: {lines}")
 
 
 class NotYetAvailable(MoeplanError):

@@ -30,6 +30,16 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "ep2_overlap_selective_recompute": (2, {"ep": 2, "ep_overlap": True,
                                             "recompute": ["layernorm", "core_attn", "moe_act",
                                                           "shared_experts"]}),
+    # every activation offload module inside the sub-modules of the merged schedule
+    "ep2_overlap_offload": (2, {"ep": 2, "ep_overlap": True,
+                                "offload": ["attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                            "mlp_norm", "expert_fc1", "moe_act"]}),
+    # offload and recompute together, one set per pipeline rank, interleaved pp with overlap
+    "pp2_vpp2_ep2_overlap_offload_recompute": (4, {
+        "pp": 2, "vpp": 2, "ep": 2, "ep_overlap": True,
+        "recompute": [["layernorm", "moe_act"], ["core_attn", "shared_experts"]],
+        "offload": [["attn_norm", "qkv_linear", "expert_fc1"],
+                    ["core_attn", "attn_proj", "mlp_norm", "moe_act"]]}),
 }
 
 
@@ -37,9 +47,9 @@ def plan_for(model: str, world: int, axes: dict):
     from moeplan.specs import Choices
 
     axes = dict(axes)
-    recompute = axes.pop("recompute", [])
+    recompute, offload = axes.pop("recompute", []), axes.pop("offload", [])
     plan = make_plan(model, world, axes)
-    return plan.model_copy(update={"choices": Choices(recompute=recompute)})
+    return plan.model_copy(update={"choices": Choices(recompute=recompute, offload=offload)})
 
 
 def trace_rows(trainer) -> list[dict]:
@@ -53,6 +63,7 @@ def trace_rows(trainer) -> list[dict]:
 
 def worker(rank: int, port: int, out: str) -> None:
     from moeplan.runtime.groups import build_groups
+    from moeplan.runtime.memory import measure_activations
     from moeplan.runtime.train import Trainer
     from moeplan.specs.grid import RankGrid
 
@@ -68,12 +79,14 @@ def worker(rank: int, port: int, out: str) -> None:
             if groups is not None:
                 trainer = Trainer(plan, groups, seed=1234)
                 losses, grads = [], None
-                for step in range(STEPS):
-                    metrics, g = trainer.step(step, capture_grads=step == 0)
-                    losses.append(metrics.loss)
-                    grads = grads if g is None else g
+                with measure_activations() as meter:
+                    for step in range(STEPS):
+                        metrics, g = trainer.step(step, capture_grads=step == 0)
+                        losses.append(metrics.loss)
+                        grads = grads if g is None else g
                 row = {"losses": losses, "grads": grads, "trace": trace_rows(trainer),
-                       "overlap": trainer.pipeline is not None and trainer.pipeline.ep_overlap}
+                       "overlap": trainer.pipeline is not None and trainer.pipeline.ep_overlap,
+                       "offloaded_bytes": meter.offloaded_bytes}
             rows: list = [None] * WORLD
             dist.all_gather_object(rows, row.get("trace"))
             if rank == 0:

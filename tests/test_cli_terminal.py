@@ -179,13 +179,13 @@ def _plan(**choices) -> Plan:
 
 
 def test_plan_summary_names_every_choice_in_one_vocabulary():
-    p = _plan(stage_recompute=[["core_attn", "moe_act"], []], offload=["expert_fc1"],
+    p = _plan(recompute=[["core_attn", "moe_act"], []], offload=["expert_fc1"],
               optimizer_offload_fraction=0.5)
     assert p.layout_summary() == "tp2 cp1 dp4 pp2 vpp2 ep8 etp1 edp1 mbs1×16 bf16"
     assert p.choices_summary() == ("alltoall ep-overlap no-dist-opt "
                                    "recompute=core_attn,moe_act|- offload=expert_fc1 "
                                    "optimizer-offload=0.5")
-    same = _plan(recompute=["core_attn"], stage_layers=[8, 9, 7, 8])
+    same = _plan(recompute=["core_attn"], stage_layout="Et*8|t*9|t*7|t*8L")
     assert "recompute=core_attn " in same.summary()  # one set for every rank: written once
     assert same.choice_tokens()[-1].startswith("stages=E")
 

@@ -46,7 +46,7 @@ def test_estimate_writes_plan_and_reads_it_back(tmp_path, capsys):
     code, out, _ = run_cli([*EST_ARGS, "--recompute", "moe_act", "-o", str(plan)], capsys)
     assert code == 0
     written = json.loads(plan.read_text())
-    assert written["choices"]["recompute"] == ["moe_act"]
+    assert written["choices"]["recompute"] == [["moe_act"]]  # one set for every rank
     assert written["layout"]["ep"] == 8 and written["estimate"]["fits"] in (True, False)
     code, out2, _ = run_cli(["estimate", str(plan), "--json"], capsys)
     assert code == 0

@@ -61,6 +61,24 @@ def test_ep2_overlap_with_selective_recompute_matches_single_process(results, mo
     assert_matches_reference(results, "ep2_overlap_selective_recompute", model)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_ep2_overlap_with_every_activation_offload_matches_single_process(results, model):
+    """Every offload module moves what its ops save to host inside the merged schedule's
+    pieces (the layer's scope spans them), and the function is the reference's."""
+    row = results[("ep2_overlap_offload", model)]
+    assert row["overlap"] and row["offloaded_bytes"] > 0
+    assert results[("ep2_overlap", model)]["offloaded_bytes"] == 0
+    assert_matches_reference(results, "ep2_overlap_offload", model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_pp2_vpp2_ep2_overlap_with_per_rank_offload_and_recompute_matches_single_process(
+        results, model):
+    row = results[("pp2_vpp2_ep2_overlap_offload_recompute", model)]
+    assert row["overlap"] and row["offloaded_bytes"] > 0
+    assert_matches_reference(results, "pp2_vpp2_ep2_overlap_offload_recompute", model)
+
+
 # Megatron's pairing (combined_1f1b): what runs behind each hop of the other micro-batch
 BEHIND = {("F", "dispatch"): "B experts", ("B", "dispatch"): "F experts",
           ("B", "combine"): "F attention", ("F", "combine"): "B attention"}
@@ -171,7 +189,6 @@ def test_ep_overlap_plans_are_executed_with_pp1_and_with_interleaved_pp():
     assert features_not_executed(_plan(ep=4, dispatcher="flex", ep_overlap=True)) == []
 
 
-def test_ep_overlap_with_activation_offload_is_refused_naming_the_fix():
-    (msg,) = features_not_executed(_plan(Choices(offload=["core_attn"]), ep=2,
-                                         ep_overlap=True))
-    assert "core_attn" in msg and "ep_overlap: false" in msg and "offload" in msg
+def test_ep_overlap_with_activation_offload_is_executed():
+    assert features_not_executed(_plan(Choices(offload=["core_attn"]), ep=2,
+                                       ep_overlap=True)) == []

@@ -197,13 +197,14 @@ def test_explicit_uneven_stage_layout_is_passed_through():
 
 def test_stage_layout_that_does_not_match_the_model_is_refused():
     plan = deepseek_plan(stage_layout="Et*3|(tt|)*6,t|mL")  # 16 stages, 16 layers, not 61
-    with pytest.raises(SpecError):
+    with pytest.raises(LayoutError, match="stage_layout_valid"):
         to_megatron_args(plan)
 
 
 def test_uneven_stage_layers_become_a_layout():
     plan = mixtral_plan(pp=4, tp=1, ep=4)
-    plan = plan.model_copy(update={"choices": Choices(stage_layers=[7, 9, 9, 7])})
+    plan = Plan.model_validate({**plan.model_dump(mode="json", exclude={"format_version"}),
+                                "choices": {"stage_layers": [7, 9, 9, 7]}})  # format 1
     ns = parse(to_megatron_args(plan)[0])
     stages = parse_stage_layout(ns.pipeline_model_parallel_layout, pp=4, num_layers=32)
     assert [s.count("t") for s in stages] == [7, 9, 9, 7]
@@ -303,31 +304,27 @@ def test_dense_gpt3_has_no_moe_flags():
 
 
 # ------------------------------------------------------------------ what Megatron cannot say
-def test_per_stage_recompute_exports_the_union_with_a_warning():
-    argv, warnings = to_megatron_args(deepseek_plan(
-        stage_recompute=[["core_attn", "moe_act"], ["core_attn"], ["core_attn"], ["layernorm"]]))
-    ns = parse(argv)
-    assert ns.recompute_granularity == "selective"
-    assert ns.recompute_modules == ["core_attn", "moe_act", "layernorm"]
-    assert len(warnings) == 1
-    assert "union" in warnings[0] and "stage 0: core_attn, moe_act" in warnings[0]
-    assert "stages 1-2: core_attn" in warnings[0]
+def test_per_stage_recompute_is_refused_naming_the_megatron_rule():
+    plan = deepseek_plan(recompute=[["core_attn", "moe_act"], ["core_attn"], ["core_attn"],
+                                    ["layernorm"]])
+    with pytest.raises(LayoutError, match="uniform_stage_choices") as err:
+        to_megatron_args(plan)
+    assert "rank 0: recompute core_attn, moe_act" in str(err.value)
+    assert "--target megatron" in str(err.value)
 
 
-def test_mixed_full_and_selective_recompute_becomes_full():
+def test_full_recompute_exports_whole_layer_recompute():
     plan = mixtral_plan(pp=2, tp=1, ep=8)
-    plan = plan.model_copy(update={"choices": Choices(stage_recompute=[["full"], ["moe_act"]])})
+    plan = plan.model_copy(update={"choices": Choices(recompute=["full"])})
     argv, warnings = to_megatron_args(plan)
     ns = parse(argv)
     assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == (
         "full", "uniform", 1)
-    assert "--recompute-modules" not in flags(argv)
-    assert len(warnings) == 1 and "whole layers" in warnings[0]
+    assert "--recompute-modules" not in flags(argv) and warnings == []
 
 
-def test_per_stage_offload_union_and_optimizer_offload():
-    plan = deepseek_plan(stage_offload=[["expert_fc1", "moe_act"], ["moe_act"], [], []],
-                         optimizer_offload_fraction=0.5)
+def test_offload_and_optimizer_offload():
+    plan = deepseek_plan(offload=["expert_fc1", "moe_act"], optimizer_offload_fraction=0.5)
     plan = plan.model_copy(update={
         "training": plan.training.model_copy(update={"optimizer_moments_dtype": "bf16"})})
     argv, warnings = to_megatron_args(plan)
@@ -337,7 +334,7 @@ def test_per_stage_offload_union_and_optimizer_offload():
     assert ns.optimizer_cpu_offload and ns.optimizer_offload_fraction == 0.5
     assert ns.use_precision_aware_optimizer  # Megatron asserts it with CPU offload
     assert (ns.exp_avg_dtype, ns.exp_avg_sq_dtype) == ("bf16", "bf16")
-    assert len(warnings) == 1 and "offload" in warnings[0]
+    assert warnings == []
 
 
 def test_partial_biases_and_unnormalised_sigmoid_warn():
@@ -373,15 +370,20 @@ def test_torchrun_line_is_a_valid_torchrun_command():
     plan = deepseek_plan()
     argv = torchrun_argv(plan, nnodes=32, plan_path="ds.json")
     assert argv[0] == "torchrun"
-    assert argv[-4:] == ["-m", "moeplan", "run", "ds.json"]
+    run_args = ["run", "ds.json", "--data", "${DATA:?}", "--steps", "${STEPS:?}",
+                "--ckpt-dir", "${CKPT_DIR:?}", "--resume"]
+    assert argv[-len(run_args) - 2:] == ["-m", "moeplan", *run_args]
     run = pytest.importorskip("torch.distributed.run")
     ns = run.get_args_parser().parse_args(argv[1:])
     assert (ns.nnodes, ns.nproc_per_node, ns.rdzv_backend) == ("32", "8", "c10d")
     assert ns.module and ns.training_script == "moeplan"
-    assert ns.training_script_args == ["run", "ds.json"]
+    assert ns.training_script_args == run_args
     text = to_torchrun(plan, nnodes=32, plan_path="ds.json")
     assert '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in text
-    assert text.rstrip().endswith("-m moeplan run ds.json")
+    assert text.rstrip().endswith(
+        '-m moeplan run ds.json --data "${DATA:?}" --steps "${STEPS:?}" '
+        '--ckpt-dir "${CKPT_DIR:?}" --resume')
+    assert all(f"#   {k}" in text for k in ("DATA", "STEPS", "CKPT_DIR"))
 
 
 def test_torchrun_defaults_and_errors():
@@ -400,10 +402,12 @@ def test_slurm_script_contents():
     script = to_slurm(deepseek_plan(), nnodes=32, plan_path="ds.json")
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=32", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue",
                  "srun --kill-on-bad-exit=1 --ntasks-per-node=1 moeplan run ds.json",
                  "--nnodes 32", "--nproc-per-node 8", '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"',
-                 '--rdzv-id "$SLURM_JOB_ID"', "scontrol show hostnames"):
+                 '--rdzv-id "$SLURM_JOB_ID"', "scontrol show hostnames", '--data "${DATA:?}"',
+                 '--steps "${STEPS:?}"', '--ckpt-dir "${CKPT_DIR:?}"', "--resume",
+                 'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi'):
         assert line in script
     assert "tp1 cp1 dp64 pp4 vpp4 ep64" in script and "seq 4096" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -414,7 +418,7 @@ def test_public_api_returns_the_json_document():
     doc = moeplan.export(qwen3_plan())
     assert doc["format"] == "megatron" and doc["warnings"] == []
     parse(doc["args"])
-    assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script"}
+    assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script", "placeholders"}
     with pytest.raises(SpecError):
         moeplan.export(qwen3_plan(), "deepspeed")
 
@@ -422,8 +426,7 @@ def test_public_api_returns_the_json_document():
 @pytest.fixture
 def plan_file(tmp_path):
     path = tmp_path / "plan.json"
-    doc = deepseek_plan(stage_recompute=[["core_attn"], ["moe_act"], [], []]).model_dump(
-        mode="json")
+    doc = deepseek_plan(recompute=["core_attn"], offload=["expert_fc1"]).model_dump(mode="json")
     for derived in ("world_size", "edp", "sequence_parallel"):  # computed, not input fields
         doc["layout"].pop(derived)
     path.write_text(json.dumps(doc))
@@ -431,19 +434,26 @@ def plan_file(tmp_path):
 
 
 def test_cli_megatron_text_and_json(cli, plan_file):
-    r = cli("export", str(plan_file), "--format", "megatron")
+    r = cli("export", str(plan_file), "--format", "megatron", "--flags-only")
     assert r.returncode == 0, r.stderr
     comments = [line for line in r.stdout.split("\n") if line.startswith("# ")]
     assert any("DATA_PATH" in c for c in comments)  # the placeholders to set, listed
+    assert any("d98e8a6" in c for c in comments)  # the Megatron-LM the flags are for
     lines = r.stdout.rstrip("\n").split("\n")[len(comments):]
     assert all(line.endswith(" \\") for line in lines[:-1]) and not lines[-1].endswith("\\")
     assert all(line.startswith("--") for line in lines)
-    assert "warning:" in r.stderr and "union" in r.stderr
     assert "--moe-layer-freq '([0]*3+[1]*58)' \\" in lines
+    r = cli("export", str(plan_file), "--format", "megatron")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("#!/bin/bash\n")
+    assert "export NVTE_CPU_OFFLOAD_V1=1" in r.stdout and "pretrain_gpt.py \\" in r.stdout
+    subprocess.run(["bash", "-n"], input=r.stdout, text=True, check=True)
     r = cli("export", str(plan_file), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["format"] == "megatron" and len(doc["warnings"]) == 1
+    assert doc["format"] == "megatron" and doc["warnings"] == []
+    assert doc["env"] == {"NVTE_CPU_OFFLOAD_V1": "1"} and doc["launch"] == (
+        cli("export", str(plan_file)).stdout)
     parse(doc["args"])
 
 

@@ -367,7 +367,8 @@ def test_exported_scripts_with_hostile_names_run_no_injected_command(tmp_path, c
     (work / HOSTILE_PLAN).write_text(json.dumps(doc))
     capsys.readouterr()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n0",
-           "SLURM_JOB_ID": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+           "SLURM_JOB_ID": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           "DATA": "synthetic", "STEPS": "5", "CKPT_DIR": str(tmp_path / "ckpt")}
     for fmt in ("torchrun", "slurm"):
         log = tmp_path / f"{fmt}.log"
         assert main(["export", str(work / HOSTILE_PLAN), "--format", fmt]) == 0

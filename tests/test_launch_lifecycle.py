@@ -263,23 +263,25 @@ def test_each_refusal_names_a_fix_that_removes_it():
     assert features_not_executed(mtp.model_copy(update={
         "choices": Choices(stage_layout=fixed)})) == []
     plan = _qwen_plan(8, ep=8)
-    overlap = plan.model_copy(update={  # EP overlap runs, but not with activation offload
-        "layout": plan.layout.model_copy(update={"ep_overlap": True}),
-        "choices": Choices(offload=["core_attn"])})
-    (refusal,) = features_not_executed(overlap)
-    assert ("moeplan search --model qwen3-30b-a3b --cluster h100 --gpus 8 --seq 4096 --gbs 64 "
-            "--precision bf16 --target moeplan") in refusal
-    assert "`ep_overlap: false`" in refusal
-    assert features_not_executed(overlap.model_copy(update={"choices": Choices()})) == []
+    gather = plan.model_copy(update={"training": plan.training.model_copy(update={
+        "precision": "fp8-tensorwise", "fp8_param_gather": True})})
+    (refusal,) = features_not_executed(gather)
+    assert "`fp8_param_gather: false`" in refusal and "--format megatron" in refusal
+    assert features_not_executed(gather.model_copy(update={"training": gather.training
+                                                   .model_copy(update={
+                                                       "fp8_param_gather": False})})) == []
 
 
 @pytest.mark.slow
 def test_a_refused_plan_exits_2_with_the_fix_before_any_worker_starts(cli, tmp_path):
-    plan = write_plan(tmp_path / "ovl.json", 2, ep=2, ep_overlap=True,
-                      choices=Choices(offload=["core_attn"]))
-    r = cli("run", plan, "--steps", "1", "--out", str(tmp_path / "o"))
+    path = tmp_path / "gather.json"
+    write_plan(path, 2, ep=2)
+    doc = json.loads(path.read_text())
+    doc["training"].update(precision="fp8-tensorwise", fp8_param_gather=True)
+    path.write_text(json.dumps(doc))
+    r = cli("run", str(path), "--steps", "1", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "--target moeplan" in " ".join(r.stderr.split())
+    assert "`fp8_param_gather: false`" in " ".join(r.stderr.split())
 
 
 # ------------------------------------------------------------------------------ multi-node
@@ -290,7 +292,7 @@ def _losses(out: Path) -> list[float]:
 def _slurm_launch_line(plan: str) -> str:
     """The command `moeplan export --format slurm` has srun run once per node."""
     script = to_slurm(load_plan(plan), nnodes=2, plan_path=plan)
-    srun = script[script.index("srun "):].replace("\\\n", " ")
+    srun = script[script.index("srun "):].replace("\\\n", " ").split(" || code=$?")[0]
     return srun.split("--ntasks-per-node=1 ", 1)[1].replace("moeplan run", f"{sys.executable} "
                                                            "-m moeplan run", 1).strip()
 
@@ -307,8 +309,9 @@ def test_two_localhost_nodes_of_two_ranks_match_the_single_process_losses(cli, t
     assert r.returncode == 0, r.stderr[-3000:]
     plan = write_plan(tmp_path / "w4.json", 4, tp=2, ep=2)
     out = tmp_path / "two-nodes"
-    line = f"{_slurm_launch_line(plan)} --steps {steps} --seed 7 --out {out}"
+    line = f"{_slurm_launch_line(plan)} --seed 7 --out {out}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "DATA": "synthetic", "STEPS": steps, "CKPT_DIR": str(tmp_path / "ckpt"),
            "MASTER_PORT": str(_free_port()), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2",
            "SLURM_JOB_NODELIST": "localhost"}
     nodes = [subprocess.Popen(["bash", "-c", line], stdout=subprocess.PIPE,

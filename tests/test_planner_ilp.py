@@ -22,7 +22,7 @@ from moeplan.planner.ilp import (
     solve_milp,
     solve_over,
 )
-from moeplan.planner.problem import Group, Item, Option, StageProblem
+from moeplan.planner.problem import Group, Item, Option, StageProblem, as_combo
 from moeplan.planner.sets import exact_fronts, item_cost, module_sets, pareto, useful_sets
 
 FS = frozenset
@@ -38,7 +38,7 @@ def problem(items, L, pp, vpp=1, inflight=None, budget=1e12, m=4, fixed=None,
         fixed=tuple(tuple(f) for f in (fixed or [()] * S)), pp=pp, vpp=vpp,
         inflight=tuple(inflight or [float(pp - s % pp) for s in range(S)]),
         host_s_per_byte=host, budget_bytes=(budget,) * pp, alpha=m - 1 / vpp, beta=1 / vpp,
-        options=tuple(options), exclusive=((FULL, MOE_ACT),))
+        options=tuple(options), forbidden=((FULL, MOE_ACT),))
 
 
 MOE = Item("moe", time_s=1.0, fwd_s=0.3, bwd_s=0.6, static_bytes=1.0,
@@ -99,7 +99,7 @@ def test_the_milp_proves_infeasibility_when_each_rank_fits_some_layers_but_not_a
     # (ψ = 2) and 3 on rank 1. A budget of 6 holds 1 + 2 = 3 of the 4 layers: every rank fits a
     # set at some count (the pruning passes), only the MILP can prove the total infeasible.
     P = problem([MOE], 4, 2, inflight=[2, 1], budget=6)
-    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    C = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
     cand = useful_sets(P, C, exact_fronts(P, C))
     assert all(cand)
     assert solve_milp(build(P, C, cand)) is Outcome.INFEASIBLE
@@ -122,7 +122,7 @@ def test_an_incumbent_at_a_time_limit_is_decoded_but_not_claimed_optimal():
     # pulp reports a HiGHS time limit with an incumbent as status "Optimal" with solution
     # status "Solution Found"; decoding must keep the plan and drop the claim.
     P = problem([MOE], 4, 2, inflight=[2, 1], budget=30, options=(MOE_ACT, FULL))
-    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    C = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
     milp = build(P, C, exact_fronts(P, C))
     assert solve_milp(milp) is Outcome.OPTIMAL
     milp.lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
@@ -182,7 +182,7 @@ def brute_force(P: StageProblem) -> float:
               if sum(c) == P.free_layers]
     subsets = [list(c) for n in range(len(P.options) + 1)
                for c in itertools.combinations(P.options, n)
-               if not any(a in c and b in c for a, b in P.exclusive)]
+               if not any(f.hit(set(c)) for f in P.forbidden)]
     best = float("inf")
     for layers in splits:
         for combo in itertools.product(subsets, repeat=P.pp):
@@ -205,6 +205,10 @@ item_st = st.builds(
                           st.tuples(st.just(CORE_ATTN), st.floats(0, 0.5))))
 
 
+def masks_has(mask, bit, o):
+    return o in bit and bool(mask & bit[o])
+
+
 def every_subset_sets(items, options, exclusive, h):
     """`module_sets` as it was before subsets were grouped by how they act: every allowed
     subset costed with numpy, the smallest of each equal cost vector kept."""
@@ -216,9 +220,9 @@ def every_subset_sets(items, options, exclusive, h):
     bit = {o: 1 << j for j, o in enumerate(options)}
     masks = np.arange(1 << len(options), dtype=np.int64)
     ok = np.ones(masks.shape, dtype=bool)
-    for a, b in exclusive:
-        if a in bit and b in bit:
-            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
+    for f in map(as_combo, exclusive):
+        names = [[o for o in options if masks_has(m, bit, o)] for m in masks.tolist()]
+        ok &= np.array([not f.hit(set(n)) for n in names], dtype=bool)
     masks = masks[ok]
     add, kept = np.zeros((len(masks), len(items))), np.zeros((len(masks), len(items)))
     for i, item in enumerate(items):
@@ -290,7 +294,7 @@ def test_module_sets_of_a_deepseek_v3_layout_equal_costing_every_subset():
         layout = Layout(tp=2, pp=16, vpp=2, dp=32, ep=32, num_microbatches=256, ep_overlap=ovl)
         P = stage_problem(model, cluster, tr, layout, cal,
                           layer_table(model, cluster, tr, layout, cal), OPTIONS).problem
-        assert_sets_equal_every_subset_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+        assert_sets_equal_every_subset_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -317,7 +321,7 @@ def brute_force_sets(P: StageProblem, layers: list[int]) -> float:
     """Every option subset per rank with the layer split given."""
     subsets = [list(c) for n in range(len(P.options) + 1)
                for c in itertools.combinations(P.options, n)
-               if not any(a in c and b in c for a, b in P.exclusive)]
+               if not any(f.hit(set(c)) for f in P.forbidden)]
     best = float("inf")
     for combo in itertools.product(subsets, repeat=P.pp):
         step, mem = evaluate(P, layers, combo)
@@ -340,7 +344,7 @@ def test_rank_separable_solution_with_layers_fixed_equals_the_milp_and_brute_for
         fixed[0].append((1, 1))
     P = problem(items, sum(split), pp, vpp=vpp, budget=budget, host=host, fixed=fixed,
                 options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
-    C = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    C = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
     ref = brute_force_sets(P, split)
     if ref == float("inf"):
         with pytest.raises(InfeasibleStages):
@@ -353,3 +357,73 @@ def test_rank_separable_solution_with_layers_fixed_equals_the_milp_and_brute_for
     assert fast.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
     assert milp.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
     assert fast.layers == split
+
+
+def brute_force_uniform(P: StageProblem) -> float:
+    """Every layer split × one option subset shared by every rank."""
+    splits = [c for c in itertools.product(range(P.free_layers + 1), repeat=P.pp)
+              if sum(c) == P.free_layers]
+    subsets = [list(c) for n in range(len(P.options) + 1)
+               for c in itertools.combinations(P.options, n)
+               if not any(f.hit(set(c)) for f in P.forbidden)]
+    best = float("inf")
+    for layers in splits:
+        for c in subsets:
+            step, mem = evaluate(P, layers, [c] * P.pp)
+            if all(mm <= bb + 1e-9 for mm, bb in zip(mem, P.budget_bytes, strict=True)):
+                best = min(best, step)
+    return best
+
+
+REQUIRES = as_combo(((OFF_FC1,), (MOE_ACT,)))  # offload expert_fc1 only with moe_act recomputed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(item_st, min_size=2, max_size=2), L=st.integers(2, 6),
+       pp=st.integers(1, 3), vpp=st.integers(1, 2), with_fixed=st.booleans(),
+       budget=st.floats(5.0, 120.0), host=st.sampled_from([0.0, 0.05, 0.5]),
+       requires=st.booleans())
+def test_one_set_for_every_rank_equals_brute_force(items, L, pp, vpp, with_fixed, budget, host,
+                                                   requires):
+    # Megatron's one recompute/offload setting for every stage: the level-filling solve over
+    # the set front must equal brute force over every split and every shared subset, with a
+    # "needs" combination (present without absent) among the forbidden ones.
+    import dataclasses
+
+    S = pp * vpp
+    fixed = [[] for _ in range(S)]
+    if with_fixed:
+        fixed[0].append((1, 1))
+    P = problem(items, L, pp, vpp=vpp, budget=budget, host=host, fixed=fixed,
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
+    P = dataclasses.replace(P, uniform=True,
+                            forbidden=P.forbidden + ((REQUIRES,) if requires else ()))
+    ref = brute_force_uniform(P)
+    if ref == float("inf"):
+        with pytest.raises(InfeasibleStages):
+            solve(P)
+        return
+    sol = solve(P)
+    assert sol.objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
+    assert all(o == sol.options[0] for o in sol.options)
+    C = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
+    fixed_sol = solve_fixed(P, C, sol.layers)
+    assert fixed_sol.objective_s == pytest.approx(sol.objective_s, rel=1e-9, abs=1e-12)
+    assert all(o == fixed_sol.options[0] for o in fixed_sol.options)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(item_st, min_size=2, max_size=2), L=st.integers(2, 6),
+       pp=st.integers(1, 3), budget=st.floats(5.0, 120.0), host=st.sampled_from([0.0, 0.5]))
+def test_a_needs_combination_constrains_the_milp_like_brute_force(items, L, pp, budget, host):
+    import dataclasses
+
+    P = problem(items, L, pp, budget=budget, host=host,
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
+    P = dataclasses.replace(P, forbidden=P.forbidden + (REQUIRES,))
+    ref = brute_force(P)
+    if ref == float("inf"):
+        with pytest.raises(InfeasibleStages):
+            solve(P)
+        return
+    assert solve(P).objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)

@@ -230,7 +230,7 @@ def test_recompute_and_offload_of_one_module_stay_apart_from_the_milp_to_the_pla
     # Options, and the plan lists them apart again in SPEC §3's Choices format.
     from moeplan.cost_models.layers import ActTensor, LayerCost
     from moeplan.planner.ilp import StageSolution
-    from moeplan.planner.problem import FULL, Group, _groups
+    from moeplan.planner.problem import FULL, Group, Menu, _groups
     from moeplan.planner.search import _choices
 
     lc = LayerCost(kind="moe", fwd_s=1.0, bwd_s=2.0, tensors=(
@@ -242,15 +242,17 @@ def test_recompute_and_offload_of_one_module_stay_apart_from_the_milp_to_the_pla
         Group(2.0, frozenset({FULL, Option.recompute("moe")}), Option.offload("expert_fc1")),
         Group(8.0, frozenset({FULL, Option.recompute("moe_act")}), Option.offload("moe_act")))
     both = [Option.recompute("moe_act"), Option.offload("moe_act")]
-    uniform = _choices(StageSolution(1.0, [2], [both]), 0, 1, 1, 0.0, [2])
-    assert (uniform.recompute, uniform.offload, uniform.stage_recompute) == (
-        ["moe_act"], ["moe_act"], None)
-    staged = _choices(StageSolution(1.0, [1, 1], [both, [Option.offload("expert_fc1")]]),
-                      1, 2, 1, 0.5, [1, 1])
+    model = tiny_moe(3, 64, 4, 32)
+    one, two = (Layout.build(n, 8, pp=n) for n in (1, 2))
+    uniform = _choices(model, one, Menu(()), StageSolution(1.0, [2], [both]), 0, 0.0, [2])
+    assert (uniform.recompute, uniform.offload, uniform.stage_layout) == (
+        [["moe_act"]], [["moe_act"]], None)
+    staged = _choices(model, two, Menu(()), StageSolution(
+        1.0, [1, 1], [both, [Option.offload("expert_fc1")]]), 1, 0.5, [1, 1])
     dumped = staged.model_dump(mode="json")
-    assert dumped["stage_recompute"] == [["moe_act"], []]
-    assert dumped["stage_offload"] == [["moe_act"], ["expert_fc1"]]
-    assert dumped["stage_layers"] == [2, 1] and dumped["recompute"] == dumped["offload"] == []
+    assert dumped["recompute"] == [["moe_act"], []]
+    assert dumped["offload"] == [["moe_act"], ["expert_fc1"]]
+    assert dumped["stage_layout"] == "Ett|tL"  # layers [2, 1]: the first rank's dense lead
 
 
 @pytest.mark.parametrize(("first_dense", "mtp", "band"), [(1, 1, None), (1, 0, 0.02)])
@@ -296,7 +298,7 @@ def _screened_plans(name, cluster, gpus, gbs, hbm, count, stride=None, tp_overla
     from moeplan.cost_models.estimate import estimate_breakdown
     from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
     from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
-    from moeplan.planner.problem import layer_table, stage_problem
+    from moeplan.planner.problem import Menu, layer_table, stage_problem
     from moeplan.planner.search import _choices
     from moeplan.planner.sets import module_sets
 
@@ -314,13 +316,14 @@ def _screened_plans(name, cluster, gpus, gbs, hbm, count, stride=None, tp_overla
         built = stage_problem(model, cluster, tr, layout, cal, table, ALL_OPTIONS)
         P = built.problem
         try:
-            sol = solve_fixed(P, module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte),
+            sol = solve_fixed(P, module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte),
                               balanced_layers(P))
         except InfeasibleStages:
             continue
-        ch = _choices(sol, built.leading_layers, layout.pp, layout.vpp, 0.0,
-                      P.chunk_layers(sol.layers))
-        b = estimate_breakdown(model, cluster, tr, layout, ch, with_interval=False)
+        ch = _choices(model, layout, Menu(P.options, P.forbidden), sol, built.leading_layers,
+                      0.0, P.chunk_layers(sol.layers))
+        b = estimate_breakdown(model, cluster, tr, layout, ch, with_interval=False,
+                               check=False)  # pricing only: per-rank sets, either target
         out.append((model, table, built, sol, layout, b))
     return out
 

@@ -124,8 +124,8 @@ def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_p
 
 
 @pytest.mark.parametrize("case,axes,extra,needle", [
-    ("ep_overlap_offload", {"ep": 2, "ep_overlap": True, "choices": Choices(offload=["core_attn"])},
-     [], "set `ep_overlap: false`"),
+    ("mtp_stage", {"model": "tiny_deepseek_v3", "pp": 2, "vpp": 2,
+                   "choices": Choices(stage_layout="Et|t|tm|L")}, [], "--stage-layout 'Et|t|t|mL'"),
     ("world", {"ep": 2}, ["--nproc-per-node", "3"], "needs 2 processes"),
     ("data", {}, ["--data", "tokens.bin"], "--data tokens.bin: no such token file"),
     ("resume", {}, ["--resume"], "--resume needs --ckpt-dir"),

@@ -102,7 +102,7 @@ def _flags(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--tp-comm-overlap", action="store_true")
     p.add_argument("--cuda-graph-impl")
-    p.add_argument("--cuda-graph-scope", nargs="+")
+    p.add_argument("--cuda-graph-modules", nargs="+")
     ns, _ = p.parse_known_args(argv)
     return ns
 
@@ -116,7 +116,7 @@ def test_export_writes_the_megatron_flags_of_each_setting(model, axes, scope):
     plan = Plan(model=m, cluster=H100, training=TR, layout=on, choices=Choices())
     ns = _flags(to_megatron_args(plan)[0])
     assert ns.tp_comm_overlap and ns.cuda_graph_impl == "transformer_engine"
-    assert ns.cuda_graph_scope == scope
+    assert ns.cuda_graph_modules == scope
     off = plan.model_copy(update={"layout": Layout.build(64, 256, **axes)})
     ns = _flags(to_megatron_args(off)[0])
     assert not ns.tp_comm_overlap and ns.cuda_graph_impl is None
@@ -254,7 +254,7 @@ def test_a_bridge_row_with_a_recipes_sizes_is_priced_with_that_recipes_settings(
     assert case.assumed["recipe"] == "DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2"
     assert case.layout.dispatcher == "flex" and case.layout.ep_overlap
     assert case.layout.cuda_graphs
-    assert case.choices.recompute == ["mla_up_proj", "mlp"]
+    assert case.choices.recompute == [["mla_up_proj", "mlp"]]
     # one size off, another source, another precision: no recipe, moeplan's defaults
     for row in (_bridge(global_batch_seqs="2048"), _bridge(vpp="4"),
                 _bridge(source="NVIDIA NeMo 2.0 performance summary"),
@@ -276,7 +276,7 @@ def test_a_recipe_that_kept_its_sizes_prices_only_the_releases_that_ran_it():
     late = case_of(_bridge(**over, source_detail="docs; release 26.06 NeMo container"), presets)
     assert "recipe" not in early.assumed and not early.layout.ep_overlap
     assert late.assumed["recipe"] == "DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2"
-    assert late.layout.ep_overlap and late.choices.recompute == ["mla_up_proj"]
+    assert late.layout.ep_overlap and late.choices.recompute == [["mla_up_proj"]]
 
 
 def test_every_recipe_is_a_layout_megatron_would_run_with_its_settings():

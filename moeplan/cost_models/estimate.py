@@ -18,7 +18,7 @@ from ..specs.cluster import ClusterSpec
 from ..specs.layout import Choices, Layout, check_layout
 from ..specs.model import ModelSpec
 from ..specs.plan import Confidence, Estimate, Interval, MemoryBreakdown, TimeBreakdown
-from ..specs.stage_layout import format_stage_layout, stage_layout_for
+from ..specs.stage_layout import format_stage_layout, plan_stages
 from ..specs.training import TrainingSpec
 from . import comm as C
 from . import uncertainty as U
@@ -325,21 +325,22 @@ def estimate_breakdown(
     calibration: dict[str, Any] | None = None,
     check: bool = True,
     with_interval: bool = True,
+    target: str = "megatron",
 ) -> Breakdown:
     """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs)."""
     choices = choices or Choices()
     world = layout.world_size
     if check:
-        check_layout(model, training, layout, cluster.num_gpus or world, choices, cluster)
+        check_layout(model, training, layout, cluster.num_gpus or world, choices, cluster,
+                     target)
     cal = calibration_for({**cluster.calibration, **(calibration or {})})
     L = layout
     ctx = make_context(model, cluster, training, L, cal)
     imbs = layer_imbalances(model, L.ep, imbalance, routing_histogram)
     costs, keys = layer_costs(ctx, imbs)
-    stages = stage_layout_for(model.num_layers, L.pp, L.vpp, model.mtp_layers,
-                              choices.stage_layout, choices.stage_layers)
+    stages = plan_stages(model, L, choices)
     warnings: list[str] = []
-    if model.num_layers % (L.pp * L.vpp) and not (choices.stage_layout or choices.stage_layers):
+    if model.num_layers % (L.pp * L.vpp) and not choices.stage_layout:
         warnings.append(f"{model.num_layers} layers do not split evenly over pp·vpp = "
                         f"{L.pp * L.vpp}; using the balanced layout {format_stage_layout(stages)}")
     if max(imbs, default=1.0) > 1.0:
@@ -476,17 +477,18 @@ def estimate(
     routing_histogram: dict[str, Any] | None = None,
     calibration: dict[str, Any] | None = None,
     with_interval: bool = True,
+    target: str = "megatron",
 ) -> Estimate:
     """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4), with
     its 80 % interval and assumptions unless `with_interval` is False (a search ranking by the
     point adds them to the plans it keeps).
 
-    Raises LayoutError naming every broken Megatron rule; a valid layout that does not fit
-    returns `fits=False`.
+    Raises LayoutError naming every rule of the target executor (`specs.rules`) the layout
+    breaks; a valid layout that does not fit returns `fits=False`.
     """
     return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
                               routing_histogram, calibration,
-                              with_interval=with_interval).estimate
+                              with_interval=with_interval, target=target).estimate
 
 
 # ----------------------------------------------------------------------------- lower bound

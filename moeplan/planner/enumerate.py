@@ -4,9 +4,11 @@ A search over DeepSeek-V3 on 1,024 GPUs meets ~10⁶ axis combinations; building
 for each costs seconds, so candidates stay integer rows until they survive the bounds. Each rule
 that removes a branch is counted by name: the explanation of a search reports these counts.
 
-The rules mirror `moeplan.specs.layout.layout_violations` (Megatron Core's validity rules) plus
-the planner's placement rules; `tests/test_planner_enumerate.py` checks that every surviving row
-is a valid Layout and that no valid layout is lost except by the named placement rule.
+The validity rules are the target executor's, read from the one table (`moeplan.specs.rules`):
+each is evaluated at the first loop level where the axes it reads are bound (`LEVELS`). The
+planner's own placement rules (NVLink domains, the space's limits, vpp values that split the
+layers) are named here; `tests/test_planner_enumerate.py` checks that every surviving row is a
+valid Layout and that no valid layout is lost except by a named placement rule.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..specs import ClusterSpec, ModelSpec, TrainingSpec
+from ..specs.rules import Facts, layout_rules
 
 DISPATCHERS = ("alltoall", "allgather", "flex")
 # Columns of a candidate row, in order.
@@ -79,16 +82,42 @@ def _vpp_options(model: ModelSpec, pp: int, space: SearchSpace) -> list[int]:
     return out
 
 
+class _Axes:
+    """The enumeration's partly bound layout: the fields the rules read (`rules.Facts.layout`),
+    set one loop level at a time."""
+
+    tp = cp = dp = pp = vpp = ep = etp = edp = mbs = num_microbatches = 1
+    dispatcher = "alltoall"
+    ep_overlap = tp_comm_overlap = cuda_graphs = False
+    distributed_optimizer = True
+
+
+LEVELS = ("tp", "cp", "pp/dp", "mbs/num_microbatches", "vpp", "ep/etp/edp", "dispatcher",
+          "ep_overlap", "distributed_optimizer")
+"""The order the loops bind the axes in: a rule of the table is evaluated at the first level
+where every axis it reads is bound."""
+
+
 def enumerate_layouts(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
-    space: SearchSpace,
+    space: SearchSpace, target: str = "megatron",
 ) -> Enumeration:
     """All valid (tp, cp, dp, pp, vpp, ep, etp, edp, mbs, nmb, dispatcher, ep_overlap, dist_opt,
-    precision) rows, with prune counts per rule name."""
+    precision) rows, with prune counts per rule name: the target's rules (`specs.rules`) plus
+    the planner's placement rules (NVLink domains, the space's limits)."""
     pruned: Counter[str] = Counter()
     rows: list[tuple[int, ...]] = []
-    a, g = model.num_attention_heads, model.kv_heads
-    s, gbs = training.seq_len, training.global_batch_size
+    ax = _Axes()
+    facts = Facts(model, training, ax, None, cluster, world)
+    levels = layout_rules(target, LEVELS)
+
+    def broken(level: int) -> bool:
+        for r in levels[level]:
+            if not r.ok(facts):
+                pruned[r.name] += 1
+                return True
+        return False
+
     nvl = cluster.nvlink_domain_gpus
     experts = model.num_experts
     moe_ffn = model.moe_ffn_hidden_size or 0
@@ -100,21 +129,15 @@ def enumerate_layouts(
         if space.max_tp and tp > space.max_tp:
             pruned["target_max_tp"] += 1
             continue
-        if a % tp or (model.attention == "gqa" and g % tp):
-            pruned["heads_divisible_by_tp"] += 1
-            continue
-        if model.ffn_hidden_size % tp:
-            pruned["ffn_divisible_by_tp"] += 1
+        ax.tp = tp
+        if broken(0):
             continue
         for cp in divisors(world // tp):
             if space.max_cp and cp > space.max_cp:
                 pruned["target_max_cp"] += 1
                 continue
-            if cp > 1 and s % (2 * cp):
-                pruned["seq_divisible_by_2cp"] += 1
-                continue
-            if tp > 1 and (s // cp) % tp:
-                pruned["seq_divisible_by_tp"] += 1
+            ax.cp = cp
+            if broken(1):
                 continue
             if tp * cp > nvl:
                 pruned["tp_cp_within_nvlink"] += 1
@@ -123,25 +146,27 @@ def enumerate_layouts(
                 if space.max_pp and pp > space.max_pp:
                     pruned["target_max_pp"] += 1
                     continue
-                if pp > model.num_layers:
-                    pruned["too_many_stages"] += 1
+                ax.pp, ax.dp = pp, world // (tp * cp * pp)
+                if broken(2):
                     continue
-                dp = world // (tp * cp * pp)
+                dp = ax.dp
                 for mbs in (m for m in (1, 2, 4, 8, 16) if m <= space.max_mbs):
-                    if gbs % (mbs * dp):
-                        pruned["gbs_divisible"] += 1
+                    ax.mbs = mbs
+                    ax.num_microbatches = max(1, training.global_batch_size // (mbs * dp))
+                    if broken(3):
                         continue
-                    nmb = gbs // (mbs * dp)
+                    nmb = ax.num_microbatches
                     for vpp in _vpp_options(model, pp, space):
-                        if vpp > 1 and nmb % pp:
-                            pruned["interleaved_microbatches"] += 1
+                        ax.vpp = vpp
+                        if broken(4):
                             continue
                         for ep, etp in itertools.product(ep_opts, etp_opts):
+                            ax.ep, ax.etp = ep, etp
                             n = etp * ep * pp
-                            if world % n:
-                                pruned["expert_world_size"] += 1
+                            ax.edp = world // n if world % n == 0 else 0
+                            if broken(5):
                                 continue
-                            edp = world // n
+                            edp = ax.edp
                             for disp in dispatchers:
                                 # etp and ep are adjacent in both rank orders: an ep group
                                 # spanning etp·ep ranks that divides the domain stays inside
@@ -149,21 +174,22 @@ def enumerate_layouts(
                                 if disp == "flex" and domain % (etp * ep) == 0:
                                     pruned["flex_inside_nvlink"] += 1
                                     continue
+                                ax.dispatcher = disp
+                                if broken(6):
+                                    continue
                                 for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
-                                    if ovl:
-                                        if ep == 1:
-                                            pruned["ep_overlap_needs_ep"] += 1
-                                            continue
-                                        if pp > 1 and vpp == 1:
-                                            pruned["ep_overlap_needs_vpp"] += 1
-                                            continue
-                                        if disp == "allgather":
-                                            pruned["ep_overlap_dispatcher"] += 1
-                                            continue
+                                    ax.ep_overlap = bool(ovl)
+                                    if broken(7):
+                                        continue
                                     for dopt in (1, 0) if space.allow_no_dist_opt else (1,):
+                                        ax.distributed_optimizer = bool(dopt)
+                                        if broken(8):
+                                            continue
                                         for pi in range(len(space.precisions)):
                                             rows.append((tp, cp, dp, pp, vpp, ep, etp, edp, mbs,
                                                          nmb, DISPATCHERS.index(disp), ovl, dopt,
                                                          pi))
+                                    ax.distributed_optimizer = True
+                                ax.ep_overlap = False
     arr = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
     return Enumeration(arr, space.precisions, pruned)

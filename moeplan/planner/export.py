@@ -38,11 +38,17 @@ from ..limits import excerpt
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
-    Layout,
     ModelSpec,
     Plan,
-    layout_violations,
     load_plan,
+)
+from ..specs.rules import (
+    MEGATRON_CORE_VERSION,
+    MEGATRON_LM_COMMIT,
+    TE_VERSION,
+    Facts,
+    requirements,
+    violations,
 )
 from ..specs.stage_layout import format_stage_layout, stage_layout_for
 
@@ -84,6 +90,8 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--qk-pos-emb-head-dim": MegatronFlag(1, int, None, _A + "_add_mla_args"),
     "--v-head-dim": MegatronFlag(1, int, None, _A + "_add_mla_args"),
     "--rope-type": MegatronFlag(1, str, ("rope", "yarn"), _A + "_add_training_args"),
+    "--no-rope-fusion": MegatronFlag(0, None, None, _A + "_add_training_args (dest "
+                                     "apply_rope_fusion)"),
     "--qk-layernorm": MegatronFlag(0, None, None, _A + "_add_vision_args; " + _TC + "qk_layernorm"),
     "--softmax-type": MegatronFlag(1, str, ("learnable", "vanilla", "off-by-one"),
                                    _A + "_add_network_size_args; " + _TC + "softmax_type"),
@@ -153,9 +161,9 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--tp-comm-overlap": MegatronFlag(0, None, None, _A + "_add_training_args"),
     "--cuda-graph-impl": MegatronFlag(1, str, ("none", "local", "transformer_engine"),
                                       _A + "_add_inference_args"),
-    "--cuda-graph-scope": MegatronFlag(
-        "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
-                   "full_iteration"), _A + "_add_inference_args"),
+    "--cuda-graph-modules": MegatronFlag(
+        "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"),
+        _A + "_add_inference_args (--cuda-graph-scope is its deprecated, hidden alias)"),
     "--use-distributed-optimizer": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     "--use-tp-pp-dp-mapping": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     # ---- batch
@@ -204,6 +212,15 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--adam-eps": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--clip-grad": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--train-iters": MegatronFlag(1, int, None, _A + "_add_training_args"),
+    # ---- logging, evaluation, checkpoint cadence (ArgumentGroupFactory over the configs in
+    # megatron/training/config/training_config.py)
+    "--log-interval": MegatronFlag(1, int, None, "LoggerConfig.log_interval"),
+    "--tensorboard-dir": MegatronFlag(1, str, None, "LoggerConfig.tensorboard_dir"),
+    "--eval-interval": MegatronFlag(1, int, None, "ValidationConfig.eval_interval"),
+    "--eval-iters": MegatronFlag(1, int, None, "ValidationConfig.eval_iters"),
+    "--save-interval": MegatronFlag(1, int, None, "CheckpointConfig.save_interval"),
+    "--exit-signal-handler": MegatronFlag(0, None, None, "TrainingConfig.exit_signal_handler"),
+    "--split": MegatronFlag(1, str, None, _A + "_add_data_args"),
     # ---- supplied by the user (placeholders, see PLACEHOLDERS)
     "--data-path": MegatronFlag("+", str, None, _A + "_add_data_args"),
     "--tokenizer-type": MegatronFlag(1, str, None, _A + "_add_tokenizer_args"),
@@ -218,9 +235,19 @@ PLACEHOLDERS: dict[str, str] = {
     "DATA_PATH": "--data-path: prefix of the preprocessed dataset (Megatron's "
                  "tools/preprocess_data.py output, without .bin/.idx)",
     "TOKENIZER_MODEL": "--tokenizer-model: the Hugging Face tokenizer name or directory",
-    "CHECKPOINT_DIR": "--save and --load: the checkpoint directory",
+    "CHECKPOINT_DIR": "--save and --load: the checkpoint directory (TensorBoard logs go to "
+                      "its tensorboard/ folder)",
+}
+# The same for `moeplan run` launches (torchrun, slurm).
+RUN_PLACEHOLDERS: dict[str, str] = {
+    "DATA": "--data: a tokenized dataset (`moeplan data prepare`, Megatron's .bin/.idx "
+            "prefix) or `synthetic`",
+    "STEPS": "--steps: the step to reach",
+    "CKPT_DIR": "--ckpt-dir: the checkpoint directory (every run passes --resume: a "
+                "requeued or restarted job continues from its newest complete step)",
 }
 MAX_TRAIN_ITERS = 10**9
+DEFAULT_SPLIT = "969,30,1"  # Megatron's legacy default train/valid/test split
 
 # precision recipe → (format flag, format, recipe flag, recipe); Megatron's low-precision guide
 # (docs/user-guide/features/low_precision_training.md) pairs mxfp8 and blockwise with e4m3.
@@ -288,31 +315,6 @@ def window_attn_skip_freq_value(model: ModelSpec) -> str | None:
     return "(" + body + ")"
 
 
-def _stage_ranges(idx: list[int]) -> str:
-    """[0, 1, 2, 5] → 'stages 0-2, 5' for warnings."""
-    parts, i = [], 0
-    while i < len(idx):
-        j = i
-        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
-            j += 1
-        parts.append(str(idx[i]) if i == j else f"{idx[i]}-{idx[j]}")
-        i = j + 1
-    return ("stage " if len(idx) == 1 else "stages ") + ", ".join(parts)
-
-
-def _describe_sets(sets: list[list[str]]) -> str:
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, s in enumerate(sets):
-        groups.setdefault(tuple(s), []).append(i)
-    return "; ".join(f"{_stage_ranges(idx)}: {', '.join(k) or 'none'}"
-                     for k, idx in groups.items())
-
-
-def _union(sets: list[list[str]], order: Sequence[str]) -> list[str]:
-    members = {m for s in sets for m in s}
-    return [m for m in order if m in members]
-
-
 def _vocab_divisor(vocab: int, tp: int) -> int | None:
     """Largest `--make-vocab-size-divisible-by` (≤ Megatron's default 128) that leaves the
     vocabulary unpadded: Megatron pads to a multiple of divisor·tp."""
@@ -339,6 +341,8 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--v-head-dim", m.v_head_dim)
         # The spec's RoPE has no YaRN scaling; Megatron's MLA defaults to yarn.
         a.add("--rope-type", "rope")
+        for req in requirements(_facts(plan), "flag"):  # --no-rope-fusion (rules.REQUIREMENTS)
+            a.add(req.name, *(() if req.value is None else (req.value,)))
         # Megatron's MLA builds its q/kv latent norms only under qk_layernorm
         # (gpt_layer_specs: q_layernorm / kv_layernorm = TENorm if qk_layernorm).
         a.add("--qk-layernorm")
@@ -472,7 +476,7 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
 
 
 def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
-    m, L, c = plan.model, plan.layout, plan.choices
+    m, L = plan.model, plan.layout
     a.add("--tensor-model-parallel-size", L.tp)
     a.add("--pipeline-model-parallel-size", L.pp)
     a.add("--context-parallel-size", L.cp)
@@ -484,13 +488,13 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--tp-comm-overlap")
     if L.cuda_graphs:  # the static-shape parts: cost_models.layers.GRAPHED_SHARE
         a.add("--cuda-graph-impl", "transformer_engine")
-        a.add("--cuda-graph-scope", *(("attn", "moe_router", "moe_preprocess") if m.is_moe
-                                      else ("attn", "mlp")))
+        a.add("--cuda-graph-modules", *(("attn", "moe_router", "moe_preprocess") if m.is_moe
+                                        else ("attn", "mlp")))
     if L.distributed_optimizer:
         a.add("--use-distributed-optimizer")
     if L.order == "tp-cp-ep-pp-dp":
         a.add("--use-tp-pp-dp-mapping")
-    layout = pipeline_layout_value(m, L, c.stage_layout, c.stage_layers)
+    layout = pipeline_layout_value(plan)
     if layout is not None:
         # Megatron derives vpp from the layout and refuses --num-virtual-stages-* next to it.
         a.add("--pipeline-model-parallel-layout", layout)
@@ -498,28 +502,18 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--num-virtual-stages-per-pipeline-rank", L.vpp)
 
 
-def pipeline_layout_value(model: ModelSpec, layout: Layout, text: str | None,
-                          stage_layers: list[int] | None) -> str | None:
+def pipeline_layout_value(plan: Plan) -> str | None:
     """The `--pipeline-model-parallel-layout` string, or None when Megatron's default even split
-    is the plan's split.
-
-    An explicit layout is passed through verbatim; uneven layers per stage, or a layer count that
-    does not divide over pp·vpp, become a layout string (E on the first stage, MTP and L on the
-    last, as `specs.stage_layout` defines the split).
-    """
-    if text:
-        stage_layout_for(model.num_layers, layout.pp, layout.vpp, model.mtp_layers, text=text)
-        return text
-    n = layout.pp * layout.vpp
-    if layout.pp == 1:
+    is the plan's split (its explicit layout when it has one, else the default of
+    `Plan.stages`: an even split, or the balanced uneven one written out)."""
+    L = plan.layout
+    if L.pp == 1:
         return None
-    even = model.num_layers % n == 0 and (
-        not stage_layers or set(stage_layers) == {model.num_layers // n})
-    if even:
+    stages = plan.stages()
+    even = stage_layout_for(plan.model.num_layers, L.pp, L.vpp, plan.model.mtp_layers)
+    if plan.model.num_layers % (L.pp * L.vpp) == 0 and stages == even:
         return None
-    stages = stage_layout_for(model.num_layers, layout.pp, layout.vpp, model.mtp_layers,
-                              stage_layers=stage_layers)
-    return format_stage_layout(stages)
+    return plan.choices.stage_layout or format_stage_layout(stages)
 
 
 def _batch_args(a: _Args, plan: Plan) -> None:
@@ -529,39 +523,21 @@ def _batch_args(a: _Args, plan: Plan) -> None:
 
 
 def _memory_args(a: _Args, plan: Plan, warn: list[str]) -> None:
-    c, L, t = plan.choices, plan.layout, plan.training
-    rsets = [sorted(c.recompute_for_stage(i), key=RECOMPUTE_MODULES.index) for i in range(L.pp)]
-    if not c.stage_recompute:
-        rsets = rsets[:1]
-    union = _union(rsets, RECOMPUTE_MODULES)
-    if "full" in union:
-        if any(s != ["full"] for s in rsets):
-            warn.append("per-stage recompute differs (" + _describe_sets(rsets) + "); Megatron "
-                        "applies one recompute setting to every stage, so every stage recomputes "
-                        "whole layers (more recompute time than planned on the other stages).")
+    """One recompute set and one offload set for every stage: `check_exportable` refused a plan
+    whose sets differ by stage (rules `uniform_stage_choices`)."""
+    c, t = plan.choices, plan.training
+    recompute, offload = c.for_rank(0)
+    recompute = sorted(recompute, key=RECOMPUTE_MODULES.index)
+    if recompute == ["full"]:
         a.add("--recompute-granularity", "full")
         a.add("--recompute-method", "uniform")
         a.add("--recompute-num-layers", 1)
-    elif union:
-        if any(s != rsets[0] for s in rsets):
-            warn.append("per-stage recompute differs (" + _describe_sets(rsets) + "); Megatron "
-                        "applies one --recompute-modules set to every stage, so every stage "
-                        f"recomputes the union: {', '.join(union)} (more recompute time than "
-                        "planned on the stages that needed less).")
+    elif recompute:
         a.add("--recompute-granularity", "selective")
-        a.add("--recompute-modules", *union)
-    osets = [sorted(c.offload_for_stage(i), key=OFFLOAD_MODULES.index) for i in range(L.pp)]
-    if not c.stage_offload:
-        osets = osets[:1]
-    ounion = _union(osets, OFFLOAD_MODULES)
-    if ounion:
-        if any(s != osets[0] for s in osets):
-            warn.append("per-stage activation offload differs (" + _describe_sets(osets) + "); "
-                        "Megatron applies one --offload-modules set to every stage, so every "
-                        f"stage offloads the union: {', '.join(ounion)} (more host traffic than "
-                        "planned on the stages that needed less).")
+        a.add("--recompute-modules", *recompute)
+    if offload:
         a.add("--fine-grained-activation-offloading")
-        a.add("--offload-modules", *ounion)
+        a.add("--offload-modules", *sorted(offload, key=OFFLOAD_MODULES.index))
     precision_aware = False
     if c.optimizer_offload_fraction > 0:
         # arguments.py::validate_args asserts --use-precision-aware-optimizer with CPU offload.
@@ -645,30 +621,59 @@ def _optimizer_args(a: _Args, plan: Plan, train_iters: int | None) -> None:
 
 
 # ------------------------------------------------------------------------------- public
-def check_exportable(plan: Plan) -> None:
-    """Refuse plans that break a Megatron rule: Megatron would refuse them at start-up too."""
-    v = layout_violations(plan.model, plan.training, plan.layout, choices=plan.choices,
-                          cluster=plan.cluster)
+def _facts(plan: Plan) -> Facts:
+    return Facts(plan.model, plan.training, plan.layout, plan.choices, plan.cluster)
+
+
+def check_exportable(plan: Plan, target: str = "megatron") -> None:
+    """Refuse a plan that breaks a rule of the executor it is exported to (`specs.rules`):
+    that executor would refuse it at start-up, or run it differently from how it was priced."""
+    v = violations(_facts(plan), target)
     if v:
-        raise LayoutError(v)
+        raise LayoutError(v, target)
+
+
+class Cadence(NamedTuple):
+    """How often a Megatron run logs, evaluates and checkpoints (None: from the schedule)."""
+
+    log_interval: int = 10
+    save_interval: int | None = None  # default: every 1,000 iterations, or at the end
+    eval_interval: int | None = None  # default: at each checkpoint
+    eval_iters: int = 10
+
+    def resolved(self, train_iters: int) -> Cadence:
+        save = self.save_interval or min(1000, train_iters)
+        return Cadence(self.log_interval, save, self.eval_interval or save, self.eval_iters)
+
+
+def _cadence_args(a: _Args, cadence: Cadence) -> None:
+    a.add("--log-interval", cadence.log_interval)
+    a.add("--save-interval", cadence.save_interval)
+    a.add("--eval-interval", cadence.eval_interval)
+    a.add("--eval-iters", cadence.eval_iters)
+    a.add("--tensorboard-dir", ShellRef("${CHECKPOINT_DIR:?}/tensorboard"))
+    a.add("--exit-signal-handler")  # SIGTERM (preemption): checkpoint, then exit
 
 
 def _user_args(a: _Args) -> None:
     """The flags only the user can fill, as `${VAR:?}` placeholders (PLACEHOLDERS)."""
     a.add("--data-path", ShellRef("${DATA_PATH:?}"))
+    a.add("--split", DEFAULT_SPLIT)
     a.add("--tokenizer-type", "HuggingFaceTokenizer")
     a.add("--tokenizer-model", ShellRef("${TOKENIZER_MODEL:?}"))
     a.add("--save", ShellRef("${CHECKPOINT_DIR:?}"))
     a.add("--load", ShellRef("${CHECKPOINT_DIR:?}"))
 
 
-def to_megatron_args(plan: Plan, train_iters: int | None = None) -> tuple[list[str], list[str]]:
+def to_megatron_args(plan: Plan, train_iters: int | None = None,
+                     cadence: Cadence = Cadence()) -> tuple[list[str], list[str]]:
     """Megatron-LM `pretrain_gpt.py` flags (as argv tokens) reproducing the plan, and warnings.
 
     The flags fix the model, the parallel layout, the batch, memory choices, dispatcher,
-    precision, optimizer and schedule (`schedule`); data, tokenizer and checkpoint directories
-    are `${VAR:?}` placeholders (PLACEHOLDERS) the user sets. Each warning names a plan choice
-    Megatron cannot express and what was emitted.
+    precision, optimizer and schedule (`schedule`), and how often the run logs, evaluates and
+    checkpoints (`Cadence`); data, tokenizer and checkpoint directories are `${VAR:?}`
+    placeholders (PLACEHOLDERS) the user sets. Each warning names a plan choice Megatron cannot
+    express and what was emitted.
     """
     check_exportable(plan)
     a, warn = _Args(), []
@@ -683,20 +688,53 @@ def to_megatron_args(plan: Plan, train_iters: int | None = None) -> tuple[list[s
     _precision_args(a, plan)
     _optimizer_args(a, plan, train_iters)
     _user_args(a)
+    _cadence_args(a, cadence.resolved(schedule(plan, train_iters)[0]))
     return a.argv, warn
 
 
 def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
-    """The comment printed above the flags: the plan, the schedule, the variables to set."""
+    """The comment printed above the flags: the plan, the Megatron version the flags are for,
+    the schedule, the variables to set."""
     iters, warm, decay_end = schedule(plan, train_iters)
     source = ("scaled from the TrainingSpec" if train_iters is not None else
               "the TrainingSpec's own; pass --train-iters N or --train-tokens T to scale it")
     lines = [f"plan: {plan.model.name} on {plan.world_size} × {plan.cluster.gpu}: "
              f"{plan.summary()}",
+             f"for Megatron-LM commit {MEGATRON_LM_COMMIT} (Megatron Core "
+             f"{MEGATRON_CORE_VERSION}) with Transformer Engine {TE_VERSION}; run from a "
+             "Megatron-LM checkout",
              f"schedule: {iters:,} iterations, {warm:,} warm-up, cosine decay to iteration "
              f"{decay_end:,} ({source})",
              "set before running (placeholders below):"]
     return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
+
+
+def megatron_env(plan: Plan) -> dict[str, str]:
+    """The environment `pretrain_gpt.py` asserts for this plan (rules.REQUIREMENTS)."""
+    return {r.name: str(r.value) for r in requirements(_facts(plan), "env")}
+
+
+def megatron_launch_argv(plan: Plan, args: Sequence[str], nnodes: int | None = None,
+                         nproc_per_node: int | None = None) -> list[str]:
+    """`torchrun … pretrain_gpt.py FLAGS`: one node standalone; several meet at
+    $MASTER_ADDR:$MASTER_PORT (the same line on every node)."""
+    nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
+    return ["torchrun", *torchrun_args(nnodes, nproc, None if nnodes == 1 else MASTER_ENDPOINT,
+                                       rdzv_id="megatron"), "pretrain_gpt.py", *args]
+
+
+def megatron_launch(plan: Plan, args: Sequence[str], comments: Sequence[str] = (),
+                    nnodes: int | None = None, nproc_per_node: int | None = None) -> str:
+    """A complete launch script: the comments, `export NAME=value` lines for the environment
+    the plan needs (each with its reason), then the torchrun line with the flags."""
+    lines = ["#!/bin/bash", *(f"# {_comment(c)}" for c in comments), "set -euo pipefail"]
+    for r in requirements(_facts(plan), "env"):
+        lines.append(f"export {r.name}={quote(str(r.value))}  # {_comment(r.why)}")
+    argv = megatron_launch_argv(plan, args, nnodes, nproc_per_node)
+    at = argv.index("pretrain_gpt.py")
+    body = format_lines(argv[1:at]) + ["pretrain_gpt.py"] + format_lines(argv[at + 1:])
+    lines.append(" \\\n  ".join(["torchrun", *body]))
+    return "\n".join(lines) + "\n"
 
 
 def _comment(text: str) -> str:
@@ -741,7 +779,18 @@ def torchrun_argv(
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
     flags = torchrun_args(nnodes, nproc, rdzv_endpoint if nnodes > 1 else None,
                           rdzv_id=rdzv_id, max_restarts=max_restarts)
-    return ["torchrun", *flags, "-m", *run_argv(plan_path, *run_args)]
+    return ["torchrun", *flags, "-m", *run_argv(plan_path, *run_args, *RUN_ARGS)]
+
+
+RUN_ARGS = ("--data", ShellRef("${DATA:?}"), "--steps", ShellRef("${STEPS:?}"),
+            "--ckpt-dir", ShellRef("${CKPT_DIR:?}"), "--resume")
+"""What a `moeplan run` launch cannot know (RUN_PLACEHOLDERS), and `--resume`: a fresh
+checkpoint directory starts at step 0, a requeued or restarted job continues."""
+
+
+def _run_comments() -> list[str]:
+    return ["set before running (placeholders below):",
+            *(f"  {k}  {v}" for k, v in RUN_PLACEHOLDERS.items())]
 
 
 def _format_command(argv: Sequence[str], indent: str = "  ") -> str:
@@ -755,8 +804,12 @@ def _format_command(argv: Sequence[str], indent: str = "  ") -> str:
 def to_torchrun(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None = None,
                 plan_path: str = "plan.json", **kw: Any) -> str:
     """The full torchrun launch line for `moeplan run` on `nnodes` nodes (run it on each node
-    with MASTER_ADDR/MASTER_PORT set to the first node's address and a free port)."""
-    return _format_command(torchrun_argv(plan, nnodes, nproc_per_node, plan_path, **kw)) + "\n"
+    with MASTER_ADDR/MASTER_PORT set to the first node's address and a free port), under a
+    comment naming the placeholders to set."""
+    check_exportable(plan, "moeplan")
+    head = "".join(f"# {_comment(c)}\n" for c in _run_comments())
+    return head + _format_command(torchrun_argv(plan, nnodes, nproc_per_node, plan_path,
+                                                **kw)) + "\n"
 
 
 def _summary(plan: Plan) -> str:
@@ -771,13 +824,17 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
              time_limit: str | None = None, partition: str | None = None,
              account: str | None = None) -> str:
     """An sbatch script: one task per node, each a `moeplan run` launcher that starts the node's
-    workers through torchrun's agent; rendezvous on the first node of the allocation."""
+    workers through torchrun's agent; rendezvous on the first node of the allocation. A run
+    stopped by SIGTERM (preemption) checkpoints and exits 75; the script then requeues the job,
+    whose next run resumes from that checkpoint (`--resume` is always passed)."""
+    check_exportable(plan, "moeplan")
     nnodes, nproc = _procs(plan, nnodes, nproc_per_node)
     name = sbatch_value(job_name or f"moeplan-{plan.model.name}")
     head = ["#!/bin/bash", f"# {_comment(_summary(plan))}", f"#SBATCH --job-name={name}",
             f"#SBATCH --nodes={nnodes}", "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --gpus-per-node={nproc}", "#SBATCH --exclusive",
-            "#SBATCH --output=%x-%j.out"]
+            "#SBATCH --requeue", "#SBATCH --open-mode=append",
+            "#SBATCH --output=%x-%j.out", *(f"# {_comment(c)}" for c in _run_comments())]
     if time_limit:
         head.append(f"#SBATCH --time={sbatch_value(time_limit)}")
     if partition:
@@ -786,7 +843,7 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
         head.append(f"#SBATCH --account={sbatch_value(account)}")
     # one `moeplan run` launcher per node (its memory guard, lifecycle and exit codes apply);
     # each starts its node's torchrun agent, all rendezvous on the first node
-    argv = slurm_task_argv(plan_path, nnodes, nproc)
+    argv = [*slurm_task_argv(plan_path, nnodes, nproc), *RUN_ARGS]
     body = [
         "",
         "set -euo pipefail",
@@ -794,37 +851,57 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
         "export MASTER_ADDR",
         "export MASTER_PORT=${MASTER_PORT:-29500}",
         "",
-        "# exit 75: preempted (SIGTERM) after a checkpoint; requeue and add --resume",
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " \\\n  ".join(format_lines(argv)),
+        "code=0",
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " \\\n  ".join(format_lines(argv))
+        + " || code=$?",
+        "# exit 75: preempted (SIGTERM) after a checkpoint; requeue, the next run resumes",
+        'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'exit "$code"',
     ]
     return "\n".join(head + body) + "\n"
 
 
 def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None = None,
            nproc_per_node: int | None = None, plan_path: str | None = None,
-           train_iters: int | None = None, train_tokens: float | None = None) -> dict[str, Any]:
-    """The `moeplan export --json` document: {"format", "args", "warnings", "comments",
-    "placeholders", "schedule"} for megatron, {"format", "script"} for torchrun and slurm.
-    `plan` is a Plan or a plan file path; `train_iters`/`train_tokens` scale the schedule."""
+           train_iters: int | None = None, train_tokens: float | None = None,
+           cadence: Cadence = Cadence()) -> dict[str, Any]:
+    """The `moeplan export --json` document. megatron: {"format", "megatron" (the Megatron-LM
+    commit and Megatron Core version the flags are for), "env" (variables to export), "args"
+    (the pretrain_gpt.py flags), "launch" (the whole script), "warnings", "comments",
+    "placeholders", "schedule"}; torchrun and slurm: {"format", "script", "placeholders"}.
+    `plan` is a Plan or a plan file path; `train_iters`/`train_tokens` scale the schedule,
+    `cadence` sets logging, evaluation and checkpoint intervals."""
     if format not in FORMATS:
         raise SpecError(f"--format {excerpt(format)} is not one of {', '.join(FORMATS)}.")
     if not isinstance(plan, Plan):
         plan_path = plan_path or str(plan)
         plan = load_plan(plan)
     path = plan_path or "plan.json"
-    if format != "megatron" and (train_iters is not None or train_tokens is not None):
-        raise SpecError("--train-iters and --train-tokens set Megatron's schedule: use them with "
-                        "--format megatron (`moeplan run` takes --steps).")
+    if format != "megatron" and (train_iters is not None or train_tokens is not None
+                                 or cadence != Cadence()):
+        raise SpecError("--train-iters, --train-tokens and the log, eval and save intervals set "
+                        "Megatron's schedule: use them with --format megatron (`moeplan run` "
+                        "takes --steps and --ckpt-every).")
+    for name, value in cadence._asdict().items():
+        if value is not None and not 1 <= value <= MAX_TRAIN_ITERS:
+            raise SpecError(f"--{name.replace('_', '-')} must be between 1 and "
+                            f"{MAX_TRAIN_ITERS:,} iterations, got {value:,}.")
     if format == "megatron":
-        if nnodes is not None or nproc_per_node is not None:
-            _procs(plan, nnodes, nproc_per_node)  # still check them: a typo should not pass
         iters = train_iters_for(plan, train_iters, train_tokens)
-        args, warnings = to_megatron_args(plan, iters)
+        args, warnings = to_megatron_args(plan, iters, cadence)
         total, warm, decay_end = schedule(plan, iters)
-        return {"format": format, "args": args, "warnings": warnings,
-                "comments": megatron_comments(plan, iters), "placeholders": dict(PLACEHOLDERS),
+        comments = megatron_comments(plan, iters)
+        return {"format": format,
+                "megatron": {"commit": MEGATRON_LM_COMMIT, "core": MEGATRON_CORE_VERSION,
+                             "transformer_engine": TE_VERSION},
+                "env": megatron_env(plan), "args": args,
+                "launch": megatron_launch(plan, args, comments, nnodes, nproc_per_node),
+                "warnings": warnings, "comments": comments,
+                "placeholders": dict(PLACEHOLDERS),
                 "schedule": {"train_iters": total, "lr_warmup_iters": warm,
                              "lr_decay_iters": decay_end}}
     if format == "torchrun":
-        return {"format": format, "script": to_torchrun(plan, nnodes, nproc_per_node, path)}
-    return {"format": format, "script": to_slurm(plan, nnodes, nproc_per_node, path)}
+        return {"format": format, "script": to_torchrun(plan, nnodes, nproc_per_node, path),
+                "placeholders": dict(RUN_PLACEHOLDERS)}
+    return {"format": format, "script": to_slurm(plan, nnodes, nproc_per_node, path),
+            "placeholders": dict(RUN_PLACEHOLDERS)}

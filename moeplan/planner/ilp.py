@@ -69,6 +69,7 @@ from .sets import (
     fixed_on_rank,
     item_cost,
     module_sets,
+    pareto,
     useful_sets,
 )
 
@@ -253,7 +254,12 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
     with fewer modules). That is one vectorised pass over every set C per rank — the screening pass
     of the search runs it for every surviving layout, where a solver call would cost a thousand
     times more. `tests/test_planner_ilp.py` checks it equals the MILP and brute force.
+
+    With `P.uniform` (one set for every rank) the ranks no longer separate: every set is priced
+    on every rank at once and the fitting set of least objective wins (`_fixed_uniform`).
     """
+    if P.uniform:
+        return _fixed_uniform(P, C, layers)
     ell = P.layer_item
     lay = P.items[ell]
     choice: list[int] = []
@@ -271,6 +277,117 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
     X = [int(x) for x in layers]
     obj, mem = evaluate(P, X, options)
     return StageSolution(obj, X, options, mem)
+
+
+def _rank_costs(P: StageProblem, C: ModuleSets, layers: Sequence[int]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(T, fits): every set's time on every rank (R, C) at the given layers, and whether it
+    fits there."""
+    ell = P.layer_item
+    lay = P.items[ell]
+    T, ok = [], []
+    for r in range(P.pp):
+        x = int(layers[r])
+        ft, fk, t0, m0 = fixed_on_rank(P, C, r)
+        T.append(x * (lay.time_s + C.add_time[:, ell]) + ft + t0)
+        m = x * (lay.static_bytes + P.mean_inflight(r) * C.kept[:, ell]) + fk + m0
+        ok.append(m <= P.budget_bytes[r] * (1 + 1e-9))
+    return np.array(T), np.array(ok)
+
+
+def _fixed_uniform(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageSolution:
+    """`solve_fixed` when one set serves every rank: the set that fits every rank with the
+    least α·max_r T_r + β·Σ_r T_r (ties to the smaller set)."""
+    T, ok = _rank_costs(P, C, layers)
+    fits = np.flatnonzero(ok.all(axis=0))
+    if not len(fits):
+        raise InfeasibleStages("no one module set fits every rank")
+    obj = P.alpha * T[:, fits].max(axis=0) + P.beta * T[:, fits].sum(axis=0)
+    c = int(fits[np.argmin(np.round(obj, 12))])
+    X = [int(x) for x in layers]
+    options = [list(C.sets[c])] * P.pp
+    o, mem = evaluate(P, X, options)
+    return StageSolution(o, X, options, mem)
+
+
+def _fill(slope: float, base: np.ndarray, cap: np.ndarray, total: int) -> list[int] | None:
+    """Integer layers X_r ≤ cap_r summing to `total` that minimise max_r (slope·X_r + base_r);
+    None when the caps hold fewer than `total`.
+
+    The ranks share the slope, so the optimum is a water level: the least level t with
+    Σ_r min(cap_r, ⌊(t − base_r)/slope⌋⁺) ≥ total. Every optimal max is one of the levels
+    base_r + slope·k, so the level is found by bisection over those; layers past `total` come
+    off ranks standing at the level (which leaves the max and Σ_r T_r where they are)."""
+    if cap.sum() < total:
+        return None
+    if slope <= 0:
+        X = np.zeros(len(base), dtype=np.int64)
+        for r in np.argsort(base, kind="stable"):
+            X[r] = min(int(cap[r]), total - int(X.sum()))
+        return X.tolist()
+    levels = np.unique((base[:, None] + slope * np.arange(total + 1)[None, :]).ravel())
+
+    def count(t: float) -> np.ndarray:
+        k = np.floor((t - base) / slope + 1e-9).astype(np.int64)
+        return np.clip(k, 0, cap)
+
+    lo, hi = 0, len(levels) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(levels[mid]).sum() >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    X = count(levels[lo])
+    excess = int(X.sum()) - total
+    for r in range(len(X) - 1, -1, -1):
+        if excess <= 0:
+            break
+        if X[r] > 0 and abs(base[r] + slope * X[r] - levels[lo]) <= 1e-9 * max(1.0, levels[lo]):
+            X[r] -= 1
+            excess -= 1
+    return X.tolist() if excess == 0 else None
+
+
+def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
+    """Layers and one set for every rank together, exactly and without a solver.
+
+    With the set c fixed, Σ_r T_r = (t_ℓ + Δt_ℓc)·(L − D) + const does not depend on the split,
+    so the objective α·max + β·Σ is least where max_r T_r is: every rank's time grows by the
+    same t_ℓ + Δt_ℓc per layer, and level filling under each rank's memory cap
+    (`_fill`) finds that split. Every set not dominated on the numbers the ranks' times and
+    memories read is tried; the least objective wins (ties to the smaller set)."""
+    ell = P.layer_item
+    lay = P.items[ell]
+    cols = [C.add_time[:, ell], C.kept[:, ell]]
+    fixed = [fixed_on_rank(P, C, r) for r in range(P.pp)]
+    for ft, fk, _, _ in fixed:
+        cols += [ft, fk]
+    front = pareto(np.round(np.stack(cols, axis=1), 12))
+    best: tuple[float, int, list[int]] | None = None
+    for c in front.tolist():
+        slope = lay.time_s + C.add_time[c, ell]
+        base = np.array([ft[c] + t0 for ft, _, t0, _ in fixed])
+        cap = np.array([
+            max(-1, int((P.budget_bytes[r] * (1 + 1e-9) - fk[c] - m0)
+                        // (lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell])))
+            if lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell] > 0 else P.free_layers
+            for r, (_, fk, _, m0) in enumerate(fixed)])
+        if (cap < 0).any():
+            continue  # a rank's fixed items alone do not fit under this set
+        X = _fill(slope, base, np.minimum(cap, P.free_layers), P.free_layers)
+        if X is None:
+            continue
+        T = base + slope * np.array(X)
+        obj = round(float(P.alpha * T.max() + P.beta * T.sum()), 12)
+        if best is None or (obj, c) < (best[0], best[1]):
+            best = (obj, c, X)
+    if best is None:
+        raise InfeasibleStages("no one module set fits every rank at any layer split")
+    _, c, X = best
+    options = [list(C.sets[c])] * P.pp
+    o, mem = evaluate(P, X, options)
+    return StageSolution(o, X, options, mem)
 
 
 def balanced_layers(P: StageProblem) -> list[int]:
@@ -296,10 +413,12 @@ def solve(problem: StageProblem, sets: ModuleSets | None = None,
     P = problem
     if min(P.budget_bytes) <= 0:
         raise InfeasibleStages("buffers alone exceed the memory budget")
-    C = sets or module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+    C = sets or module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
     fixed = layers if layers is not None else P.fixed_layers
     if fixed is not None:
         return solve_fixed(P, C, fixed)
+    if P.uniform:
+        return _solve_uniform(P, C)
     exact = useful_sets(P, C, exact_fronts(P, C))
     if not all(exact):
         raise InfeasibleStages("a rank fits no module set at any layer count")

@@ -40,6 +40,7 @@ from ..specs import (
     ModelSpec,
     TrainingSpec,
 )
+from ..specs.rules import Combo, Facts, allowed, option_rules, uniform_stage_choices
 
 
 class Option(NamedTuple):
@@ -68,11 +69,44 @@ class Option(NamedTuple):
 FULL = Option.recompute("full")
 OPTIONS: tuple[Option, ...] = (tuple(Option.recompute(m) for m in RECOMPUTE_MODULES)
                                + tuple(Option.offload(m) for m in OFFLOAD_MODULES))
-"""Every recompute and offload option of SPEC §3: both targets execute all of them."""
-RECOMPUTE_EXCLUSIVE_WITH_FULL = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                                 "shared_experts")
-EXCLUSIVE = tuple((FULL, Option.recompute(o)) for o in RECOMPUTE_EXCLUSIVE_WITH_FULL)
-EP_OVERLAP_FORBIDS = (FULL, Option.recompute("moe"))  # Megatron refuses them with EP overlap
+"""Every recompute and offload option of SPEC §3; which a layout of a target may take, and in
+which combinations, is the rules table's (`menu`)."""
+
+
+def as_combo(c: Combo | Sequence[Option]) -> Combo:
+    """A forbidden combination; a bare pair (a, b) of options reads "not both"."""
+    return c if isinstance(c, Combo) else Combo(tuple(c))
+
+
+@dataclass(frozen=True)
+class Menu:
+    """What the MILP may pick for one layout of one target (`menu`): the options, the
+    combinations no rank's set may hold, and whether one set serves every rank."""
+
+    options: tuple[Option, ...]
+    forbidden: tuple[Combo, ...] = ()
+    uniform: bool = False
+
+    def close(self, chosen: Sequence[Option]) -> list[Option]:
+        """A decoded set with the options its forbidden combinations ask to be present added:
+        the MILP leaves out an option no item reacts to (it costs nothing), but the executor
+        still wants it named (offloading attn_proj names core_attn too)."""
+        out = list(chosen)
+        for c in self.forbidden:
+            if c.hit(set(out)):
+                out += [Option(*o) for o in c.absent if o not in out]
+        return out
+
+
+def menu(model: ModelSpec, training: TrainingSpec, layout: Layout, target: str,
+         options: Sequence[Option] = OPTIONS) -> Menu:
+    """The module options a layout of `target` may take, from the rules table: options some
+    rule bans outright leave, the other forbidden combinations go to the MILP, and Megatron's
+    one-setting-for-all-stages becomes `uniform`."""
+    facts = Facts(model, training, layout)
+    opts, combos = allowed(options, option_rules(facts, target))
+    return Menu(tuple(o for o in options if o in opts), tuple(combos),
+                uniform_stage_choices(target))
 
 
 def split_options(options: Iterable[Option]) -> tuple[list[str], list[str]]:
@@ -120,8 +154,12 @@ class StageProblem:
     alpha: float
     beta: float
     options: tuple[Option, ...]  # O
-    exclusive: tuple[tuple[Option, Option], ...] = ()
+    forbidden: tuple[Combo, ...] = ()  # option combinations no rank's set may hold
     fixed_layers: tuple[int, ...] | None = None  # X_r given (a user's stage layout)
+    uniform: bool = False  # one module set for every rank (Megatron's one setting)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forbidden", tuple(as_combo(c) for c in self.forbidden))
 
     @property
     def stages(self) -> int:
@@ -352,9 +390,14 @@ class Built:
 
 def stage_problem(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
-    cal: Calibration, table: LayerTable, options: tuple[Option, ...],
+    cal: Calibration, table: LayerTable, options: Menu | tuple[Option, ...],
     optimizer_offload_fraction: float = 0.0, fixed_layers: tuple[int, ...] | None = None,
 ) -> Built:
+    """The MILP's data for one layout at one optimizer-offload fraction (module docstring).
+    `options`: the layout's `menu`; a bare tuple of options is read under the rules both
+    targets share (one set per rank)."""
+    m_ = options if isinstance(options, Menu) else menu(model, training, layout, "moeplan",
+                                                         options)
     L = layout
     S, pp, vpp, m = L.pp * L.vpp, L.pp, L.vpp, L.num_microbatches
     moments, grad_bytes = moments_bytes(training), grad_reduce_bytes(training)
@@ -411,14 +454,12 @@ def stage_problem(
     budget = static_activation_budget_bytes(
         cluster, cal, fixed_buffer_bytes(model, training, L, cal, table.imbalance))
 
-    if L.ep_overlap:
-        options = tuple(o for o in options if o not in EP_OVERLAP_FORBIDS)
     problem = StageProblem(
         items=tuple(items), layer_item=0, free_layers=free,
         fixed=tuple(tuple(e) for e in fixed), pp=pp, vpp=vpp,
         inflight=tuple(inflight), host_s_per_byte=1.0 / (cluster.host_link_gb_s * 1e9),
-        budget_bytes=(budget,) * pp, alpha=m - 1.0 / vpp, beta=1.0 / vpp, options=options,
-        exclusive=EXCLUSIVE, fixed_layers=fixed_layers)
+        budget_bytes=(budget,) * pp, alpha=m - 1.0 / vpp, beta=1.0 / vpp, options=m_.options,
+        forbidden=m_.forbidden, fixed_layers=fixed_layers, uniform=m_.uniform)
     return Built(problem, constant_time_s(model, cluster, training, layout, cal, table, f),
                  leading)
 

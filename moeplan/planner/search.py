@@ -45,6 +45,8 @@ from ..cost_models.uncertainty import max_peak_gb, pessimistic_layout
 from ..errors import InfeasibleError, SpecError
 from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
+from ..specs.rules import TARGETS, Facts, check_target, violations
+from ..specs.stage_layout import layers_layout_text, parse_stage_layout, stage_layout_for
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
 from .explain import explain_plans
 from .ilp import (
@@ -59,8 +61,10 @@ from .ilp import (
 from .problem import (
     OPTIONS,
     LayerTable,
+    Menu,
     Option,
     layer_table,
+    menu,
     recompute_pipeline_s,
     split_options,
     stage_problem,
@@ -76,7 +80,6 @@ pessimistic variant up once for all schedules of its groups
 (`test_pessimistic_variant_depends_on_no_schedule_field` keeps this true)."""
 AUTO_PRECISION = {"ampere": ("bf16",), "hopper": ("bf16", "fp8-tensorwise"),
                   "blackwell": ("bf16", "mxfp8")}
-TARGETS = ("megatron", "moeplan")
 
 
 def default_gbs(seq: int, tokens: int = 4 * 1024 * 1024) -> int:
@@ -142,6 +145,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
     `moeplan run` executes today (see `runtime/support.py`; a test keeps the two in step)."""
     if target not in TARGETS:
         raise SpecError(f"--target takes {' or '.join(TARGETS)}, got {target!r}.")
+    check_target(target)
     if precision == "auto":
         precisions = AUTO_PRECISION.get(cluster.architecture, ("bf16",))  # e.g. a CPU host
     else:
@@ -152,15 +156,6 @@ def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpa
     # `moeplan run` executes neither TE userbuffers nor CUDA graphs (runtime/support.py)
     runs_stack = target == "megatron"
     return SearchSpace(precisions=precisions, tp_comm_overlap=runs_stack, cuda_graphs=runs_stack)
-
-
-def _layout_options(options: tuple[Option, ...], layout: Layout, target: str
-                    ) -> tuple[Option, ...]:
-    """The options a layout may take on a target: `moeplan run` executes EP overlap, but not
-    together with activation offload (runtime/support.py), so that target drops offload there."""
-    if target == "moeplan" and layout.ep_overlap:
-        return tuple(o for o in options if o.kind != "offload")
-    return options
 
 
 def _layout(row: np.ndarray) -> dict[str, Any]:
@@ -206,22 +201,21 @@ def _bounds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, enum
     return t, per_key[inverse.ravel()]
 
 
-def _choices(sol: StageSolution, dense_first: int, pp: int, vpp: int, f: float,
-             chunk_layers: list[int]) -> Choices:
-    """Decode the MILP's per-rank sets and layer counts into a plan's Choices."""
-    parts = [split_options(opts) for opts in sol.options]
-    rec, off = [p[0] for p in parts], [p[1] for p in parts]
+def _choices(model: ModelSpec, layout: Layout, m: Menu, sol: StageSolution, dense_first: int,
+             f: float, chunk_layers: list[int]) -> Choices:
+    """Decode the MILP's per-rank sets and layer counts into a plan's Choices: the layers per
+    virtual stage become a stage layout, unless they are the default split."""
+    parts = [split_options(m.close(opts)) for opts in sol.options]
     layers = list(chunk_layers)
     layers[0] += dense_first
-    uniform = all(r == rec[0] for r in rec) and all(o == off[0] for o in off)
-    return Choices(
-        recompute=rec[0] if uniform else [],
-        offload=off[0] if uniform else [],
-        stage_recompute=None if uniform else rec,
-        stage_offload=None if uniform else off,
-        optimizer_offload_fraction=f,
-        stage_layers=layers if pp * vpp > 1 else None,
-    )
+    text = None
+    if layout.pp * layout.vpp > 1:
+        text = layers_layout_text(layers, model.mtp_layers)
+        if parse_stage_layout(text) == stage_layout_for(model.num_layers, layout.pp, layout.vpp,
+                                                        model.mtp_layers):
+            text = None
+    return Choices(recompute=[p[0] for p in parts], offload=[p[1] for p in parts],
+                   optimizer_offload_fraction=f, stage_layout=text)
 
 
 def search(
@@ -262,7 +256,7 @@ def search(
     cluster = cluster.with_gpus(world)
     space = space or search_space(cluster, precision or training.precision, target)
     cal = calibration_for(cluster.calibration)
-    enum = enumerate_layouts(model, cluster, training, world, space)
+    enum = enumerate_layouts(model, cluster, training, world, space, target)
     pruned: Counter[str] = Counter(enum.pruned)
     result = SearchResult([], len(enum.rows), 0, 0, 0.0, pruned)
     if not len(enum.rows):
@@ -439,10 +433,10 @@ def search(
             solved[idx] = ("bound", None)
             return solved[idx]
         plan, status = _solve_layout(model, cluster, tr, layout, cal, tables[key],
-                                     _layout_options(options, layout, target), key,
+                                     menu(model, tr, layout, target, options), key,
                                      sets_cache, result, balanced=True,
                                      lb_pipe=lb[idx], cutoff=kth(),
-                                     with_interval=objective == "robust")
+                                     with_interval=objective == "robust", target=target)
         solved[idx] = (status, plan)
         if status == "unsolved":  # the solver stopped: nothing proven either way
             pruned["milp_unsolved"] += 1
@@ -450,8 +444,8 @@ def search(
         if status == "infeasible":
             pruned["memory_milp"] += 1
             if not best:  # only while nothing fits is the closest candidate of any use
-                least = _least_memory(model, options, layout.ep_overlap)
-                peak = estimate(model, cluster, tr, layout, least).memory.peak_gb
+                least = _least_memory(menu(model, tr, layout, target, options))
+                peak = estimate(model, cluster, tr, layout, least, target=target).memory.peak_gb
                 if closest is None or peak < closest[0]:
                     closest = (peak, layout)
             return solved[idx]
@@ -525,10 +519,10 @@ def search(
         k = next(i for i, e in enumerate(best) if -e[2] == idx)
         screened = best[k][3]
         plan, _ = _solve_layout(model, cluster, tr, layout, cal, tables[key],
-                                _layout_options(options, layout, target), key,
+                                menu(model, tr, layout, target, options), key,
                                 sets_cache, result, lb_pipe=lb[idx],
                                 fractions=(screened.choices.optimizer_offload_fraction,),
-                                with_interval=objective == "robust")
+                                with_interval=objective == "robust", target=target)
         if plan is None or not plan.estimate.fits:  # type: ignore[union-attr]
             continue
         if (rank_key(plan), plan.estimate.step_time_s) < (  # type: ignore[union-attr]
@@ -538,7 +532,7 @@ def search(
     # CUDA graphs only remove launch overhead: the plans on top take them where their memory
     # leaves room for the graphs (same choices), when that makes them rank better
     best = [(-rank_key(p), -p.estimate.step_time_s, e[2], p) for e in best  # type: ignore[union-attr]
-            for p in [_with_graphs(e[3], space, rank_key, objective == "robust")]]
+            for p in [_with_graphs(e[3], space, rank_key, objective == "robust", target)]]
     result.seconds = time.perf_counter() - start
     if not best:
         raise InfeasibleError(_infeasible_message(model, cluster, training, world, enum, mem_lb,
@@ -557,15 +551,18 @@ OBJECTIVES = ("robust", "expected")
 
 
 def _with_graphs(plan: Plan, space: SearchSpace, rank_key: Callable[[Plan], float],
-                 with_interval: bool) -> Plan:
-    """The plan with CUDA graphs (Layout.cuda_graphs) when the target runs them, the graphs'
-    memory still fits beside the plan's choices, and the plan then ranks better (the point
-    breaks a tie: unvalidated graphs leave a robust key where it was)."""
+                 with_interval: bool, target: str) -> Plan:
+    """The plan with CUDA graphs (Layout.cuda_graphs) when the target runs them with the
+    plan's choices (`specs.rules`: no full or `moe` recompute under the graphs' scopes), the
+    graphs' memory still fits beside them, and the plan then ranks better (the point breaks a
+    tie: unvalidated graphs leave a robust key where it was)."""
     if not space.cuda_graphs or plan.layout.cuda_graphs or plan.estimate is None:
         return plan
     layout = plan.layout.model_copy(update={"cuda_graphs": True})
+    if violations(Facts(plan.model, plan.training, layout, plan.choices, plan.cluster), target):
+        return plan
     est = estimate(plan.model, plan.cluster, plan.training, layout, plan.choices,
-                   with_interval=with_interval)
+                   with_interval=with_interval, target=target)
     if not est.fits:
         return plan
     graphed = plan.model_copy(update={"layout": layout, "estimate": est})
@@ -586,7 +583,8 @@ def _validated_only(plan: Plan) -> bool:
 def _with_interval(plan: Plan) -> Plan:
     if plan.estimate is not None and plan.estimate.interval is not None:
         return plan
-    est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices)
+    est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
+                   target=plan.target)
     return plan.model_copy(update={"estimate": est})
 
 
@@ -626,25 +624,29 @@ estimate). A layout whose screened time exceeds the k-th best by more than this 
 enter the top k, so the estimate is skipped (counted as `screened_by_milp`)."""
 
 
-def _least_memory(model: ModelSpec, options: tuple[Option, ...], ep_overlap: bool) -> Choices:
-    """The choices that keep the least memory: everything recomputed (only selective modules
-    with EP overlap, which forbids full and `moe` recompute) and offloaded, optimizer on host."""
-    recompute, offload = split_options(options)
-    recompute = [o for o in recompute if o != "mla_up_proj" or model.attention == "mla"]
-    if ep_overlap:
-        recompute = [o for o in recompute if o not in ("full", "moe")]
-    elif "full" in recompute:
-        recompute = ["full"]
-    return Choices(recompute=recompute, offload=offload,
-                   optimizer_offload_fraction=1.0 if options else 0.0)
+def _least_memory(m: Menu) -> Choices:
+    """Choices that keep about the least memory the layout's menu allows: full recompute where
+    allowed, else every selective module, every offload, in option order, each kept unless it
+    completes a forbidden combination; the optimizer on the host."""
+    full = Option.recompute("full")
+    chosen: list[Option] = [full] if full in m.options else []
+    for o in m.options:
+        if o in chosen or (full in chosen and o.kind == "recompute"):
+            continue
+        trial = {*chosen, o}
+        if not any(c.hit(trial) for c in m.forbidden):
+            chosen.append(o)
+    recompute, offload = split_options(chosen)
+    return Choices(recompute=[recompute], offload=[offload],
+                   optimizer_offload_fraction=1.0 if m.options else 0.0)
 
 
 def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                  layout: Layout, cal: Calibration, table: LayerTable, options: tuple[Option, ...],
+                  layout: Layout, cal: Calibration, table: LayerTable, options: Menu,
                   key: tuple, sets_cache: dict, result: SearchResult,
                   balanced: bool = False, lb_pipe: float = 0.0, cutoff: float = math.inf,
-                  fractions: tuple[float, ...] | None = None, with_interval: bool = True
-                  ) -> tuple[Plan | None, str]:
+                  fractions: tuple[float, ...] | None = None, with_interval: bool = True,
+                  target: str = "megatron") -> tuple[Plan | None, str]:
     """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
     optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
 
@@ -659,7 +661,7 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     optimizer time cannot beat the best so far; larger fractions are tried only when the plan
     without optimizer offload needed recompute or offload (memory pressure).
     """
-    grid = fractions or ((0.0,) if not options else OPTIMIZER_OFFLOAD_GRID)
+    grid = fractions or ((0.0,) if not options.options else OPTIMIZER_OFFLOAD_GRID)
     best: Plan | None = None
     base_const: float | None = None
     fits = skipped = stopped = False
@@ -680,9 +682,10 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
             if free + base_const > SCREEN_SLACK * limit:
                 return None, "bound"
-        skey = (key, P.options, P.items[P.layer_item].name, tuple(i.name for i in P.items))
+        skey = (key, P.options, P.forbidden, P.items[P.layer_item].name,
+                tuple(i.name for i in P.items))
         if skey not in sets_cache:
-            sets_cache[skey] = module_sets(P.items, P.options, P.exclusive, P.host_s_per_byte)
+            sets_cache[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
         try:
             if balanced:
                 result.screened += 1
@@ -702,12 +705,13 @@ def _solve_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit) and (
                 limit == math.inf or recompute_pipeline_s(
                     table, P, sol.layers, sol.options, layout.num_microbatches) < limit):
-            choices = _choices(sol, built.leading_layers, layout.pp, layout.vpp, f,
+            choices = _choices(model, layout, options, sol, built.leading_layers, f,
                                P.chunk_layers(sol.layers))
-            est = estimate(model, cluster, training, layout, choices, with_interval=False)
+            est = estimate(model, cluster, training, layout, choices, with_interval=False,
+                           target=target)
             if est.fits and est.step_time_s < limit:
                 best = Plan(model=model, cluster=cluster, training=training, layout=layout,
-                            choices=choices, estimate=est)
+                            choices=choices, estimate=est, target=target)
         if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:

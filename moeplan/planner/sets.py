@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .problem import Item, Option, StageProblem
+from .problem import Combo, Item, Option, StageProblem, as_combo
 
 COARSE_SETS = 8  # sets per rank in the first of the two MILPs for larger problems
 
@@ -68,7 +68,7 @@ def item_cost(item: Item, chosen: set[Option], h: float) -> tuple[float, float]:
 
 
 def module_sets(items: Sequence[Item], options: Sequence[Option],
-                exclusive: Sequence[tuple[Option, Option]], h: float) -> ModuleSets:
+                forbidden: Sequence[Combo | tuple[Option, Option]], h: float) -> ModuleSets:
     """Every allowed subset of the options, costed per item with numpy; subsets that cost exactly
     the same as a smaller one are dropped (the per-rank fronts are taken in `rank_sets`).
 
@@ -80,7 +80,7 @@ def module_sets(items: Sequence[Item], options: Sequence[Option],
     layout whose items have the same shape): a fifth of the subsets for DeepSeek-V3."""
     shape = tuple((tuple(o for o, t in it.recompute_s if t),
                    tuple((g.recompute_by, g.offload_by) for g in it.groups)) for it in items)
-    options, masks = _acting_sets(tuple(options), tuple(exclusive), shape)
+    options, masks = _acting_sets(tuple(options), tuple(as_combo(c) for c in forbidden), shape)
     bit = {o: 1 << j for j, o in enumerate(options)}
     add = np.zeros((len(masks), len(items)))
     kept = np.zeros((len(masks), len(items)))
@@ -123,7 +123,7 @@ def _first_of_each(rows: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _acting_sets(options: tuple[Option, ...], exclusive: tuple[tuple[Option, Option], ...],
+def _acting_sets(options: tuple[Option, ...], forbidden: tuple[Combo, ...],
                  shape: tuple[tuple[tuple[Option, ...],
                                     tuple[tuple[frozenset[Option], Option | None], ...]], ...]
                  ) -> tuple[tuple[Option, ...], np.ndarray]:
@@ -142,9 +142,14 @@ def _acting_sets(options: tuple[Option, ...], exclusive: tuple[tuple[Option, Opt
     bit = {o: 1 << j for j, o in enumerate(options)}
     masks = np.arange(1 << len(options), dtype=np.int64)
     ok = np.ones(masks.shape, dtype=bool)
-    for a, b in exclusive:
-        if a in bit and b in bit:
-            ok &= (masks & (bit[a] | bit[b])) != (bit[a] | bit[b])
+    for c in forbidden:
+        if not all(o in bit for o in c.present):
+            continue  # an option no item reacts to is never in a set: the combo cannot occur
+        if not all(o in bit for o in c.absent):
+            continue  # adding an option no item reacts to costs nothing (`Menu.close` adds it)
+        need = sum(bit[o] for o in c.present)
+        lack = sum(bit[o] for o in c.absent)
+        ok &= ~(((masks & need) == need) & ((masks & lack) == 0))
     masks = masks[ok]
     masks = masks[np.lexsort((masks, np.bitwise_count(masks)))]
     cols = []

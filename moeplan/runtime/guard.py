@@ -105,7 +105,7 @@ def price_ranks(plan: Plan, ranks: list[int], dtype: str, kind: str) -> list[Ran
     """The cost model's bytes for each of `ranks` (global ranks) of `plan`, at `dtype`."""
     choices = plan.choices
     if kind == "cpu":  # "host" copies live in the same RAM as everything else
-        choices = choices.model_copy(update={"offload": [], "stage_offload": None,
+        choices = choices.model_copy(update={"offload": [],
                                              "optimizer_offload_fraction": 0.0})
     bd = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, choices,
                             check=False)

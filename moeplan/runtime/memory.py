@@ -258,6 +258,16 @@ class _Scope:
         for i, o in enumerate(outputs):
             self.discardable[o.untyped_storage().data_ptr()] = (weakref.ref(o), recipe, i)
 
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Run code of this layer's forward under the scope's saved-tensor hooks."""
+        _SCOPES.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            _SCOPES.pop()
+
 
 def _constants(model: nn.Module) -> set[int]:
     tensors = [*model.parameters(), *model.buffers()]
@@ -283,21 +293,68 @@ def _chunk_scope(inner: Callable, *args: object, **kwargs: object) -> object:
         _CHAIN.pop()
 
 
+@contextlib.contextmanager
+def chunk_chain(link: list) -> Iterator[None]:
+    """Run one piece of a model chunk's forward with `link[0]` (the offload group of the
+    chunk's last layer so far) as the chain, and keep the updated end in `link[0]`: a chunk run
+    in pieces (the EP-overlap schedule, whose pieces interleave with another micro-batch's
+    backward) chains its layers' groups like a chunk run whole (`_chunk_scope`)."""
+    _CHAIN.append(link[0])
+    try:
+        yield
+    finally:
+        link[0] = _CHAIN.pop()
+
+
+def _open_scope(root: nn.Module, offload: set[str]) -> _Scope:
+    """A decoder layer's saved-tensor scope, chained after the layer that ran before it in the
+    same chunk, with its own entry in every running meter."""
+    scope = _Scope(_constants(root))
+    scope.offload = offload
+    if _CHAIN and torch.is_grad_enabled():
+        scope.group.prev, _CHAIN[-1] = _CHAIN[-1], scope.group
+    for m in _METERS:
+        m.by_layer.append(0)
+    return scope
+
+
 def _layer_scope(root: nn.Module, offload: set[str]) -> Callable:
     def run(inner: Callable, *args: object) -> torch.Tensor:
-        scope = _Scope(_constants(root))
-        scope.offload = offload
-        if _CHAIN and torch.is_grad_enabled():
-            scope.group.prev, _CHAIN[-1] = _CHAIN[-1], scope.group
-        _SCOPES.append(scope)
-        for m in _METERS:
-            m.by_layer.append(0)
+        scope = _open_scope(root, offload)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):
+            with scope.active():
                 return inner(*args)
         finally:
-            _SCOPES.pop().close()
+            scope.close()
     return run
+
+
+class LayerPieces:
+    """One decoder layer's saved-tensor scope for a caller that runs the layer in pieces (the
+    EP-overlap schedule calls attention, experts and combine apart, with another micro-batch's
+    backward in between): every piece wrapped by `wrap` runs inside the same scope, so what the
+    plan offloads goes to host as one group and recompute discards outputs across pieces, as in
+    the layer's plain forward. `close()` after the last piece. A layer without memory choices
+    (`apply_memory` not applied) runs its pieces as they are."""
+
+    def __init__(self, block: nn.Module):
+        self.factory: Callable[[], _Scope] | None = getattr(block, "_memory_scope", None)
+        self.scope: _Scope | None = None
+
+    def wrap(self, fn: Callable) -> Callable:
+        if self.factory is None:
+            return fn
+
+        def run(*args: object) -> object:
+            if self.scope is None:
+                self.scope = self.factory()  # in the first piece: chained in the chunk's order
+            with self.scope.active():
+                return fn(*args)
+        return run
+
+    def close(self) -> None:
+        if self.scope is not None:
+            self.scope.close()
 
 
 def _region(name: str) -> Callable:
@@ -392,6 +449,7 @@ def apply_offload(model: nn.Module, modules: Iterable[str]) -> None:
             for obj, attr in sites[name]:
                 _wrap(obj, attr, _region(name))
         _wrap(block, "forward", _layer_scope(model, modules))
+        block._memory_scope = functools.partial(_open_scope, model, modules)  # LayerPieces
     if modules and hasattr(model, "forward_chunk"):
         _wrap(model, "forward_chunk", _chunk_scope)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .comm import AllToAllV, GatherV, Pending, ScatterV
+from .memory import LayerPieces, chunk_chain
 from .model import Chunk, Transformer
 from .moe import AllToAllDispatcher, DispatchState, FlexDispatcher, MoE, Routing
 
@@ -121,13 +122,15 @@ class Tape:
         self.mb, self.trace = mb, trace
         self.steps: list[_Compute | _Hop] = []
         self.grads: dict[int, torch.Tensor] = {}
+        self.chain: list = [None]  # the offload group of this chunk's last layer (memory.py)
 
     # ------------------------------------------------------------------------- forward
     def compute(self, label: str, fn: Callable[..., tuple[torch.Tensor, ...]],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.trace.computing(id(self), f"F {label} mb{self.mb}")
         leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
-        outputs = tuple(fn(*leaves))
+        with chunk_chain(self.chain):
+            outputs = tuple(fn(*leaves))
         self.steps.append(_Compute(label, inputs, leaves, outputs))
         return outputs
 
@@ -302,6 +305,16 @@ def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
     moe: MoE = block.mlp
     d = moe.dispatcher
     held = _Held()
+    pieces = LayerPieces(block)  # the layer's recompute/offload scope, across its pieces
+    try:
+        return (yield from _moe_pieces(tape, block, moe, d, held, pieces, layer, x, rope))
+    finally:
+        pieces.close()
+
+
+def _moe_pieces(tape: Tape, block, moe: MoE, d, held: _Held, pieces: LayerPieces, layer: int,
+                x: torch.Tensor, rope) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
+    """The pieces of `_moe_layer`, each run inside the layer's memory scope."""
 
     def attention(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x1 = x + block.attention(block.attn_norm(x), rope)
@@ -318,7 +331,7 @@ def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
         held.routing = routing
         return (x1, h, routing.probs, routing.aux_loss, *sent)
 
-    x1, h, probs, aux, *sent = tape.compute(f"attention{layer}", attention, x)
+    x1, h, probs, aux, *sent = tape.compute(f"attention{layer}", pieces.wrap(attention), x)
     outer = held.state
     assert outer is not None and held.routing is not None
     if isinstance(d, FlexDispatcher):  # hop 1 over the rail, then the fan-out in the domain
@@ -331,7 +344,7 @@ def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
             y, outer.inner = inner.dispatch_pre(xr, d.inner_routing(er, pr, held.routing))
             return (y,)
 
-        (y,) = tape.compute(f"fan_out{layer}", fan_out, xr, er, pr)
+        (y,) = tape.compute(f"fan_out{layer}", pieces.wrap(fan_out), xr, er, pr)
         state = outer.inner
         assert state is not None
     else:
@@ -345,14 +358,14 @@ def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
         out = inner.combine_pre(moe.experts(expert_in, counts), state)
         return (out,) if moe.shared is None else (out, moe.shared(h))
 
-    out, *shared = tape.compute(f"experts{layer}", experts, y, h)
+    out, *shared = tape.compute(f"experts{layer}", pieces.wrap(experts), y, h)
     for op in inner.combine_hops(state):
         (out,) = yield from tape.hop("combine", layer, [op], [out])
     if isinstance(d, FlexDispatcher):
         # the domain's weighted partial sums, with the probabilities as this piece's leaf
         (partial,) = tape.compute(
-            f"fan_in{layer}", lambda out, pr: (inner.combine_post(out, replace(state, probs=pr)),),
-            out, pr)
+            f"fan_in{layer}", pieces.wrap(
+                lambda out, pr: (inner.combine_post(out, replace(state, probs=pr)),)), out, pr)
         (out,) = yield from tape.hop("combine", layer, [d.rail_hop(outer).adjoint()], [partial])
 
     def residual(out: torch.Tensor, probs: torch.Tensor, x1: torch.Tensor, *shared):
@@ -363,7 +376,7 @@ def _moe_layer(tape: Tape, block, layer: int, x: torch.Tensor, rope
         y = y.view(*held.shape).to(x1.dtype)
         return (x1 + (y if not shared else y + shared[0]),)
 
-    (x_out,) = tape.compute(f"combine{layer}", residual, out, probs, x1, *shared)
+    (x_out,) = tape.compute(f"combine{layer}", pieces.wrap(residual), out, probs, x1, *shared)
     return x_out, aux
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..specs import Plan, stage_layout_for
+from ..specs import Plan
 from .comm import Axis
 from .layers import update_shard_info
 from .model import Chunk, LossTerms, Transformer
@@ -46,9 +46,7 @@ from .overlap import ChunkForward, OverlapTrace, chunk_backward, chunk_forward, 
 
 def plan_stages(plan: Plan) -> list[list[str]]:
     """The plan's virtual stages (lists of 'E', 't', 'm', 'L') in virtual-stage order."""
-    L, c, m = plan.layout, plan.choices, plan.model
-    return stage_layout_for(m.num_layers, L.pp, L.vpp, m.mtp_layers, c.stage_layout,
-                            c.stage_layers)
+    return plan.stages()
 
 
 def rank_chunks(stages: list[list[str]], pp: int, rank: int) -> list[Chunk]:

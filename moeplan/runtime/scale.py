@@ -80,7 +80,7 @@ def scale_down_plan(plan: Plan) -> Plan:
     """The whole plan scaled down: model, sequence and batch shrunk, every degree kept; the
     full model's stage layout cannot fit the shrunk one, so stages are rebalanced."""
     training, layout = scale_down_training(plan.training, plan.layout)
-    choices = plan.choices.model_copy(update={"stage_layout": None, "stage_layers": None})
+    choices = plan.choices.model_copy(update={"stage_layout": None})
     return plan.model_copy(update={"model": scale_down_model(plan.model, plan.layout),
                                    "training": training, "layout": layout, "choices": choices,
                                    "estimate": None})

@@ -1,8 +1,8 @@
-"""Layout (parallel degrees and schedule) and Choices (memory decisions), with Megatron's rules.
+"""Layout (parallel degrees and schedule) and Choices (memory decisions).
 
-The rules live here, in specs, because the cost models, the planner and the runtime must agree on
-what a valid layout is: each rule has a name that appears in errors and in the planner's pruning
-counts.
+What each executor accepts is one table, `rules.py`, in specs because the cost models, the
+planner and the runtime must agree on what a valid plan is: each rule has a name that appears in
+errors and in the planner's pruning counts, and its source.
 """
 
 from __future__ import annotations
@@ -138,46 +138,97 @@ class Layout(BaseModel):
 
 
 class Choices(BaseModel):
-    """Memory decisions per module and the pipeline stage layout, as the planner's ILP makes them.
+    """Memory decisions per module per pipeline rank and the pipeline stage layout, as the
+    planner's MILP makes them.
 
-    `recompute`/`offload` apply to every stage unless `stage_recompute`/`stage_offload` give one
-    set per pipeline rank (the ILP may recompute more on the first stage, which holds the most
-    in-flight micro-batches).
+    `recompute` and `offload` hold one module set per pipeline rank, in one canonical form:
+    `[]` when no rank uses any, `[[...]]` when every rank uses the same set, else exactly pp
+    sets (the ILP may recompute more on the first rank, which holds the most in-flight
+    micro-batches; Megatron's target takes one set for all). `for_rank(r)` reads them; a flat
+    list of names is read as one set for every rank. `stage_layout` is the pipeline layout in
+    Megatron's syntax, None for the balanced split (`stage_layout.plan_stages`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    recompute: list[RecomputeModule] = Field(default_factory=list, description="Recomputed modules.")
-    offload: list[OffloadModule] = Field(default_factory=list, description="Offloaded activations.")
-    stage_recompute: list[list[RecomputeModule]] | None = Field(
-        None, description="Per pipeline rank recompute sets (overrides `recompute`)."
-    )
-    stage_offload: list[list[OffloadModule]] | None = Field(
-        None, description="Per pipeline rank offload sets (overrides `offload`)."
-    )
+    recompute: list[list[RecomputeModule]] = Field(
+        default_factory=list, description="Recomputed modules: one set for every pipeline rank, "
+        "or one set per rank.")
+    offload: list[list[OffloadModule]] = Field(
+        default_factory=list, description="Modules whose saved activations go to host memory: "
+        "one set for every pipeline rank, or one set per rank.")
     optimizer_offload_fraction: float = Field(
         0.0, ge=0, le=1, description="Fraction of optimizer states kept and stepped on the host."
     )
     stage_layout: str | None = Field(
-        None, description="Pipeline layout in Megatron's --pipeline-model-parallel-layout syntax."
-    )
-    stage_layers: list[int] | None = Field(
-        None, description="Decoder layers per virtual stage, in virtual-stage order (pp·vpp)."
-    )
+        None, description="Pipeline layout in Megatron's --pipeline-model-parallel-layout "
+        "syntax; None: the balanced split.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: object) -> object:
+        """Plans of format 1 spelt per-rank sets as `stage_recompute`/`stage_offload` beside a
+        flat `recompute`/`offload`; a flat list of names is one set for every rank."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in ("recompute", "offload"):
+            per_rank = data.pop(f"stage_{key}", None)
+            flat = data.get(key)
+            if per_rank is not None:
+                data[key] = per_rank
+            elif isinstance(flat, list) and flat and all(isinstance(x, str) for x in flat):
+                data[key] = [flat]
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Choices:
-        for sets in [self.recompute, *(self.stage_recompute or [])]:
+        for sets in self.recompute:
             if "full" in sets and len(sets) > 1:
                 raise ValueError("recompute: 'full' recomputes the whole layer; do not combine it "
                                  "with per-module names")
+        for key in ("recompute", "offload"):  # the canonical form: [] / [one] / one per rank
+            sets = [sorted(set(s), key=s.index) for s in getattr(self, key)]
+            if not any(sets):
+                sets = []
+            elif all(s == sets[0] for s in sets):
+                sets = sets[:1]
+            if sets != getattr(self, key):
+                object.__setattr__(self, key, sets)
         return self
 
-    def recompute_for_stage(self, stage: int) -> list[str]:
-        return list(self.stage_recompute[stage] if self.stage_recompute else self.recompute)
+    def for_rank(self, rank: int) -> tuple[list[str], list[str]]:
+        """(recomputed modules, offloaded modules) on pipeline rank `rank`."""
+        return _at(self.recompute, rank), _at(self.offload, rank)
 
-    def offload_for_stage(self, stage: int) -> list[str]:
-        return list(self.stage_offload[stage] if self.stage_offload else self.offload)
+    def recompute_for_stage(self, rank: int) -> list[str]:
+        return _at(self.recompute, rank)
+
+    def offload_for_stage(self, rank: int) -> list[str]:
+        return _at(self.offload, rank)
+
+    def uniform(self) -> bool:
+        """Whether every pipeline rank uses the same recompute set and offload set."""
+        return len(self.recompute) <= 1 and len(self.offload) <= 1
+
+    def describe_per_rank(self) -> str:
+        """`rank 0: recompute core_attn, offload -; rank 1: …` for messages."""
+        n = max(len(self.recompute), len(self.offload), 1)
+        return "; ".join(
+            f"rank {r}: recompute {', '.join(rc) or '-'}, offload {', '.join(of) or '-'}"
+            for r, (rc, of) in ((r, self.for_rank(r)) for r in range(n)))
+
+    @classmethod
+    def per_rank(cls, recompute: list[list[str]], offload: list[list[str]], **kw: object
+                 ) -> Choices:
+        """Choices from one recompute and one offload set per rank (collapsed when equal)."""
+        return cls(recompute=recompute, offload=offload, **kw)  # type: ignore[arg-type]
+
+
+def _at(sets: list[list[str]], rank: int) -> list[str]:
+    if not sets:
+        return []
+    return list(sets[rank] if len(sets) > 1 else sets[0])
 
 
 def layout_violations(
@@ -187,91 +238,13 @@ def layout_violations(
     world: int | None = None,
     choices: Choices | None = None,
     cluster: ClusterSpec | None = None,
+    target: str = "megatron",
 ) -> list[tuple[str, str]]:
-    """Every Megatron Core rule the layout breaks, as (rule name, how to fix it)."""
-    v: list[tuple[str, str]] = []
-    L = layout
-    world = world or L.world_size
-    if L.world_size != world:
-        v.append(("world_size", f"tp·cp·dp·pp = {L.tp}·{L.cp}·{L.dp}·{L.pp} = {L.world_size} "
-                  f"but the cluster has {world} GPUs; make the product equal the GPU count"))
-    if world % (L.etp * L.ep * L.pp):
-        v.append(("expert_world_size", f"etp·ep·pp = {L.etp}·{L.ep}·{L.pp} does not divide "
-                  f"{world} GPUs, so edp is not whole; pick ep/etp dividing world/pp"))
-    if model.is_moe:
-        if model.num_experts % L.ep:
-            v.append(("experts_divisible_by_ep", f"{model.num_experts} experts are not divisible "
-                      f"by ep={L.ep}; use a divisor of the expert count"))
-        if (model.moe_ffn_hidden_size or 0) % L.etp:
-            v.append(("expert_ffn_divisible_by_etp", f"expert FFN size "
-                      f"{model.moe_ffn_hidden_size} is not divisible by etp={L.etp}"))
-    elif L.ep > 1 or L.etp > 1:
-        v.append(("ep_needs_experts", "a dense model has no experts; set ep=1 and etp=1"))
-    if model.num_attention_heads % L.tp:
-        v.append(("heads_divisible_by_tp", f"{model.num_attention_heads} attention heads are not "
-                  f"divisible by tp={L.tp}; use a divisor of the head count"))
-    if model.attention == "gqa" and model.kv_heads % L.tp:
-        v.append(("kv_heads_divisible_by_tp", f"{model.kv_heads} KV heads are not divisible by "
-                  f"tp={L.tp}; use tp ≤ KV heads that divides them"))
-    if model.ffn_hidden_size % L.tp:
-        v.append(("ffn_divisible_by_tp", f"FFN size {model.ffn_hidden_size} is not divisible by "
-                  f"tp={L.tp}"))
-    gbs = training.global_batch_size
-    if gbs % (L.mbs * L.dp):
-        v.append(("gbs_divisible", f"global batch {gbs} is not divisible by mbs·dp = "
-                  f"{L.mbs}·{L.dp}; change --gbs or --mbs"))
-    elif gbs // (L.mbs * L.dp) != L.num_microbatches:
-        v.append(("num_microbatches", f"num_microbatches must be gbs/(mbs·dp) = "
-                  f"{gbs // (L.mbs * L.dp)}, not {L.num_microbatches}"))
-    if training.seq_len % (2 * L.cp) and L.cp > 1:
-        v.append(("seq_divisible_by_2cp", f"seq {training.seq_len} is not divisible by 2·cp = "
-                  f"{2 * L.cp} (load-balanced causal CP splits each sequence in 2·cp chunks)"))
-    if L.tp > 1 and (training.seq_len // L.cp) % L.tp:
-        v.append(("seq_divisible_by_tp", f"seq/cp = {training.seq_len // L.cp} is not divisible "
-                  f"by tp={L.tp}, which sequence parallelism needs"))
-    if L.vpp > 1 and L.pp == 1:
-        v.append(("vpp_needs_pp", "virtual pipeline stages need pp > 1; set vpp=1"))
-    extra = 2 + model.mtp_layers  # embedding, loss, MTP count as about a layer each
-    if L.pp * L.vpp > model.num_layers + extra:
-        v.append(("too_many_stages", f"pp·vpp = {L.pp * L.vpp} virtual stages exceed the "
-                  f"{model.num_layers} layers; lower pp or vpp"))
-    if L.vpp > 1 and L.num_microbatches % L.pp:
-        v.append(("interleaved_microbatches", f"the interleaved schedule needs the micro-batch "
-                  f"count ({L.num_microbatches}) to be a multiple of pp={L.pp}"))
-    if L.ep_overlap:
-        if not model.is_moe or L.ep == 1:
-            v.append(("ep_overlap_needs_ep", "EP overlap needs an MoE model with ep > 1"))
-        if L.pp > 1 and L.vpp == 1:
-            v.append(("ep_overlap_needs_vpp", "Megatron's --overlap-moe-expert-parallel-comm "
-                      "needs virtual pipeline stages when pp > 1; set vpp ≥ 2 or turn it off"))
-        if L.dispatcher == "allgather":
-            v.append(("ep_overlap_dispatcher", "EP overlap needs the alltoall or flex dispatcher"))
-        if choices is not None:
-            sets = [choices.recompute, *(choices.stage_recompute or [])]
-            if any("full" in s or "moe" in s for s in sets):
-                v.append(("ep_overlap_recompute", "EP overlap excludes full or `moe` recompute"))
-    if L.tp_comm_overlap and L.tp == 1:
-        v.append(("tp_comm_overlap_needs_tp", "TP communication overlap needs tp > 1; turn "
-                  "tp_comm_overlap off"))
-    if choices is not None:
-        if choices.stage_recompute is not None and len(choices.stage_recompute) != L.pp:
-            v.append(("stage_recompute_len", f"stage_recompute needs one set per pp rank ({L.pp})"))
-        if choices.stage_offload is not None and len(choices.stage_offload) != L.pp:
-            v.append(("stage_offload_len", f"stage_offload needs one set per pp rank ({L.pp})"))
-        if choices.stage_layers is not None:
-            if len(choices.stage_layers) != L.pp * L.vpp:
-                v.append(("stage_layers_len", f"stage_layers needs pp·vpp = {L.pp * L.vpp} "
-                          "entries"))
-            elif sum(choices.stage_layers) != model.num_layers:
-                v.append(("stage_layers_sum", f"stage_layers add up to "
-                          f"{sum(choices.stage_layers)}, not the {model.num_layers} layers"))
-        if "mla_up_proj" in choices.recompute and model.attention != "mla":
-            v.append(("mla_up_proj_needs_mla", "mla_up_proj recompute needs MLA attention"))
-    if cluster is not None and not cluster.supports(training.precision):
-        v.append(("precision_supported", f"{cluster.gpu} ({cluster.architecture}) cannot run "
-                  f"{training.precision}; use bf16" + (" or an fp8 recipe" if cluster.fp8_tflops
-                                                       else "")))
-    return v
+    """Every rule of the target executor the layout (and its choices) breaks, as (rule name,
+    what is wrong and how to fix it): the one table in `rules.py`."""
+    from .rules import Facts, violations
+
+    return violations(Facts(model, training, layout, choices, cluster, world), target)
 
 
 def check_layout(
@@ -281,8 +254,9 @@ def check_layout(
     world: int | None = None,
     choices: Choices | None = None,
     cluster: ClusterSpec | None = None,
+    target: str = "megatron",
 ) -> None:
     """Raise LayoutError listing every broken rule, or return quietly."""
-    v = layout_violations(model, training, layout, world, choices, cluster)
+    v = layout_violations(model, training, layout, world, choices, cluster, target)
     if v:
-        raise LayoutError(v)
+        raise LayoutError(v, target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cluster import ClusterSpec
 from .layout import Choices, Layout
@@ -98,11 +98,23 @@ class Estimate(BaseModel):
     assumptions: list[Assumption] = Field(default_factory=list)
 
 
+PLAN_FORMAT = 2
+"""The plan file format this version writes. 1: choices said per-rank sets in `stage_recompute`/
+`stage_offload` beside flat `recompute`/`offload`, and a stage split as `stage_layers`; no
+target. 2: one form per fact (Choices), and `target`."""
+
+
 class Plan(BaseModel):
-    """A self-contained plan: the specs it was made for, the layout, the choices, the forecast."""
+    """A self-contained plan: the specs it was made for, the executor it was made for, the
+    layout, the choices, the forecast."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    format_version: int = Field(PLAN_FORMAT, description="The plan file format (PLAN_FORMAT); "
+                                "older files are migrated, newer ones refused.")
+    target: Literal["megatron", "moeplan"] = Field(
+        "megatron", description="The executor the plan was made for and priced as: Megatron-LM "
+        "(`moeplan export --format megatron`) or `moeplan run`. What each accepts: rules.py.")
     model: ModelSpec
     cluster: ClusterSpec
     training: TrainingSpec
@@ -110,6 +122,37 @@ class Plan(BaseModel):
     choices: Choices = Field(default_factory=Choices)
     estimate: Estimate | None = None
     explanation: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: object) -> object:
+        """Read a plan of an older format as this one; refuse a newer one by name."""
+        if not isinstance(data, dict):
+            return data
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            return data  # field validation names it
+        if version > PLAN_FORMAT:
+            raise ValueError(f"format_version: this plan was written in format {version} by a "
+                             f"newer moeplan; this version reads formats 1 to {PLAN_FORMAT}: "
+                             "upgrade moeplan or re-plan with this version")
+        if version == 1:
+            data = dict(data, format_version=PLAN_FORMAT)
+            choices = data.get("choices")
+            if isinstance(choices, dict) and "stage_layers" in choices:
+                choices = dict(choices)
+                layers = choices.pop("stage_layers")
+                if layers is not None and not choices.get("stage_layout"):
+                    choices["stage_layout"] = _layers_text(data.get("model"), layers)
+                data["choices"] = choices
+        return data
+
+    def stages(self) -> list[list[str]]:
+        """The virtual pipeline stages the plan runs, in virtual-stage order (`E`, `t`, `m`,
+        `L` per stage): its explicit layout or the default split."""
+        from .stage_layout import plan_stages
+
+        return plan_stages(self.model, self.layout, self.choices)
 
     @property
     def world_size(self) -> int:
@@ -157,18 +200,14 @@ class Plan(BaseModel):
         if graphs:
             tokens.append("cuda-graphs" if graphs is True else f"cuda-graphs={graphs}")
         tokens.append("dist-opt" if L.distributed_optimizer else "no-dist-opt")
-        rec = c.stage_recompute or ([c.recompute] if c.recompute else [])
-        off = c.stage_offload or ([c.offload] if c.offload else [])
-        if any(rec):
-            tokens.append("recompute=" + _per_stage(rec))
-        if any(off):
-            tokens.append("offload=" + _per_stage(off))
+        if c.recompute:
+            tokens.append("recompute=" + _per_stage(c.recompute))
+        if c.offload:
+            tokens.append("offload=" + _per_stage(c.offload))
         if c.optimizer_offload_fraction:
             tokens.append(f"optimizer-offload={c.optimizer_offload_fraction:g}")
-        stages = c.stage_layout or (
-            _format_layers(self) if c.stage_layers and len(set(c.stage_layers)) > 1 else None)
-        if stages:
-            tokens.append(f"stages={stages}")
+        if c.stage_layout:
+            tokens.append(f"stages={c.stage_layout}")
         return tokens
 
     def choices_summary(self) -> str:
@@ -185,9 +224,13 @@ def _per_stage(sets: list[list[str]]) -> str:
     return texts[0] if len(set(texts)) == 1 else "|".join(texts)
 
 
-def _format_layers(plan: Plan) -> str:
-    from .stage_layout import format_stage_layout, stage_layout_for
+def _layers_text(model: object, layers: object) -> object:
+    """A format-1 `stage_layers` list as a layout string (its MTP layers from the model)."""
+    from .stage_layout import layers_layout_text
 
-    L, m = plan.layout, plan.model
-    return format_stage_layout(stage_layout_for(m.num_layers, L.pp, L.vpp, m.mtp_layers,
-                                                stage_layers=plan.choices.stage_layers))
+    mtp = (model.get("mtp_layers", 0) if isinstance(model, dict)
+           else getattr(model, "mtp_layers", 0))
+    if not (isinstance(layers, list) and all(isinstance(x, int) for x in layers)
+            and isinstance(mtp, int) and layers):
+        return layers  # the stage_layout field's validation names what is wrong
+    return layers_layout_text(layers, mtp)

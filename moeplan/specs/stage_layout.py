@@ -103,10 +103,10 @@ def stage_layers_to_layout(stage_layers: list[int], mtp_layers: int = 0) -> Stag
 
 
 def stage_layout_for(num_layers: int, pp: int, vpp: int, mtp_layers: int = 0,
-                     text: str | None = None, stage_layers: list[int] | None = None) -> Stages:
-    """The layout a plan runs: an explicit string, else explicit layers per stage, else an even
-    split when the decoder layers divide evenly (Megatron's default, E/L/MTP riding on the end
-    stages), else the balanced uneven layout."""
+                     text: str | None = None) -> Stages:
+    """The layout a plan runs: an explicit string, else an even split when the decoder layers
+    divide evenly (Megatron's default, E/L/MTP riding on the end stages), else the balanced
+    uneven layout."""
     n = pp * vpp
     if text:
         stages = parse_stage_layout(text, pp, num_layers, mtp_layers)
@@ -114,8 +114,18 @@ def stage_layout_for(num_layers: int, pp: int, vpp: int, mtp_layers: int = 0,
             raise SpecError(f"--stage-layout has {len(stages)} stages but pp·vpp = {n}; give "
                             "one stage per virtual pipeline stage.")
         return stages
-    if stage_layers:
-        return stage_layers_to_layout(list(stage_layers), mtp_layers)
     if num_layers % n == 0:
         return stage_layers_to_layout([num_layers // n] * n, mtp_layers)
     return balanced_stage_layout(num_layers, n, mtp_layers)
+
+
+def plan_stages(model, layout, choices=None) -> Stages:  # noqa: ANN001 (specs import this module)
+    """The virtual stages a plan runs (`Plan.stages`): its explicit layout, or the default."""
+    return stage_layout_for(model.num_layers, layout.pp, layout.vpp, model.mtp_layers,
+                            choices.stage_layout if choices is not None else None)
+
+
+def layers_layout_text(stage_layers: list[int], mtp_layers: int = 0) -> str:
+    """Decoder layers per virtual stage as a layout string (E on the first stage, MTP and L on
+    the last): how a planned stage split is written into a plan."""
+    return format_stage_layout(stage_layers_to_layout(list(stage_layers), mtp_layers))
