@@ -118,6 +118,9 @@ def enumerate_layouts(
                 return True
         return False
 
+    # levels without a rule cost nothing: their check is skipped, not called
+    has = [bool(rules) for rules in levels]
+
     nvl = cluster.nvlink_domain_gpus
     experts = model.num_experts
     moe_ffn = model.moe_ffn_hidden_size or 0
@@ -130,14 +133,14 @@ def enumerate_layouts(
             pruned["target_max_tp"] += 1
             continue
         ax.tp = tp
-        if broken(0):
+        if has[0] and broken(0):
             continue
         for cp in divisors(world // tp):
             if space.max_cp and cp > space.max_cp:
                 pruned["target_max_cp"] += 1
                 continue
             ax.cp = cp
-            if broken(1):
+            if has[1] and broken(1):
                 continue
             if tp * cp > nvl:
                 pruned["tp_cp_within_nvlink"] += 1
@@ -147,24 +150,24 @@ def enumerate_layouts(
                     pruned["target_max_pp"] += 1
                     continue
                 ax.pp, ax.dp = pp, world // (tp * cp * pp)
-                if broken(2):
+                if has[2] and broken(2):
                     continue
                 dp = ax.dp
                 for mbs in (m for m in (1, 2, 4, 8, 16) if m <= space.max_mbs):
                     ax.mbs = mbs
                     ax.num_microbatches = max(1, training.global_batch_size // (mbs * dp))
-                    if broken(3):
+                    if has[3] and broken(3):
                         continue
                     nmb = ax.num_microbatches
                     for vpp in _vpp_options(model, pp, space):
                         ax.vpp = vpp
-                        if broken(4):
+                        if has[4] and broken(4):
                             continue
                         for ep, etp in itertools.product(ep_opts, etp_opts):
                             ax.ep, ax.etp = ep, etp
                             n = etp * ep * pp
                             ax.edp = world // n if world % n == 0 else 0
-                            if broken(5):
+                            if has[5] and broken(5):
                                 continue
                             edp = ax.edp
                             for disp in dispatchers:
@@ -175,15 +178,15 @@ def enumerate_layouts(
                                     pruned["flex_inside_nvlink"] += 1
                                     continue
                                 ax.dispatcher = disp
-                                if broken(6):
+                                if has[6] and broken(6):
                                     continue
                                 for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
                                     ax.ep_overlap = bool(ovl)
-                                    if broken(7):
+                                    if has[7] and broken(7):
                                         continue
                                     for dopt in (1, 0) if space.allow_no_dist_opt else (1,):
                                         ax.distributed_optimizer = bool(dopt)
-                                        if broken(8):
+                                        if has[8] and broken(8):
                                             continue
                                         for pi in range(len(space.precisions)):
                                             rows.append((tp, cp, dp, pp, vpp, ep, etp, edp, mbs,

@@ -349,6 +349,16 @@ def _fill(slope: float, base: np.ndarray, cap: np.ndarray, total: int) -> list[i
     return X.tolist() if excess == 0 else None
 
 
+def _cap(room: float, per_layer: float, most: int) -> int:
+    """Layers a rank holds in `room` bytes at `per_layer` bytes each, at most `most`; −1 when
+    its fixed items alone overflow."""
+    if room < 0:
+        return -1
+    if per_layer <= 0 or room >= per_layer * most:
+        return most
+    return int(room // per_layer)
+
+
 def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     """Layers and one set for every rank together, exactly and without a solver.
 
@@ -368,14 +378,12 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     for c in front.tolist():
         slope = lay.time_s + C.add_time[c, ell]
         base = np.array([ft[c] + t0 for ft, _, t0, _ in fixed])
-        cap = np.array([
-            max(-1, int((P.budget_bytes[r] * (1 + 1e-9) - fk[c] - m0)
-                        // (lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell])))
-            if lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell] > 0 else P.free_layers
-            for r, (_, fk, _, m0) in enumerate(fixed)])
+        cap = np.array([_cap(P.budget_bytes[r] * (1 + 1e-9) - fk[c] - m0,
+                             lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell],
+                             P.free_layers) for r, (_, fk, _, m0) in enumerate(fixed)])
         if (cap < 0).any():
             continue  # a rank's fixed items alone do not fit under this set
-        X = _fill(slope, base, np.minimum(cap, P.free_layers), P.free_layers)
+        X = _fill(slope, base, cap, P.free_layers)
         if X is None:
             continue
         T = base + slope * np.array(X)
