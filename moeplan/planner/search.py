@@ -46,7 +46,7 @@ from ..errors import InfeasibleError, SpecError
 from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
-from .explain import explain_plans
+from .explain import explain_plans, no_valid_layout
 from .ilp import (
     InfeasibleStages,
     SolverStopped,
@@ -266,8 +266,7 @@ def search(
     pruned: Counter[str] = Counter(enum.pruned)
     result = SearchResult([], len(enum.rows), 0, 0, 0.0, pruned)
     if not len(enum.rows):
-        raise InfeasibleError(f"no valid layout of {model.name} on {world} GPUs: "
-                              + ", ".join(f"{k} ×{v}" for k, v in pruned.most_common(4)))
+        raise InfeasibleError(no_valid_layout(model, cluster, training, world, space, pruned))
     t_lb, mem_lb = _bounds(model, cluster, training, enum, cal)
     usable = static_activation_budget_bytes(cluster, cal, cal.workspace_gb * GB)
     fits = mem_lb <= usable
