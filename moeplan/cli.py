@@ -493,14 +493,14 @@ def search(
         def progress(done: int, total: int) -> None:
             # each candidate layout is visited at most twice (bounded, then solved); the rest
             # are pruned by the bound, so the share may jump to 100 % at the end
-            bar.update(f"searching: {min(done / total, 1):.0%} of {total // 2:,} candidate "
-                       "layouts examined")
+            bar.update(f"searching: {min(done / total, 1):.0%} of the {total // 2:,} layouts "
+                       "that may fit examined")
 
         res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                          top_k=top, target=target, time_limit_s=time_limit,
                          imbalance=imbalance, calibration=calibration, progress=progress,
                          objective=objective, grad_reduce_dtype=grad_reduce)
-        bar.done(f"searched: 100% of {res.layouts:,} valid layouts in {res.seconds:.1f} s"
+        bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
@@ -620,6 +620,7 @@ def whatif(
     """Capacity planning: best plan, time and cost per cluster kind and GPU count."""
     from . import whatif as api_whatif
     from .planner.report import rows, write_report
+    from .specs.loader import check_precision
 
     require_finite(tokens=tokens, days=days, budget=budget, time_limit=time_limit)
     try:
@@ -639,10 +640,7 @@ def whatif(
     if output:
         check_writable(output)
     clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
-    for p in precisions:
-        if p != "auto" and p not in S.PRECISIONS:
-            raise SpecError(f"--precision {limits.excerpt(p)} is not one of "
-                            f"{', '.join(S.PRECISIONS)} or auto.")
+    precisions = [check_precision(p, allow_auto=True) for p in precisions]
     gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
     seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
     batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
