@@ -208,12 +208,15 @@ class Progress:
         self.pending = ""
         self.printed = False
 
+    REDRAW_S = 0.1  # a terminal redraws at most ten times a second (slow links stay calm)
+
     def update(self, text: str, force: bool = False) -> None:
         if self.tty:
-            line = fit_line(text, self.width)
-            if line != self.shown:
-                self.write("\r" + line + "\x1b[K")
-                self.shown = line
+            self.pending = text
+            now = self.clock()
+            if force or not self.shown or now - self.last_shown >= self.REDRAW_S:
+                self._draw(text)
+                self.last_shown = now
             return
         now = self.clock()
         if force or now - self.last_shown >= self.every_s:
@@ -222,15 +225,22 @@ class Progress:
         else:
             self.pending = text
 
+    def _draw(self, text: str) -> None:
+        line = fit_line(text, self.width)
+        if line != self.shown:
+            self.write("\r" + line + "\x1b[K")
+            self.shown = line
+
     def done(self, text: str | None = None) -> None:
         """The final state: on a terminal the line stays (ended by a newline); piped, the
         last text is printed when any progress was, so a log ends with where it got to."""
         if self.tty:
-            if text is not None:
-                self.update(text)
+            final = text if text is not None else self.pending
+            if final:
+                self._draw(final)
             if self.shown:
                 self.write("\n")
-            self.shown = ""
+            self.shown, self.pending = "", ""
             return
         final = text if text is not None else self.pending
         if final and self.printed:

@@ -142,7 +142,18 @@ def timeline(plan: Plan, b: Breakdown | None = None) -> Timeline | None:
                 side = (ch.exposed_comm_s + ch.offload_s) / 2
                 fwd[r][v] = ch.fwd_s + side
                 bwd[r][v] = ch.bwd_s + ch.recompute_s + side
-    paired = bool(L.ep_overlap)
+    blocks = play(pp, vpp, m, fwd, bwd, bool(L.ep_overlap))
+    return None if blocks is None else Timeline(blocks, m, L.num_microbatches,
+                                                bool(L.ep_overlap))
+
+
+def play(pp: int, vpp: int, m: int, fwd: list[list[float]], bwd: list[list[float]],
+         paired: bool) -> list[Block] | None:
+    """Play each rank's order (`specs.schedule`) with pass times `fwd[rank][chunk]`,
+    `bwd[rank][chunk]`: a pass starts when its rank is free and the pass it needs has ended
+    (the previous virtual stage's forward of the micro-batch; the next stage's backward, or
+    for the last stage its own forward). A merged EP-overlap step runs its forward and
+    backward together, for the sum of their times. None if the orders deadlock."""
     steps: list[list[list[tuple[str, int, int]]]] = []
     for r in range(pp):
         if paired:
@@ -177,4 +188,4 @@ def timeline(plan: Plan, b: Breakdown | None = None) -> Timeline | None:
                 free[r], ptr[r], moved = start + dur, ptr[r] + 1, True
     if any(p < len(s) for p, s in zip(ptr, steps, strict=True)):
         return None
-    return Timeline(blocks, m, L.num_microbatches, paired)
+    return blocks
