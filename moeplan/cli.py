@@ -424,12 +424,13 @@ def validate(
         if res["skipped"]:
             from .validation import skip_groups
 
-            groups = [[str(len(ids)), why, ", ".join(ids[:4]) + (" …" if len(ids) > 4 else "")]
-                      for why, ids in skip_groups(res["skipped"])]
-            print_lines(table_lines(f"{len(res['skipped'])} rows skipped, by reason (every "
-                                    "row's reason: --json, `skipped`)",
-                                    [Column("rows", right=True), Column("why not predicted"),
-                                     Column("e.g.", fold=0)], groups, width))
+            print_lines([Line(x, "bold") for x in wrap(
+                f"{len(res['skipped'])} rows skipped, by reason (each row's own: --json, "
+                "`skipped`)", width, "  ")])
+            for why, ids in skip_groups(res["skipped"]):
+                eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
+                print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
+                                                   f"{len(ids):>5}  ")])
         notes = [f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                  f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
