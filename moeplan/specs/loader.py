@@ -235,10 +235,13 @@ def preset_name(ref: str, kind: str) -> str | None:
 def did_you_mean(ref: str, kind: str) -> list[str]:
     """Presets close to a name that matches none (a typo, a missing dash, a size off by one
     character), closest first."""
+    if len(ref) > 64:  # no preset name is this long: nothing is close, and the compare stays cheap
+        return []
     names = _preset_names(kind)
     folded = {n.casefold(): n for n in names}
     key = ref.casefold().strip()
-    close = difflib.get_close_matches(key, list(folded), n=3, cutoff=0.6)
+    prefix = [n for n in folded if n.startswith(key)] if len(key) >= 2 else []
+    close = prefix[:3] or difflib.get_close_matches(key, list(folded), n=3, cutoff=0.6)
     squeezed = {n.replace("-", "").replace("_", ""): n for n in folded}
     bare = key.replace("-", "").replace("_", "").replace(" ", "")
     if bare in squeezed and squeezed[bare] not in close:
@@ -361,8 +364,9 @@ def check_precision(value: str, allow_auto: bool = False, flag: str = "--precisi
     v = str(value).casefold()
     if v in PRECISIONS or (allow_auto and v == "auto"):
         return v
-    close = [p for p in PRECISIONS if p.startswith(v + "-") or p.startswith(v)] or \
-        difflib.get_close_matches(v, list(PRECISIONS), n=3, cutoff=0.5)
+    close = ([p for p in PRECISIONS if p.startswith(v)] or
+             difflib.get_close_matches(v, list(PRECISIONS), n=3, cutoff=0.5)) if v and len(
+        v) <= 64 else []
     listed = "; ".join(f"{p} ({w})" for p, w in PRECISION_WORDS.items() if p in PRECISIONS)
     auto = "; auto (search and whatif: the fastest recipe the GPU runs)"
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
