@@ -175,7 +175,10 @@ figcaption{font-size:13px;color:#444;margin-top:4px}
 table.cards,table.cards tbody,table.cards tr,table.cards td{display:block;width:auto}
 table.cards tr.head{display:none}
 table.cards tr{border:1px solid #ccc;margin:0 0 10px;padding:4px 6px}
-table.cards td{border:none;padding:2px 0;text-align:left;white-space:normal;min-width:0}
+table.cards td{display:inline-block;border:none;padding:2px 16px 2px 0;text-align:left;
+white-space:normal;min-width:0;max-width:100%}
+table.cards td.code,table.cards td.words{display:block}
+table.cards td:empty{display:none}
 table.cards td::before{content:attr(data-label) ": ";font-weight:600;color:#555;
 font-family:system-ui,'DejaVu Sans',sans-serif}
 }
