@@ -87,7 +87,7 @@ def fit_rule_words(plan: Plan) -> str:
     cal = calibration_for(dict(plan.cluster.calibration or {}))
     rel = default_profile().memory_rel_error
     return (f"HBM {plan.cluster.hbm_gb:g} GB − {cal.reserve_gb:g} GB reserve − a margin of "
-            f"{rel:.0%} of the peak (the memory model's measured error)")
+            f"{rel:.0%} of the peak, the memory model's measured error")
 
 
 def rank_memory(plan: Plan, b: Breakdown | None = None) -> list[dict[str, float]]:
@@ -133,15 +133,18 @@ def timeline(plan: Plan, b: Breakdown | None = None) -> Timeline | None:
     L = plan.layout
     pp, vpp = L.pp, L.vpp
     m = drawn_microbatches(pp, vpp, L.num_microbatches)
-    b = b if b is not None else breakdown(plan)
-    fwd = [[1.0] * vpp for _ in range(pp)]
-    bwd = [[2.0] * vpp for _ in range(pp)]
-    if b is not None:
-        for r, rc in enumerate(b.ranks):
-            for v, ch in enumerate(rc.chunks):
-                side = (ch.exposed_comm_s + ch.offload_s) / 2
-                fwd[r][v] = ch.fwd_s + side
-                bwd[r][v] = ch.bwd_s + ch.recompute_s + side
+    # the pass times of the plan as the file records it (a routing imbalance the estimate was
+    # priced with is not recorded: the schedule's shape, not its seconds, is what is drawn)
+    b = b if b is not None else estimate_breakdown(
+        plan.model, plan.cluster, plan.training, plan.layout, plan.choices, check=False,
+        with_interval=False)
+    fwd = [[0.0] * vpp for _ in range(pp)]
+    bwd = [[0.0] * vpp for _ in range(pp)]
+    for r, rc in enumerate(b.ranks):
+        for v, ch in enumerate(rc.chunks):
+            side = (ch.exposed_comm_s + ch.offload_s) / 2
+            fwd[r][v] = ch.fwd_s + side
+            bwd[r][v] = ch.bwd_s + ch.recompute_s + side
     blocks = play(pp, vpp, m, fwd, bwd, bool(L.ep_overlap))
     return None if blocks is None else Timeline(blocks, m, L.num_microbatches,
                                                 bool(L.ep_overlap))
