@@ -192,6 +192,16 @@ def test_scatter_labels_never_overlap_and_crowded_ones_are_listed():
         f">h100 × {2 ** i}<" in text for i in range(12)) == 12
 
 
+def test_scatter_axes_of_days_and_dollars_never_go_below_zero():
+    dots = [svg.Dot(87_000, 3.6, "a", "h100"), svg.Dot(117_000, 52.2, "b", "h200")]
+    text, _ = svg.scatter_chart("t", dots, "cost", "days", x_fmt=lambda x: f"${x:,.0f}")
+    ticks = re.findall(r'text-anchor="(?:end|middle)" fill="#666">(-?[\d,$]+)</text>', text)
+    assert ticks and not any(t.startswith("-") for t in ticks), ticks
+    dollars = [int(t[1:].replace(",", "")) for t in ticks if t.startswith("$")]
+    assert dollars and min(dollars) >= 80_000 and "0" in ticks  # cost spans the data; days
+    # start at zero
+
+
 def test_reports_need_no_plotting_library(tmp_path):
     """The plain install has no matplotlib: every report is written with it hidden."""
     hide = ("import sys\nclass Gone:\n    def find_spec(self, name, path=None, target=None):\n"

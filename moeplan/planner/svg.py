@@ -198,6 +198,11 @@ def padded(lo: float, hi: float, share: float = 0.08) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
+def _not_below_zero(span: tuple[float, float], lowest: float) -> tuple[float, float]:
+    """Days and dollars are never negative: padding stops at zero for such data."""
+    return (max(0.0, span[0]) if lowest >= 0 else span[0]), span[1]
+
+
 # ------------------------------------------------------------------------------- legend
 @dataclass(frozen=True)
 class Key:
@@ -401,8 +406,8 @@ def scatter_chart(title: str, dots: Sequence[Dot], x_label: str, y_label: str, *
     leg_h = legend_height(keys, width)
     xs = [d.x for d in dots] or [0.0, 1.0]
     ys = [v for d in dots for v in ((d.y, *d.y_err) if d.y_err else (d.y,))] or [0.0, 1.0]
-    x_ticks = nice_ticks(*padded(min(xs), max(xs), 0.12), 5)
-    y_ticks = nice_ticks(*padded(min(ys), max(ys), 0.1), 5)
+    x_ticks = nice_ticks(*_not_below_zero(padded(min(xs), max(xs), 0.12), min(xs)), 5)
+    y_ticks = nice_ticks(*_not_below_zero(padded(min(ys), max(ys), 0.1), min(ys)), 5)
     left = max(text_width(fmt_num(t), 11) for t in y_ticks) + 16
     top, plot_h = 26.0, height - 26.0 - 40
     c = Canvas(width, height + leg_h, title)
