@@ -129,7 +129,9 @@ def search(
     `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
     from .planner.search import default_gbs
     from .planner.search import search as _search
+    from .specs.loader import check_precision
 
+    precision = check_precision(precision, allow_auto=True)
     m = load_model(model)
     c = load_cluster(cluster, gpus, calibration)
     if training is None:

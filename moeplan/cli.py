@@ -35,7 +35,7 @@ from .errors import (
 )
 from .fsio import check_writable, strict_dumps, write_json
 from .specs.rules import check_target
-from .terminal import Column, Line, pairs_lines, screen_width, table_lines, wrap
+from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
     name="moeplan",
@@ -60,25 +60,25 @@ GRAD_REDUCE_HELP = ("Data-parallel gradient reduction dtype: fp32 (Megatron's de
                     "(half the bytes and gradient memory; Megatron --grad-reduce-in-bf16).")
 
 
-REPORT_HELP = ("Write a self-contained HTML page: the plans side by side, the chosen plan's "
-               "memory per pipeline rank and step-time breakdown as plots.")
+REPORT_HELP = ("Write the plans as a self-contained HTML page (report.html: the ranking key, "
+               "intervals, step time by term, the chosen plan's schedule and memory per "
+               "pipeline rank) or as Markdown tables (report.md).")
 
 
 def _check_report(path: str | None) -> None:
     """Refuse a bad --report before the work, not after it."""
-    if path is None:
-        return
-    from .planner.report import require_matplotlib
+    if path is not None:
+        from .planner.report import check_plan_report_path
 
-    if Path(path).suffix.lower() not in (".html", ".htm"):
-        raise SpecError(f"--report {path}: the plan report is an .html file (self-contained).")
-    require_matplotlib()
+        check_plan_report_path(path)
 
 
-def _write_plan_report(plans: list[S.Plan], title: str, path: str) -> None:
+def _write_plan_report(plans: list[S.Plan], title: str, path: str, objective: str | None,
+                       stopped_early: bool = False) -> None:
     from .planner.report import write_plan_report
 
-    err.print(f"wrote {write_plan_report(plans, title, path)}", highlight=False, markup=False)
+    written = write_plan_report(plans, title, path, objective, stopped_early)
+    err.print(f"wrote {written}", highlight=False, markup=False)
 
 
 AXIS_HELP = {
@@ -115,6 +115,23 @@ def print_lines(lines: list[Line], console: Console | None = None) -> None:
     console = console or out
     for line in lines:
         console.print(Text(line.text, style=line.style or ""), soft_wrap=True)
+
+
+@contextmanager
+def progress_line(every_s: float = 5.0) -> Iterator[Progress]:
+    """A `Progress` on stderr for the block: one updating line on a terminal, plain periodic
+    lines when piped. An error leaves the line as it was, ended, so the message starts a line
+    of its own."""
+    def write(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    bar = Progress(write, err.is_terminal, _width(err), every_s)
+    try:
+        yield bar
+    except BaseException:
+        bar.done()
+        raise
 
 
 def require_finite(**flags: float | None) -> None:
@@ -318,18 +335,34 @@ def estimate(
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
     if report:
-        _write_plan_report([plan], f"{plan.headline()}: estimate", report)
+        _write_plan_report([plan], f"{plan.headline()}: estimate", report, None)
+    verdict = fit_verdict(plan)
     if output:
         write_json(output, plan.model_dump(mode="json"))
-        err.print(f"wrote {output}", markup=False, highlight=False)
+        err.print(f"wrote {output}" + ("" if est.fits else f" (this plan {verdict})"),
+                  markup=False, highlight=False)
 
     def render() -> None:
-        print_lines(pairs_lines(f"{plan.headline()}: {plan.summary()}", estimate_pairs(plan),
-                                _width(out)))
+        head = "" if est.fits else "DOES NOT FIT: "
+        print_lines(pairs_lines(f"{head}{plan.headline()}: {plan.summary()}",
+                                estimate_pairs(plan), _width(out)))
         for w in est.warnings:
             err.print(f"[yellow]warning:[/] {escape(w)}")
 
     emit(est, as_json, render)
+
+
+def fit_verdict(plan: S.Plan) -> str:
+    """`fits` or `does NOT fit`, with the line it is judged against (HBM − reserve − margin,
+    the one rule in cost_models.uncertainty)."""
+    from .planner.anatomy import fit_line_gb
+
+    est = plan.estimate
+    assert est is not None
+    line = fit_line_gb(plan)
+    return (f"fits under the fit line {line:.1f} GB (HBM − reserve − margin)" if est.fits else
+            f"does NOT fit: {est.memory.peak_gb:.1f} GB is above the fit line {line:.1f} GB "
+            "(HBM − reserve − margin)")
 
 
 def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
@@ -340,8 +373,8 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
     rows = [("step time", f"{est.step_time_s:.3f} s"),
             ("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
             ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%})"),
-            ("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB "
-             f"({'fits' if est.fits else 'does NOT fit'})"),
+            ("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB: "
+             + fit_verdict(plan)),
             ("  weights / grads / optimizer",
              f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB"),
             ("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")]
@@ -372,7 +405,12 @@ def validate(
     """Predict published runs and report the error per row (fit and held-out rows apart)."""
     from .validation import read_rows, validate_rows
 
-    res = validate_rows(read_rows(runs_csv))
+    rows = read_rows(runs_csv)
+    with progress_line(2.0) as bar:
+        res = validate_rows(rows, progress=lambda done, total: bar.update(
+            f"validating: {done / total:.0%} ({done} of {total} rows)"))
+        bar.done(f"validated: 100% ({len(rows)} rows: {len(res['rows'])} predicted, "
+                 f"{len(res['skipped'])} skipped)")
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
@@ -396,6 +434,16 @@ def validate(
                          f"{pub:,.0f}" if pub else "-", e])
         print_lines(table_lines(f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
                                 "skipped", cols, body, width))
+        if res["skipped"]:
+            from .validation import skip_groups
+
+            print_lines([Line(x, "bold") for x in wrap(
+                f"{len(res['skipped'])} rows skipped, by reason (each row's own: --json, "
+                "`skipped`)", width, "  ")])
+            for why, ids in skip_groups(res["skipped"]):
+                eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
+                print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
+                                                   f"{len(ids):>5}  ")])
         notes = [f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
                  f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
                  f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
@@ -448,65 +496,83 @@ def search(
 ) -> None:
     """Search every folded layout and rank the best plans."""
     _check_report(report)
-    import time as _time
-
     from . import search as api_search
 
     require_finite(time_limit=time_limit, imbalance=imbalance)
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
-    shown = {"t": _time.monotonic()}  # quiet for the first second: most searches end by then
+    with progress_line() as bar:
+        def progress(done: int, total: int) -> None:
+            # each candidate layout is visited at most twice (bounded, then solved); the rest
+            # are pruned by the bound, so the share may jump to 100 % at the end
+            bar.update(f"searching: {min(done / total, 1):.0%} of the {total // 2:,} layouts "
+                       "that may fit examined")
 
-    def progress(done: int, total: int) -> None:
-        now = _time.monotonic()
-        if now - shown["t"] > 1.0:
-            shown["t"] = now
-            # the search counts each candidate layout's two visits (bounded, then solved)
-            err.print(f"searching: {min(done / total, 1):.0%} of the candidate layouts "
-                      "examined", highlight=False)
-
-    res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
-                     top_k=top, target=target, time_limit_s=time_limit, imbalance=imbalance,
-                     calibration=calibration, progress=progress, objective=objective,
-                     grad_reduce_dtype=grad_reduce)
+        res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
+                         top_k=top, target=target, time_limit_s=time_limit,
+                         imbalance=imbalance, calibration=calibration, progress=progress,
+                         objective=objective, grad_reduce_dtype=grad_reduce)
+        bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
+                 + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
     if report:
         best = res.plans[0]
         _write_plan_report(res.plans, f"{best.headline()}: best {len(res.plans)} plans",
-                           report)
+                           report, res.objective, res.stopped_early)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
                   "found so far", highlight=False)
 
     def render() -> None:
+        from .planner.explain import terminal_notes
+
         width = _width(out)
         best = res.plans[0]
-        print_lines(table_lines(f"{best.headline()}: best {len(res.plans)} of {res.layouts} layouts "
-                                f"({res.seconds:.1f} s)", SEARCH_COLUMNS,
-                                [search_row(i, p) for i, p in enumerate(res.plans)], width))
-        for line in best.explanation[2:]:
+        key = SEARCH_KEYS[res.objective]
+        print_lines(table_lines(
+            f"{best.headline()}: best {len(res.plans)} of {res.layouts:,} layouts "
+            f"({res.seconds:.1f} s), ranked by {key}", search_columns(res.objective),
+            [search_row(i, p, res.objective) for i, p in enumerate(res.plans)], width))
+        for line in terminal_notes(res):
             print_lines([Line(s) for s in wrap(line, width, "  ")])
         print_lines([Line(s, "dim") for s in wrap(_next_steps(output), width, "  ")])
 
     emit(res.to_json(), as_json, render)
 
 
-SEARCH_COLUMNS = [Column("#", right=True), Column("layout", fold=2), Column("choices", fold=1),
-                  Column("step s", right=True), Column("tok/s/GPU", right=True),
-                  Column("TFLOPS", right=True), Column("MFU", right=True),
-                  Column("peak GB", right=True, fold=3), Column("bottleneck", fold=0)]
+SEARCH_KEYS = {"robust": "low end: the 80% interval's low end of tokens/s/GPU",
+               "expected": "tok/s/GPU: the point estimate"}
 
 
-def search_row(i: int, p: S.Plan) -> list[str]:
-    """One plan as the search table's cells (`Plan.layout_summary`/`choices_summary` words)."""
+def search_columns(objective: str) -> list[Column]:
+    """The search table's columns: the ranking key first after the rank, never folded."""
+    cols = [Column("#", right=True), Column("low end", right=True),
+            Column("layout", fold=2), Column("choices", fold=1),
+            Column("step s", right=True), Column("tok/s/GPU", right=True),
+            Column("TFLOPS", right=True, fold=4), Column("MFU", right=True),
+            Column("peak/fit GB", right=True, fold=3), Column("bottleneck", fold=0)]
+    if objective == "expected":  # the point is the key: it moves next to the rank
+        cols.insert(1, cols.pop(5))
+    return cols
+
+
+def search_row(i: int, p: S.Plan, objective: str = "robust") -> list[str]:
+    """One plan as the search table's cells (`Plan.layout_summary`/`choices_summary` words);
+    memory as peak / fit line (HBM − reserve − margin), the line `fits` is judged by."""
+    from .planner.anatomy import fit_line_gb
+
     e = p.estimate
     assert e is not None
-    return [str(i + 1), p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g}",
-            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
-            f"{e.memory.peak_gb:.1f}/{p.cluster.hbm_gb:g}", e.bottleneck]
+    low = f"{e.interval.tokens_per_s_per_gpu[0]:,.0f}" if e.interval else "-"
+    row = [str(i + 1), low, p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g}",
+           f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+           f"{e.memory.peak_gb:.1f}/{fit_line_gb(p):.1f}", e.bottleneck]
+    if objective == "expected":
+        row.insert(1, row.pop(5))
+    return row
 
 
 def _next_steps(output: str | None) -> str:
@@ -566,7 +632,8 @@ def whatif(
 ) -> None:
     """Capacity planning: best plan, time and cost per cluster kind and GPU count."""
     from . import whatif as api_whatif
-    from .planner.report import require_matplotlib, rows, write_report
+    from .planner.report import rows, write_report
+    from .specs.loader import check_precision
 
     require_finite(tokens=tokens, days=days, budget=budget, time_limit=time_limit)
     try:
@@ -585,13 +652,8 @@ def whatif(
                         "(self-contained HTML with plots).")
     if output:
         check_writable(output)
-    if output and Path(output).suffix.lower() != ".md":
-        require_matplotlib()
     clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
-    for p in precisions:
-        if p != "auto" and p not in S.PRECISIONS:
-            raise SpecError(f"--precision {limits.excerpt(p)} is not one of "
-                            f"{', '.join(S.PRECISIONS)} or auto.")
+    precisions = [check_precision(p, allow_auto=True) for p in precisions]
     gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
     seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
     batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
@@ -599,12 +661,15 @@ def whatif(
               * len(precisions))
     limits.check("sweep points (clusters × --gpus × --seq × --gbs × --precision)", points,
                  limits.MAX_SWEEP_POINTS, "sweep fewer values at once")
-    res = api_whatif(model, clusters, gpu_counts,
-                     seqs=seqs, gbs=batches,
-                     precisions=precisions, tokens=tokens,
-                     gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
-                     time_limit_s=time_limit, workers=workers,
-                     progress=lambda msg: err.print(msg, highlight=False, markup=False))
+    with progress_line() as bar:
+        # a point's result is kept when piped; "searching" notices only as a heartbeat
+        res = api_whatif(model, clusters, gpu_counts,
+                         seqs=seqs, gbs=batches,
+                         precisions=precisions, tokens=tokens,
+                         gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
+                         time_limit_s=time_limit, workers=workers,
+                         progress=lambda msg: bar.update(msg, force=not msg.endswith("searching")))
+        bar.done(f"whatif: 100%, {len(res.points)} points in {res.seconds:.1f} s")
     if output:
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 

@@ -8,13 +8,16 @@ it, until it does; at the narrowest every column but the key folds, which is a s
 view. Text is wrapped only at spaces, and a single word longer than the line is left whole.
 
 Pure functions of strings and a width (no console, no I/O), so they are tested directly; the CLI
-prints the lines they return.
+prints the lines they return. `Progress` is the one stateful piece: it writes through the
+function it is given.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.cells import cell_len
@@ -168,3 +171,77 @@ def pairs_lines(title: str | None, pairs: list[tuple[str, str]], width: int) -> 
             lines = wrap(k, width, "  ") + wrap(v, width, INDENT, INDENT)
         out += [Line(s) for s in lines]
     return out
+
+
+def fit_line(text: str, width: int) -> str:
+    """`text` on one line of a `width`-column terminal: whole when it fits (one column kept
+    free, so the cursor never wraps), else cut at a space and marked with `…`, so a number is
+    never split across lines or cut short."""
+    room = max(8, width - 1)
+    if cell_len(text) <= room:
+        return text
+    words, out = text.split(" "), ""
+    for w in words:
+        cand = f"{out} {w}" if out else w
+        if cell_len(cand + " …") > room:
+            break
+        out = cand
+    return (out + " …") if out else text[: room - 1] + "…"
+
+
+class Progress:
+    """Progress of a long command on stderr.
+
+    On a terminal: one line, rewritten in place (carriage return, then clear to the end of
+    the line), clipped by `fit_line` so it never wraps, and left showing its last text when
+    `done` is called. Piped (a log, CI): plain lines, at most one per `every_s` seconds except
+    those `update` is told to keep (`force`), and the last one, so a log gets a heartbeat
+    without a line per second. Why both: a terminal redraws, a log file only appends.
+    """
+
+    def __init__(self, write: Callable[[str], None], is_terminal: bool, width: int,
+                 every_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.write, self.tty, self.width = write, is_terminal, width
+        self.every_s, self.clock = every_s, clock
+        self.last_shown = clock()
+        self.shown = ""
+        self.pending = ""
+        self.printed = False
+
+    REDRAW_S = 0.1  # a terminal redraws at most ten times a second (slow links stay calm)
+
+    def update(self, text: str, force: bool = False) -> None:
+        if self.tty:
+            self.pending = text
+            now = self.clock()
+            if force or not self.shown or now - self.last_shown >= self.REDRAW_S:
+                self._draw(text)
+                self.last_shown = now
+            return
+        now = self.clock()
+        if force or now - self.last_shown >= self.every_s:
+            self.write(text + "\n")
+            self.last_shown, self.pending, self.printed = now, "", True
+        else:
+            self.pending = text
+
+    def _draw(self, text: str) -> None:
+        line = fit_line(text, self.width)
+        if line != self.shown:
+            self.write("\r" + line + "\x1b[K")
+            self.shown = line
+
+    def done(self, text: str | None = None) -> None:
+        """The final state: on a terminal the line stays (ended by a newline); piped, the
+        last text is printed when any progress was, so a log ends with where it got to."""
+        if self.tty:
+            final = text if text is not None else self.pending
+            if final:
+                self._draw(final)
+            if self.shown:
+                self.write("\n")
+            self.shown, self.pending = "", ""
+            return
+        final = text if text is not None else self.pending
+        if final and self.printed:
+            self.write(final + "\n")

@@ -24,6 +24,7 @@ import io
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -513,12 +514,26 @@ def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> 
             "by_split": {k: {"pairs": n, "ordered": o} for k, (n, o) in split.items()}}
 
 
-def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
-    """Predict every predictable row; {"rows", "mape_tokens_per_s", "skipped", ...}."""
+def skip_groups(skipped: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
+    """Skipped rows grouped by reason, most common first: the reason's head (before any
+    `:` detail, quoted values as `…`) and the ids. `validate` prints these instead of a bare
+    count, so what is not predicted, and why, reads at a glance."""
+    groups: dict[str, list[str]] = {}
+    for s in skipped:
+        head = re.sub(r"(?<!\w)'[^']*'(?!\w)", "…", str(s["why"]).split(":", 1)[0]).strip()
+        groups.setdefault(head, []).append(str(s["id"]))
+    return sorted(groups.items(), key=lambda g: (-len(g[1]), g[0]))
+
+
+def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Predict every predictable row; {"rows", "mape_tokens_per_s", "skipped", ...}.
+    `progress(done, total)` is called before each row."""
     presets = list_presets()
     out, skipped = [], []
-    for row in rows:
+    for n, row in enumerate(rows):
+        if progress:
+            progress(n, len(rows))
         case = case_of(row, presets)
         if isinstance(case, str):
             skipped.append({"id": row.get("id") or "?", "why": case})

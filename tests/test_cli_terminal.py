@@ -9,6 +9,7 @@ COLUMNS, as a terminal emulator would.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import pty
@@ -27,9 +28,9 @@ from moeplan import load_cluster, load_model, load_training
 from moeplan.planner.report import rows
 from moeplan.planner.whatif import Point, WhatIf, pareto_front
 from moeplan.specs import Choices, Layout, Plan
-from moeplan.terminal import Column, pairs_lines, table_lines
+from moeplan.terminal import Column, Progress, fit_line, pairs_lines, table_lines
 
-from .conftest import run_cli
+from .conftest import REPO, run_cli
 
 WIDTHS = (80, 100, 120)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -43,6 +44,13 @@ WHATIF = ("whatif", "--model", "mixtral-8x7b", "--cluster", "h100,h200", "--gpus
 
 def render_in_pty(args: tuple[str, ...], columns: int, timeout: float = 120) -> str:
     """Run `moeplan ARGS` with stdout and stderr on a pty `columns` wide; the screen text."""
+    return screen_of(raw_in_pty(args, columns, timeout), columns)
+
+
+@functools.lru_cache(maxsize=16)
+def raw_in_pty(args: tuple[str, ...], columns: int, timeout: float = 120) -> str:
+    """What `moeplan ARGS` writes to a pty `columns` wide, control characters included
+    (each run once per module: several claims are checked on one screen)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 500, columns, 0, 0))
     env = {**os.environ, "COLUMNS": str(columns), "LINES": "500", "TERM": "xterm-256color"}
@@ -63,7 +71,23 @@ def render_in_pty(args: tuple[str, ...], columns: int, timeout: float = 120) -> 
         os.close(master)
         proc.wait(timeout=timeout)
     assert proc.returncode in (0, 3), b"".join(chunks).decode(errors="replace")[-3000:]
-    return ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+    return b"".join(chunks).decode()
+
+
+def screen_of(raw: str, columns: int) -> str:
+    """What a terminal `columns` wide shows after `raw`: a carriage return moves back to the
+    start of the line, which the text after it overwrites (all of it after `ESC [K`). Every
+    piece written must fit the width: a wider one would have wrapped as it was written,
+    even if later overwritten."""
+    lines = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        cur = ""
+        for seg in line.split("\r"):
+            text = ANSI.sub("", seg)
+            assert cell_len(text) <= columns, f"written wider than {columns}: {text!r}"
+            cur = text if "\x1b[K" in seg else text + cur[len(text):]
+        lines.append(cur)
+    return "\n".join(lines)
 
 
 def json_of(args: tuple[str, ...]) -> dict:
@@ -159,7 +183,7 @@ def test_table_lines_never_cut_a_cell_and_fit_the_width(width, n, data):
         assert cell_len(line) <= width or any(cell_len(w) > width - 8 for w in tokens), line
     for r in body:
         for c in r[:-1]:
-            assert c in text
+            assert c in text or c == "-"  # a folded "-" (no value) is left out
         assert all(w in text.split() or w in text for w in r[-1].split())
 
 
@@ -219,23 +243,81 @@ def test_whatif_rows_say_why_for_every_point_off_the_front():
     assert table[0]["cost"].startswith("$") and "," in table[0]["cost"]
 
 
-def test_whatif_plots_have_a_legend_on_every_panel_and_ratio_axes_from_zero(monkeypatch):
-    pytest.importorskip("matplotlib")
-    from moeplan import whatif
-    from moeplan.planner import report
+# ------------------------------------------------------------------------------- progress
+PROGRESS = re.compile(r"^(searching|whatif|validating|validated|\[\d+/\d+\])")
 
-    figures = []
-    monkeypatch.setattr(report, "_svg", lambda fig: figures.append(fig) or "<svg/>")
-    res = whatif("qwen3-30b-a3b", ["h100", "h200"], [8], gbs=[64], tokens=1e9,
-                 gpu_hour_price=[2.5, 3.5], workers=1)
-    report.plots(res)
-    axes = [ax for fig in figures for ax in fig.axes]
-    assert len(axes) == 4
-    for ax in axes:
-        assert ax.get_legend() is not None, ax.get_title()
-    throughput, per_gpu, pareto, _ = axes
-    for ax in (throughput, per_gpu, pareto):
-        assert ax.get_ylim()[0] == 0
-    labels = {t.get_text() for t in pareto.texts}
-    assert labels == {"h100 × 8 GPUs", "h200 × 8 GPUs"}
-    assert pareto.xaxis.get_major_formatter()(12345.0, 0) == "$12,345"
+
+def progress_pieces(raw: str) -> list[str]:
+    """Every text written between carriage returns (the states of a redrawn line)."""
+    return [ANSI.sub("", seg) for line in raw.replace("\r\n", "\n").split("\n")
+            for seg in line.split("\r") if PROGRESS.match(ANSI.sub("", seg))]
+
+
+@pytest.mark.parametrize("columns", [80])
+def test_search_progress_is_one_line_redrawn_that_ends_at_100_percent(columns):
+    raw = raw_in_pty(SEARCH, columns)
+    pieces = progress_pieces(raw)
+    assert len(pieces) >= 2 and "\rsearching: " in raw  # redrawn in place
+    screen = screen_of(raw, columns)
+    left = [ln for ln in screen.split("\n") if ln.startswith("searching")]
+    assert len(left) == 1 and left[0].startswith("searching: 100%"), left  # one line stays
+
+
+def test_whatif_progress_at_80_columns_never_breaks_inside_a_number():
+    raw = raw_in_pty(WHATIF, 80)
+    pieces = progress_pieces(raw)  # screen_of already checked each fits in 80 columns
+    assert any(p.startswith("[2/2]") for p in pieces)
+    for p in pieces:
+        # a piece is the whole message or one cut at a space and marked: never mid-number
+        assert not re.search(r"[\d,.]…|…[\d,.]", p), p
+    assert screen_of(raw, 80).count("whatif: 100%") == 1
+
+
+def test_progress_piped_is_plain_lines_and_on_a_terminal_one_line():
+    clock = iter([0.0, 1.0, 2.0, 6.0, 7.0, 13.0, 14.0]).__next__
+    piped: list[str] = []
+    bar = Progress(piped.append, False, 80, every_s=5.0, clock=clock)
+    for i in range(5):
+        bar.update(f"step {i}")
+    bar.done("done")
+    assert piped == ["step 2\n", "step 4\n", "done\n"] and not any("\r" in x for x in piped)
+    shown: list[str] = []
+    tty = Progress(shown.append, True, 20, clock=iter([0.0, 0.0, 0.5, 1.0]).__next__)
+    tty.update("searching: 1% of 12,345 layouts")
+    tty.update("searching: 50% of 12,345 layouts")
+    tty.done("searching: 100%, 24,690 valid layouts")
+    assert shown[-1] == "\n" and all(x.startswith("\r") for x in shown[:-1])
+    assert all(cell_len(ANSI.sub("", x[1:])) < 20 for x in shown[:-1])
+    assert fit_line("searching: 100%, 24,690 valid layouts", 20) == "searching: 100%, …"
+
+
+def test_quick_piped_search_prints_no_progress():
+    r = run_cli(*SEARCH, "--top", "1")
+    assert r.returncode == 0 and "searching" not in r.stderr and "\r" not in r.stderr
+
+
+@pytest.mark.skipif(not (REPO.parent / "shared").exists(), reason="shared/ data missing")
+def test_validate_shows_progress_and_groups_the_skip_reasons():
+    screen = screen_of(raw_in_pty(("validate", str(REPO.parent / "shared" / "data" /
+                                                   "published_runs.csv")), 100), 100)
+    assert re.search(r"^validated: 100% \(\d+ rows: \d+ predicted, \d+ skipped\)$", screen,
+                     re.M)
+    groups = screen.split("rows skipped, by reason", 1)[1].split("\n* ")[0]
+    assert re.search(r"^\s+\d+  no model preset \(R\d+", groups, re.M)
+    doc = json_of(("validate", str(REPO.parent / "shared" / "data" / "published_runs.csv")))
+    counted = sum(int(m) for m in re.findall(r"^ *(\d+)  \S", groups, re.M))
+    assert counted == len(doc["skipped"])  # every skipped row in one group
+
+
+# ------------------------------------------------------------------------ the ranking key
+@pytest.mark.parametrize("columns", [80, 120])
+def test_search_table_names_the_ranking_key_and_why_1_beats_2(search_doc, columns):
+    screen = screen_of(raw_in_pty(SEARCH, columns), columns)
+    assert "ranked by low end: the 80% interval's low end of tokens/s/GPU" in " ".join(
+        screen.split())
+    header = next(ln for ln in screen.split("\n") if ln.startswith("#  "))
+    assert header.split()[1:3] == ["low", "end"]  # the key, next to the rank
+    for p in search_doc["plans"]:
+        assert f"{p['estimate']['interval']['tokens_per_s_per_gpu'][0]:,.0f}" in screen
+    why = " ".join(screen.split("#1 ranks above #2", 1)[1].split("\n\n")[0].split())
+    assert why.startswith("by the low end of the 80% interval")

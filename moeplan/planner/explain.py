@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..specs import Estimate, Plan
+from .. import limits
+from ..specs import ClusterSpec, Estimate, ModelSpec, Plan, TrainingSpec
 
 if TYPE_CHECKING:
+    from .enumerate import SearchSpace
     from .search import SearchResult
 
 TIME_PARTS = {
@@ -82,10 +86,20 @@ def robust_sentences(best: Plan, result: SearchResult) -> list[str]:
     return out
 
 
+def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
+    """How much was searched and what removed the rest, each rule in words with its count
+    (the codes stay in `--json`'s `searched.pruned`)."""
+    cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
+    said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
+                     for k, v in cut[:most])
+    more = f"; {len(cut) - most} more rules (--json: searched.pruned)" if len(cut) > most else ""
+    return (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened with even "
+            f"stages, {result.solved} MILPs for the best; removed: {said or 'none'}{more}")
+
+
 def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
     """Attach explanations: what each plan is, its bottleneck, why the best beats the next,
     and which rules and bounds removed the other candidates."""
-    pruned = ", ".join(f"{k} {v}" for k, v in result.pruned.most_common())
     out = []
     for i, p in enumerate(plans):
         e = p.estimate
@@ -98,8 +112,163 @@ def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
             lines.append(_why(p, plans[i + 1]))
         if i == 0:
             lines += robust_sentences(p, result)
-            lines.append(f"searched {result.layouts} valid layouts: {result.screened} "
-                         f"screened with even stages, {result.solved} MILPs for the best; "
-                         f"pruned: {pruned or 'none'}")
+            lines.append(searched_sentence(result, p))
         out.append(p.model_copy(update={"explanation": lines}))
     return out
+
+
+def terminal_notes(result: SearchResult) -> list[str]:
+    """The sentences under the search table: why #1 beats #2 (one line, the ranking key's two
+    values), the winner's interval, what it rests on, and what was searched. The longer
+    term-by-term comparison stays in the plans' `explanation`."""
+    best = result.plans[0]
+    assert best.estimate is not None
+    line = ranking_line(result.plans, result.objective)
+    return ([line] if line else []) + [interval_sentence(best.estimate),
+                                       *robust_sentences(best, result),
+                                       searched_sentence(result, best, 4)]
+
+
+# ------------------------------------------------------------------- the ranking, in one line
+def ranking_line(plans: list[Plan], objective: str) -> str | None:
+    """Why #1 ranks above #2, in one sentence that names the ranking key and its two values,
+    and, when #2 looks better on a figure the table shows, why that does not count."""
+    if len(plans) < 2:
+        return None
+    a, b = plans[0].estimate, plans[1].estimate
+    assert a is not None and b is not None
+    if objective == "expected" or a.interval is None or b.interval is None:
+        ka, kb = a.tokens_per_s_per_gpu, b.tokens_per_s_per_gpu
+        head = (f"#1 ranks above #2 by the point estimate of tokens/s/GPU (the ranking key, "
+                f"--objective expected): {_pair(ka, kb)}")
+        if ka == kb:
+            return head + f"; a tie, broken by the shorter step ({a.step_time_s:.3g} s vs " \
+                          f"{b.step_time_s:.3g} s)."
+        return head + f" ({ka / kb - 1:+.1%})."
+    ka, kb = a.interval.tokens_per_s_per_gpu[0], b.interval.tokens_per_s_per_gpu[0]
+    head = (f"#1 ranks above #2 by the low end of the 80% interval of tokens/s/GPU (the "
+            f"ranking key, --objective robust): {_pair(ka, kb)}")
+    if ka == kb:
+        return head + (f"; a tie, broken by the shorter expected step ({a.step_time_s:.3g} s "
+                       f"vs {b.step_time_s:.3g} s).")
+    if b.tokens_per_s_per_gpu <= a.tokens_per_s_per_gpu:
+        return head + f", and {_pair(a.tokens_per_s_per_gpu, b.tokens_per_s_per_gpu)} at " \
+                      "the point estimate."
+    gap = b.tokens_per_s_per_gpu / a.tokens_per_s_per_gpu - 1
+    pa, pb = a.interval.pessimistic_tokens_per_s_per_gpu, b.interval.pessimistic_tokens_per_s_per_gpu
+    why = (f"; with its unvalidated effects failing #2 makes {pb:,.0f} against #1's {pa:,.0f}"
+           if pa is not None and pb is not None and pb < pa else
+           "; its interval reaches lower")
+    return (head + f". #2 is {gap:.1%} faster at the point estimate "
+            f"({_pair(b.tokens_per_s_per_gpu, a.tokens_per_s_per_gpu)})" + why + ".")
+
+
+def _pair(x: float, y: float) -> str:
+    """Two figures that read apart: whole numbers, or one decimal where those are equal."""
+    a, b = f"{x:,.0f}", f"{y:,.0f}"
+    if a == b and x != y:
+        a, b = f"{x:,.1f}", f"{y:,.1f}"
+    return f"{a} vs {b}"
+
+
+# ------------------------------------------------------------------ rules, in words
+def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
+               ) -> str:
+    """A validity or pruning rule (`enumerate.py`, `search.py` counters) as a sentence with
+    this problem's numbers; the rule's code stays in the JSON (`searched.pruned`)."""
+    words = {
+        "gbs_divisible": f"the global batch ({training.global_batch_size:,} sequences) must "
+                         "divide evenly by data-parallel size × micro-batch size",
+        "too_many_stages": f"pipeline stages cannot outnumber the {model.num_layers} layers",
+        "heads_divisible_by_tp": f"tensor parallel must divide the {model.num_attention_heads} "
+                                 "attention heads" + (
+                                     f" and the {model.kv_heads} KV heads"
+                                     if model.kv_heads != model.num_attention_heads else ""),
+        "ffn_divisible_by_tp": f"tensor parallel must divide the FFN size "
+                               f"({model.ffn_hidden_size:,})",
+        "seq_divisible_by_2cp": f"context parallel needs the sequence length "
+                                f"({training.seq_len:,}) divisible by 2·cp",
+        "seq_divisible_by_tp": "sequence parallel needs the sequence length per context "
+                               "rank divisible by tp",
+        "tp_cp_within_nvlink": f"tp·cp must stay inside one NVLink domain "
+                               f"({cluster.nvlink_domain_gpus} GPUs)",
+        "interleaved_microbatches": "the interleaved schedule needs the micro-batches per "
+                                    "replica to be a multiple of pp",
+        "expert_world_size": f"expert parallel (a divisor of the {model.num_experts} experts) × "
+                             "expert tensor parallel × pp must divide the GPU count",
+        "flex_inside_nvlink": "the flex dispatcher inside one NVLink domain is the all-to-all",
+        "ep_overlap_needs_ep": "EP overlap needs expert parallel > 1",
+        "ep_overlap_needs_vpp": "EP overlap with pp > 1 needs virtual pipeline stages",
+        "ep_overlap_dispatcher": "EP overlap does not work with the allgather dispatcher",
+        "target_max_tp": "the target executor caps tensor parallel",
+        "target_max_cp": "the target executor caps context parallel",
+        "target_max_pp": "the target executor caps pipeline parallel",
+        "memory_bound": "cannot fit in memory even with every activation recomputed or "
+                        "offloaded and the optimizer on the host",
+        "memory_milp": "no recompute/offload choice fits in memory",
+        "time_bound": "provably slower than the plans kept",
+        "time_bound_milp": "provably slower than the plans kept (after its MILP)",
+        "balanced_split_bound": "provably slower even with the best stage split",
+        "robust_twin_bound": "a twin with validated effects only ranks at least as well",
+        "screened_by_milp": "beaten once its MILP placed the stages",
+        "milp_unsolved": "its MILP found no solution in time",
+        "time_limit": "not reached before --time-limit",
+    }
+    return words.get(rule, rule.replace("_", " "))
+
+
+NEAREST_SCAN_S = 1.5  # seconds spent looking for nearby GPU counts and batches that work
+
+
+def _has_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
+                 space: SearchSpace) -> bool:
+    from .enumerate import enumerate_layouts
+
+    return len(enumerate_layouts(model, cluster.with_gpus(world), training, world, space).rows
+               ) > 0
+
+
+def nearest_working(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
+                    space: SearchSpace, budget_s: float = NEAREST_SCAN_S
+                    ) -> tuple[int | None, int | None, int | None]:
+    """(fewer GPUs, more GPUs, another global batch at `world` GPUs): the nearest values that
+    have a valid layout, found by enumerating each count (the rules are checked, not guessed),
+    within `budget_s`; None where none was found in range or in time."""
+    deadline = time.monotonic() + budget_s
+    below = above = gbs = None
+    for k in range(1, world):
+        if time.monotonic() > deadline or (below and above):
+            break
+        if below is None and world - k >= max(1, world // 2) and _has_layouts(
+                model, cluster, training, world - k, space):
+            below = world - k
+        if above is None and world + k <= min(limits.MAX_GPUS, 2 * world) and _has_layouts(
+                model, cluster, training, world + k, space):
+            above = world + k
+    g0 = training.global_batch_size
+    for k in range(1, g0):
+        if time.monotonic() > deadline or gbs is not None:
+            break
+        for g in (g0 - k, g0 + k):
+            if gbs is None and 0 < g <= limits.MAX_GLOBAL_BATCH and _has_layouts(
+                    model, cluster, training.model_copy(update={"global_batch_size": g}),
+                    world, space):
+                gbs = g
+    return below, above, gbs
+
+
+def no_valid_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
+                    space: SearchSpace, pruned: Counter[str]) -> str:
+    """Exit 3's paragraph when no layout of `world` GPUs passes the rules: the rules that
+    removed the candidates, in words, and the nearest GPU counts (and batch) that work."""
+    rules = "; ".join(f"{rule_words(r, model, training, cluster)} ({n:,} candidate "
+                      f"split{'s' if n != 1 else ''})" for r, n in pruned.most_common(4))
+    below, above, gbs = nearest_working(model, cluster, training, world, space)
+    counts = [f"{n:,}" for n in (below, above) if n is not None]
+    near = (f"GPU counts near {world:,} that have valid layouts: {' and '.join(counts)} "
+            f"(--gpus {counts[0].replace(',', '')})" if counts
+            else f"no GPU count between {max(1, world // 2):,} and {2 * world:,} checked in "
+                 "time has a valid layout")
+    batch = (f"; or keep {world:,} GPUs with --gbs {gbs}" if gbs is not None else "")
+    return (f"no valid layout of {model.name} on {world:,} GPUs: every way to split "
+            f"{world:,} GPUs breaks a rule. {rules[0].upper() + rules[1:]}. {near}{batch}.")

@@ -1,25 +1,28 @@
-"""`moeplan whatif -o report.md|report.html`: the sweep as Markdown tables or one HTML file.
+"""Reports: `whatif -o report.md|report.html` and `search|estimate --report plan.html|plan.md`.
 
-The HTML report must open anywhere, offline, years later (it gets attached to purchase
-requests), so it is a single self-contained file: plots are matplotlib figures inlined as SVG,
-styles inline, no scripts, no fonts or images fetched from the network. matplotlib is imported
-only here and only when HTML is asked for, so `whatif` itself stays light.
+An HTML report must open anywhere, offline, years later (it gets attached to purchase
+requests) and print: it is one self-contained file, with styles inline, the charts as inline
+SVG drawn by `planner.svg` (no plotting library, so the plain install writes reports), no
+scripts, and nothing fetched from the network. The page reflows from 1,400 px to a phone:
+tables become one card per row below 1,100 px (and on paper), so the page body never
+scrolls sideways. What a reader must see first stands first: a plan that does not fit, and a
+plan carried by effects no published run has validated. Every value is shown in the project's
+one vocabulary (`Plan.summary`) and plain words; no Python object is ever printed.
 """
 
 from __future__ import annotations
 
 import html
-import io
-import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecError
 from ..fsio import atomic_write_text
 from ..specs import Plan
+from . import anatomy as A
+from . import svg
 from .whatif import Point, WhatIf
-
-MEMORY_PARTS = ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "buffers_gb")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -54,6 +57,13 @@ def _why(p: Point, res: WhatIf) -> str:
     return f"off the front: {q.label} GPUs is no slower and {cheaper}"
 
 
+def low_end(p: Point) -> float | None:
+    """The best plan's ranking key under the default (robust) objective: the low end of its
+    80 % interval of tokens/s/GPU."""
+    iv = p.tokens_interval
+    return None if iv is None else iv[0]
+
+
 def rows(res: WhatIf) -> list[dict[str, str]]:
     """One display row per point (shared by the terminal, Markdown and HTML tables)."""
     out = []
@@ -61,6 +71,7 @@ def rows(res: WhatIf) -> list[dict[str, str]]:
         out.append({
             "cluster": p.cluster, "GPUs": str(p.gpus), "seq": str(p.seq), "gbs": str(p.gbs),
             "layout": _layout(p),
+            "low end": _num(low_end(p), ",.0f"),
             "tok/s/GPU": _num(p.tokens_per_s_per_gpu, ",.0f"),
             "MFU": _num(p.mfu, ".1%"), "step s": _num(p.step_time_s, ".3g"),
             "days": _num(p.days_to_train, ",.1f"), "GPU-hours": _num(p.gpu_hours, ",.0f"),
@@ -97,15 +108,22 @@ def _title(res: WhatIf) -> str:
     return f"What-if: {res.model}, {res.tokens:.3g} tokens"
 
 
+KEY_WORDS = ("low end: the low end of the best plan's 80% interval of tokens/s/GPU, which "
+             "the search ranks plans by (--objective robust)")
+
+
 def markdown(res: WhatIf) -> str:
     """The report as Markdown: the sweep table, the Pareto front and the inverse answers."""
     table = rows(res)
     cols = list(table[0]) if table else []
-    lines = [f"# {_title(res)}", "",
-             f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
-             f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
-             f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}.", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [f"# {_title(res)}", ""]
+    lines += [f"> **{n.head}** {n.text}" for n in whatif_notices(res)]
+    lines += ["" if lines[-1] else "",
+              f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
+              f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
+              f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}; "
+              f"{KEY_WORDS}.", "",
+              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in table:
         lines.append("| " + " | ".join(v.replace("|", "\\|") for v in r.values()) + " |")
     lines += ["", "## Pareto front (fastest first)", ""]
@@ -122,25 +140,136 @@ def markdown(res: WhatIf) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------- HTML
-def _svg(fig: object) -> str:
-    """A matplotlib figure as an inline <svg> element (no XML prolog, no external refs)."""
-    import matplotlib.pyplot as plt
+# ------------------------------------------------------------------------------ page parts
+CSS = """*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,'Segoe UI','DejaVu Sans',sans-serif;margin:0 auto;
+padding:16px 20px;max-width:1400px;color:#222;background:#fff;line-height:1.4;font-size:14px}
+h1{font-size:22px;margin:4px 0 10px;overflow-wrap:anywhere}
+h2{font-size:17px;margin:22px 0 8px;overflow-wrap:anywhere}
+p,li,figcaption{overflow-wrap:anywhere}
+code{font-family:'DejaVu Sans Mono',Menlo,Consolas,monospace;font-size:12.5px;
+overflow-wrap:anywhere}
+.notice{border-left:6px solid #888;background:#f4f4f4;padding:8px 12px;margin:8px 0}
+.notice b{margin-right:6px}
+.notice.bad{border-color:#c0392b;background:#fdecea}
+.notice.warn{border-color:#d68910;background:#fef5e7}
+.notice.info{border-color:#2e86c1;background:#eaf2f8}
+table{border-collapse:collapse;font-size:13px;margin:8px 0;width:100%}
+th,td{border:1px solid #ccc;padding:4px 6px;text-align:left;vertical-align:top}
+th{background:#f2f2f2}
+td.num,th.num{text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums}
+td.code{font-family:'DejaVu Sans Mono',Menlo,Consolas,monospace;font-size:12px;
+overflow-wrap:anywhere;min-width:11em}
+td.words{min-width:14em}
+.key{background:#e8f1fb}
+th.key{background:#d6e6f7}
+tr.pareto td{background:#fff3c4}tr.nofit td{color:#777}tr.weak td{background:#fef5e7}
+svg{display:block;max-width:100%;height:auto}
+svg.strip{display:inline-block;vertical-align:middle;width:130px;height:auto}
+figure{margin:14px 0;break-inside:avoid;min-width:0}
+figcaption{font-size:13px;color:#444;margin-top:4px}
+.figs{display:flex;flex-wrap:wrap;gap:8px 24px}
+.figs figure{flex:1 1 520px}
+.muted{color:#666}
+@media (max-width:1100px){
+table.cards,table.cards tbody,table.cards tr,table.cards td{display:block;width:auto}
+table.cards tr.head{display:none}
+table.cards tr{border:1px solid #ccc;margin:0 0 10px;padding:4px 6px}
+table.cards td{display:inline-block;border:none;padding:2px 16px 2px 0;text-align:left;
+white-space:normal;min-width:0;max-width:100%}
+table.cards td.code,table.cards td.words{display:block}
+table.cards td:empty{display:none}
+table.cards td::before{content:attr(data-label) ": ";font-weight:600;color:#555;
+font-family:system-ui,'DejaVu Sans',sans-serif}
+}
+@media print{
+body{max-width:none;padding:0;font-size:11px}
+.notice,tr.pareto td,.key{-webkit-print-color-adjust:exact;print-color-adjust:exact}
+tr,figure,.notice{break-inside:avoid}h2{break-after:avoid}
+}
+@page{size:A4 landscape;margin:12mm}"""
 
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")  # type: ignore[attr-defined]
-    plt.close(fig)  # type: ignore[arg-type]
-    text = buf.getvalue()
-    text = text[text.index("<svg"):]
-    return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)  # Dublin Core links
+
+def page(title: str, body: str) -> str:
+    """A whole self-contained HTML document."""
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>{body}</body></html>\n")
 
 
+@dataclass(frozen=True)
+class Notice:
+    """A line at the top of a report: `level` bad (does not fit), warn or info."""
+
+    level: str
+    head: str
+    text: str
+
+    def html(self) -> str:
+        return (f'<div class="notice {self.level}"><b>{html.escape(self.head)}</b>'
+                f"{html.escape(self.text)}</div>")
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: `kind` num (right-aligned figures), code (plan words, wrapped
+    anywhere), words (sentences) or text; `key` marks the ranking key."""
+
+    name: str
+    kind: str = "text"
+    key: bool = False
+
+
+def table_html(cols: Sequence[Col], body: Sequence[Sequence[str]],
+               row_classes: Sequence[str] | None = None, raw: set[int] | None = None) -> str:
+    """A table that is a grid on wide screens and one card per row on narrow ones and on
+    paper (each cell then labelled with its column). Cells are escaped except the columns in
+    `raw` (inline SVG made here)."""
+    raw = raw or set()
+
+    def cls(c: Col) -> str:
+        names = ([c.kind] if c.kind != "text" else []) + (["key"] if c.key else [])
+        return f' class="{" ".join(names)}"' if names else ""
+
+    head = "".join(f"<th{cls(c)}>{html.escape(c.name)}</th>" for c in cols)
+    out = [f'<table class="cards"><tr class="head">{head}</tr>']
+    for i, r in enumerate(body):
+        rc = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        cells = "".join(
+            f'<td{cls(c)} data-label="{html.escape(c.name)}">'
+            f"{v if j in raw else html.escape(v)}</td>"
+            for j, (c, v) in enumerate(zip(cols, r, strict=True)))
+        out.append(f"<tr{rc}>{cells}</tr>")
+    return "".join(out) + "</table>"
+
+
+def figure(fig_id: str, svg_text: str, caption: str) -> str:
+    return (f'<figure id="{fig_id}">{svg_text}<figcaption>{html.escape(caption)}'
+            "</figcaption></figure>")
+
+
+def _strip_domain(intervals: Sequence[tuple[float, float] | None]) -> tuple[float, float]:
+    vals = [v for iv in intervals if iv for v in iv]
+    return svg.padded(min(vals), max(vals), 0.05) if vals else (0.0, 1.0)
+
+
+def _strip(iv: tuple[float, float] | None, point: float | None, dom: tuple[float, float]
+           ) -> str:
+    if iv is None or point is None:
+        return "-"
+    tip = f"80% interval {iv[0]:,.0f} to {iv[1]:,.0f} tokens/s/GPU, point {point:,.0f}"
+    return (svg.interval_strip(iv[0], point, iv[1], *dom, tip=tip)
+            + f'<br><span class="muted">{iv[0]:,.0f}–{iv[1]:,.0f}</span>')
+
+
+# ------------------------------------------------------------------------- what-if (HTML)
 def _series(points: Sequence[Point]) -> dict[str, list[Point]]:
     """Fitting points grouped by what varies along a throughput curve: one line per series."""
     series: dict[str, list[Point]] = {}
     multi_seq = len({p.seq for p in points}) > 1
     multi_prec = len({p.precision for p in points}) > 1
-    multi_gbs = len({p.gbs for p in points}) > 1
+    multi_gbs = len({p.asked_gbs for p in points}) > 1
     for p in points:
         if not p.fits:
             continue
@@ -150,145 +279,117 @@ def _series(points: Sequence[Point]) -> dict[str, list[Point]]:
     return {k: sorted(v, key=lambda p: p.gpus) for k, v in series.items()}
 
 
-def require_matplotlib() -> None:
-    """Fail before a long sweep, not after it, when the HTML report cannot be drawn."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise SpecError("the HTML report draws its plots with matplotlib, which is not "
-                        "installed: pip install 'moeplan[report]' (or write -o report.md)."
-                        ) from None
+def _point_name(p: Point, fit: Sequence[Point]) -> str:
+    return f"{p.cluster} × {p.gpus}" + (
+        f" seq{p.seq}" if len({q.seq for q in fit}) > 1 else "") + (
+        f" {p.precision}" if len({q.precision for q in fit}) > 1 else "")
 
 
-def plots(res: WhatIf) -> dict[str, str]:
-    """The three plots as inline SVG: throughput vs GPUs, time vs cost, memory per best plan."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
-    thousands = FuncFormatter(lambda x, _: f"{x:,.0f}" if abs(x) >= 10 else f"{x:g}")
-    dollars = FuncFormatter(lambda x, _: f"${x:,.0f}")
-    out: dict[str, str] = {}
+def plots(res: WhatIf) -> dict[str, tuple[str, str]]:
+    """The what-if charts as inline SVG with their captions: throughput against GPU count
+    (cluster and per GPU, with the 80 % band), days against cost, and each best plan's memory
+    against its fit line."""
+    out: dict[str, tuple[str, str]] = {}
     series = _series(res.points)
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, pts in series.items():
-        g = [p.gpus for p in pts]
-        ax1.plot(g, [(p.tokens_per_s_per_gpu or 0) * p.gpus / 1e6 for p in pts], "o-",
-                 label=name)
-        ax2.plot(g, [p.tokens_per_s_per_gpu for p in pts], "o-", label=name)
-        band = [(p.gpus, *p.tokens_interval) for p in pts if p.tokens_interval]
-        if band:  # the best plan's 80 % interval (cost_models.uncertainty)
-            ax2.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band],
-                             alpha=0.15, label=f"{name} 80% interval")
-    for ax, ylabel in ((ax1, "cluster throughput (M tokens/s)"), (ax2, "tokens/s per GPU")):
-        ax.set_xscale("log", base=2)
-        counts = sorted({p.gpus for pts in series.values() for p in pts})
-        ax.set_xticks(counts, [str(n) for n in counts])
-        ax.minorticks_off()
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)  # a ratio is read off these axes: a 1 % drop must look like 1 %
-        ax.yaxis.set_major_formatter(thousands)
-        ax.grid(alpha=0.3)
-        if series:
-            ax.legend()
-    fig.suptitle("Throughput against GPU count")
-    out["throughput"] = _svg(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    total = [svg.Series(n, [(p.gpus, (p.tokens_per_s_per_gpu or 0) * p.gpus / 1e6) for p in pts])
+             for n, pts in series.items()]
+    per_gpu = [svg.Series(n, [(p.gpus, p.tokens_per_s_per_gpu or 0.0) for p in pts],
+                          [(p.gpus, *p.tokens_interval) for p in pts if p.tokens_interval])
+               for n, pts in series.items()]
+    out["throughput"] = (svg.line_chart("Cluster throughput against GPU count", total, "GPUs",
+                                        "M tokens/s, whole cluster"),
+                         "Cluster throughput against GPU count, one line per cluster kind")
+    out["per-gpu"] = (svg.line_chart("Tokens/s per GPU against GPU count", per_gpu, "GPUs",
+                                     "tokens/s per GPU"),
+                      "Tokens/s per GPU of each best plan; the band is its 80% interval, whose "
+                      "low end is the ranking key")
     fit = [p for p in res.points if p.fits and p.days_to_train is not None]
-    by_cluster: dict[str, list[Point]] = {}
-    for p in fit:
-        by_cluster.setdefault(p.cluster, []).append(p)
-    for name, pts in by_cluster.items():
-        ax.scatter([p.price_axis for p in pts], [p.days_to_train for p in pts], label=name,
-                   alpha=0.8)
-        bars = [p for p in pts if p.days_interval]
-        if bars:  # days at the interval's ends of throughput (cost moves with them)
-            ax.errorbar([p.price_axis for p in bars], [p.days_to_train for p in bars],
-                        yerr=[[p.days_to_train - p.days_interval[0] for p in bars],  # type: ignore
-                              [p.days_interval[1] - p.days_to_train for p in bars]],  # type: ignore
-                        fmt="none", ecolor="grey", alpha=0.6, capsize=2)
-        for p in pts:
-            ax.annotate(f"{p.cluster} × {p.gpus} GPUs", (p.price_axis, p.days_to_train),
-                        fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-    front = [res.points[i] for i in res.pareto]
-    if front:
-        front = sorted(front, key=lambda p: p.price_axis or 0.0)
-        ax.plot([p.price_axis for p in front], [p.days_to_train for p in front], "k--",
-                lw=1)
-        ax.scatter([p.price_axis for p in front], [p.days_to_train for p in front], s=140,
-                   facecolors="none", edgecolors="red", linewidths=1.5, label="Pareto front")
-    ax.set_xlabel("cost (USD)" if res.priced else "GPU-hours")
-    ax.xaxis.set_major_formatter(dollars if res.priced else thousands)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("days to train")
-    ax.set_title(f"Time to train {res.tokens:.3g} tokens against "
-                 f"{'cost' if res.priced else 'GPU-hours'}")
-    ax.grid(alpha=0.3)
+    unit = "cost (USD)" if res.priced else "GPU-hours"
+    dots = [svg.Dot(p.price_axis or 0.0, p.days_to_train or 0.0, _point_name(p, fit),
+                    p.cluster, p.days_interval, p.pareto) for p in fit]
+    chart, unlabelled = svg.scatter_chart(
+        f"Days to train {res.tokens:.3g} tokens against {unit}", dots, unit, "days to train",
+        x_fmt=(lambda x: f"${x:,.0f}") if res.priced else svg.fmt_num)
+    caption = (f"Days to train against {unit}; grey bars: days at the ends of the 80% interval; "
+               "circled: the Pareto front (nothing is both faster and cheaper)")
+    if unlabelled:
+        caption += f". Not labelled for lack of room: {', '.join(unlabelled)}"
+    out["pareto"] = (chart, caption)
     if fit:
-        ax.legend()
-    out["pareto"] = _svg(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 0.45 * max(3, len(fit)) + 1.2))
-    labels = [f"{p.cluster} × {p.gpus}" + (f" seq{p.seq}" if len(
-        {q.seq for q in fit}) > 1 else "") for p in fit]
-    left = [0.0] * len(fit)
-    for part in MEMORY_PARTS:
-        vals = [getattr(p.plan.estimate.memory, part) for p in fit]  # type: ignore[union-attr]
-        ax.barh(labels, vals, left=left, label=part.removesuffix("_gb"))
-        left = [a + b for a, b in zip(left, vals, strict=True)]
-    for y, p in enumerate(fit):
-        ax.plot([p.plan.cluster.hbm_gb] * 2, [y - 0.4, y + 0.4], "k-", lw=2,  # type: ignore
-                label="HBM" if y == 0 else None)
-    ax.set_xlabel("GB per GPU (most loaded GPU; black tick: HBM)")
-    ax.set_title("Memory of each best plan")
-    ax.invert_yaxis()
-    if fit:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    out["memory"] = _svg(fig)
+        rows_ = [(_point_name(p, fit), [p.plan.estimate.memory.model_dump()[f"{k}_gb"]  # type: ignore[union-attr]
+                                        for k, _ in A.MEMORY_PARTS]) for p in fit]
+        marks = [(A.fit_line_gb(p.plan), p.plan.cluster.hbm_gb) for p in fit]  # type: ignore[arg-type,union-attr]
+        refs = [svg.Ref(0, "fit line (HBM − reserve − margin)", "#c0392b", "4 2"),
+                svg.Ref(0, "HBM", svg.INK)]
+        out["memory"] = (svg.hbar_chart("Memory of each best plan", rows_, A.MEMORY_PARTS,
+                                        "GB per GPU (most loaded GPU)", refs=refs,
+                                        ref_marks=marks, total_fmt=lambda x: f"{x:.1f} GB"),
+                         "Memory of each best plan's most loaded GPU; the red tick is the line "
+                         "a plan must stay under to fit (HBM − reserve − margin, the rule "
+                         "`fits` uses), the black tick the HBM")
     return out
 
 
-CSS = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fff}
-table{border-collapse:collapse;font-size:12px;margin:12px 0}
-td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
-td:first-child,th{text-align:left}tr.pareto{background:#fff3c4}tr.nofit{color:#888}
-figure{margin:16px 0}svg{max-width:100%;height:auto}"""
+def whatif_notices(res: WhatIf) -> list[Notice]:
+    """What must be read first: nothing fits; best plans that rest on unvalidated effects."""
+    out = []
+    if not res.any_fits:
+        out.append(Notice("bad", "Nothing fits.", "No point of the sweep has a plan that fits; "
+                          "each row's why says what came closest."))
+    weak = sorted({a.term for p in res.points if p.plan and p.plan.estimate
+                   for a in p.plan.estimate.assumptions if not a.validated})
+    if weak:
+        n = sum(1 for p in res.points if p.plan and p.plan.estimate and any(
+            not a.validated for a in p.plan.estimate.assumptions))
+        out.append(Notice("warn", "Unvalidated effects carry some plans.",
+                          f"{n} of the best plans rest on effects no published run backs: "
+                          f"{'; '.join(weak)}. Their low end (the ranking key) prices these "
+                          "effects failing."))
+    stopped = [p.label for p in res.points if p.stopped_early]
+    if stopped:
+        out.append(Notice("info", "Stopped early.", f"{', '.join(stopped)}: the search hit its "
+                          "time limit; the plan is the best found so far."))
+    return out
+
+
+WHATIF_KINDS = {"cluster": "text", "layout": "code", "why": "words", "pareto": "text"}
 
 
 def html_report(res: WhatIf) -> str:
-    """One self-contained HTML page: tables, answers, and the plots inlined as SVG."""
+    """One self-contained HTML page: notices, the points table (ranking key and interval
+    drawn), answers, and the charts."""
     table = rows(res)
-    cols = list(table[0]) if table else []
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    names = list(table[0]) if table else []
+    if len({p.seq for p in res.points}) == 1:
+        names.remove("seq")  # the same for every point: said in the sentence above the table
+    at = names.index("low end") + 1 if names else 0
+    cols = [Col(n, WHATIF_KINDS.get(n, "num"), key=n == "low end") for n in names]
+    cols.insert(at, Col("80% interval"))
+    dom = _strip_domain([p.tokens_interval for p in res.points])
     body = []
     for p, r in zip(res.points, table, strict=True):
-        cls = "pareto" if p.pareto else ("nofit" if not p.fits else "")
-        cells = "".join(f"<td>{html.escape(v)}</td>" for v in r.values())
-        body.append(f'<tr class="{cls}">{cells}</tr>')
+        cells = [r[n] for n in names]
+        cells.insert(at, _strip(p.tokens_interval, p.tokens_per_s_per_gpu, dom))
+        body.append(cells)
+    classes = ["pareto" if p.pareto else ("nofit" if not p.fits else "") for p in res.points]
     said = "".join(f"<li>{html.escape(a)}</li>" for a in answers(res))
     figs = plots(res)
-    captions = {"throughput": "Throughput against GPUs, per cluster kind",
-                "pareto": "Time to train against cost; the Pareto front circled",
-                "memory": "Memory breakdown of each best plan"}
-    fig_html = "".join(f'<figure id="{k}">{v}<figcaption>{html.escape(captions[k])}'
-                       "</figcaption></figure>" for k, v in figs.items())
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>"
-            f"{html.escape(_title(res))}</title><style>{CSS}</style></head><body>"
-            f"<h1>{html.escape(_title(res))}</h1>"
-            f"<p>{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
-            f"{res.seconds:.1f} s. Highlighted rows are on the Pareto front.</p>"
-            f"<table><tr>{head}</tr>{''.join(body)}</table>"
-            + (f"<h2>Answers</h2><ul>{said}</ul>" if said else "")
-            + f"<h2>Plots</h2>{fig_html}</body></html>\n")
+    seqs = sorted({p.seq for p in res.points})
+    intro = (f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit"
+             + (f", all at sequence length {seqs[0]}" if len(seqs) == 1 else "")
+             + f"; searched in {res.seconds:.1f} s. Highlighted rows (★) are on the Pareto front "
+             f"of days against {'cost' if res.priced else 'GPU-hours'}. {KEY_WORDS[0].upper()}"
+             f"{KEY_WORDS[1:]}; the bar shows the interval, the dot the point estimate.")
+    charts = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("throughput",
+                                                                           "per-gpu"))
+    rest = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("pareto", "memory"))
+    body_html = ("".join(n.html() for n in whatif_notices(res))
+                 + f"<p>{html.escape(intro)}</p>"
+                 + table_html(cols, body, classes, raw={at})
+                 + (f"<h2>Answers</h2><ul>{said}</ul>" if said else "")
+                 + f'<h2>Throughput</h2><div class="figs">{charts}</div>'
+                 + f'<h2>Time, cost and memory</h2><div class="figs">{rest}</div>')
+    return page(_title(res), body_html)
 
 
 def write_report(res: WhatIf, path: str | Path) -> Path:
@@ -306,126 +407,260 @@ def write_report(res: WhatIf, path: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------ plan report (search)
-TIME_BARS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("offload_s", "offload"),
-             ("pp_bubble_s", "pipeline bubble"), ("exposed_comm_s", "exposed communication"))
-COMM_BARS = (("tp_comm_s", "TP"), ("cp_comm_s", "CP"), ("ep_comm_s", "EP"), ("dp_comm_s", "DP"))
+OBJECTIVE_KEYS = {
+    "robust": ("low end", "the low end of the 80% interval of tokens/s/GPU, priced with every "
+               "unvalidated effect failing (--objective robust)"),
+    "expected": ("tok/s/GPU", "the point estimate of tokens/s/GPU (--objective expected)"),
+}
 
 
-def rank_memory(plan: Plan) -> list[dict[str, float]]:
-    """Per pipeline rank: weights, grads, optimizer, activations, buffers (GB), from the cost
-    model's own per-rank accounting (the peak in the Estimate is the largest of these)."""
-    from ..cost_models.estimate import estimate_breakdown
-    from ..cost_models.memory import GB
-
-    b = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
-                           check=False)
-    return [{"weights": r.static.weights / GB, "grads": r.static.grads / GB,
-             "optimizer": r.static.optimizer / GB, "activations": r.activation_bytes / GB,
-             "buffers": r.buffer_bytes / GB} for r in b.ranks]
-
-
-def plan_plots(plan: Plan) -> dict[str, str]:
-    """The chosen plan's memory per pipeline rank and step-time breakdown, as inline SVG."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
-    est = plan.estimate
+def plan_notices(plans: Sequence[Plan], stopped_early: bool = False) -> list[Notice]:
+    """Does not fit, then unvalidated effects, then the estimate's other warnings."""
+    best = plans[0]
+    est = best.estimate
     assert est is not None
-    out: dict[str, str] = {}
-    ranks = rank_memory(plan)
-    fig, ax = plt.subplots(figsize=(8, 0.5 * max(3, len(ranks)) + 1.4))
-    labels = [f"pp rank {i}" for i in range(len(ranks))]
-    left = [0.0] * len(ranks)
-    for part in ("weights", "grads", "optimizer", "activations", "buffers"):
-        vals = [r[part] for r in ranks]
-        ax.barh(labels, vals, left=left, label=part)
-        left = [a + b for a, b in zip(left, vals, strict=True)]
-    ax.axvline(plan.cluster.hbm_gb, color="k", lw=2, label=f"HBM {plan.cluster.hbm_gb:g} GB")
-    from ..cost_models.calibration import calibration_for
-
-    reserve = calibration_for(dict(plan.cluster.calibration or {})).reserve_gb
-    if reserve > 0:
-        ax.axvline(plan.cluster.hbm_gb - reserve, color="k", ls="--", lw=1,
-                   label=f"budget (HBM − {reserve:g} GB reserve)")
-    ax.set_xlim(left=0)
-    ax.set_xlabel("GB per GPU")
-    ax.set_title("Memory per pipeline rank")
-    ax.invert_yaxis()
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    out["memory"] = _svg(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    t = est.time
-    names = [n for _, n in TIME_BARS] + [f"{n} comm (alone)" for _, n in COMM_BARS]
-    vals = [getattr(t, k) for k, _ in TIME_BARS] + [getattr(t, k) for k, _ in COMM_BARS]
-    colors = ["C0"] * len(TIME_BARS) + ["C7"] * len(COMM_BARS)
-    ax.barh(names, vals, color=colors)
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    ax.axvline(est.step_time_s, color="k", lw=1.5)
-    ax.set_xlim(left=0)
-    ax.set_xlabel("seconds per step")
-    ax.set_title("Step time breakdown")
-    ax.invert_yaxis()
-    ax.legend(handles=[Patch(color="C0", label="in the step (exposed parts)"),
-                       Patch(color="C7", label="communication alone (partly hidden)"),
-                       Line2D([], [], color="k", label=f"step {est.step_time_s:.3g} s")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    out["time"] = _svg(fig)
+    out = []
+    for i, p in enumerate(plans):
+        e = p.estimate
+        if e is not None and not e.fits:
+            who = "This plan" if len(plans) == 1 else f"Plan #{i + 1}"
+            out.append(Notice("bad", "Does not fit.", (
+                f"{who} peaks at {e.memory.peak_gb:.1f} GB on its most loaded GPU, above the "
+                f"fit line of {A.fit_line_gb(p):.1f} GB ({A.fit_rule_words(p)}). Spread it over "
+                "more GPUs or pipeline stages, or recompute or offload activations; "
+                "`moeplan search` finds a layout that fits.")))
+    weak = [a.term for a in est.assumptions if not a.validated]
+    if weak:
+        iv = est.interval
+        low = (f" The interval's low end, {iv.tokens_per_s_per_gpu[0]:,.0f} tokens/s/GPU, "
+               "prices them failing." if iv else "")
+        out.append(Notice("warn", "Unvalidated effects carry this plan.",
+                          f"It rests on effects no published run backs: {'; '.join(weak)}."
+                          + low))
+    if stopped_early:
+        out.append(Notice("info", "Stopped early.", "The search hit its time limit; these are "
+                          "the best plans found so far."))
+    for w in est.warnings:
+        if not est.fits and w.startswith("peak "):
+            continue  # said by the first notice
+        out.append(Notice("warn", "Note.", w))
+    if est.confidence is not None and est.confidence.label == "extrapolated":
+        out.append(Notice("info", "Extrapolated.", est.confidence.reason))
     return out
 
 
-def _plan_cells(i: int, p: Plan) -> list[str]:
+def _plan_row(i: int, p: Plan, dom: tuple[float, float]) -> list[str]:
     e = p.estimate
     assert e is not None
-    return [f"#{i + 1}", p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g} s",
-            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
-            f"{e.memory.peak_gb:.1f} / {p.cluster.hbm_gb:g} GB", e.bottleneck]
+    iv = e.interval.tokens_per_s_per_gpu if e.interval else None
+    return [f"#{i + 1}", p.layout_summary(), p.choices_summary(),
+            _num(iv[0] if iv else None, ",.0f"), _strip(iv, e.tokens_per_s_per_gpu, dom),
+            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_time_s:.3g}", f"{e.tflops_per_gpu:.0f}",
+            f"{e.mfu:.1%}", f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}",
+            "yes" if e.fits else "NO", e.bottleneck]
 
 
-PLAN_ROWS = ("plan", "layout", "choices", "step time", "tokens/s/GPU", "TFLOPS/GPU", "MFU",
-             "peak memory", "bottleneck")
+def _plan_cols(objective: str | None) -> list[Col]:
+    key = OBJECTIVE_KEYS.get(objective or "", ("", ""))[0]
+    return [Col("plan"), Col("layout", "code"), Col("choices", "code"),
+            Col("low end tok/s/GPU", "num", key == "low end"), Col("80% interval"),
+            Col("tok/s/GPU", "num", key == "tok/s/GPU"), Col("step s", "num"),
+            Col("TFLOPS/GPU", "num"), Col("MFU", "num"), Col("peak / fit line GB", "num"),
+            Col("fits"), Col("bottleneck")]
 
 
-def plan_report(plans: Sequence[Plan], title: str) -> str:
-    """One self-contained HTML page: the plans side by side (one column each), then the chosen
-    (first) plan's memory per pipeline rank and step-time breakdown, its explanation, and its
-    assumptions and interval where the estimate carries them."""
-    cells = [_plan_cells(i, p) for i, p in enumerate(plans)]
-    rows_html = "".join(
-        f"<tr><th>{html.escape(name)}</th>"
-        + "".join(f"<td>{html.escape(c[j])}</td>" for c in cells) + "</tr>"
-        for j, name in enumerate(PLAN_ROWS))
+def _schedule_words(plan: Plan, tl: A.Timeline) -> str:
+    L = plan.layout
+    kind = "1F1B" if L.vpp == 1 else f"interleaved 1F1B with {L.vpp} model chunks per rank"
+    if tl.paired:
+        kind += (", EP overlap: each steady-state forward is paired with another micro-batch's "
+                 "backward so that one's expert all-to-all hides under the other's compute")
+    shown = (f"all {tl.of} micro-batches" if tl.microbatches == tl.of else
+             f"{tl.microbatches} of the plan's {tl.of} micro-batches (warm-up and cool-down as "
+             "in the step, a shorter steady state)")
+    return (f"Pipeline schedule of the chosen plan, {kind}; {shown}. Numbers are micro-batches; "
+            "blank time on a rank is its bubble. Durations from the cost model's per-chunk "
+            "forward and backward times; point-to-point latency not drawn.")
+
+
+def plan_plots(plans: Sequence[Plan]) -> dict[str, tuple[str, str]]:
+    """Per plan: the step time by term. For the chosen (first) plan: its pipeline schedule and
+    its memory per pipeline rank against the fit line."""
     best = plans[0]
-    figs = plan_plots(best)
-    captions = {"memory": "Memory of the chosen plan per pipeline rank, against HBM",
-                "time": "Where the chosen plan's step time goes"}
-    fig_html = "".join(f'<figure id="{k}">{v}<figcaption>{html.escape(captions[k])}'
-                       "</figcaption></figure>" for k, v in figs.items())
-    notes = list(best.explanation)
     est = best.estimate
-    for extra in ("interval", "assumptions"):  # shown once estimates carry them
-        value = getattr(est, extra, None)
-        if value:
-            notes.append(f"{extra}: {value}")
-    notes += [f"warning: {w}" for w in (est.warnings if est else [])]
-    said = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
-            f"</title><style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<h2>Plans</h2><table>{rows_html}</table>"
-            f"<h2>The chosen plan: {html.escape(best.summary())}</h2>{fig_html}"
-            + (f"<ul>{said}</ul>" if said else "") + "</body></html>\n")
+    assert est is not None
+    b = A.breakdown(best)
+    parts = [A.step_parts(p, b if p is best else None) for p in plans]
+    used = [(n, c) for n, c in A.STEP_PARTS if any(n in d for d in parts)]
+    rows_ = [(f"#{i + 1}", [d.get(n, 0.0) for n, _ in used]) for i, d in enumerate(parts)]
+    out = {"time": (svg.hbar_chart("Step time by term, per plan", rows_, used,
+                                   "seconds per step", total_fmt=lambda x: f"{x:.3g} s",
+                                   row_h=26),
+                    "Where each plan's step time goes: compute, the optimizer step, recompute, "
+                    "exposed offload copies, the pipeline bubble, communication left exposed "
+                    "by overlap (TP/CP inside the layers, EP, DP with the pipeline's sends) and "
+                    "the fixed per-step overhead; the terms add up to the step time")}
+    tl = A.timeline(best, b)
+    if tl is not None:
+        out["schedule"] = (svg.schedule_chart("Pipeline schedule of the chosen plan", tl.blocks,
+                                              best.layout.pp, best.layout.vpp),
+                           _schedule_words(best, tl))
+    ranks = A.rank_memory(best, b)
+    fit = A.fit_line_gb(best)
+    rows_m = [(f"pp rank {i}", [r[k] for k, _ in A.MEMORY_PARTS]) for i, r in enumerate(ranks)]
+    refs = [svg.Ref(fit, f"fit line {fit:.1f} GB (HBM − reserve − margin)", "#c0392b", "4 2"),
+            svg.Ref(best.cluster.hbm_gb, f"HBM {best.cluster.hbm_gb:g} GB")]
+    out["memory"] = (svg.hbar_chart("Memory per pipeline rank of the chosen plan", rows_m,
+                                    A.MEMORY_PARTS, "GB per GPU", refs=refs,
+                                    total_fmt=lambda x: f"{x:.1f} GB"),
+                     f"Memory of the chosen plan per pipeline rank, against the fit line "
+                     f"{fit:.1f} GB: {A.fit_rule_words(best)}, the rule `fits` uses; a rank "
+                     "past the red line does not fit")
+    return out
 
 
-def write_plan_report(plans: Sequence[Plan], title: str, path: str | Path) -> Path:
-    """`search|estimate --report PATH.html`."""
+def _assumptions_table(plan: Plan) -> str:
+    est = plan.estimate
+    assert est is not None
+    if not est.assumptions:
+        return '<p class="muted">The estimate names no modelled effect beyond the basics.</p>'
+    cols = [Col("effect the estimate relies on", "words"), Col("validated"),
+            Col("evidence", "words")]
+    rows_ = [[a.term, "yes" if a.validated else "NO: not backed by a published run", a.evidence]
+             for a in sorted(est.assumptions, key=lambda a: a.validated)]
+    return table_html(cols, rows_, ["" if a.validated else "weak" for a in
+                                    sorted(est.assumptions, key=lambda a: a.validated)])
+
+
+def _prediction_table(plan: Plan) -> str:
+    est = plan.estimate
+    assert est is not None
+    iv = est.interval
+    cols = [Col("figure"), Col("point", "num"), Col("80% interval", "num"), Col("drawn")]
+    body = [["tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}",
+             f"{iv.tokens_per_s_per_gpu[0]:,.0f} – {iv.tokens_per_s_per_gpu[1]:,.0f}" if iv
+             else "-",
+             _strip(iv.tokens_per_s_per_gpu if iv else None, est.tokens_per_s_per_gpu,
+                    _strip_domain([iv.tokens_per_s_per_gpu if iv else None]))],
+            ["step time (s)", f"{est.step_time_s:.3g}",
+             f"{iv.step_time_s[0]:.3g} – {iv.step_time_s[1]:.3g}" if iv else "-",
+             _strip(iv.step_time_s if iv else None, est.step_time_s,
+                    _strip_domain([iv.step_time_s if iv else None])).replace(
+                 "tokens/s/GPU", "s")],
+            ["peak memory (GB)", f"{est.memory.peak_gb:.1f}",
+             f"fits under {A.fit_line_gb(plan):.1f}" if est.fits
+             else f"does NOT fit under {A.fit_line_gb(plan):.1f}", "-"]]
+    extra = ""
+    if iv is not None:
+        extra = (f'<p class="muted">The interval comes from {iv.rows} held-out published runs '
+                 f"({html.escape(iv.regime)})"
+                 + (f"; with every unvalidated effect failing the plan makes "
+                    f"{iv.pessimistic_tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+                    if iv.pessimistic_tokens_per_s_per_gpu is not None else "") + ".</p>")
+    return table_html(cols, body, raw={3}) + extra
+
+
+def plan_report(plans: Sequence[Plan], title: str, objective: str | None = "robust",
+                stopped_early: bool = False) -> str:
+    """One self-contained HTML page: notices first, the plans as rows with the ranking key
+    and the interval drawn, each plan's step time by term, then the chosen plan: its
+    schedule, memory per pipeline rank against the fit line, prediction, assumptions and why
+    it was chosen. `objective` None: an estimate (no ranking)."""
+    best = plans[0]
+    ivs = [p.estimate.interval.tokens_per_s_per_gpu if p.estimate and p.estimate.interval
+           else None for p in plans]
+    dom = _strip_domain(ivs)
+    key_words = OBJECTIVE_KEYS.get(objective or "", ("", ""))[1]
+    if objective is None:
+        intro = ("One layout estimated. `moeplan search` would rank it by the low end of its "
+                 "80% interval of tokens/s/GPU (--objective robust), shown highlighted; the "
+                 "bar shows the interval, the dot the point estimate.")
+    else:
+        intro = (f"{len(plans)} plans, best first, ranked by {key_words}: the highlighted "
+                 "column. The bar shows each plan's 80% interval of tokens/s/GPU, the thick "
+                 "tick its low end, the dot its point estimate.")
+    cols = _plan_cols(objective or "robust")
+    figs = plan_plots(plans)
+    body = ("".join(n.html() for n in plan_notices(plans, stopped_early))
+            + f"<p>{html.escape(intro)}</p>"
+            + table_html(cols, [_plan_row(i, p, dom) for i, p in enumerate(plans)],
+                         ["" if p.estimate and p.estimate.fits else "nofit" for p in plans],
+                         raw={4})
+            + "<h2>Step time by term</h2>" + figure("time", *figs["time"])
+            + f"<h2>The chosen plan{' (#1)' if len(plans) > 1 else ''}</h2>"
+            + f'<p><code>{html.escape(best.summary())}</code></p>'
+            + _prediction_table(best)
+            + (figure("schedule", *figs["schedule"]) if "schedule" in figs else "")
+            + figure("memory", *figs["memory"])
+            + "<h2>What the estimate assumes</h2>" + _assumptions_table(best)
+            + (("<h2>Why this plan</h2><ul>"
+                + "".join(f"<li>{html.escape(x)}</li>" for x in best.explanation)
+                + "</ul>") if best.explanation else ""))
+    return page(title, body)
+
+
+def plan_markdown(plans: Sequence[Plan], title: str, objective: str | None = "robust",
+                  stopped_early: bool = False) -> str:
+    """The plan report as Markdown (no charts): notices, the plans with the ranking key, the
+    chosen plan's step terms, memory per pipeline rank, assumptions and explanation."""
+    best = plans[0]
+    key_words = OBJECTIVE_KEYS.get(objective or "", ("", ""))[1]
+    lines = [f"# {title}", ""]
+    lines += [f"> **{n.head}** {n.text}" for n in plan_notices(plans, stopped_early)]
+    lines += ["", f"Ranked by {key_words}." if objective else
+              "One layout estimated; search would rank it by the low end of its 80% interval.",
+              "", "| plan | layout | choices | low end tok/s/GPU | 80% interval | tok/s/GPU | "
+              "step s | MFU | peak / fit line GB | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(plans):
+        e = p.estimate
+        assert e is not None
+        iv = e.interval.tokens_per_s_per_gpu if e.interval else None
+        cells = [f"#{i + 1}", p.layout_summary(), p.choices_summary(),
+                 _num(iv[0] if iv else None, ",.0f"),
+                 f"{iv[0]:,.0f}–{iv[1]:,.0f}" if iv else "-",
+                 f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_time_s:.3g}", f"{e.mfu:.1%}",
+                 f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}", "yes" if e.fits else "NO"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    parts = A.step_parts(best)
+    lines += ["", f"## The chosen plan: `{best.summary()}`", "", "| step term | seconds | share |",
+              "|---|---|---|"]
+    total = sum(parts.values())
+    lines += [f"| {k} | {v:.3g} | {v / total:.1%} |" for k, v in parts.items()]
+    lines += ["", f"Memory per pipeline rank (fit line {A.fit_line_gb(best):.1f} GB: "
+              f"{A.fit_rule_words(best)}):", "",
+              "| rank | " + " | ".join(k for k, _ in A.MEMORY_PARTS) + " | total GB |",
+              "|---" * (len(A.MEMORY_PARTS) + 2) + "|"]
+    for i, r in enumerate(A.rank_memory(best)):
+        lines.append(f"| pp rank {i} | " + " | ".join(f"{r[k]:.1f}" for k, _ in A.MEMORY_PARTS)
+                     + f" | {sum(r.values()):.1f} |")
+    est = best.estimate
+    assert est is not None
+    if est.assumptions:
+        lines += ["", "| effect the estimate relies on | validated | evidence |", "|---|---|---|"]
+        lines += [f"| {a.term} | {'yes' if a.validated else 'NO'} | {a.evidence} |"
+                  for a in sorted(est.assumptions, key=lambda a: a.validated)]
+    if best.explanation:
+        lines += ["", "## Why this plan", ""] + [f"- {x}" for x in best.explanation]
+    return "\n".join(lines) + "\n"
+
+
+PLAN_REPORT_SUFFIXES = (".html", ".htm", ".md")
+
+
+def check_plan_report_path(path: str | Path) -> None:
+    """Refuse a --report path before any work: an .html page or a .md file."""
+    if Path(path).suffix.lower() not in PLAN_REPORT_SUFFIXES:
+        raise SpecError(f"--report {path}: the plan report is an .html file (self-contained, "
+                        "with charts) or an .md file (Markdown tables).")
+
+
+def write_plan_report(plans: Sequence[Plan], title: str, path: str | Path,
+                      objective: str | None = "robust", stopped_early: bool = False) -> Path:
+    """`search|estimate --report PATH.html|PATH.md`."""
     path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        raise SpecError(f"--report {path}: the plan report is an .html file.")
-    atomic_write_text(path, plan_report(plans, title))
+    check_plan_report_path(path)
+    if path.suffix.lower() == ".md":
+        atomic_write_text(path, plan_markdown(plans, title, objective, stopped_early))
+    else:
+        atomic_write_text(path, plan_report(plans, title, objective, stopped_early))
     return path

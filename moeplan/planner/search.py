@@ -48,7 +48,7 @@ from ..specs.loader import cluster_presets
 from ..specs.rules import TARGETS, Facts, check_target, violations
 from ..specs.stage_layout import layers_layout_text, parse_stage_layout, stage_layout_for
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace, enumerate_layouts
-from .explain import explain_plans
+from .explain import explain_plans, no_valid_layout
 from .ilp import (
     InfeasibleStages,
     SolverStopped,
@@ -260,8 +260,7 @@ def search(
     pruned: Counter[str] = Counter(enum.pruned)
     result = SearchResult([], len(enum.rows), 0, 0, 0.0, pruned)
     if not len(enum.rows):
-        raise InfeasibleError(f"no valid layout of {model.name} on {world} GPUs: "
-                              + ", ".join(f"{k} ×{v}" for k, v in pruned.most_common(4)))
+        raise InfeasibleError(no_valid_layout(model, cluster, training, world, space, pruned))
     t_lb, mem_lb = _bounds(model, cluster, training, enum, cal)
     usable = static_activation_budget_bytes(cluster, cal, cal.workspace_gb * GB)
     fits = mem_lb <= usable

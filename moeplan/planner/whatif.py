@@ -301,7 +301,7 @@ class Sweep:
             what = (f"{pt.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {pt.days_to_train:.1f} days"
                     if pt.fits and pt.days_to_train is not None else
                     f"{pt.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if pt.fits else "does not fit")
-            self.progress(f"[{n}/{max(n, self.expected)}] {pt.cluster} × {pt.gpus} GPUs, seq "
+            self.progress(f"[{n}/{max(n, self.expected)}] {pt.cluster} × {pt.gpus}, seq "
                           f"{pt.seq}, gbs {pt.gbs}, {pt.precision}: {what} "
                           f"({pt.search_seconds:.1f} s)")
         return pt
@@ -313,7 +313,7 @@ class Sweep:
             return self.cache[key]
         if self.progress:
             n = len(self.cache) + 1
-            self.progress(f"[{n}/{max(n, self.expected)}] {cluster} × {gpus} GPUs, seq {seq}, "
+            self.progress(f"[{n}/{max(n, self.expected)}] {cluster} × {gpus}, seq {seq}, "
                           f"gbs {pt.gbs}, {precision}: searching")
         found = search_point(self.model, self.clusters[cluster], pt.gpus, pt.seq, pt.gbs,
                              pt.precision, self.top_k, self._budget(), self.space, self.options,

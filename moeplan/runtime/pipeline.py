@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..specs import Plan
+from ..specs.schedule import merged_schedule, schedule
 from .comm import Axis
 from .layers import update_shard_info
 from .model import Chunk, LossTerms, Transformer
@@ -89,50 +90,6 @@ class PipelineStats:
     wait_s: float = 0.0
     total_s: float = 0.0
     history: list[tuple[float, float]] = field(default_factory=list)
-
-
-Action = tuple[int, int]  # (chunk, micro-batch)
-
-
-def _phases(pp: int, vpp: int, rank: int, m: int, extra_warmup: int
-            ) -> tuple[list[Action], list[tuple[Action, Action]], list[Action]]:
-    """Megatron Core's order as warm-up forwards, steady (forward, backward) pairs and
-    cool-down backwards."""
-    total = m * vpp
-    warmup = (min(m, pp - rank - 1) if vpp == 1
-              else min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp))
-    warmup = min(total, warmup + extra_warmup)
-
-    def at(k: int, backward: bool) -> Action:
-        group = k // pp
-        chunk = group % vpp
-        mb = (group // vpp) * pp + k % pp
-        return (vpp - 1 - chunk if backward else chunk), mb
-
-    return ([at(k, False) for k in range(warmup)],
-            [(at(warmup + i, False), at(i, True)) for i in range(total - warmup)],
-            [at(k, True) for k in range(total - warmup, total)])
-
-
-def schedule(pp: int, vpp: int, rank: int, m: int) -> list[tuple[str, int, int]]:
-    """Rank `rank`'s actions ('F' or 'B', chunk, micro-batch) in Megatron Core's order."""
-    warm, steady, cool = _phases(pp, vpp, rank, m, 0)
-    acts = [("F", *f) for f in warm]
-    for f, b in steady:
-        acts += [("F", *f), ("B", *b)]
-    return acts + [("B", *b) for b in cool]
-
-
-def merged_schedule(pp: int, vpp: int, rank: int, m: int
-                    ) -> list[tuple[Action | None, Action | None]]:
-    """The EP-overlap order (Megatron's combined 1F1B): steps of (forward, backward), either
-    None. Each steady-state forward is merged with the backward that follows it; one extra
-    warm-up forward (Megatron's `num_warmup_microbatches + 1` under
-    `--overlap-moe-expert-parallel-comm`) makes the two always different micro-batches,
-    independent of each other; with pp = 1 this is F0, (F1, B0), …, B(m−1)."""
-    warm, steady, cool = _phases(pp, vpp, rank, m, 1)
-    return ([(f, None) for f in warm] + [(f, b) for f, b in steady]
-            + [(None, b) for b in cool])
 
 
 class PipelineSchedule:

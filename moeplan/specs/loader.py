@@ -6,6 +6,7 @@ so the CLI can print it without a traceback.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from importlib import resources
@@ -21,7 +22,7 @@ from .cluster import ClusterSpec
 from .hf import model_from_hf_config
 from .model import ModelSpec
 from .plan import Plan
-from .training import TrainingSpec
+from .training import PRECISIONS, TrainingSpec
 from .validated import build, format_validation_error
 
 __all__ = [
@@ -221,6 +222,33 @@ def document_kind(data: Any) -> SpecKind:
     return "model"
 
 
+def preset_name(ref: str, kind: str) -> str | None:
+    """The preset `ref` names, matched without regard to case (`H100`, `mixtral-8x7B`), or
+    None."""
+    names = _preset_names(kind)
+    if ref in names:
+        return ref
+    folded = {n.casefold(): n for n in names}
+    return folded.get(ref.casefold())
+
+
+def did_you_mean(ref: str, kind: str) -> list[str]:
+    """Presets close to a name that matches none (a typo, a missing dash, a size off by one
+    character), closest first."""
+    if len(ref) > 64:  # no preset name is this long: nothing is close, and the compare stays cheap
+        return []
+    names = _preset_names(kind)
+    folded = {n.casefold(): n for n in names}
+    key = ref.casefold().strip()
+    prefix = [n for n in folded if n.startswith(key)] if len(key) >= 2 else []
+    close = prefix[:3] or difflib.get_close_matches(key, list(folded), n=3, cutoff=0.6)
+    squeezed = {n.replace("-", "").replace("_", ""): n for n in folded}
+    bare = key.replace("-", "").replace("_", "").replace(" ", "")
+    if bare in squeezed and squeezed[bare] not in close:
+        close.insert(0, squeezed[bare])
+    return [folded[n] for n in close]
+
+
 def ref_kind(ref: str | Path) -> SpecKind:
     """The kind of spec a preset name or file holds (`moeplan specs show` takes either).
 
@@ -228,27 +256,34 @@ def ref_kind(ref: str | Path) -> SpecKind:
     taken for a model, whose loader then names the presets and the accepted files.
     """
     ref_s = str(ref)
-    presets = list_presets()
-    if ref_s in presets["clusters"]:
+    if is_file(Path(ref_s)) and preset_name(ref_s, "clusters") != ref_s and preset_name(
+            ref_s, "models") != ref_s:
+        return document_kind(read_document(Path(ref_s)))
+    if preset_name(ref_s, "clusters") is not None:
         return "cluster"
-    if ref_s in presets["models"] or not is_file(Path(ref_s)):
-        return "model"
-    return document_kind(read_document(Path(ref_s)))
+    if preset_name(ref_s, "models") is None and did_you_mean(ref_s, "clusters") and not \
+            did_you_mean(ref_s, "models"):
+        return "cluster"  # so the cluster loader names the cluster presets it is close to
+    return "model"
 
 
 def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     """(parsed document, source description) for a preset name or a file path."""
     ref_s = str(ref)
-    if ref_s in _preset_names(kind):
-        text = (_PRESETS / kind / f"{ref_s}.yaml").read_text()
-        return parse_text(text, f"preset '{ref_s}'", False), f"preset '{ref_s}'"
     path = Path(ref_s)
+    name = preset_name(ref_s, kind)
+    if name is not None and (name == ref_s or not is_file(path)):  # a file wins over a case-
+        text = (_PRESETS / kind / f"{name}.yaml").read_text()     # folded preset name
+        return parse_text(text, f"preset '{name}'", False), f"preset '{name}'"
     if is_file(path):
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
     noun = "model" if kind == "models" else "cluster"
-    raise SpecError(f"unknown {noun} {limits.excerpt(ref_s)}: it is neither a preset nor a file. Presets: "
-                    f"{names}. Pass one of them or the path of a YAML/JSON {noun} spec"
+    close = did_you_mean(ref_s, kind)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise SpecError(f"unknown {noun} {limits.excerpt(ref_s)}: it is neither a preset nor a "
+                    f"file.{hint} Presets: {names}. Pass one of them or the path of a "
+                    f"YAML/JSON {noun} spec"
                     + (" or a Hugging Face config.json." if kind == "models" else "."))
 
 
@@ -309,7 +344,34 @@ def load_training(ref: str | Path | TrainingSpec | None = None, **overrides: Any
     else:
         base, source = {}, "command line"
     base.update({k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("precision") is not None:
+        base["precision"] = check_precision(overrides["precision"])
     return build(TrainingSpec, base, "training spec", source)
+
+
+PRECISION_WORDS = {
+    "bf16": "BF16 everywhere", "fp8-delayed": "FP8 with delayed (amax-history) scaling",
+    "fp8-tensorwise": "FP8 with current per-tensor scaling",
+    "fp8-blockwise": "FP8 with 128-wide block scaling, DeepSeek-V3's recipe",
+    "mxfp8": "MXFP8, 32-wide block scaling, Blackwell", "nvfp4": "NVFP4, Blackwell",
+}
+
+
+def check_precision(value: str, allow_auto: bool = False, flag: str = "--precision") -> str:
+    """The precision `value` names, whatever its case; refused, when moeplan does not know it,
+    with the list of those it does, each in words, and the closest (`fp8` alone names no
+    scaling recipe: the fp8-* ones first)."""
+    v = str(value).casefold()
+    if v in PRECISIONS or (allow_auto and v == "auto"):
+        return v
+    close = ([p for p in PRECISIONS if p.startswith(v)] or
+             difflib.get_close_matches(v, list(PRECISIONS), n=3, cutoff=0.5)) if v and len(
+        v) <= 64 else []
+    listed = "; ".join(f"{p} ({w})" for p, w in PRECISION_WORDS.items() if p in PRECISIONS)
+    auto = "; auto (search and whatif: the fastest recipe the GPU runs)"
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise SpecError(f"{flag} {limits.excerpt(value)} is not a precision moeplan knows.{hint} "
+                    f"Give one of: {listed}{auto}.")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -38,8 +38,10 @@ def format_validation_error(err: ValidationError, what: str, source: str) -> str
             shown = (f" (got {limits.excerpt(got)})" if got is not None
                      and not isinstance(got, dict) else "")
             parts.append(f"field `{loc}`: {msg}{shown}" if loc else msg)
+    fix = ("" if source == "command line" or source.startswith("preset")
+           else " (`moeplan specs validate FILE` checks a file)")
     return (f"invalid {what} in {source}: " + "; ".join(parts)
-            + f". Fix the {what} and try again (`moeplan specs validate FILE` checks a file).")
+            + f". Fix the {what} and try again{fix}.")
 
 
 def build(cls: type[T], data: Any, what: str, source: str) -> T:

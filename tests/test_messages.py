@@ -1,0 +1,71 @@
+"""Messages that point the right way: rules in words with what would work instead, preset
+names whatever their case with the closest named, and the list of precisions.
+
+Every suggestion a message makes is checked here against the thing it suggests: the GPU
+counts it names do have valid layouts, and the ones between do not.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moeplan import load_cluster, load_model
+from moeplan.planner.enumerate import enumerate_layouts
+from moeplan.planner.search import search_space
+from moeplan.specs import PRECISIONS, TrainingSpec
+
+from .conftest import run_cli
+
+
+def valid_layouts(model: str, gpus: int, gbs: int, seq: int = 4096) -> int:
+    c = load_cluster("h100", gpus)
+    t = TrainingSpec(seq_len=seq, global_batch_size=gbs)
+    return len(enumerate_layouts(load_model(model), c, t, gpus, search_space(c, "bf16",
+                                                                             "megatron")).rows)
+
+
+def test_a_gpu_count_without_layouts_names_rules_in_words_and_the_nearest_that_work(cli):
+    r = cli("search", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "1000",
+            "--seq", "4096", "--gbs", "8192")
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    msg = " ".join(r.stderr.split())
+    assert "the global batch (8,192 sequences) must divide evenly" in msg.lower()
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b ×", msg)  # no internal rule codes
+    found = re.search(r"GPU counts near 1,000 that have valid layouts: ([\d,]+) and ([\d,]+)",
+                      msg)
+    assert found, msg
+    below, above = (int(x.replace(",", "")) for x in found.groups())
+    assert (below, above) == (992, 1024)
+    # checked, not guessed: these have valid layouts and every count between does not
+    assert valid_layouts("deepseek-v3", below, 8192) and valid_layouts("deepseek-v3", above, 8192)
+    assert not any(valid_layouts("deepseek-v3", n, 8192) for n in range(below + 1, above))
+    gbs = int(re.search(r"keep 1,000 GPUs with --gbs (\d+)", msg).group(1))
+    assert valid_layouts("deepseek-v3", 1000, gbs) > 0
+
+
+def test_presets_match_whatever_the_case():
+    r = run_cli("estimate", "--model", "Mixtral-8x7B", "--cluster", "H100", "--gpus", "8",
+                "--gbs", "64", "--ep", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("specs", "show", "H100", "--json")
+    assert r.returncode == 0 and '"name": "h100"' in r.stdout and '"kind": "cluster"' in r.stdout
+
+
+def test_an_unknown_preset_names_the_closest(cli):
+    for model, cluster, wanted in (("mixtral-8x7c", "h100", "Did you mean mixtral-8x7b"),
+                                   ("deepseekv3", "h100", "Did you mean deepseek-v3?"),
+                                   ("mixtral-8x7b", "gb200", "Did you mean gb200-nvl72?")):
+        r = cli("search", "--model", model, "--cluster", cluster, "--gpus", "8")
+        assert r.returncode == 2 and wanted in " ".join(r.stderr.split()), r.stderr
+
+
+def test_an_unknown_precision_lists_the_precisions():
+    r = run_cli("estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "8",
+                "--gbs", "64", "--precision", "fp8")
+    msg = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Did you mean fp8-delayed or fp8-tensorwise or fp8-blockwise?" in msg
+    assert all(p in msg for p in PRECISIONS) and "specs validate" not in msg
+    r = run_cli("whatif", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "8",
+                "--precision", "bf16,fp8")
+    assert r.returncode == 2 and "fp8-blockwise" in r.stderr and "auto" in r.stderr
