@@ -214,7 +214,11 @@ def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: Clu
         "milp_unsolved": "its MILP found no solution in time",
         "time_limit": "not reached before --time-limit",
     }
-    return words.get(rule, rule.replace("_", " "))
+    if rule in words:
+        return words[rule]
+    from ..specs.rules import BY_NAME  # an executor rule: what the table says it checks
+
+    return BY_NAME[rule].what if rule in BY_NAME else rule.replace("_", " ")
 
 
 NEAREST_SCAN_S = 1.5  # seconds spent looking for nearby GPU counts and batches that work
