@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 
 from moeplan import load_cluster
 from moeplan.cost_models.calibration import calibration_for
 from moeplan.planner.explain import describe
-from moeplan.planner.problem import OPTIONS, layer_table
-from moeplan.planner.search import SearchResult, _solve_layout, search
+from moeplan.planner.problem import OPTIONS, layer_table, menu
+from moeplan.planner.screen import Problem, solve_layout
+from moeplan.planner.search import SearchResult, search
 from moeplan.specs import Plan, list_presets
 from moeplan.validation import case_of, predict_case, read_rows
 
@@ -88,8 +88,8 @@ def main() -> None:
         table = layer_table(model, cluster, tr, lay, cal)
         key = (lay.tp, lay.cp, lay.ep, lay.etp, lay.mbs, lay.dispatcher, lay.ep_overlap,
                tr.precision)
-        theirs, _ = _solve_layout(model, cluster, tr, lay, cal, table, OPTIONS, key,
-                                  {}, SearchResult([], 0, 0, 0, 0.0, Counter()))
+        theirs = solve_layout(Problem(model, cluster, tr, cal), tr, lay, table,
+                              menu(model, tr, lay, "megatron", OPTIONS), key, {}).plan
         seen = predict_case(case)
         t0 = time.perf_counter()
         robust = search(model, cluster, tr, gpus, precision=tr.precision, top_k=5)

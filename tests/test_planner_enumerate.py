@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 
 from moeplan import load_cluster, load_model
+from moeplan.planner.branch import layout_of_row as _layout
 from moeplan.planner.enumerate import COL, SearchSpace, divisors, enumerate_layouts
-from moeplan.planner.search import _layout
 from moeplan.specs import Layout, TrainingSpec, layout_violations
 
 MODEL = load_model("qwen3-30b-a3b")

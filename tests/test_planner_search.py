@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from moeplan import InfeasibleError, load_cluster, load_model
 from moeplan.cost_models.estimate import estimate
+from moeplan.planner.branch import layout_of_row as _layout
 from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
 from moeplan.planner.problem import Option, split_options
-from moeplan.planner.search import OPTIMIZER_OFFLOAD_GRID, _layout, search
+from moeplan.planner.screen import OPTIMIZER_OFFLOAD_GRID
+from moeplan.planner.search import search
 from moeplan.specs import Choices, Layout, ModelSpec, TrainingSpec
 from moeplan.specs.loader import cluster_presets
 
@@ -57,7 +59,7 @@ def test_planner_best_equals_brute_force_best(layers, hidden, experts, ffn, hbm,
     model = tiny_moe(layers, hidden, experts, ffn)
     cluster = load_cluster("h100", gpus=8).model_copy(update={"hbm_gb": hbm})
     training = TrainingSpec(seq_len=2048, global_batch_size=gbs)
-    # CUDA graphs are added greedily on the top plans (search._with_graphs), so the exhaustive
+    # CUDA graphs are added greedily on the top plans (screen.with_graphs), so the exhaustive
     # claim is over everything else; TP comm overlap is tried both ways by the brute force
     space = SearchSpace(precisions=("bf16",), dispatchers=("alltoall",), max_pp=1, max_cp=1,
                         max_mbs=2, allow_ep_overlap=False, allow_no_dist_opt=False,
@@ -173,7 +175,7 @@ def test_screening_prices_layouts_within_its_slack_of_the_estimate(name, gpus, h
     # The screening pass skips `estimate` for layouts whose stage-problem time exceeds the k-th
     # best by more than SCREEN_SLACK; that is safe only while the stage problem stays within
     # that factor of the estimate of the plan it decodes to.
-    from moeplan.planner.search import SCREEN_SLACK
+    from moeplan.planner.screen import SCREEN_SLACK
 
     plans = _screened_plans(name, "h100", gpus, 512, hbm, 12, stride=400, tp_overlap=False)
     ratios = []
@@ -231,7 +233,7 @@ def test_recompute_and_offload_of_one_module_stay_apart_from_the_milp_to_the_pla
     from moeplan.cost_models.layers import ActTensor, LayerCost
     from moeplan.planner.ilp import StageSolution
     from moeplan.planner.problem import FULL, Group, Menu, _groups
-    from moeplan.planner.search import _choices
+    from moeplan.planner.screen import decode_choices as _choices
 
     lc = LayerCost(kind="moe", fwd_s=1.0, bwd_s=2.0, tensors=(
         ActTensor("layer_input", 4.0),
@@ -277,7 +279,8 @@ def test_robust_best_equals_exhaustive_robust_pricing_with_dense_lead_mtp_and_a_
 
 
 def test_a_measured_band_sets_the_robust_key_factor():
-    from moeplan.planner.search import _least_key_factor, search_space
+    from moeplan.planner.objective import least_key_factor as _least_key_factor
+    from moeplan.planner.search import search_space
 
     model = load_model("mixtral-8x7b")
     cluster = load_cluster("h100", gpus=64)
@@ -299,7 +302,7 @@ def _screened_plans(name, cluster, gpus, gbs, hbm, count, stride=None, tp_overla
     from moeplan.planner.ilp import InfeasibleStages, balanced_layers, solve_fixed
     from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
     from moeplan.planner.problem import Menu, layer_table, stage_problem
-    from moeplan.planner.search import _choices
+    from moeplan.planner.screen import decode_choices as _choices
     from moeplan.planner.sets import module_sets
 
     model = load_model(name)
@@ -374,7 +377,8 @@ def test_pessimistic_variant_depends_on_no_schedule_field(name, cluster, gpus):
     # only in SCHEDULE_FIELDS: every layout of a class must have the same variant
     from moeplan.cost_models.comm import placement
     from moeplan.cost_models.uncertainty import pessimistic_layout
-    from moeplan.planner.search import SCHEDULE_FIELDS, search_space
+    from moeplan.planner.branch import SCHEDULE_FIELDS
+    from moeplan.planner.search import search_space
 
     model, c = load_model(name), load_cluster(cluster, gpus=gpus)
     tr = TrainingSpec(seq_len=4096, global_batch_size=2048)

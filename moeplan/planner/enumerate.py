@@ -48,7 +48,7 @@ class SearchSpace:
     max_tp: int | None = None
     # stack settings the search turns on where the target runs them: TP comm overlap wherever
     # tp > 1 (it only removes exposed time: same memory), CUDA graphs on the top plans where
-    # their memory fits (search._with_graphs)
+    # their memory fits (screen.with_graphs)
     tp_comm_overlap: bool = True
     cuda_graphs: bool = True
 

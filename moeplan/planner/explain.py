@@ -6,11 +6,17 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .. import limits
-from ..specs import ClusterSpec, Estimate, ModelSpec, Plan, TrainingSpec
+from ..cost_models.calibration import Calibration
+from ..cost_models.memory import GB
+from ..cost_models.uncertainty import max_peak_gb
+from ..specs import ClusterSpec, Estimate, Layout, ModelSpec, Plan, TrainingSpec
+from ..specs.loader import cluster_presets
 
 if TYPE_CHECKING:
-    from .enumerate import SearchSpace
+    from .enumerate import Enumeration, SearchSpace
     from .search import SearchResult
 
 TIME_PARTS = {
@@ -276,3 +282,36 @@ def no_valid_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     batch = (f"; or keep {world:,} GPUs with --gbs {gbs}" if gbs is not None else "")
     return (f"no valid layout of {model.name} on {world:,} GPUs: every way to split "
             f"{world:,} GPUs breaks a rule. {rules[0].upper() + rules[1:]}. {near}{batch}.")
+
+
+def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                        world: int, enum: Enumeration, mem_lb: np.ndarray, cal: Calibration,
+                        closest: tuple[float, Layout] | None) -> str:
+    """What came closest and what would make it fit."""
+    from .branch import layout_of_row
+
+    budget_gb = max_peak_gb(cluster, cal)
+    if closest is not None:  # fits on weights, not with the activations it must keep
+        need_gb, lay = closest
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
+    else:
+        i = int(np.argmin(mem_lb))
+        lay = Layout(**layout_of_row(enum.rows[i]))
+        need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
+        where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
+                 f" needs at least {need_gb:.0f} GB per GPU for weights and gradients alone, "
+                 "with every activation recomputed or offloaded and the optimizer on the host")
+    ratio = need_gb / budget_gb
+    gpus_needed = world * 2
+    while gpus_needed < world * ratio * 1.15:
+        gpus_needed *= 2
+    larger = [c.name for c in cluster_presets() if c.hbm_gb > cluster.hbm_gb * max(1.0, ratio)]
+    hints = [f"about {gpus_needed} GPUs of this kind"]
+    if training.precision == "bf16" and cluster.fp8_tflops:
+        hints.append("an FP8 recipe (--precision auto) to shrink activations")
+    if larger:
+        hints.append(f"a larger-memory GPU ({', '.join(larger)})")
+    return (f"nothing fits {model.name} on {world} × {cluster.gpu} (a plan fits when its peak "
+            f"leaves the memory margin free: at most {budget_gb:.0f} GB of {cluster.hbm_gb:g} GB "
+            f"each). Closest: {where}. To fit: " + "; or ".join(hints) + ".")

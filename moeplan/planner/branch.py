@@ -1,0 +1,351 @@
+"""The search's branch and bound over layouts, as one state and its steps.
+
+  1. enumerate candidate rows (numpy), pruning by the target's rules (`planner.enumerate`);
+  2. bound every row at once (`row_bounds`): compute-only time at the best efficiency any
+     kernel reaches, times the pipeline's fill factor (1 + (p−1)/(v·m)); weights + grads of a
+     balanced stage against HBM (`memory_bound`: nothing can fit, whatever is recomputed or
+     offloaded);
+  3. visit rows in bound order from one heap; a row reaching the top gets the tighter bound of
+     its layer costs (all layers' time spread perfectly over the pipeline), computed once per
+     (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) key, and goes back in under the
+     objective's order (`Objective.order_bound`); stop when the top bound reaches the k-th
+     best key found (`time_bound`);
+  4. screen each visited row with its layers split evenly (`screen.solve_layout`, exact without
+     a solver) at each optimizer-offload fraction; a screened plan that can still enter the top
+     k is re-scored by `cost_models.estimate`, so the ranking is the cost model's;
+  5. for the top k, the MILP chooses layers per stage and recompute and offload per module
+     together (`refine`); uneven first and last stages (embedding, loss, MTP) can beat the
+     even split; then CUDA graphs where their memory leaves room (`screen.with_graphs`).
+Layer costs do not depend on dp, pp or vpp, which is what makes one table per key enough.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..cost_models.comm import placement
+from ..cost_models.estimate import bound_params, estimate, lower_bound
+from ..cost_models.uncertainty import pessimistic_layout
+from ..specs import Layout, Plan, TrainingSpec
+from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace
+from .objective import Objective, validated_only
+from .problem import LayerTable, Option, layer_table, menu
+from .screen import Problem, least_memory, solve_layout, with_graphs
+
+SCHEDULE_FIELDS = frozenset({"dp", "pp", "vpp", "mbs", "num_microbatches",
+                             "distributed_optimizer"})
+"""Layout fields that no modelled assumption reads (uncertainty.assumption_keys: the groups'
+sizes and placements, the dispatcher and the stack settings), so the search looks a layout's
+pessimistic variant up once for all schedules of its groups
+(`test_pessimistic_variant_depends_on_no_schedule_field` keeps this true)."""
+KEY_COLUMNS = ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap", "precision")
+"""The row columns a layer-cost table depends on (with the groups' placements)."""
+
+
+def layout_of_row(row: np.ndarray) -> dict[str, Any]:
+    """A candidate row's Layout fields."""
+    return dict(tp=int(row[COL["tp"]]), cp=int(row[COL["cp"]]), dp=int(row[COL["dp"]]),
+                pp=int(row[COL["pp"]]), vpp=int(row[COL["vpp"]]), ep=int(row[COL["ep"]]),
+                etp=int(row[COL["etp"]]), mbs=int(row[COL["mbs"]]),
+                num_microbatches=int(row[COL["nmb"]]),
+                dispatcher=DISPATCHERS[int(row[COL["dispatcher"]])],
+                ep_overlap=bool(row[COL["ep_overlap"]]),
+                distributed_optimizer=bool(row[COL["dist_opt"]]))
+
+
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(a, axis=0, return_inverse=True) for small non-negative integer rows, ten times
+    faster: each row becomes one mixed-radix integer, and 1-D unique sorts those."""
+    a = np.asarray(a, dtype=np.int64)
+    if not len(a):
+        return a, np.zeros(0, dtype=np.int64)
+    radix = a.max(axis=0) + 1
+    code = np.zeros(len(a), dtype=np.int64)
+    for j in range(a.shape[1]):
+        code = code * radix[j] + a[:, j]
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return a[first], inverse.ravel()
+
+
+def row_bounds(pb: Problem, enum: Enumeration) -> tuple[np.ndarray, np.ndarray]:
+    """(time lower bound, static-memory lower bound in bytes) of every row, vectorised."""
+    rows, model, cluster = enum.rows, pb.model, pb.cluster
+    t0 = np.empty(len(enum.precisions))
+    world = int(rows[0, COL["tp"]] * rows[0, COL["cp"]] * rows[0, COL["dp"]] * rows[0, COL["pp"]])
+    for i, p in enumerate(enum.precisions):
+        tr = pb.training.model_copy(update={"precision": p})
+        t0[i] = lower_bound(model, cluster, tr, 1, 1, world, 1, 1, 1, pb.cal)[0]
+    pp, vpp, m = rows[:, COL["pp"]], rows[:, COL["vpp"]], rows[:, COL["nmb"]]
+    t = t0[rows[:, COL["precision"]]] * (1 + (pp - 1) / (vpp * m))
+    cols = [COL["tp"], COL["cp"], COL["dp"], COL["pp"], COL["ep"], COL["etp"]]
+    keys, inverse = unique_rows(rows[:, cols])
+    params = bound_params(model)
+    per_key = np.array([lower_bound(model, cluster, pb.training, *map(int, k),
+                                    calibration=pb.cal, params=params)[1] for k in keys])
+    return t, per_key[inverse.ravel()]
+
+
+class BranchAndBound:
+    """One search's state: the candidate rows and their bounds, the heap, the layer tables,
+    the plans kept, and what was counted. `run` visits rows until no bound can beat the k-th
+    best; the objective (`planner.objective`) decides keys, bounds and dominance."""
+
+    def __init__(self, pb: Problem, enum: Enumeration, space: SearchSpace,
+                 objective: Objective, options: tuple[Option, ...], tables: dict,
+                 sets: dict, twins: dict, sig: int, top_k: int, imbalance: float,
+                 fits: np.ndarray, t_lb: np.ndarray) -> None:
+        self.pb, self.enum, self.space, self.objective = pb, enum, space, objective
+        self.options, self.tables, self.sets, self.twins = options, tables, sets, twins
+        self.sig, self.top_k, self.imbalance, self.fits = sig, top_k, imbalance, fits
+        self.pruned: Counter[str] = Counter()
+        self.screened = self.solved_milps = self.feasible = 0
+        self.best: list[tuple[float, float, int, Plan]] = []  # the top k, worst on top
+        self.best_validated: Plan | None = None  # the best plan on validated terms only
+        self.closest: tuple[float, Layout] | None = None  # least peak while nothing fits
+        self.solved: dict[int, tuple[str, Plan | None]] = {}
+        self.refine_rows: list[int] = []
+        self._setups: dict[int, tuple[Layout, TrainingSpec, tuple]] = {}
+        self._worse: dict[int, Layout | None] = {}
+        self._variants: dict[tuple, dict[str, Any] | None] = {}
+        self._row_index: dict[bytes, int] = {}
+        self.scale = objective.key_factor(pb.model, pb.cluster, space)
+        rows = enum.rows
+        self.cand = np.flatnonzero(fits)
+        key_of = np.full(len(rows), -1)
+        key_of[self.cand] = unique_rows(rows[self.cand][:, [COL[c] for c in KEY_COLUMNS]])[1]
+        pp, vpp, m = rows[:, COL["pp"]], rows[:, COL["vpp"]], rows[:, COL["nmb"]]
+        # micro-batch times on the critical rank per layer time (lists: read once per row)
+        self.fill = ((m + (pp - 1) / vpp) / pp).tolist()
+        self.key_of, self.pp = key_of.tolist(), pp.tolist()
+        self.vpp, self.nmb = vpp.tolist(), m.tolist()
+        self.lb = t_lb.tolist()
+        self._work: dict[int, float] = {}
+        self._key_tables: dict[int, list[LayerTable]] = {}
+        self._split_lb: dict[tuple[int, int, int, int], float] = {}
+
+    # ------------------------------------------------------------------ the plans kept
+    def full(self) -> bool:
+        return len(self.best) >= self.top_k
+
+    def kth_key(self) -> float:
+        """The k-th best key kept (the worst of the top k)."""
+        return -self.best[0][0]
+
+    def kth(self) -> float:
+        """The point threshold a row's bound must beat: the k-th key over the least
+        key-to-point factor (inf until k plans are kept)."""
+        return self.kth_key() / self.scale if self.full() else math.inf
+
+    def push(self, plan: Plan, idx: int) -> None:
+        assert plan.estimate is not None
+        key = self.objective.key(plan)
+        entry = (-key, -plan.estimate.step_time_s, -idx, plan)
+        if not self.full():
+            heapq.heappush(self.best, entry)
+        elif entry > self.best[0]:
+            heapq.heapreplace(self.best, entry)
+        bv = self.best_validated
+        if validated_only(plan) and (bv is None or (key, plan.estimate.step_time_s) < (
+                self.objective.key(bv), bv.estimate.step_time_s)):  # type: ignore[union-attr]
+            self.best_validated = plan
+
+    # ------------------------------------------------------------------ rows and tables
+    def table_key(self, layout: Layout, tr: TrainingSpec) -> tuple:
+        """The layer table of a layout, built on first use (`SearchCache` keys)."""
+        model, cluster = self.pb.model, self.pb.cluster
+        key = (self.sig, layout.tp, layout.cp, layout.ep, layout.etp, layout.mbs,
+               layout.dispatcher, layout.ep_overlap, layout.tp_comm_overlap, layout.cuda_graphs,
+               tr.precision, model.tie_embeddings and layout.pp == 1,
+               tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
+        if key not in self.tables:
+            twins = key[:6] + key[8:]  # the key but the dispatcher and EP overlap
+            self.tables[key] = layer_table(model, cluster, tr, layout, self.pb.cal,
+                                           self.imbalance,
+                                           shared=self.twins.setdefault(twins, {}))
+        return key
+
+    def setup(self, idx: int) -> tuple[Layout, TrainingSpec, tuple]:
+        """The row's Layout, training and table key, built once per row."""
+        if idx not in self._setups:
+            row = self.enum.rows[idx]
+            prec = self.enum.precisions[int(row[COL["precision"]])]
+            layout = Layout(**layout_of_row(row), tp_comm_overlap=self.space.tp_comm_overlap
+                            and int(row[COL["tp"]]) > 1)
+            tr = self.pb.training.model_copy(update={"precision": prec})
+            self._setups[idx] = (layout, tr, self.table_key(layout, tr))
+        return self._setups[idx]
+
+    def pessimistic(self, idx: int) -> Layout | None:
+        """`pessimistic_layout` of the row, its assumptions looked up once per class of layouts
+        that differ only in the schedule (SCHEDULE_FIELDS) and share the groups' placements and
+        the precision."""
+        if idx not in self._worse:
+            layout, tr, key = self.setup(idx)
+            cls = (tr.precision, key[-1],
+                   tuple(v for f, v in layout.__dict__.items() if f not in SCHEDULE_FIELDS))
+            if cls not in self._variants:
+                worse = pessimistic_layout(self.pb.model, self.pb.cluster, tr, layout)
+                self._variants[cls] = None if worse is None else {
+                    f: v for f, v in worse if getattr(layout, f) != v}
+            changes = self._variants[cls]
+            self._worse[idx] = None if changes is None else layout.model_copy(update=changes)
+        return self._worse[idx]
+
+    def validated_twin(self, idx: int) -> int | None:
+        """The row that differs only in the dispatcher and EP overlap its pessimistic variant
+        takes away, when it exists, fits, and keeps the stack settings."""
+        layout = self.setup(idx)[0]
+        worse = self.pessimistic(idx)
+        if worse is None or (worse.tp_comm_overlap, worse.cuda_graphs) != (
+                layout.tp_comm_overlap, layout.cuda_graphs):
+            return None
+        if not self._row_index:
+            self._row_index.update((r.tobytes(), i) for i, r in enumerate(self.enum.rows))
+        twin = self.enum.rows[idx].copy()
+        twin[COL["dispatcher"]] = DISPATCHERS.index(worse.dispatcher)
+        twin[COL["ep_overlap"]] = int(worse.ep_overlap)
+        j = self._row_index.get(twin.tobytes())
+        return None if j is None or j == idx or not self.fits[j] else j
+
+    # ------------------------------------------------------------------ bounds
+    def tight_bound(self, idx: int) -> float:
+        """All layers' time (one micro-batch) spread perfectly over the pipeline."""
+        j = self.key_of[idx]
+        if j not in self._work:  # one micro-batch's time over all layers, the bound's unit
+            self._key_tables[j] = self.objective.tables(self, idx)
+            self._work[j] = max(t.total_time_s(self.pb.model.mtp_layers)
+                                for t in self._key_tables[j])
+        b = self.fill[idx] * self._work[j]
+        if b > self.lb[idx]:
+            self.lb[idx] = b
+        return self.lb[idx]
+
+    def steady_split_bound(self, idx: int) -> float:
+        """The key's balanced split with nothing recomputed or offloaded, at steady-state item
+        times, once per (key, pp, vpp, m)."""
+        j, p, v, n = self.key_of[idx], self.pp[idx], self.vpp[idx], self.nmb[idx]
+        b = self._split_lb.get((j, p, v, n))
+        if b is None:
+            b = self._split_lb[j, p, v, n] = max(
+                tb.balanced_pipeline_s(self.pb.model.mtp_layers, p, v, n, steady=True)
+                for tb in self._key_tables[j])
+        return b
+
+    # ------------------------------------------------------------------ one row
+    def solve_row(self, idx: int) -> tuple[str, Plan | None]:
+        """Screen one row (balanced stages), keep its plan, and remember the outcome."""
+        if self.tight_bound(idx) >= self.kth():
+            return self._outcome(idx, "time_bound", ("bound", None))
+        if self.objective.split_bound(self, idx) >= self.kth():
+            return self._outcome(idx, "balanced_split_bound", ("bound", None))
+        layout, tr, key = self.setup(idx)
+        m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
+        got = solve_layout(self.pb, tr, layout, self.tables[key], m, key, self.sets,
+                           balanced=True, lb_pipe=self.lb[idx], cutoff=self.kth(),
+                           with_interval=self.objective.prices_intervals)
+        self.screened += got.screened
+        self.solved[idx] = (got.status, got.plan)
+        if got.status == "unsolved":  # the solver stopped: nothing proven either way
+            self.pruned["milp_unsolved"] += 1
+        elif got.status == "infeasible":
+            self.pruned["memory_milp"] += 1
+            self._note_closest(layout, tr, m)
+        else:
+            self.feasible += got.status in ("plan", "screened")
+            if got.plan is None:
+                self.pruned["time_bound_milp" if got.status == "bound"
+                            else "screened_by_milp"] += 1
+            else:
+                self.push(got.plan, idx)
+                self.refine_rows.append(idx)
+        return self.solved[idx]
+
+    def _outcome(self, idx: int, rule: str, outcome: tuple[str, Plan | None]
+                 ) -> tuple[str, Plan | None]:
+        self.pruned[rule] += 1
+        self.solved[idx] = outcome
+        return outcome
+
+    def _note_closest(self, layout: Layout, tr: TrainingSpec, m: Any) -> None:
+        """Only while nothing fits is the closest candidate of any use."""
+        if self.best:
+            return
+        peak = estimate(self.pb.model, self.pb.cluster, tr, layout, least_memory(m),
+                        target=self.pb.target).memory.peak_gb
+        if self.closest is None or peak < self.closest[0]:
+            self.closest = (peak, layout)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, start: float, time_limit_s: float | None,
+            progress: Callable[[int, int], None] | None) -> bool:
+        """Visit rows in bound order until none can beat the k-th best; returns whether it
+        stopped at the time limit (anytime: only once a plan that fits is in hand, so a short
+        limit still returns the first feasible plan, and "nothing fits" stays a proof)."""
+        heap = list(zip([self.lb[i] for i in self.cand.tolist()], self.cand.tolist(),
+                        [False] * len(self.cand), strict=True))
+        heapq.heapify(heap)
+        done = 0
+        while heap:
+            bound, idx, tight = heap[0]
+            if bound >= self.kth():
+                self.pruned["time_bound"] += sum(1 for e in heap if e[1] not in self.solved)
+                return False
+            heapq.heappop(heap)
+            if idx in self.solved:
+                continue
+            done += 1
+            if progress and done % 200 == 0:
+                progress(done, 2 * len(self.cand))  # each row leaves the heap at most twice
+            if not tight:
+                t = self.tight_bound(idx)
+                heapq.heappush(heap, (self.objective.order_bound(self, idx, t), idx, True))
+                continue
+            if time_limit_s is not None and self.best and (
+                    time.perf_counter() - start > time_limit_s):
+                self.pruned["time_limit"] += len(heap) + 1
+                return True
+            if self.objective.dominated(self, idx):
+                self._outcome(idx, "robust_twin_bound", ("dominated", None))
+                continue
+            self.solve_row(idx)
+        return False
+
+    def refine(self) -> None:
+        """For the plans on top, the MILP also places the layers: uneven first and last stages
+        can beat the balanced split (embedding, loss, MTP)."""
+        on_top = {-e[2] for e in self.best}
+        for idx in self.refine_rows:
+            if idx not in on_top:
+                continue
+            k = next(i for i, e in enumerate(self.best) if -e[2] == idx)
+            screened = self.best[k][3]
+            layout, tr, key = self.setup(idx)
+            got = solve_layout(self.pb, tr, layout, self.tables[key],
+                               menu(self.pb.model, tr, layout, self.pb.target, self.options),
+                               key, self.sets, lb_pipe=self.lb[idx],
+                               fractions=(screened.choices.optimizer_offload_fraction,),
+                               with_interval=self.objective.prices_intervals)
+            self.solved_milps += got.solved
+            plan = got.plan
+            if plan is None or plan.estimate is None or not plan.estimate.fits:
+                continue
+            entry = (-self.objective.key(plan), -plan.estimate.step_time_s, -idx, plan)
+            if entry[:2] > self.best[k][:2]:
+                self.best[k] = entry
+                heapq.heapify(self.best)
+
+    def ranked(self) -> list[Plan]:
+        """The plans kept, best first, each with CUDA graphs where they help."""
+        key = self.objective.key
+        graphed = [(-key(p), -p.estimate.step_time_s, e[2], p)  # type: ignore[union-attr]
+                   for e in self.best
+                   for p in [with_graphs(e[3], key, self.objective.prices_intervals)
+                             if self.space.cuda_graphs else e[3]]]
+        return [e[3] for e in sorted(graphed, key=lambda e: e[:3], reverse=True)]

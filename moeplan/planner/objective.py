@@ -1,0 +1,168 @@
+"""How a search ranks plans: the objective's key, bound and tie rule, one class each.
+
+`Expected` ranks by the point estimate of the step time. `Robust` (the default) ranks by the
+high end of its 80 % interval: the low end of tokens/s/GPU, priced with every unvalidated
+effect disappointing (`uncertainty.pessimistic_layout`), so a plan wins only if it still wins
+when its unproven terms fail. The branch and bound (`planner.branch`) asks its objective for
+everything that differs between the two and never tests which one it has.
+
+Every bound the search prunes with is a bound on the point, and the interval's high end is
+never below the point, so pruning stays exact under either objective: the robust k-th key
+over the least ratio of key to point any regime of the search can have
+(`least_key_factor`) is a point threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ..cost_models import uncertainty as U
+from ..specs import ClusterSpec, ModelSpec, Plan
+from .enumerate import SearchSpace
+from .problem import LayerTable
+from .screen import with_interval_estimate
+
+if TYPE_CHECKING:
+    from .branch import BranchAndBound
+
+OBJECTIVES = ("robust", "expected")
+
+
+class Objective:
+    """The point objective's answers; `Robust` overrides where the interval changes them."""
+
+    name = "expected"
+    prices_intervals = False  # whether screened plans need their interval to be ranked
+
+    def key(self, plan: Plan) -> float:
+        """Seconds a plan is ranked by (smaller is better)."""
+        assert plan.estimate is not None
+        return plan.estimate.step_time_s
+
+    def key_factor(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
+        """The least key over point step time of any plan of the search."""
+        return 1.0
+
+    def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
+        """The layer tables that bound a row's key."""
+        return [bb.tables[bb.setup(idx)[2]]]
+
+    def order_bound(self, bb: BranchAndBound, idx: int, tight: float) -> float:
+        """The key a row re-enters the heap with, given its tight bound."""
+        return tight
+
+    def split_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """A bound on every plan the screen can decode for the row: its balanced split's
+        pipeline with nothing recomputed or offloaded (`LayerTable.balanced_pipeline_s`)."""
+        layout, _, key = bb.setup(idx)
+        return bb.tables[key].balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp,
+                                                  layout.vpp, layout.num_microbatches)
+
+    def dominated(self, bb: BranchAndBound, idx: int) -> bool:
+        """Whether the row provably ranks no better than a row already judged."""
+        return False
+
+    def finish(self, plans: list[Plan]) -> list[Plan]:
+        """The plans as reported: ranked by the point, intervals only for what is shown."""
+        return [with_interval_estimate(p) for p in plans]
+
+
+class Expected(Objective):
+    """Rank by the point estimate."""
+
+
+class Robust(Objective):
+    """Rank by the high end of the step time's 80 % interval."""
+
+    name = "robust"
+    prices_intervals = True
+
+    def key(self, plan: Plan) -> float:
+        e = plan.estimate
+        assert e is not None
+        return e.interval.step_time_s[1] if e.interval else e.step_time_s
+
+    def key_factor(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
+        return least_key_factor(model, cluster, space)
+
+    def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
+        """Its own table and, when no fit row backs its overlap or dispatcher, its pessimistic
+        variant's, since that variant prices its key."""
+        out = super().tables(bb, idx)
+        worse = bb.pessimistic(idx)
+        if worse is not None:
+            out.append(bb.tables[bb.table_key(worse, bb.setup(idx)[1])])
+        return out
+
+    def order_bound(self, bb: BranchAndBound, idx: int, tight: float) -> float:
+        """The larger of the tight bound and its key's balanced split with nothing recomputed
+        or offloaded (from the same tables, at steady-state item times): both bound what the
+        row can reach. The balanced split tracks what screening finds far better than the even
+        spread, so the rows that set the k-th best are screened first and the k-th best
+        tightens early. The order decides only which plans outside the top k get priced
+        (`best_validated` is the best of those when the top k has none)."""
+        if tight >= bb.kth():  # past the k-th best the order is moot
+            return tight
+        return max(tight, bb.steady_split_bound(idx))
+
+    def split_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """The larger of its own and its pessimistic variant's balanced split, which the
+        interval prices at the same choices and split."""
+        b = super().split_bound(bb, idx)
+        worse = bb.pessimistic(idx)
+        if worse is None:
+            return b
+        layout, tr, _ = bb.setup(idx)
+        return max(b, bb.tables[bb.table_key(worse, tr)].balanced_pipeline_s(
+            bb.pb.model.mtp_layers, layout.pp, layout.vpp, layout.num_microbatches))
+
+    def dominated(self, bb: BranchAndBound, idx: int) -> bool:
+        """A row whose unvalidated overlap or dispatcher the interval's low end takes away is
+        priced, at its low end, as its validated twin (alltoall, no EP overlap: the same memory
+        and a superset of the recompute options, so every choice that fits the row fits the
+        twin and the twin's best choices are at least as fast). When the twin cannot enter the
+        top k, neither can the row: the twin is screened first."""
+        j = bb.validated_twin(idx)
+        if j is None:
+            return False
+        status, plan = bb.solved[j] if j in bb.solved else bb.solve_row(j)
+        if status in ("bound", "screened", "infeasible"):
+            return True
+        # a twin tied with the k-th key does not prune: the row shares the key and may win
+        # the tie on its point
+        return plan is not None and bb.full() and self.key(plan) > bb.kth_key()
+
+    def finish(self, plans: list[Plan]) -> list[Plan]:
+        return plans
+
+
+def objective_for(name: str) -> Objective:
+    from ..errors import SpecError
+
+    if name not in OBJECTIVES:
+        raise SpecError(f"--objective takes {' or '.join(OBJECTIVES)}, got {name!r}.")
+    return Robust() if name == "robust" else Expected()
+
+
+def least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
+    """The least ratio of a robust rank key (the interval's high end of step time) to the point
+    step time over every regime a layout of this search can fall in: e^(−q_lo) of the regime
+    with the smallest downside (uncertainty.tokens_interval takes the low end from the point or
+    below it, never above). A cluster's own measured band (`moeplan calibrate --from-runs`)
+    replaces every regime's, so it is the factor."""
+    measured = U.measured_bounds(cluster)
+    if measured is not None:
+        return math.exp(-min(measured[0], 0.0))
+    prof = U.default_profile()
+    return min(math.exp(-min(prof.bounds(U.regime_names(model, cluster, prec, fab))[0], 0.0))
+               for prec in space.precisions for fab in ("nvlink", "scale-out"))
+
+
+def validated_only(plan: Plan) -> bool:
+    """Whether every modelled effect the plan rests on is backed by fit rows."""
+    e = plan.estimate
+    terms = e.assumptions if e is not None and e.interval is not None else [
+        t.assumption for t in U.assumptions(plan.model, plan.cluster, plan.training, plan.layout,
+                                          plan.choices)]
+    return all(a.validated for a in terms)

@@ -1,0 +1,202 @@
+"""One layout of a search: its recompute/offload program solved, decoded into a Plan, priced.
+
+`solve_layout` is the per-layout step of the branch and bound (`planner.branch`): the stage
+problem (`problem.stage_problem`) at each optimizer-offload fraction, solved exactly without a
+solver when the layers are split evenly (the screen, `ilp.solve_fixed`) or by the MILP that
+also places the layers (`ilp.solve`), decoded (`decode_choices`) and re-scored by the cost
+model, so the ranking is the cost model's. It returns what it found and what it counted;
+nothing here keeps state between layouts except the module-set cache the caller passes in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..cost_models.calibration import Calibration
+from ..cost_models.estimate import estimate
+from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+from ..specs.rules import Facts, violations
+from ..specs.stage_layout import layers_layout_text, parse_stage_layout, stage_layout_for
+from .ilp import (
+    InfeasibleStages,
+    SolverStopped,
+    StageSolution,
+    balanced_layers,
+    evaluate,
+    solve,
+    solve_fixed,
+)
+from .problem import LayerTable, Menu, Option, recompute_pipeline_s, split_options, stage_problem
+from .sets import module_sets
+
+OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
+SCREEN_SLACK = 1.10
+"""The screening pass prices a layout by its stage problem (MILP objective plus the constant
+terms) before asking `estimate`; the two differ only in the DP-exposure and optimizer terms,
+which the problem takes at the balanced rank (measured on the presets: within 0.98–1.05 of the
+estimate). A layout whose screened time exceeds the k-th best by more than this slack cannot
+enter the top k, so the estimate is skipped (counted as `screened_by_milp`)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What one search prices layouts of: the specs, the target and its calibration."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    cal: Calibration
+    target: str = "megatron"
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A layout's outcome. `status`: "plan" (the fastest plan that fits and beats the cutoff);
+    "screened" (fits, but cannot beat the cutoff); "bound" (the lower bound already cannot);
+    "infeasible" (proven: no choice fits at any fraction); "unsolved" (the solver stopped
+    without a solution at some fraction and none fits at the others: nothing proven).
+    `screened`/`solved`: the rank-separable problems and MILPs this took."""
+
+    plan: Plan | None
+    status: str
+    screened: int = 0
+    solved: int = 0
+
+
+def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTable,
+                 menu: Menu, key: tuple, sets_cache: dict, *, balanced: bool = False,
+                 lb_pipe: float = 0.0, cutoff: float = math.inf,
+                 fractions: tuple[float, ...] | None = None,
+                 with_interval: bool = True) -> Solved:
+    """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
+    optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
+
+    `balanced` is the screening pass: layers split evenly, so the problem is solved exactly
+    without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and chooses modules
+    together. A fraction is skipped when the pipeline's lower bound plus its optimizer time
+    cannot beat the best so far; larger fractions are tried only when the plan without
+    optimizer offload needed recompute or offload (memory pressure).
+    """
+    grid = fractions or ((0.0,) if not menu.options else OPTIMIZER_OFFLOAD_GRID)
+    best: Plan | None = None
+    base_const: float | None = None
+    fits = skipped = stopped = False
+    screened = solved = 0
+    for f in grid:
+        built = stage_problem(pb.model, pb.cluster, training, layout, pb.cal, table, menu, f)
+        base_const = built.constant_s if base_const is None else base_const
+        limit = min(cutoff, best.estimate.step_time_s if best and best.estimate else math.inf)
+        if lb_pipe + built.constant_s >= limit:  # the fraction's optimizer time alone loses
+            skipped = True
+            continue
+        P = built.problem
+        if balanced and limit < math.inf and f == grid[0]:
+            # the balanced split with nothing recomputed or offloaded is the least any choice
+            # reaches at any fraction (choices only add time, fractions only add optimizer
+            # time): past the screen's slack, no fraction can be estimated, so none is solved
+            free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
+            if free + base_const > SCREEN_SLACK * limit:
+                return Solved(None, "bound", screened, solved)
+        skey = (key, P.options, P.forbidden, P.items[P.layer_item].name,
+                tuple(i.name for i in P.items))
+        if skey not in sets_cache:
+            sets_cache[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
+        try:
+            if balanced:
+                screened += 1
+                sol = solve_fixed(P, sets_cache[skey], balanced_layers(P))
+            else:
+                solved += 1
+                sol = solve(P, sets_cache[skey])
+        except InfeasibleStages:
+            continue
+        except SolverStopped:
+            stopped = True
+            continue
+        fits = True
+        # the estimate is the dearest step of a screen: skipped past the screen's slack, and
+        # where the plan's bare and recomputed time alone (exact, no slack) misses the limit
+        if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit) and (
+                limit == math.inf or recompute_pipeline_s(
+                    table, P, sol.layers, sol.options, layout.num_microbatches) < limit):
+            choices = decode_choices(pb.model, layout, menu, sol, built.leading_layers, f,
+                                     P.chunk_layers(sol.layers))
+            est = estimate(pb.model, pb.cluster, training, layout, choices, with_interval=False,
+                           target=pb.target)
+            if est.fits and est.step_time_s < limit:
+                best = Plan(model=pb.model, cluster=pb.cluster, training=training,
+                            layout=layout, choices=choices, estimate=est, target=pb.target)
+        if f == 0.0 and not any(sol.options):
+            break  # no memory pressure: offloading the optimizer only adds time
+    if best is not None:
+        # fractions compete on the point, so only the winner needs its interval (the
+        # pessimistic variant's estimate doubles the price of one)
+        return Solved(with_interval_estimate(best) if with_interval else best, "plan",
+                      screened, solved)
+    status = "screened" if fits else "bound" if skipped else "unsolved" if stopped else (
+        "infeasible")
+    return Solved(None, status, screened, solved)
+
+
+def decode_choices(model: ModelSpec, layout: Layout, menu: Menu, sol: StageSolution,
+                   dense_first: int, f: float, chunk_layers: list[int]) -> Choices:
+    """The MILP's per-rank sets and layer counts as a plan's Choices: the layers per virtual
+    stage become a stage layout, unless they are the default split."""
+    parts = [split_options(menu.close(opts)) for opts in sol.options]
+    layers = list(chunk_layers)
+    layers[0] += dense_first
+    text = None
+    if layout.pp * layout.vpp > 1:
+        text = layers_layout_text(layers, model.mtp_layers)
+        if parse_stage_layout(text) == stage_layout_for(model.num_layers, layout.pp, layout.vpp,
+                                                        model.mtp_layers):
+            text = None
+    return Choices(recompute=[p[0] for p in parts], offload=[p[1] for p in parts],
+                   optimizer_offload_fraction=f, stage_layout=text)
+
+
+def least_memory(menu: Menu) -> Choices:
+    """Choices that keep about the least memory the layout's menu allows: full recompute where
+    allowed, else every selective module, every offload, in option order, each kept unless it
+    completes a forbidden combination; the optimizer on the host."""
+    full = Option.recompute("full")
+    chosen: list[Option] = [full] if full in menu.options else []
+    for o in menu.options:
+        if o in chosen or (full in chosen and o.kind == "recompute"):
+            continue
+        if not any(c.hit({*chosen, o}) for c in menu.forbidden):
+            chosen.append(o)
+    recompute, offload = split_options(chosen)
+    return Choices(recompute=[recompute], offload=[offload],
+                   optimizer_offload_fraction=1.0 if menu.options else 0.0)
+
+
+def with_interval_estimate(plan: Plan) -> Plan:
+    """The plan with its estimate's interval and assumptions priced (once)."""
+    if plan.estimate is not None and plan.estimate.interval is not None:
+        return plan
+    est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
+                   target=plan.target)
+    return plan.model_copy(update={"estimate": est})
+
+
+def with_graphs(plan: Plan, rank_key, with_interval: bool) -> Plan:  # noqa: ANN001
+    """The plan with CUDA graphs (Layout.cuda_graphs) when its target runs them with the
+    plan's choices (`specs.rules`: no full or `moe` recompute under the graphs' scopes), the
+    graphs' memory still fits beside them, and the plan then ranks better by `rank_key` (the
+    point breaks a tie: unvalidated graphs leave a robust key where it was)."""
+    if plan.layout.cuda_graphs or plan.estimate is None:
+        return plan
+    layout = plan.layout.model_copy(update={"cuda_graphs": True})
+    if violations(Facts(plan.model, plan.training, layout, plan.choices, plan.cluster),
+                  plan.target):
+        return plan
+    est = estimate(plan.model, plan.cluster, plan.training, layout, plan.choices,
+                   with_interval=with_interval, target=plan.target)
+    if not est.fits:
+        return plan
+    graphed = plan.model_copy(update={"layout": layout, "estimate": est})
+    if (rank_key(graphed), est.step_time_s) < (rank_key(plan), plan.estimate.step_time_s):
+        return graphed
+    return plan
