@@ -207,15 +207,12 @@ class Corpus:
                    else np.array([p.windows for p in parts], dtype=np.float64))
         keep = weights > 0
         empty = [p.index.prefix for p, w in zip(parts, weights, strict=True)
-                 if w > 0 and p.windows == 0]
+                 if (w > 0 or not keep.any()) and p.windows == 0]
         if empty:
             raise SpecError(f"--data: the {which} split of {', '.join(empty[:3])} holds fewer "
                             f"than seq_len + 1 = {seq_len + 1} tokens (--split "
                             f"{split or DEFAULT_SPLIT}); give it a larger share, a larger "
                             "dataset, or a weight of 0.")
-        if not keep.any():
-            raise SpecError(f"--data: no dataset has tokens in the {which} split (--split "
-                            f"{split or DEFAULT_SPLIT}).")
         self.parts = parts
         self.weights = weights / weights.sum()
         self.pattern = _blend_pattern(self.weights, BLEND_BLOCK)

@@ -11,11 +11,12 @@ What Megatron-LM's `tools/preprocess_data.py --tokenizer-type HuggingFaceTokeniz
 - the token dtype is Megatron's: uint16 for vocabularies below 65,500, int32 above.
 
 Work is spread over `--workers` processes (each loads the tokenizer once; `spawn`, so no
-tokenizer thread pool is forked): the reader cuts the input into batches of about
-BATCH_BYTES, the workers encode them, and the writer appends their ids in input order, so the
-output does not depend on the number of workers. A document longer than PIECE_BYTES is encoded
-in pieces cut after a line break (so workers can share it); the pieces' ids are concatenated.
-The two files appear atomically (`indexed.IndexedWriter`). No torch.
+tokenizer thread pool is forked): the reader cuts the input into batches of whole documents of
+about BATCH_BYTES, the workers encode them, and the writer appends their ids in input order, so
+the output does not depend on the number of workers and each document's ids are exactly what
+the tokenizer gives for it (a document is never cut: where a cut falls would change the ids).
+A document is at most MAX_DOCUMENT_BYTES; a larger text file is split with `--document-per
+paragraph` or `line`. The two files appear atomically (`indexed.IndexedWriter`). No torch.
 """
 
 from __future__ import annotations
@@ -40,14 +41,12 @@ from ..errors import SpecError
 from .indexed import IndexedWriter, token_dtype
 from .tokenizer import load_tokenizer
 
-PIECE_BYTES = 1 << 20  # a longer document is encoded in pieces of about this size
 BATCH_BYTES = 4 << 20  # text handed to a worker at once
 BATCH_ITEMS = 512
-MAX_LINE_BYTES = 256 << 20  # one JSONL record (a document) at most
+MAX_DOCUMENT_BYTES = 256 << 20  # one document (a JSONL line, a text file) at most
 DOCUMENT_PER = ("file", "line", "paragraph")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
-Piece = tuple[str, bool]  # (text, last piece of its document)
 Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, documents, tokens
 
 
@@ -66,38 +65,27 @@ class PrepareResult:
 
 
 # ----------------------------------------------------------------------------- reading
-def _pieces(text: str) -> Iterator[Piece]:
-    """A document as pieces of at most ~PIECE_BYTES, cut after a line break where there is one."""
-    while len(text) > PIECE_BYTES:
-        cut = text.rfind("\n", 0, PIECE_BYTES) + 1 or PIECE_BYTES
-        yield text[:cut], False
-        text = text[cut:]
-    yield text, True
-
-
 def _documents(path: Path, json_key: str, document_per: str) -> Iterator[tuple[str, int]]:
-    """(document text, bytes of input consumed so far) of one input file; a whole file (text,
-    one document per file) comes as pieces, its last one marked by a negative byte count."""
+    """(document text, bytes of input consumed so far) of one input file."""
     is_json = path.suffix.lower() in JSON_SUFFIXES
     done = 0
     try:
         with open(path, "rb") as f:
-            if not is_json and document_per == "file":  # streamed: yields pieces, "" last
-                pending = b""
-                while chunk := f.read(PIECE_BYTES):
-                    done += len(chunk)
-                    pending += chunk
-                    cut = pending.rfind(b"\n") + 1 or len(pending)
-                    yield _decode(pending[:cut], path, None, done - len(pending)), done
-                    pending = pending[cut:]
-                yield _decode(pending, path, None, done - len(pending)), -done
+            if not is_json and document_per == "file":
+                size = path.stat().st_size
+                if size > MAX_DOCUMENT_BYTES:
+                    raise SpecError(f"{path}: {size:,} bytes is more than one document may be "
+                                    f"({MAX_DOCUMENT_BYTES:,}); split it with --document-per "
+                                    "paragraph or line.")
+                raw = f.read()
+                yield _decode(raw, path, None), len(raw)
                 return
             paragraph: list[str] = []
             for number, raw in enumerate(f, start=1):
                 done += len(raw)
-                if len(raw) > MAX_LINE_BYTES:
+                if len(raw) > MAX_DOCUMENT_BYTES:
                     raise SpecError(f"{path}:{number}: a line of {len(raw):,} bytes, more than "
-                                    f"a document may have ({MAX_LINE_BYTES:,}).")
+                                    f"a document may have ({MAX_DOCUMENT_BYTES:,}).")
                 line = _decode(raw, path, number)
                 if is_json:
                     if line.strip():
@@ -115,11 +103,11 @@ def _documents(path: Path, json_key: str, document_per: str) -> Iterator[tuple[s
         raise SpecError(f"cannot read {path}: {err.strerror}.") from None
 
 
-def _decode(raw: bytes, path: Path, line: int | None, offset: int = 0) -> str:
+def _decode(raw: bytes, path: Path, line: int | None) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        where = f"{path}:{line}" if line else f"{path} (byte {offset + err.start:,})"
+        where = f"{path}:{line}" if line else f"{path} (byte {err.start:,})"
         raise SpecError(f"{where} is not UTF-8 text; convert it (e.g. iconv -t UTF-8) or "
                         "check the path.") from None
 
@@ -141,25 +129,18 @@ def _json_text(line: str, path: Path, number: int, key: str) -> str:
 
 
 def _batches(inputs: list[Path], json_key: str, document_per: str
-             ) -> Iterator[tuple[list[Piece], int]]:
-    """Batches of pieces for the workers, with the input bytes read when each was cut."""
+             ) -> Iterator[tuple[list[str], int]]:
+    """Batches of documents for the workers, with the input bytes read when each was cut."""
     before, batch, size = 0, [], 0
     for path in inputs:
-        whole = path.suffix.lower() not in JSON_SUFFIXES and document_per == "file"
-        pieces: list[Piece] = []
         for text, done in _documents(path, json_key, document_per):
-            if whole:  # pieces of one document, the last one marked (an empty one is dropped
-                pieces = [(text, done < 0)]  # by `prepare`: it yields no token)
-            elif not text.strip():
-                continue
-            else:
-                pieces = list(_pieces(text))
-            for piece in pieces:
-                batch.append(piece)
-                size += len(piece[0])
-                if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
-                    yield batch, before + abs(done)
-                    batch, size = [], 0
+            if not text.strip():
+                continue  # a document without text is skipped, as Megatron does
+            batch.append(text)
+            size += len(text)
+            if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
+                yield batch, before + done
+                batch, size = [], 0
         before += path.stat().st_size
     if batch:
         yield batch, before
@@ -174,9 +155,8 @@ def _init_worker(tokenizer: str, eod_token: str | None) -> None:
     _WORKER["tok"] = load_tokenizer(tokenizer, eod_token=eod_token)[0]
 
 
-def _encode(batch: list[Piece]) -> list[np.ndarray]:
-    encodings = _WORKER["tok"].encode_batch([text for text, _ in batch],
-                                            add_special_tokens=False)
+def _encode(batch: list[str]) -> list[np.ndarray]:
+    encodings = _WORKER["tok"].encode_batch(batch, add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
 
@@ -210,7 +190,7 @@ def prepare(inputs: list[str | Path], tokenizer: str | Path, out: str | Path,
     total = sum(p.stat().st_size for p in paths)
     writer = IndexedWriter(prefix, dtype)
     eod = np.array([info.eod_id] if append_eod else [], dtype=np.int64)
-    docs, tokens, current = 0, 0, []
+    docs, tokens = 0, 0
     pool = None
     try:
         batches = _batches(paths, json_key, document_per)
@@ -220,17 +200,13 @@ def prepare(inputs: list[str | Path], tokenizer: str | Path, out: str | Path,
                                        initargs=(str(tokenizer), eod_token))
         else:
             _init_worker(str(tokenizer), eod_token)
-        for batch, ids, at in _encoded(batches, pool, 2 * workers):
-            for (_, last), piece in zip(batch, ids, strict=True):
-                current.append(piece)
-                if last:
-                    doc = np.concatenate(current)
-                    current = []
-                    if doc.size:  # a document without text is skipped, as Megatron does
-                        doc = np.concatenate([doc, eod])
-                        writer.add_document(doc)
-                        docs += 1
-                        tokens += doc.size
+        for _, ids, at in _encoded(batches, pool, 2 * workers):
+            for doc in ids:
+                if doc.size:
+                    doc = np.concatenate([doc, eod])
+                    writer.add_document(doc)
+                    docs += 1
+                    tokens += doc.size
             if progress:
                 progress(at, total, docs, tokens)
         if docs == 0:
@@ -248,8 +224,8 @@ def prepare(inputs: list[str | Path], tokenizer: str | Path, out: str | Path,
                          if append_eod else None, time.perf_counter() - start)
 
 
-def _encoded(batches: Iterator[tuple[list[Piece], int]], pool: Any, ahead: int
-             ) -> Iterator[tuple[list[Piece], list[np.ndarray], int]]:
+def _encoded(batches: Iterator[tuple[list[str], int]], pool: Any, ahead: int
+             ) -> Iterator[tuple[list[str], list[np.ndarray], int]]:
     """(batch, its ids, bytes read) in input order; with a pool, at most `ahead` batches are
     in flight, so memory stays bounded whatever the input size."""
     if pool is None:

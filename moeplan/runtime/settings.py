@@ -20,7 +20,8 @@ from typing import Any
 
 from .. import limits
 from ..errors import SpecError
-from ..specs import Plan, load_training
+from ..specs import Plan, TrainingSpec
+from ..specs.validated import build
 from .options import RunOptions
 
 DEFAULT_STEPS = 10  # without --steps and without a train_iters in the plan
@@ -81,7 +82,8 @@ def apply_settings(plan: Plan, opts: RunOptions) -> Plan:
     if unknown:
         raise SpecError(f"unknown training settings {sorted(unknown)}.")
     if settings:
-        training = load_training(plan.training, **settings)
+        training = build(TrainingSpec, {**plan.training.model_dump(), **settings},
+                         "training setting", "the flags or --config of moeplan run")
         plan = plan.model_copy(update={"training": training})
     if opts.steps is None:
         opts.steps = plan.training.train_iters or DEFAULT_STEPS
