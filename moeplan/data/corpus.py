@@ -130,19 +130,21 @@ def _missing(prefix: str) -> SpecError:
     """Why PREFIX is no dataset, and how to make one (a text file is the common mistake)."""
     bin_path, idx_path = paths(prefix)
     given = Path(prefix)
-    how = (f"`moeplan data prepare {given} --tokenizer-model TOKENIZER -o "
-           f"{given.with_suffix('') if given.suffix else given}` tokenizes text or JSONL into "
-           "one (docs/DATA.md)")
     if given.is_file() or given.suffix.lower() in TEXT_SUFFIXES:
         return SpecError(f"--data {prefix}: this is not a tokenized dataset. `moeplan run` "
                          "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair "
-                         f"given by its PREFIX; {how}, then pass --data with its prefix.")
+                         "given by its PREFIX; make one with `moeplan data prepare "
+                         f"{given} --tokenizer-model TOKENIZER -o {given.with_suffix('')}` "
+                         "(text or JSONL; docs/DATA.md), then pass --data "
+                         f"{given.with_suffix('')}.")
+    how = (f"`moeplan data prepare TEXT_OR_JSONL --tokenizer-model TOKENIZER -o {given}` "
+           "writes one (docs/DATA.md)")
     if bin_path.is_file() != idx_path.is_file():
         have, lack = (bin_path, idx_path) if bin_path.is_file() else (idx_path, bin_path)
         return SpecError(f"--data {prefix}: {have} is there but {lack} is missing; a dataset is "
-                         "the pair. Copy both, or rebuild it: " + how + ".")
+                         f"the pair. Copy both, or rebuild it: {how}.")
     return SpecError(f"--data {prefix}: no such dataset (neither {bin_path} nor {idx_path} "
-                     f"exists). Give a dataset prefix, 'synthetic', or make one: {how}.")
+                     f"exists). Give a dataset prefix, 'synthetic', or {how}.")
 
 
 def scan_ids(index: Index, vocab_size: int, limit: int = SCAN_TOKENS) -> int:
