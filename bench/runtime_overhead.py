@@ -50,7 +50,7 @@ class PlainLoop:
         self.data = MarkovData(plan.model.vocab_size, t.seq_len, t.global_batch_size, seed)
         self.tokens = t.global_batch_size * t.seq_len
         self.micro = t.global_batch_size // plan.layout.mbs
-        self.mbs, self.clip = plan.layout.mbs, t.grad_clip
+        self.mbs, self.clip = plan.layout.mbs, t.clip_grad
 
     def step(self, step: int) -> float:
         start = time.perf_counter()

@@ -51,6 +51,10 @@ app.add_typer(specs_app, name="specs")
 checkpoint_app = typer.Typer(help="List checkpoints and export them to Hugging Face.",
                              no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
+data_app = typer.Typer(help="Tokenize text or JSONL into Megatron's indexed datasets "
+                       "(PREFIX.bin + PREFIX.idx), the format `run --data` reads.",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 out = Console()
 err = Console(stderr=True)
@@ -697,10 +701,58 @@ def whatif(
 @app.command()
 def run(
     plan: Annotated[str, typer.Argument(help="Plan JSON (from search/estimate -o).")],
-    steps: Annotated[int, typer.Option("--steps", help="Step to reach.")] = 10,
-    data: Annotated[str, typer.Option("--data", help="A token file (.bin with a .json sidecar; "
-                    "see docs/DATA.md) or 'synthetic' (seeded Markov chain).")] = "synthetic",
-    seed: Annotated[int, typer.Option("--seed", help="Same seed: same data and weights.")] = 0,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="Step to reach (default: the plan's train_iters, else 10).")] = None,
+    data: Annotated[str | None, typer.Option(
+        "--data", help="Megatron indexed datasets: a PREFIX (PREFIX.bin + PREFIX.idx) or a blend "
+        "\"0.7 PREFIX_A 0.3 PREFIX_B\" (make one with `moeplan data prepare`), or 'synthetic' "
+        "(seeded Markov chain, the default).")] = None,
+    split: Annotated[str | None, typer.Option(
+        "--split", help="Train,valid,test weights of each dataset, by sequence (Megatron's "
+        "--split; default 969,30,1).")] = None,
+    tokenizer_model: Annotated[str | None, typer.Option(
+        "--tokenizer-model", help="The data's Hugging Face tokenizer (tokenizer.json or a "
+        "directory holding one): vocabulary checked against the model's, kept with the "
+        "checkpoints and exported with them.")] = None,
+    config: Annotated[str | None, typer.Option(
+        "--config", help="A YAML/JSON file of the settings below under the flags' names "
+        "(lr, lr-warmup-iters, data, eval-interval, ...); flags given here win.")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
+    min_lr: Annotated[float | None, typer.Option(
+        "--min-lr", help="Learning rate at the end of the decay.")] = None,
+    lr_warmup_iters: Annotated[int | None, typer.Option(
+        "--lr-warmup-iters", help="Linear warm-up iterations.")] = None,
+    lr_decay_style: Annotated[str | None, typer.Option(
+        "--lr-decay-style", help="constant, linear, cosine or WSD.")] = None,
+    lr_decay_iters: Annotated[int | None, typer.Option(
+        "--lr-decay-iters", help="Iteration the decay ends at (default: --train-iters).")] = None,
+    lr_wsd_decay_style: Annotated[str | None, typer.Option(
+        "--lr-wsd-decay-style", help="WSD's final decay: linear, cosine, exponential or "
+        "minus_sqrt.")] = None,
+    lr_wsd_decay_iters: Annotated[int | None, typer.Option(
+        "--lr-wsd-decay-iters", help="WSD: iterations of the final decay.")] = None,
+    weight_decay: Annotated[float | None, typer.Option(
+        "--weight-decay", help="Decoupled weight decay.")] = None,
+    clip_grad: Annotated[float | None, typer.Option(
+        "--clip-grad", help="Global gradient-norm clip (0: off).")] = None,
+    train_iters: Annotated[int | None, typer.Option(
+        "--train-iters", help="Iterations of the whole run (the schedule's length).")] = None,
+    train_tokens: Annotated[float | None, typer.Option(
+        "--train-tokens", help="Tokens of the whole run, instead of --train-iters (e.g. "
+        "1e9).")] = None,
+    eval_interval: Annotated[int | None, typer.Option(
+        "--eval-interval", help="Steps between evaluations on the validation split (and at the "
+        "last step); default: none.")] = None,
+    eval_iters: Annotated[int | None, typer.Option(
+        "--eval-iters", help="Global batches per evaluation (default 10).")] = None,
+    log_interval: Annotated[int | None, typer.Option(
+        "--log-interval", help="Steps between progress lines (metrics.jsonl has every step; "
+        "default 1).")] = None,
+    tensorboard_dir: Annotated[str | None, typer.Option(
+        "--tensorboard-dir", help="Write TensorBoard event files here (loss, lr, grad norm, "
+        "throughput, MFU, memory, expert load).")] = None,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Same seed: same data and weights (default 0).")] = None,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="fp32|bf16 (default: bf16 on GPU, fp32 on CPU).")] = None,
     out_dir: Annotated[str | None, typer.Option(
@@ -739,18 +791,33 @@ def run(
     """Train under a plan with torchrun workers (gloo on CPU, NCCL on GPU)."""
     if out_dir is not None:
         _check_out_dir(out_dir)
+    from .runtime.settings import read_config
+
+    training, options = read_config(config) if config else ({}, {})
+    training.update({k: v for k, v in dict(
+        lr=lr, min_lr=min_lr, lr_warmup_iters=lr_warmup_iters, lr_decay_style=lr_decay_style,
+        lr_decay_iters=lr_decay_iters, lr_wsd_decay_style=lr_wsd_decay_style,
+        lr_wsd_decay_iters=lr_wsd_decay_iters, weight_decay=weight_decay, clip_grad=clip_grad,
+        train_iters=train_iters, train_tokens=train_tokens).items() if v is not None})
+    if train_iters is not None or train_tokens is not None:  # a flag replaces the file's either
+        training.pop("train_tokens" if train_iters is not None else "train_iters", None)
+    options.update({k: v for k, v in dict(
+        steps=steps, seed=seed, data=data, split=split, tokenizer_model=tokenizer_model,
+        eval_interval=eval_interval, eval_iters=eval_iters, log_interval=log_interval,
+        tensorboard_dir=tensorboard_dir).items() if v is not None})
     require_torch("moeplan run")
     from .runtime.launch import run as run_plan
 
     # RunFailed (workers failed) and RunStopped (a signal stopped them) reach main's table
     with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
         summary = run_plan(
-            plan, steps=steps, data=data, seed=seed, dtype=dtype, out=out_dir,
-            scale_down=scale_down, nproc_per_node=nproc_per_node, nnodes=nnodes,
-            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend,
-            rdzv_id=rdzv_id, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+            plan, dtype=dtype, out=out_dir, scale_down=scale_down,
+            nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
+            ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from)
+            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from,
+            training=training or None, **options)
     if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return
 
@@ -1066,6 +1133,55 @@ def checkpoint_export(
     path = export_checkpoint(ckpt_dir, output, step)
     emit({"path": str(path)}, as_json, lambda: err.print(
         f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)", highlight=False))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    inputs: Annotated[list[str], typer.Argument(
+        help="Text files, or JSONL files (.jsonl/.json: one object per line).")],
+    tokenizer_model: Annotated[str, typer.Option(
+        "--tokenizer-model", help="A Hugging Face tokenizer.json, or a directory holding one.")],
+    output: Annotated[str, typer.Option(
+        "-o", "--output-prefix", help="Writes PREFIX.bin and PREFIX.idx (pass PREFIX to "
+        "`run --data`).")],
+    json_key: Annotated[str, typer.Option(
+        "--json-key", help="The JSONL field holding a document's text.")] = "text",
+    document_per: Annotated[str, typer.Option(
+        "--document-per", help="Text files: one document per file, line or paragraph (blank-"
+        "line separated).")] = "file",
+    workers: Annotated[int, typer.Option(
+        "--workers", help="Tokenizer processes (default: the CPU count, at most 8).")] = 0,
+    append_eod: Annotated[bool, typer.Option(
+        "--append-eod/--no-append-eod", help="End each document with the end-of-document "
+        "token (Megatron's --append-eod).")] = True,
+    eod_token: Annotated[str | None, typer.Option(
+        "--eod-token", help="The end-of-document token (default: tokenizer_config.json's "
+        "eos_token, else a usual name such as <|endoftext|>).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tokenize text or JSONL with a Hugging Face tokenizer into a Megatron indexed dataset."""
+    from .data.prepare import ProgressLine, prepare
+
+    n = workers or min(8, os.cpu_count() or 1)
+    bar = ProgressLine(f"tokenizing with {n} process{'es' if n > 1 else ''}")
+    try:
+        res = prepare(inputs, tokenizer_model, output, json_key=json_key, workers=n,
+                      append_eod=append_eod, eod_token=eod_token, document_per=document_per,
+                      progress=bar)
+    finally:
+        bar.close()
+    doc = res.record()
+
+    def render() -> None:
+        print_lines(pairs_lines(f"wrote {res.prefix}.bin and {res.prefix}.idx", [
+            ("documents", f"{res.documents:,}"), ("tokens", f"{res.tokens:,}"),
+            ("token dtype", res.dtype), ("vocabulary", f"{res.vocab_size:,}"),
+            ("end of document", res.eod_token or "not appended"),
+            ("time", f"{res.seconds:.1f} s"),
+            ("train on it", f"moeplan run PLAN --data {res.prefix} --tokenizer-model "
+                            f"{tokenizer_model}")], _width(err)), err)
+
+    emit(doc, as_json, render)
 
 
 LABEL_STYLES = {"error": "bold red", "infeasible": "bold yellow"}

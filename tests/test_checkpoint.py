@@ -29,10 +29,8 @@ import torch
 from moeplan import errors as moeplan_errors
 from moeplan.errors import SpecError
 from moeplan.runtime.data import TokenData, write_tokens
-from moeplan.runtime.data import main as convert
 from moeplan.runtime.launch import PreparedRun, RunOptions, check_resume, prepare_plan
 from moeplan.runtime.storage import (
-    check_token_file,
     complete_steps,
     newest_checkpoint,
     publish,
@@ -92,46 +90,6 @@ def test_the_complement_of_a_box_covers_the_rest_once():
 
 
 # --------------------------------------------------------------------------------------- data
-def test_text_converter_writes_byte_tokens_with_a_sidecar(tmp_path):
-    (tmp_path / "a.txt").write_text("héllo")
-    (tmp_path / "b.txt").write_text("ok")
-    convert(["text", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "-o",
-             str(tmp_path / "c.bin")])
-    meta = check_token_file(tmp_path / "c.bin", vocab_size=256, seq_len=4)
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256
-    tokens = np.fromfile(tmp_path / "c.bin", dtype=np.uint16)
-    assert tokens.tolist() == [*"héllo".encode(), 0, *b"ok", 0]
-
-
-def test_numpy_converter_picks_uint32_for_large_vocabularies(tmp_path):
-    np.save(tmp_path / "ids.npy", np.array([[1, 70_000], [5, 6]], dtype=np.int64))
-    convert(["npy", str(tmp_path / "ids.npy"), "-o", str(tmp_path / "ids.bin"),
-             "--vocab-size", "100000"])
-    meta = check_token_file(tmp_path / "ids.bin", vocab_size=100_000, seq_len=2)
-    assert meta["dtype"] == "uint32"
-    assert np.fromfile(tmp_path / "ids.bin", dtype=np.uint32).tolist() == [1, 70_000, 5, 6]
-
-
-@pytest.mark.parametrize("damage,needle", [
-    ("truncate", "truncated"),
-    ("vocab", "outside the model's vocabulary"),
-    ("sidecar", "sidecar"),
-])
-def test_a_bad_token_file_is_refused_by_name(tmp_path, damage, needle):
-    path = write_tokens(np.arange(100) % 50, tmp_path / "t.bin", vocab_size=50)
-    if damage == "truncate":
-        path.write_bytes(path.read_bytes()[:-2])
-    elif damage == "vocab":
-        write_tokens(np.array([1, 2, 3, 300] * 20), path, vocab_size=301)
-        side = json.loads(path.with_suffix(".json").read_text())  # a sidecar that understates
-        path.with_suffix(".json").write_text(json.dumps(side | {"vocab_size": 256}))
-    else:
-        path.with_suffix(".json").unlink()
-    with pytest.raises(SpecError, match=needle) as e:
-        check_token_file(path, vocab_size=256 if damage == "vocab" else 50, seq_len=8)
-    assert "t.bin" in str(e.value)
-
-
 def test_token_batches_depend_on_seed_and_step_only_not_the_dp_split(tmp_path):
     path = write_tokens(np.random.default_rng(1).integers(0, 256, 2_000), tmp_path / "t.bin")
     data = TokenData(path, 256, seq_len=16, global_batch=8, seed=3)
@@ -581,7 +539,8 @@ def launch(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("launch")
     plan = write_plan(root / "ep2.json", 2, choices=Choices(optimizer_offload_fraction=0.5), ep=2)
     (root / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    convert(["text", str(root / "a.txt"), "-o", str(root / "corpus.bin")])
+    write_tokens(np.frombuffer((root / "a.txt").read_bytes(), dtype=np.uint8),
+                 root / "corpus.bin", vocab_size=256)  # byte ids, one document
     data = str(root / "corpus.bin")
     r = moeplan("run", plan, "--steps", str(STEPS), "--data", data, "--out", str(root / "straight"))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -39,7 +39,7 @@ def qwen_plan(**training: object) -> Plan:
 @pytest.fixture
 def plan_file(tmp_path):
     path = tmp_path / "plan.json"
-    path.write_text(qwen_plan(warmup_steps=20, decay_steps=980).model_dump_json())
+    path.write_text(qwen_plan(lr_warmup_iters=20, lr_decay_iters=1000).model_dump_json())
     return path
 
 

@@ -127,7 +127,10 @@ def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_p
     ("mtp_stage", {"model": "tiny_deepseek_v3", "pp": 2, "vpp": 2,
                    "choices": Choices(stage_layout="Et|t|tm|L")}, [], "--stage-layout 'Et|t|t|mL'"),
     ("world", {"ep": 2}, ["--nproc-per-node", "3"], "needs 2 processes"),
-    ("data", {}, ["--data", "tokens.bin"], "--data tokens.bin: no such token file"),
+    ("data", {}, ["--data", "tokens.bin"], "neither tokens.bin nor tokens.idx exists"),
+    ("text", {}, ["--data", "corpus.txt"], "this is not a tokenized dataset. `moeplan run` "
+     "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair given by its PREFIX; "
+     "make one with `moeplan data prepare corpus.txt --tokenizer-model TOKENIZER -o corpus`"),
     ("resume", {}, ["--resume"], "--resume needs --ckpt-dir"),
 ])
 def test_run_refuses_before_any_worker_starts(cli, tmp_path, case, axes, extra, needle):

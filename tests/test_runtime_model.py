@@ -102,7 +102,7 @@ def test_markov_data_is_a_function_of_seed_and_step_only():
 def test_lr_warms_up_then_decays_to_min_lr():
     t = TrainingSpec(global_batch_size=8, lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10)
     assert lr_at(0, t) == pytest.approx(5e-4) and lr_at(1, t) == pytest.approx(1e-3)
-    assert lr_at(2, t) == pytest.approx(1e-3)
+    assert lr_at(2, t) < 1e-3  # decaying from step 2 on (tests/test_training_settings.py)
     assert lr_at(10, t) == pytest.approx(1e-4) and lr_at(50, t) == pytest.approx(1e-4)
     assert lr_at(3, t) > lr_at(6, t) > lr_at(9, t)
 
@@ -124,7 +124,7 @@ def test_scale_down_keeps_every_parallel_degree_valid(model, world, axes):
     training, layout = scale_down_training(plan.training, plan.layout)
     check_layout(small, training, layout)  # raises on any broken rule
     assert layout.world_size == world and layout.ep == axes["ep"]
-    assert small.hidden_size <= 256 and small.num_layers <= 3
+    assert small.hidden_size <= 256 and small.num_layers <= 4
     assert small.vocab_size % layout.tp == 0 and small.num_experts % layout.ep == 0
 
 

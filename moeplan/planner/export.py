@@ -34,7 +34,7 @@ from ..commands import (
     torchrun_args,
 )
 from ..errors import LayoutError, SpecError
-from ..limits import excerpt
+from ..limits import MAX_TRAIN_ITERS, excerpt
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
@@ -206,6 +206,9 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
                                      _A + "_add_learning_rate_args"),
     "--lr-warmup-iters": MegatronFlag(1, int, None, _A + "_add_learning_rate_args"),
     "--lr-decay-iters": MegatronFlag(1, int, None, _A + "_add_learning_rate_args"),
+    "--lr-wsd-decay-style": MegatronFlag(1, str, ("exponential", "linear", "cosine",
+                                                  "minus_sqrt"), _A + "_add_learning_rate_args"),
+    "--lr-wsd-decay-iters": MegatronFlag(1, int, None, _A + "_add_learning_rate_args"),
     "--weight-decay": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--adam-beta1": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
     "--adam-beta2": MegatronFlag(1, float, None, _A + "_add_regularization_args"),
@@ -246,7 +249,6 @@ RUN_PLACEHOLDERS: dict[str, str] = {
     "CKPT_DIR": "--ckpt-dir: the checkpoint directory (every run passes --resume: a "
                 "requeued or restarted job continues from its newest complete step)",
 }
-MAX_TRAIN_ITERS = 10**9
 DEFAULT_SPLIT = "969,30,1"  # Megatron's legacy default train/valid/test split
 
 # precision recipe → (format flag, format, recipe flag, recipe); Megatron's low-precision guide
@@ -572,19 +574,22 @@ def _precision_args(a: _Args, plan: Plan) -> None:
 def schedule(plan: Plan, train_iters: int | None = None) -> tuple[int, int, int]:
     """(train iters, warm-up iters, decay-end iter) for Megatron.
 
-    Without `train_iters` the TrainingSpec's own schedule (warm-up + decay steps). With it, the
-    spec's warm-up share of its schedule is kept as a fraction of `train_iters` and the cosine
-    decay runs to the last step (Megatron counts --lr-decay-iters from step 0, warm-up
-    included), so a 5,000-step run gets a 5,000-step schedule, not the spec's.
+    Without `train_iters` the TrainingSpec's own schedule: its train_iters (else its decay
+    end), lr_warmup_iters and lr_decay_iters (`TrainingSpec.decay_iters`), the numbers
+    `moeplan run` trains with. With it, the spec's schedule is stretched onto `train_iters`:
+    warm-up and decay end keep their share of the spec's run, so a 5,000-step run gets a
+    5,000-step schedule, not the spec's (Megatron counts --lr-decay-iters from step 0, warm-up
+    included).
     """
     t = plan.training
-    total = t.warmup_steps + t.decay_steps
+    total = t.train_iters or t.decay_iters
     if train_iters is None:
-        return total, t.warmup_steps, total
-    warm = round(train_iters * t.warmup_steps / total)
-    if t.warmup_steps and train_iters > 1:
+        return total, t.lr_warmup_iters, t.decay_iters
+    warm = round(train_iters * t.lr_warmup_iters / total)
+    if t.lr_warmup_iters and train_iters > 1:
         warm = min(max(warm, 1), train_iters - 1)
-    return train_iters, warm, train_iters
+    decay_end = max(warm + 1, min(train_iters, round(train_iters * t.decay_iters / total)))
+    return train_iters, warm, decay_end
 
 
 def train_iters_for(plan: Plan, train_iters: int | None, train_tokens: float | None
@@ -610,14 +615,18 @@ def _optimizer_args(a: _Args, plan: Plan, train_iters: int | None) -> None:
     a.add("--optimizer", "adam")  # Megatron's Adam has decoupled weight decay (AdamW)
     a.add("--lr", _num(t.lr))
     a.add("--min-lr", _num(t.min_lr))
-    a.add("--lr-decay-style", "cosine")
+    a.add("--lr-decay-style", t.lr_decay_style)
     a.add("--lr-warmup-iters", warm)
     a.add("--lr-decay-iters", decay_end)
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters:
+        a.add("--lr-wsd-decay-style", t.lr_wsd_decay_style)
+        a.add("--lr-wsd-decay-iters", max(1, min(decay_end - warm, round(
+            t.lr_wsd_decay_iters * decay_end / t.decay_iters))))
     a.add("--weight-decay", _num(t.weight_decay))
     a.add("--adam-beta1", _num(t.adam_beta1))
     a.add("--adam-beta2", _num(t.adam_beta2))
     a.add("--adam-eps", _num(t.adam_eps))
-    a.add("--clip-grad", _num(t.grad_clip))
+    a.add("--clip-grad", _num(t.clip_grad))
 
 
 # ------------------------------------------------------------------------------- public
@@ -703,8 +712,8 @@ def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
              f"for Megatron-LM commit {MEGATRON_LM_COMMIT} (Megatron Core "
              f"{MEGATRON_CORE_VERSION}) with Transformer Engine {TE_VERSION}; run from a "
              "Megatron-LM checkout",
-             f"schedule: {iters:,} iterations, {warm:,} warm-up, cosine decay to iteration "
-             f"{decay_end:,} ({source})",
+             f"schedule: {iters:,} iterations, {warm:,} warm-up, "
+             f"{plan.training.lr_decay_style} decay to iteration {decay_end:,} ({source})",
              "set before running (placeholders below):"]
     return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
 

@@ -52,7 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import SpecError
-from .hf_io import MAX_SHARD_BYTES, write_hf
+from .hf_io import MAX_SHARD_BYTES, checkpoint_tokenizer, write_hf
 from .layers import shard_info
 from .storage import (
     CKPT_FORMAT,
@@ -559,4 +559,5 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | Non
     path = step_dir(ckpt_dir, step if step is not None else steps[-1])
     verify(path)
     plan, state = read_checkpoint(path)
-    return write_hf(plan.model, state, out_dir, max_shard_bytes)
+    return write_hf(plan.model, state, out_dir, max_shard_bytes,
+                    tokenizer=checkpoint_tokenizer(ckpt_dir))

@@ -607,11 +607,57 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+# ------------------------------------------------------------------------------ tokenizer
+TOKENIZER_DIR = "tokenizer"  # in a --ckpt-dir: the tokenizer the run trained with
+
+
+def keep_tokenizer(tokenizer_model: str, ckpt_dir: str | Path) -> Path:
+    """Copy the run's tokenizer into CKPT_DIR/tokenizer (replaced atomically: written beside it,
+    then renamed), so `checkpoint export --to hf` ships the tokenizer the weights were trained
+    with, even after the original files move."""
+    import shutil
+    import uuid
+
+    from ..data.tokenizer import export_tokenizer, load_tokenizer
+
+    _, info = load_tokenizer(tokenizer_model)
+    root = Path(ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{TOKENIZER_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        export_tokenizer(info, tmp)
+        old = root / TOKENIZER_DIR
+        if old.exists():
+            shutil.rmtree(old)
+        tmp.rename(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root / TOKENIZER_DIR
+
+
+def checkpoint_tokenizer(ckpt_dir: str | Path):
+    """The TokenizerInfo a run kept in CKPT_DIR/tokenizer, or None when it ran without one."""
+    from ..data.tokenizer import load_tokenizer
+
+    d = Path(ckpt_dir) / TOKENIZER_DIR
+    return load_tokenizer(d)[1] if (d / "tokenizer.json").is_file() else None
+
+
+def _hf_special_ids(config: dict[str, Any], tokenizer) -> dict[str, Any]:
+    """config.json's eos_token_id from the tokenizer's end-of-document token, so `generate`
+    knows where a text ends."""
+    if tokenizer is None or tokenizer.eod_id is None:
+        return config
+    return {**config, "eos_token_id": tokenizer.eod_id}
+
+
 def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path,
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """config.json + sharded safetensors + model.safetensors.index.json, atomically: written
-    into a temporary sibling directory, each file fsynced, then renamed to `out_dir` (which
-    must not exist yet), so a failed export leaves nothing behind."""
+             max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer=None) -> Path:
+    """config.json + sharded safetensors + model.safetensors.index.json (+ the tokenizer's
+    files, `tokenizer`: a `data.tokenizer.TokenizerInfo`), atomically: written into a temporary
+    sibling directory, each file fsynced, then renamed to `out_dir` (which must not exist
+    yet), so a failed export leaves nothing behind."""
     import os
     import shutil
     import uuid
@@ -623,7 +669,7 @@ def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path
         raise SpecError(f"-o {out}: it already exists; export into a new directory.")
     if not out.parent.is_dir():
         raise SpecError(f"-o {out}: the parent directory {out.parent} does not exist.")
-    config = hf_config_for(spec)
+    config = _hf_special_ids(hf_config_for(spec), tokenizer)
     tensors = hf_tensors(spec, full)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -647,6 +693,10 @@ def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path
         _fsync_write(tmp / "model.safetensors.index.json",
                      json.dumps(index, indent=1, allow_nan=False).encode())
         _fsync_write(tmp / "config.json", json.dumps(config, indent=1, allow_nan=False).encode())
+        if tokenizer is not None:
+            from ..data.tokenizer import export_tokenizer
+
+            export_tokenizer(tokenizer, tmp)
         os.rename(tmp, out)
         fd = os.open(out.parent, os.O_RDONLY)
         try:

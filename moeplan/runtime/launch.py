@@ -33,7 +33,8 @@ from ..fsio import write_json
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
 from .options import PreparedRun, RunOptions
-from .storage import check_token_file, held_steps, resume_point, verify
+from .settings import apply_settings, check_run_inputs, keeps_vocabulary
+from .storage import held_steps, resume_point, verify
 from .support import features_not_executed, settings_not_executed, without_speed_settings
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
@@ -66,6 +67,8 @@ class Stopped(RunStopped):
 def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]:
     """(plan as given, plan as it will run): validated, refused features named, scaled down."""
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    plan = apply_settings(plan, opts)  # --lr ... --train-iters into its training section
+    assert opts.steps is not None
     if opts.steps < 1:
         raise SpecError(f"--steps must be at least 1, got {opts.steps}.")
     if opts.dtype not in (None, "fp32", "bf16"):
@@ -94,10 +97,10 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
     if opts.scale_down:
         from .scale import scale_down_plan
 
-        running = scale_down_plan(running)
+        running = scale_down_plan(running, keep_vocab=keeps_vocabulary(opts))
         check_layout(running.model, running.training, running.layout, choices=running.choices)
-    if opts.data != "synthetic":
-        check_token_file(opts.data, running.model.vocab_size, running.training.seq_len)
+    for line in check_run_inputs(running, opts):  # data, split, tokenizer, eval, logs
+        print(f"data {line}", file=sys.stderr)
     if opts.init_from:
         if opts.scale_down:
             raise SpecError("--init-from loads the checkpoint's full-size weights; drop "
@@ -197,7 +200,7 @@ def guard_memory(running: Plan, opts: RunOptions, nproc: int, devices=None) -> N
     if not opts.scale_down:
         from .scale import scale_down_plan
 
-        small = scale_down_plan(running)
+        small = scale_down_plan(running, keep_vocab=keeps_vocabulary(opts))
         small_needs = guard.price_ranks(small, [n.rank for n in needs], dtype, devices.kind)
         if guard.shortfall(small_needs, devices) is None:
             fixes.append(f"`--scale-down` (the same parallel degrees on a "
@@ -261,7 +264,8 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     if opts.scale_down:
         from .scale import describe_scale_down
 
-        print(describe_scale_down(given, running), file=sys.stderr, flush=True)
+        print(describe_scale_down(given, running, keeps_vocabulary(opts)), file=sys.stderr,
+              flush=True)
     guard_memory(running, opts, nproc)
     _save_plan(given, out)
     prepared.write(out)  # OUT/run.json: what every worker reads, prepared once, here

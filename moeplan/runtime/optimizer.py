@@ -41,13 +41,9 @@ from .layers import shard_info
 
 
 def lr_at(step: int, t: TrainingSpec) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr` at `decay_steps`
-    (Megatron's `OptimizerParamScheduler`); `step` counts from 0."""
-    if t.warmup_steps and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.decay_steps - t.warmup_steps)
-    ratio = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * ratio))
+    """The learning rate of `step` (from 0) under the spec's schedule (`TrainingSpec.lr_at`:
+    Megatron's warm-up and constant/linear/cosine/WSD decay)."""
+    return t.lr_at(step)
 
 
 @dataclass
@@ -255,7 +251,7 @@ class DistributedOptimizer:
         self.skipped = skip or not math.isfinite(norm)
         if self.skipped:
             return norm
-        clip = min(1.0, t.grad_clip / (norm + 1e-6)) if t.grad_clip > 0 else 1.0
+        clip = min(1.0, t.clip_grad / (norm + 1e-6)) if t.clip_grad > 0 else 1.0
         self.step_count += 1
         b1, b2 = t.adam_beta1, t.adam_beta2
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count

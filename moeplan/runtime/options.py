@@ -24,8 +24,17 @@ RUN_FORMAT = 1
 class RunOptions:
     """The options of `moeplan run` (SPEC §4 and "Run outputs")."""
 
-    steps: int = 10
-    data: str = "synthetic"
+    steps: int | None = None  # the step to reach; None: the plan's train_iters, else 10
+    data: str = "synthetic"  # 'synthetic', or Megatron indexed datasets: "PREFIX" / "W1 P1 W2 P2"
+    split: str | None = None  # train,valid,test weights of --data (None: Megatron's 969,30,1)
+    tokenizer_model: str | None = None  # a tokenizer.json or a directory holding one
+    eval_interval: int | None = None  # steps between evaluations on the validation split
+    eval_iters: int = 10  # global batches per evaluation
+    log_interval: int = 1  # steps between progress lines (metrics.jsonl has every step)
+    tensorboard_dir: str | None = None  # TensorBoard event files, written by rank 0
+    # training settings under Megatron's names (settings.TRAINING_KEYS), written into the
+    # plan's training section by the launcher (settings.apply_settings)
+    training: dict | None = None
     seed: int = 0
     dtype: str | None = None  # fp32 | bf16; None: bf16 on GPU, fp32 on CPU
     out: str | None = None

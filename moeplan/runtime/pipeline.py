@@ -182,6 +182,29 @@ class PipelineSchedule:
         self.stats.history.append((self.stats.wait_s, self.stats.total_s))
         return ce_total, aux_total
 
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> torch.Tensor:
+        """Forward of every micro-batch through this rank's chunks, for evaluation: Σ ce on the
+        last stage (0 elsewhere), float64. Each rank visits (micro-batch, chunk) in order; a
+        stage's input comes from a lower (micro-batch, stage) pair, so blocking receives and
+        non-blocking sends cannot deadlock, and each link carries its messages in one order."""
+        m = len(micro_batches)
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        pending: list = []
+        for mb, (tokens, targets) in enumerate(micro_batches):
+            for c, chunk in enumerate(self.chunks):
+                stage = self._stage(c)
+                x = None if chunk.embed else self._recv(stage - 1, 0, stage, mb, m)
+                out, terms = self.model.forward_chunk(x, tokens, targets, chunk)
+                if chunk.loss:
+                    ce_total += terms.ce_sum.double()
+                else:
+                    assert out is not None
+                    self._send(out, stage + 1, 0, mb, m, pending)
+        for req, _ in pending:
+            req.wait()
+        return ce_total
 
     def run_overlapped(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                        tokens_global: int, microbatches_global: int

@@ -1,7 +1,5 @@
 """Files a run reads and writes, checked without torch so `moeplan run` refuses them at once.
 
-Token files: a flat `.bin` of uint16/uint32 ids with a `.json` sidecar (docs/DATA.md).
-
 Checkpoint directories (docs/RUNTIME.md, "Checkpoints"), format `moeplan-ckpt-v3`:
 `CKPT/step_00000042/` holds one `rank_RRRRR.safetensors` per writing rank (tensor bytes and a
 JSON header, nothing executable), `index.json` (where each box of each tensor lives),
@@ -31,70 +29,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import SpecError
 
-TOKEN_FORMAT = "moeplan-tokens-v1"
 CKPT_FORMAT = "moeplan-ckpt-v3"  # v3: per-rank safetensors, JSON index, required manifest
 LEGACY_FORMATS = ("moeplan-ckpt-v1", "moeplan-ckpt-v2")  # DCP files with a pickled index
-TOKEN_DTYPES = ("uint16", "uint32")
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 META = "meta.json"
 PLAN = "plan.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step_(\d{8})$")
-
-
-# ------------------------------------------------------------------------------- token files
-def sidecar_path(path: str | Path) -> Path:
-    """`corpus.bin` → `corpus.json`: the sidecar naming dtype, token count and vocabulary."""
-    return Path(path).with_suffix(".json")
-
-
-def check_token_file(path: str | Path, vocab_size: int, seq_len: int) -> dict:
-    """Validate a token file against the model before any worker starts; return its sidecar.
-
-    Checked: the sidecar exists and names a known format and dtype, the `.bin` holds exactly
-    `num_tokens` tokens of that dtype (a truncated copy is caught), the corpus has room for one
-    sequence, and every token id is below the model's vocabulary (scanned in chunks, so a
-    corpus tokenized for a larger vocabulary is refused instead of indexing out of range).
-    """
-    path = Path(path)
-    side = sidecar_path(path)
-    if not path.is_file():
-        raise SpecError(f"--data {path}: no such token file (give a .bin written by "
-                        "`python -m moeplan.runtime.data`, or 'synthetic').")
-    if not side.is_file():
-        raise SpecError(f"--data {path}: the sidecar {side} is missing (it names the dtype, "
-                        "token count and vocabulary).")
-    try:
-        meta = json.loads(side.read_text())
-        dtype, n = meta["dtype"], int(meta["num_tokens"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SpecError(f"--data {path}: the sidecar {side} is not valid ({e}).") from None
-    if meta.get("format") != TOKEN_FORMAT or dtype not in TOKEN_DTYPES:
-        raise SpecError(f"--data {path}: the sidecar {side} says format {meta.get('format')!r}, "
-                        f"dtype {dtype!r}; expected {TOKEN_FORMAT} with dtype uint16 or uint32.")
-    size, item = path.stat().st_size, np.dtype(dtype).itemsize
-    if size != n * item:
-        raise SpecError(f"--data {path}: the file has {size} bytes but the sidecar promises "
-                        f"{n} {dtype} tokens ({n * item} bytes); it is truncated or does not "
-                        "match its sidecar.")
-    if n < seq_len + 1:
-        raise SpecError(f"--data {path}: {n} tokens cannot fill one sequence of "
-                        f"seq_len + 1 = {seq_len + 1}.")
-    if int(meta.get("vocab_size", 0)) > vocab_size:
-        raise SpecError(f"--data {path}: tokenized for a vocabulary of {meta['vocab_size']}, "
-                        f"larger than the model's {vocab_size}.")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    for start in range(0, n, 1 << 24):
-        top = int(tokens[start: start + (1 << 24)].max())
-        if top >= vocab_size:
-            raise SpecError(f"--data {path}: token id {top} (near token {start}) is outside "
-                            f"the model's vocabulary of {vocab_size}.")
-    return meta
 
 
 # ------------------------------------------------------------------------ checkpoint folders

@@ -12,7 +12,6 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from ..kernels import choose_backend
 from ..specs import Plan
 from .comm import all_reduce_
-from .data import MarkovData, TokenData
+from .data import make_data
 from .groups import ParallelGroups
 from .layers import materialize_
 from .model import Transformer
@@ -44,6 +43,9 @@ class StepMetrics:
     peak_mem_gb: float
     aux_loss: float = 0.0
     skipped: bool = False  # non-finite loss or gradient: no update was applied
+    # expert-load balance of the step: the busiest expert's tokens over the mean, in the most
+    # imbalanced MoE layer (1.0: even); None without MoE layers
+    load_imbalance: float | None = None
 
     def record(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -62,9 +64,11 @@ class Trainer:
 
     def __init__(self, plan: Plan, groups: ParallelGroups, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 data: str = "synthetic", init_from: str | None = None):
-        """`init_from`: a Hugging Face checkpoint directory whose weights replace the seeded
-        draw (each rank reads only its shards, `hf_io.load_hf_`)."""
+                 data: str = "synthetic", init_from: str | None = None,
+                 split: str | None = None):
+        """`data`: 'synthetic' or a blend of Megatron indexed datasets (`split` cuts them into
+        train/valid/test); `init_from`: a Hugging Face checkpoint directory whose weights
+        replace the seeded draw (each rank reads only its shards, `hf_io.load_hf_`)."""
         self.plan, self.groups, self.seed = plan, groups, seed
         self.device = device or torch.device("cpu")
         t, layout = plan.training, plan.layout
@@ -94,8 +98,10 @@ class Trainer:
         self.optimizer = DistributedOptimizer(
             self.model, t, groups, distributed=layout.distributed_optimizer,
             offload_fraction=plan.choices.optimizer_offload_fraction)
-        self.data = (MarkovData if data == "synthetic" else partial(TokenData, data))(
-            plan.model.vocab_size, t.seq_len, t.global_batch_size, seed)
+        self.data_args = (data, plan.model.vocab_size, t.seq_len, t.global_batch_size, seed,
+                          split)
+        self.data = make_data(*self.data_args, which="train")
+        self.valid = None  # the validation split, opened at the first evaluation
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.microbatches_global = t.global_batch_size // layout.mbs
         self.flops_per_step = plan.model.flops_per_token(t.seq_len) * self.tokens_per_step
@@ -138,11 +144,12 @@ class Trainer:
         # a NaN/inf loss or gradient skips the update (the same decision on every rank)
         norm = self.optimizer.step(lr, skip=not bool(torch.isfinite(sums).all()))
         skipped = self.optimizer.skipped
+        imbalance = None
         if skipped:
             for moe in self.model.moe_layers():
                 moe.tokens_per_expert.zero_()
         else:
-            self._update_routing()
+            imbalance = self._update_routing()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - start
@@ -151,15 +158,41 @@ class Trainer:
             step_time_s=dt, tokens_per_s=self.tokens_per_step / dt,
             tflops_per_gpu=self.flops_per_step / dt / g.world.size / 1e12,
             peak_mem_gb=peak_memory_gb(self.device), aux_loss=float(sums[1]), skipped=skipped,
+            load_imbalance=imbalance,
         )
         return m, grads
 
     @torch.no_grad()
-    def _update_routing(self) -> None:
+    def evaluate(self, iters: int) -> float:
+        """Mean token cross-entropy of `iters` global batches of the validation split
+        (collective; the same value on every rank). The batches are the split's first `iters`
+        (batch i: samples i·gbs …), the same at every evaluation, so successive values compare;
+        MTP and aux losses are left out, as Megatron's `lm loss` is."""
+        g, layout = self.groups, self.plan.layout
+        if self.valid is None:
+            self.valid = make_data(*self.data_args, which="valid")
+        ce = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(iters):
+            batches = [(tokens.to(self.device), targets.to(self.device)) for tokens, targets
+                       in self.valid.micro_batches(i, g.dp.rank, g.dp.size, layout.mbs)]
+            if self.pipeline is not None:
+                ce += self.pipeline.forward_only(batches)
+            else:
+                for tokens, targets in batches:
+                    ce += self.model(tokens, targets).ce_sum.double()
+        for moe in self.model.moe_layers():  # evaluation routes no training tokens
+            moe.tokens_per_expert.zero_()
+        total = (ce / g.tp.size).reshape(1)  # CE sums are equal across tp
+        all_reduce_(total, g.world)
+        return float(total) / (iters * self.tokens_per_step)
+
+    @torch.no_grad()
+    def _update_routing(self) -> float | None:
         """Sum this step's tokens per expert over the ranks routing distinct tokens, update the
-        aux-loss-free expert bias (b_e += γ·sign(mean − load_e)) and the run's totals."""
+        aux-loss-free expert bias (b_e += γ·sign(mean − load_e)) and the run's totals; return
+        the step's load imbalance (max over MoE layers of the busiest expert's load / mean)."""
         if not self.moe_layer_numbers:
-            return
+            return None
         moes = self.model.moe_layers()
         rows = [self.moe_layer_numbers.index(n) for n in self.model.moe_layer_numbers()]
         counts = torch.zeros(len(self.moe_layer_numbers), self.plan.model.num_experts,
@@ -174,6 +207,8 @@ class Trainer:
                     m.router.expert_bias.device)
             m.tokens_per_expert.zero_()
         self.routing_totals += counts.round().long().cpu()
+        mean = counts.mean(dim=1).clamp_min(1e-12)  # (L_all,)
+        return float((counts.max(dim=1).values / mean).max())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter at full size (collective), e.g. to compare with the reference."""

@@ -21,18 +21,16 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoeplanError, SpecError
-from ..fsio import finite_or_null, strict_dumps, write_json
+from ..fsio import finite_or_null, write_json
 from ..specs import Plan
 from ..specs.grid import RankGrid
 from . import checkpoint
 from .groups import build_groups
 from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
 from .options import PreparedRun, RunOptions
+from .runlog import RunLog, eval_due, peak_tflops
 from .storage import manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
-
-SPEC_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_gpu",
-             "peak_mem_gb")
 
 
 def _device() -> torch.device:
@@ -54,6 +52,7 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
     reached its last step."""
     stop = _StopOnSignal()  # from the start: a stop during set-up waits for the first step
     given, running, opts = run.given, run.running, run.options
+    assert opts.steps is not None  # resolved by the launcher (settings.apply_settings)
     device = _device()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
         opts.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -64,7 +63,7 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                           domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
-                      data=opts.data, init_from=opts.init_from)
+                      data=opts.data, init_from=opts.init_from, split=opts.split)
     start = _resume(trainer, opts)
     stop.on(device)
     if rank0:
@@ -78,22 +77,21 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                       + (f", resumed at step {start}" if start else ""))
         console.print(f"kernels: {trainer.kernels.reason}")
         console.print(objective_line(running))
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        log = RunLog(out, opts, console, peak_tflops(running, device.type, gpu, opts.cluster))
+        if opts.ckpt_dir and opts.tokenizer_model:  # for `checkpoint export --to hf`
+            from .hf_io import keep_tokenizer
+
+            keep_tokenizer(opts.tokenizer_model, opts.ckpt_dir)
     history: list[StepMetrics] = []
     bad, preempted_at, stop_sig, stop_ckpt = 0, 0, 0, None
     for step in range(start, opts.steps):
         metrics, _ = trainer.step(step)
         history.append(metrics)
         bad = bad + 1 if metrics.skipped else 0
+        eval_loss = trainer.evaluate(opts.eval_iters) if eval_due(metrics.step, opts) else None
         if rank0:
-            with open(out / "metrics.jsonl", "a") as f:  # appended, never truncated
-                f.write(strict_dumps(finite_or_null(
-                    {**{k: getattr(metrics, k) for k in SPEC_KEYS}, "aux_loss": metrics.aux_loss}
-                    | ({"skipped": True} if metrics.skipped else {})), indent=None) + "\n")
-            console.print(
-                f"step {metrics.step:>4}/{opts.steps}  loss {metrics.loss:.4f}  "
-                f"{metrics.tokens_per_s:,.0f} tok/s  {metrics.tflops_per_gpu:.3g} TFLOPS/GPU  "
-                f"{metrics.peak_mem_gb:.3g} GB  {metrics.step_time_s * 1e3:.1f} ms"
-                + ("  [skipped: non-finite loss or gradient]" if metrics.skipped else ""))
+            log.step(metrics, eval_loss)
         if bad >= opts.max_nonfinite_steps:
             if rank0:
                 console.print(f"[bold red]error:[/] {bad} steps in a row (to step "
@@ -107,7 +105,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
         if opts.ckpt_dir and (preempt or done == opts.steps
                               or (opts.ckpt_every and done % opts.ckpt_every == 0)):
             path = checkpoint.save(trainer, opts.ckpt_dir, done, keep=opts.ckpt_keep,
-                                   extra={"data": opts.data, "preempted": preempt})
+                                   extra={"data": opts.data, "split": opts.split,
+                                          "preempted": preempt})
             if preempt:
                 stop_ckpt = str(path)  # the launcher's one stop line names it
             elif rank0:
@@ -136,6 +135,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                        stopped_by=signal.Signals(stop_sig).name if stop_sig else None,
                        stop_checkpoint=stop_ckpt, precision=running.training.precision,
                        kernel_backend=trainer.kernels.backend.name)
+        summary["evaluations"] = log.evaluations
+        log.close()
         write_json(out / "summary.json", finite_or_null(summary))
     dist.barrier()
     dist.destroy_process_group()

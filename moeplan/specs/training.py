@@ -1,15 +1,26 @@
-"""TrainingSpec: sequence, batch, precision recipe and optimizer settings."""
+"""TrainingSpec: sequence, batch, precision recipe, optimizer and learning-rate schedule.
+
+The schedule's fields carry Megatron-LM's names (`lr_warmup_iters` is `--lr-warmup-iters`, ...)
+and its meaning (`megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.get_lr`), so
+`moeplan run --lr-decay-style WSD ...`, the plan's `training` section and the Megatron export
+say the same thing in the same words. Plans written before the rename (`warmup_steps`,
+`decay_steps`, `grad_clip`) still load: those names are accepted as aliases.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from ..limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+from ..limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TRAIN_ITERS
 
 Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
+DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
+WsdDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]
+DEFAULT_DECAY_ITERS = 1000  # decay length when neither lr_decay_iters nor train_iters is set
 
 
 class TrainingSpec(BaseModel):
@@ -21,15 +32,40 @@ class TrainingSpec(BaseModel):
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH,
                                    description="Sequences per optimizer step (gbs).")
     precision: Precision = Field("bf16", description="GEMM precision recipe.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    min_lr: float = Field(3e-5, ge=0, description="Final learning rate of the cosine decay.")
-    warmup_steps: int = Field(2, ge=0, description="Linear warm-up steps.")
-    decay_steps: int = Field(1000, gt=0, description="Cosine decay length in steps.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (Megatron --lr).")
+    min_lr: float = Field(3e-5, ge=0, description="Learning rate at the end of the decay "
+                          "(Megatron --min-lr).")
+    lr_warmup_iters: int = Field(
+        2, ge=0, le=MAX_TRAIN_ITERS, validation_alias=AliasChoices("lr_warmup_iters",
+                                                                   "warmup_steps"),
+        description="Linear warm-up iterations (Megatron --lr-warmup-iters).")
+    lr_decay_style: DecayStyle = Field(
+        "cosine", description="Decay after warm-up (Megatron --lr-decay-style): constant, "
+        "linear, cosine, or WSD (warm-up, stable, then decay over the last "
+        "lr_wsd_decay_iters).")
+    lr_decay_iters: int | None = Field(
+        None, gt=0, le=MAX_TRAIN_ITERS, validation_alias=AliasChoices("lr_decay_iters",
+                                                                      "decay_steps"),
+        description="Iteration at which the decay reaches min_lr, counted from 0 with the "
+        "warm-up (Megatron --lr-decay-iters); None: train_iters, else 1000.")
+    lr_wsd_decay_style: WsdDecayStyle = Field(
+        "exponential", description="Shape of WSD's final decay (Megatron "
+        "--lr-wsd-decay-style).")
+    lr_wsd_decay_iters: int | None = Field(
+        None, gt=0, le=MAX_TRAIN_ITERS, description="WSD: iterations of the final decay, "
+        "ending at lr_decay_iters (Megatron --lr-wsd-decay-iters); required with WSD.")
+    train_iters: int | None = Field(
+        None, gt=0, le=MAX_TRAIN_ITERS, description="Iterations the whole run trains (Megatron "
+        "--train-iters; `moeplan run --train-tokens T` sets it to ⌈T / tokens per step⌉); "
+        "the default decay length and the step `moeplan run` reaches without --steps.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam β1.")
     adam_beta2: float = Field(0.95, gt=0, lt=1, description="Adam β2.")
     adam_eps: float = Field(1e-8, gt=0, description="Adam ε.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0: off).")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (Megatron "
+                                "--weight-decay).")
+    clip_grad: float = Field(1.0, ge=0, validation_alias=AliasChoices("clip_grad", "grad_clip"),
+                             description="Global gradient-norm clip, 0: off (Megatron "
+                             "--clip-grad).")
     optimizer_moments_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Adam moment storage (bf16 saves 4 bytes/param, Megatron option)."
     )
@@ -54,6 +90,19 @@ class TrainingSpec(BaseModel):
     def _check(self) -> TrainingSpec:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr ({self.lr}); lower it")
+        decay = self.decay_iters
+        if self.lr_warmup_iters >= decay:
+            raise ValueError(f"lr_warmup_iters: {self.lr_warmup_iters} warm-up iterations do not "
+                             f"end before the decay does (lr_decay_iters {decay}); lower it or "
+                             "raise lr_decay_iters / train_iters")
+        if self.lr_decay_style == "WSD":
+            if self.lr_wsd_decay_iters is None:
+                raise ValueError("lr_wsd_decay_iters: the WSD schedule needs the length of its "
+                                 "final decay; set lr_wsd_decay_iters (e.g. 10% of the run)")
+            if self.lr_wsd_decay_iters > decay - self.lr_warmup_iters:
+                raise ValueError(f"lr_wsd_decay_iters: {self.lr_wsd_decay_iters} is longer than "
+                                 f"the {decay - self.lr_warmup_iters} iterations between warm-up "
+                                 f"and lr_decay_iters ({decay}); shorten it")
         if self.fp8_param_gather and not self.precision.startswith(("fp8", "mxfp8")):
             raise ValueError(f"fp8_param_gather: needs an FP8 precision recipe, not "
                              f"{self.precision}; set fp8_param_gather false or pick fp8-*/mxfp8")
@@ -62,3 +111,41 @@ class TrainingSpec(BaseModel):
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch_size
+
+    @property
+    def decay_iters(self) -> int:
+        """The iteration the decay ends at: lr_decay_iters, else train_iters (Megatron's
+        default), else DEFAULT_DECAY_ITERS."""
+        return self.lr_decay_iters or self.train_iters or DEFAULT_DECAY_ITERS
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step `step` (counted from 0).
+
+        Megatron's `OptimizerParamScheduler.get_lr` at iteration count step + 1: Megatron
+        steps its scheduler after the optimizer, so its first iteration trains at init_lr (0)
+        and its k-th at get_lr(k − 1); moeplan starts one iteration along (lr/warm-up at step
+        0) and is otherwise the same function, tested against megatron-core's.
+        """
+        n, warm, decay = step + 1, self.lr_warmup_iters, self.decay_iters
+        if warm > 0 and n <= warm:
+            return self.lr * n / warm
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if n > decay:
+            return self.min_lr
+        ratio = (n - warm) / (decay - warm)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: stable at lr, then the last lr_wsd_decay_iters decay
+            wsd = self.lr_wsd_decay_iters or 1
+            start = decay - wsd
+            if n <= start:
+                coeff = 1.0
+            else:
+                r = (n - start) / wsd
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * 0.5 ** r - 1.0,
+                         "minus_sqrt": 1.0 - math.sqrt(r)}[self.lr_wsd_decay_style]
+        return self.min_lr + coeff * (self.lr - self.min_lr)

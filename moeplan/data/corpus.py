@@ -1,0 +1,317 @@
+"""`--data` and `--split`: Megatron blends of indexed datasets, cut into training windows.
+
+What a user writes is Megatron's: `--data "0.7 a 0.3 b"` is `--data-path`'s flattened list of
+weights and prefixes (`megatron.core.datasets.utils.get_blend_from_list`; without weights, the
+prefixes alone), and `--split 969,30,1` is `--split` (`parse_and_normalize_split`). Each dataset
+is split by sequence as Megatron's GPT datasets are (`round(fraction × sequences)` bounds), so a
+split holds the same sequences in both.
+
+How samples are drawn is ours, chosen so a step's batch is a pure function of (seed, step), the
+same under every plan and after any restart, with O(1) memory at any corpus size:
+
+- a dataset's split is one contiguous token range (sequences are stored back to back), cut into
+  windows of seq + 1 tokens at stride seq (every token is a target once per epoch; documents
+  stay in file order and windows cross their end-of-document tokens, as Megatron's do);
+- sample k of a dataset is window `perm(k mod W)` of epoch `k div W`, where `perm` is a
+  seeded Feistel permutation of the W windows drawn anew per epoch (a bijection computed per
+  index: nothing of size W is ever held, unlike a stored shuffle);
+- global sample g is assigned to a dataset by Megatron's blending rule (each sample goes to
+  the dataset furthest below its weight × samples so far) over blocks of BLEND_BLOCK samples,
+  repeated, so the weights hold to 1/BLEND_BLOCK within every block.
+
+Global sample g of the training split is row g mod gbs of step g div gbs; the validation split
+is read the same way from its own windows (evaluation batch i is samples i·gbs … i·gbs + gbs − 1).
+numpy only: the launcher opens (and so checks) the corpus before any worker starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import limits
+from ..errors import SpecError
+from .indexed import Index, open_tokens, paths, read_index
+
+SPLITS = ("train", "valid", "test")
+DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default --split
+BLEND_BLOCK = 10_000  # samples per repeat of the blending pattern (weights hold to 1e-4)
+MAX_DATASETS = 1024
+SCAN_TOKENS = 1 << 28  # token ids checked per dataset before workers start (all: per sample)
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv", ".gz", ".zst",
+                 ".parquet", ".npy")
+_MASK64 = (1 << 64) - 1
+
+
+# ------------------------------------------------------------------------------- parsing
+@dataclass(frozen=True)
+class Blend:
+    """Dataset prefixes and their weights (None: in proportion to their sizes)."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None
+
+
+def _prefix(token: str) -> str:
+    """A path as Megatron's prefix: `corpus`, `corpus.bin` and `corpus.idx` all name `corpus`."""
+    for suffix in (".bin", ".idx"):
+        if token.endswith(suffix):
+            return token[: -len(suffix)]
+    return token
+
+
+def parse_blend(text: str) -> Blend:
+    """`--data "PREFIX"`, `"P1 P2 ..."` or `"W1 P1 W2 P2 ..."` (Megatron's --data-path)."""
+    tokens = str(text).split()
+    if not tokens:
+        raise SpecError("--data is empty; give a dataset prefix (PREFIX.bin + PREFIX.idx), a "
+                        "blend \"0.7 PREFIX_A 0.3 PREFIX_B\", or 'synthetic'.")
+    if len(tokens) > 2 * MAX_DATASETS:
+        raise SpecError(f"--data names {len(tokens) // 2:,}+ datasets; at most {MAX_DATASETS:,} "
+                        "can be blended.")
+
+    def number(tok: str) -> float | None:
+        try:
+            return float(tok)
+        except ValueError:
+            return None
+
+    pairs = len(tokens) % 2 == 0 and all(number(t) is not None for t in tokens[::2])
+    if not pairs:
+        if any(number(t) is not None and not Path(t).exists() for t in tokens):
+            raise SpecError(f"--data {limits.clip(text)}: a blend is weight, prefix pairs "
+                            "(\"0.7 PREFIX_A 0.3 PREFIX_B\"); this one has a weight without its "
+                            "prefix, or a prefix where a weight belongs.")
+        return Blend(tuple(_prefix(t) for t in tokens), None)
+    weights = tuple(number(t) for t in tokens[::2])
+    for w in weights:
+        if w is None or not math.isfinite(w) or w < 0:
+            raise SpecError(f"--data {limits.clip(text)}: blend weights must be finite and not "
+                            f"negative, got {w}.")
+    if sum(weights) <= 0:  # type: ignore[arg-type]
+        raise SpecError(f"--data {limits.clip(text)}: the blend weights add up to 0; give at "
+                        "least one positive weight.")
+    return Blend(tuple(_prefix(t) for t in tokens[1::2]), weights)  # type: ignore[arg-type]
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """`--split 969,30,1` → normalised (train, valid, test) fractions, as Megatron's
+    `parse_and_normalize_split` (missing parts are 0)."""
+    parts = re.findall(r"[^,/\s]+", str(text))
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(not math.isfinite(v) or v < 0 for v in values) \
+            or sum(values) <= 0:
+        raise SpecError(f"--split {limits.clip(str(text))}: give up to three non-negative "
+                        "weights for train, validation and test, e.g. 969,30,1 (Megatron's "
+                        "--split).")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return values[0] / total, values[1] / total, values[2] / total
+
+
+def split_bounds(num_sequences: int, split: tuple[float, float, float]
+                 ) -> list[tuple[int, int]]:
+    """Sequence ranges [begin, end) of train, valid, test: Megatron's bounds
+    (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
+    edges = [0.0, split[0], split[0] + split[1], 1.0]
+    return [(int(round(edges[i] * num_sequences)), int(round(edges[i + 1] * num_sequences)))
+            for i in range(3)]
+
+
+# ---------------------------------------------------------------------- opening, checking
+def _missing(prefix: str) -> SpecError:
+    """Why PREFIX is no dataset, and how to make one (a text file is the common mistake)."""
+    bin_path, idx_path = paths(prefix)
+    given = Path(prefix)
+    if given.is_file() or given.suffix.lower() in TEXT_SUFFIXES:
+        return SpecError(f"--data {prefix}: this is not a tokenized dataset. `moeplan run` "
+                         "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair "
+                         "given by its PREFIX; make one with `moeplan data prepare "
+                         f"{given} --tokenizer-model TOKENIZER -o {given.with_suffix('')}` "
+                         "(text or JSONL; docs/DATA.md), then pass --data "
+                         f"{given.with_suffix('')}.")
+    how = (f"`moeplan data prepare TEXT_OR_JSONL --tokenizer-model TOKENIZER -o {given}` "
+           "writes one (docs/DATA.md)")
+    if bin_path.is_file() != idx_path.is_file():
+        have, lack = (bin_path, idx_path) if bin_path.is_file() else (idx_path, bin_path)
+        return SpecError(f"--data {prefix}: {have} is there but {lack} is missing; a dataset is "
+                         f"the pair. Copy both, or rebuild it: {how}.")
+    return SpecError(f"--data {prefix}: no such dataset (neither {bin_path} nor {idx_path} "
+                     f"exists). Give a dataset prefix, 'synthetic', or {how}.")
+
+
+def scan_ids(index: Index, vocab_size: int, limit: int = SCAN_TOKENS) -> int:
+    """The largest token id in the first `limit` tokens; refuses one outside the vocabulary."""
+    tokens, top = open_tokens(index), -1
+    for start in range(0, min(index.num_tokens, limit), 1 << 24):
+        chunk = tokens[start: min(start + (1 << 24), limit)]
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise SpecError(f"--data {index.prefix}: token id {bad} (near token {start:,}) is "
+                            f"outside the model's vocabulary of {vocab_size:,}; the dataset was "
+                            "tokenized for another vocabulary. Prepare it with the model's "
+                            "tokenizer, or plan a model whose vocabulary holds it.")
+        top = max(top, hi)
+    return top
+
+
+@dataclass(frozen=True)
+class Part:
+    """One dataset's split: the token range [begin, end) of its .bin and its windows."""
+
+    index: Index
+    begin: int
+    end: int
+    windows: int
+
+
+def _blend_pattern(weights: np.ndarray, block: int) -> np.ndarray:
+    """Dataset of each of `block` samples by Megatron's rule (`helpers.cpp`,
+    `build_blending_indices`): sample i goes to the dataset with the largest
+    w_d · max(i, 1) − count_d."""
+    counts = np.zeros(len(weights), dtype=np.float64)
+    out = np.empty(block, dtype=np.int32)
+    for i in range(block):
+        d = int(np.argmax(weights * max(i, 1) - counts))
+        out[i] = d
+        counts[d] += 1
+    return out
+
+
+class Corpus:
+    """One split of a blend, as windows of seq + 1 tokens addressed by global sample index."""
+
+    def __init__(self, data: str, split: str | None, which: str, seq_len: int, seed: int,
+                 vocab_size: int, scan: bool = True):
+        blend, fractions = parse_blend(data), parse_split(split or DEFAULT_SPLIT)
+        self.which, self.seq_len, self.seed, self.vocab_size = which, seq_len, seed, vocab_size
+        k = SPLITS.index(which)
+        parts = []
+        for prefix in blend.prefixes:
+            bin_path, idx_path = paths(prefix)
+            if not (bin_path.is_file() and idx_path.is_file()):
+                raise _missing(prefix)
+            index = read_index(prefix)
+            if scan:
+                scan_ids(index, vocab_size)
+            lo, hi = split_bounds(index.num_sequences, fractions)[k]
+            begin, end = index.token_offset(lo), index.token_offset(hi)
+            parts.append(Part(index, begin, end, max(0, (end - begin - 1) // seq_len)))
+        weights = (np.array(blend.weights, dtype=np.float64) if blend.weights is not None
+                   else np.array([p.windows for p in parts], dtype=np.float64))
+        keep = weights > 0
+        empty = [p.index.prefix for p, w in zip(parts, weights, strict=True)
+                 if (w > 0 or not keep.any()) and p.windows == 0]
+        if empty:
+            raise SpecError(f"--data: the {which} split of {', '.join(empty[:3])} holds fewer "
+                            f"than seq_len + 1 = {seq_len + 1} tokens (--split "
+                            f"{split or DEFAULT_SPLIT}); give it a larger share, a larger "
+                            "dataset, or a weight of 0.")
+        self.parts = parts
+        self.weights = weights / weights.sum()
+        self.pattern = _blend_pattern(self.weights, BLEND_BLOCK)
+        self.per_block = np.bincount(self.pattern, minlength=len(parts))
+        starved = [p.index.prefix for p, w, c in zip(parts, self.weights, self.per_block,
+                                                     strict=True) if w > 0 and c == 0]
+        if starved:
+            raise SpecError(f"--data: the weight of {', '.join(starved[:3])} is below "
+                            f"1/{BLEND_BLOCK:,} of the blend, so it would never be sampled; "
+                            "raise it or drop the dataset.")
+        # rank of each pattern position among its dataset's positions in the block
+        self.rank = np.zeros(BLEND_BLOCK, dtype=np.int64)
+        seen = np.zeros(len(parts), dtype=np.int64)
+        for i, d in enumerate(self.pattern):
+            self.rank[i], seen[d] = seen[d], seen[d] + 1
+        self._tokens: dict[int, np.ndarray] = {}
+
+    @property
+    def num_windows(self) -> int:
+        return sum(p.windows for p in self.parts)
+
+    def describe(self) -> str:
+        """One line: datasets, weights and windows of this split."""
+        shown = ", ".join(f"{Path(p.index.prefix).name} {w:.3g}" for p, w in
+                          zip(self.parts[:4], self.weights, strict=False))
+        more = f" and {len(self.parts) - 4} more" if len(self.parts) > 4 else ""
+        return (f"{self.which}: {len(self.parts)} dataset(s) ({shown}{more}), "
+                f"{self.num_windows:,} windows of {self.seq_len + 1} tokens")
+
+    def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, window) of global samples `g` (int64 array)."""
+        block, pos = np.divmod(g, BLEND_BLOCK)
+        d = self.pattern[pos]
+        k = block * self.per_block[d] + self.rank[pos]  # sample k of dataset d
+        window = np.empty_like(k)
+        for j, part in enumerate(self.parts):
+            mine = d == j
+            if mine.any():
+                epoch, at = np.divmod(k[mine], part.windows)
+                window[mine] = feistel(at, part.windows, self._key(j, epoch))
+        return d, window
+
+    def _key(self, dataset: int, epoch: np.ndarray) -> np.ndarray:
+        base = (self.seed * 1_000_003 + dataset * 7_919 + SPLITS.index(self.which) * 104_729)
+        return _splitmix(epoch.astype(np.uint64) + np.uint64(base & _MASK64))
+
+    def samples(self, g: np.ndarray) -> np.ndarray:
+        """(n, seq + 1) token ids of global samples `g`; ids outside the vocabulary refused."""
+        g = np.asarray(g, dtype=np.int64).reshape(-1)
+        d, window = self.locate(g)
+        out = np.empty((g.size, self.seq_len + 1), dtype=np.int64)
+        for i in range(g.size):
+            part = self.parts[int(d[i])]
+            tokens = self._tokens.get(int(d[i]))
+            if tokens is None:
+                tokens = self._tokens[int(d[i])] = open_tokens(part.index)
+            start = part.begin + int(window[i]) * self.seq_len
+            out[i] = tokens[start: start + self.seq_len + 1]
+        if out.size and (out.min() < 0 or out.max() >= self.vocab_size):
+            i = int(np.argmax((out < 0).any(1) | (out >= self.vocab_size).any(1)))
+            raise SpecError(f"--data {self.parts[int(d[i])].index.prefix}: sample {int(g[i])} "
+                            f"holds token id {int(out[i].max())}, outside the model's "
+                            f"vocabulary of {self.vocab_size:,}; the dataset was tokenized "
+                            "for another vocabulary.")
+        return out
+
+
+# ----------------------------------------------------------------------- permutation
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def feistel(i: np.ndarray, n: int, key: np.ndarray, rounds: int = 4) -> np.ndarray:
+    """A keyed bijection of [0, n), applied elementwise: a balanced Feistel network over the
+    smallest even number of bits holding n, cycle-walked back into range (Black & Rogaway,
+    "Ciphers with arbitrary finite domains", 2002). Each element may have its own key."""
+    i = np.asarray(i, dtype=np.uint64)
+    key = np.broadcast_to(np.asarray(key, dtype=np.uint64), i.shape)
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+
+    def once(x: np.ndarray, k: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        with np.errstate(over="ignore"):
+            for r in range(rounds):
+                f = _splitmix(right ^ (k + np.uint64(r) * np.uint64(0xD1B54A32D192ED03))) & mask
+                left, right = right, left ^ f
+        return (left << np.uint64(half)) | right
+
+    out = once(i, key)
+    walk = out >= np.uint64(n)
+    while walk.any():  # cycle-walking: stays a bijection of [0, n)
+        out[walk] = once(out[walk], key[walk])
+        walk = out >= np.uint64(n)
+    return out.astype(np.int64)

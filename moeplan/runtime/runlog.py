@@ -1,0 +1,93 @@
+"""What rank 0 writes while training: metrics.jsonl, the progress lines, TensorBoard.
+
+- `OUT/metrics.jsonl`: one record per step, always (SPEC "Run outputs"), appended, never
+  truncated; a step that was evaluated also carries `eval_loss` and `eval_ppl`.
+- stderr: one line every `--log-interval` steps (and at the last step), one per evaluation.
+- `--tensorboard-dir`: the same figures as TensorBoard scalars (tblog.py).
+
+MFU is model TFLOPS per GPU over the dense BF16 peak of the machine's ClusterSpec (the GPU's
+preset, or `--cluster`), as the estimate's `mfu`; on a CPU without `--cluster` there is no peak
+and no MFU.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..fsio import finite_or_null, strict_dumps
+from ..specs import Plan
+from .options import RunOptions
+
+SPEC_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_gpu",
+             "peak_mem_gb")
+
+
+def eval_due(step: int, opts: RunOptions) -> bool:
+    """Evaluate after `step` (counted from 1): every --eval-interval steps and at the last."""
+    return bool(opts.eval_interval) and (step % opts.eval_interval == 0 or step == opts.steps)
+
+
+def peak_tflops(running: Plan, device_kind: str, gpu_name: str | None,
+                cluster: str | None) -> float | None:
+    """The machine's dense BF16 peak per device (None: unknown, e.g. a CPU without --cluster)."""
+    from .guard import machine_cluster
+
+    try:
+        spec = machine_cluster(running, device_kind, gpu_name, cluster)
+    except Exception:  # a --cluster that fails here was already refused by the launcher
+        return None
+    return None if spec is None else spec.bf16_tflops
+
+
+class RunLog:
+    """Rank 0's outputs for each step (see the module docstring)."""
+
+    def __init__(self, out: Path, opts: RunOptions, console, peak: float | None):
+        self.out, self.opts, self.console, self.peak = out, opts, console, peak
+        self.evaluations: list[dict] = []
+        self.tb = None
+        if opts.tensorboard_dir:
+            from .tblog import TensorBoard
+
+            self.tb = TensorBoard(opts.tensorboard_dir)
+
+    def step(self, metrics, eval_loss: float | None) -> None:
+        """Record one step (and its evaluation, when there was one)."""
+        record = {**{k: getattr(metrics, k) for k in SPEC_KEYS}, "aux_loss": metrics.aux_loss}
+        if metrics.load_imbalance is not None:
+            record["load_imbalance"] = metrics.load_imbalance
+        if self.peak:
+            record["mfu"] = metrics.tflops_per_gpu / self.peak
+        if metrics.skipped:
+            record["skipped"] = True
+        if eval_loss is not None:
+            ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
+            record.update(eval_loss=eval_loss, eval_ppl=ppl)
+            self.evaluations.append(finite_or_null({"step": metrics.step, "loss": eval_loss,
+                                                    "ppl": ppl}))
+        with open(self.out / "metrics.jsonl", "a") as f:  # appended, never truncated
+            f.write(strict_dumps(finite_or_null(record), indent=None) + "\n")
+        if self.tb is not None:
+            self.tb.step(metrics.step, record)
+            if eval_loss is not None:
+                self.tb.evaluation(metrics.step, eval_loss)
+            self.tb.flush()
+        steps = self.opts.steps or metrics.step
+        if metrics.step % self.opts.log_interval == 0 or metrics.step == steps \
+                or metrics.skipped:
+            self.console.print(
+                f"step {metrics.step:>4}/{steps}  loss {metrics.loss:.4f}  "
+                f"lr {metrics.lr:.3g}  {metrics.tokens_per_s:,.0f} tok/s  "
+                f"{metrics.tflops_per_gpu:.3g} TFLOPS/GPU"
+                + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
+                + f"  {metrics.peak_mem_gb:.3g} GB  {metrics.step_time_s * 1e3:.1f} ms"
+                + ("  [skipped: non-finite loss or gradient]" if metrics.skipped else ""))
+        if eval_loss is not None:
+            self.console.print(f"validation at step {metrics.step}: loss {eval_loss:.4f}, "
+                               f"perplexity {record['eval_ppl']:.4g} ({self.opts.eval_iters} "
+                               "batches)")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,165 @@
+"""Training for real, end to end through `moeplan run` (torchrun, gloo): a corpus written by
+megatron-core's own IndexedDatasetBuilder trains under ep2 and tp2 with a falling validation
+loss and TensorBoard scalars that TensorBoard's EventAccumulator reads; real text prepared with
+a BPE tokenizer trained here trains under ep2 and tp2·pp2 and exports to a Hugging Face
+directory that transformers loads, model and tokenizer, and generates from."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeplan import Layout, Plan, TrainingSpec, load_cluster, load_model
+
+from .conftest import DATA
+from .test_data import texts, train_bpe
+
+torch = pytest.importorskip("torch")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+VOCAB = 512  # the BPE tokenizer's, and the model's
+SEQ, GBS = 32, 8
+
+
+def write_plan(path, world: int, **axes) -> str:
+    model = load_model(DATA / "tiny_qwen3_moe.yaml").model_copy(update={"vocab_size": VOCAB})
+    plan = Plan(model=model, cluster=load_cluster("h100", gpus=world),
+                training=TrainingSpec(seq_len=SEQ, global_batch_size=GBS),
+                layout=Layout.build(world, GBS, **axes))
+    path.write_text(plan.model_dump_json())
+    return str(path)
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def evaluations(out) -> list[float]:
+    return [r["eval_loss"] for r in rows(out) if "eval_loss" in r]
+
+
+def same_losses(a, b, steps: int = 10) -> None:
+    """Every plan of a model trains the same losses on the same batches (fp32, same seed, same
+    data), step by step. Compared over the first `steps`: further on, a rounding difference of
+    one reduction order flips some token's top-k expert and the runs part by more than 1e-4."""
+    la, lb = [r["loss"] for r in rows(a)], [r["loss"] for r in rows(b)]
+    assert len(la) == len(lb) and la[:steps] == pytest.approx(lb[:steps], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_megatron_built_corpus_trains_under_ep2_and_tp2_and_tensorboard_reads_the_logs(
+        cli, tmp_path):
+    tok_path = train_bpe(tmp_path / "tokenizer.json", VOCAB)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    eod = tok.token_to_id("<|endoftext|>")
+    builder = IndexedDatasetBuilder(str(tmp_path / "mc.bin"), dtype=np.uint16)
+    for text in texts():  # megatron-core writes the dataset
+        builder.add_item(torch.tensor(tok.encode(text).ids + [eod]))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "mc.idx"))
+    steps, warm, lr = 20, 3, 3e-3
+    common = ["--data", str(tmp_path / "mc"), "--split", "90,10,0", "--tokenizer-model",
+              tok_path, "--steps", str(steps), "--eval-interval", "5", "--eval-iters", "4",
+              "--lr", str(lr), "--min-lr", "5e-4", "--lr-warmup-iters", str(warm),
+              "--lr-decay-style", "cosine", "--train-iters", str(steps), "--log-interval", "10",
+              "--dtype", "fp32"]
+    outs = {}
+    for name, axes in (("ep2", {"ep": 2}), ("tp2", {"tp": 2})):
+        out = outs[name] = tmp_path / name
+        extra = ["--tensorboard-dir", str(tmp_path / "tb"), "--cluster", "h100"] \
+            if name == "ep2" else []
+        r = cli("run", write_plan(tmp_path / f"{name}.json", 2, **axes), "--out", str(out),
+                *common, *extra, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ev = evaluations(out)
+        assert len(ev) == 4 and ev[-1] < ev[0] - 0.3, ev  # validation loss logged, falling
+        assert f"validation at step {steps}" in r.stderr
+    same_losses(outs["ep2"], outs["tp2"])
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+               for tag in acc.Tags()["scalars"]}
+    for tag in ("lm-loss", "learning-rate", "throughput", "tokens-per-second", "grad-norm",
+                "mfu", "mem-peak-gigabytes", "moe/load-imbalance", "lm-loss-validation"):
+        assert tag in scalars, (tag, sorted(scalars))
+    assert [s for s, _ in scalars["lm-loss"]] == list(range(1, steps + 1))
+    assert [v for _, v in scalars["lm-loss"]] == pytest.approx(
+        [r["loss"] for r in rows(outs["ep2"])], rel=1e-6)
+    # the learning rate follows the warm-up, then the cosine to min_lr at --train-iters
+    got = [v for _, v in scalars["learning-rate"]]
+    for step, value in enumerate(got):  # step counted from 0
+        n = step + 1
+        want = lr * n / warm if n <= warm else 5e-4 + 0.5 * (lr - 5e-4) * (
+            1 + math.cos(math.pi * (n - warm) / (steps - warm)))
+        assert value == pytest.approx(want, rel=1e-6)
+    assert [s for s, _ in scalars["lm-loss-validation"]] == [5, 10, 15, 20]
+    assert all(v > 0 for _, v in scalars["tokens-per-second"] + scalars["mfu"])
+
+
+@pytest.mark.slow
+def test_prepared_text_trains_under_ep2_and_tp2_pp2_and_exports_with_its_tokenizer(cli,
+                                                                                   tmp_path):
+    tok_path = train_bpe(tmp_path / "tokenizer.json", VOCAB)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for text in texts():
+            f.write(json.dumps({"text": text}) + "\n")
+    r = cli("data", "prepare", str(tmp_path / "docs.jsonl"), "--tokenizer-model", tok_path,
+            "-o", str(tmp_path / "docs"), "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    steps = 50
+    common = ["--data", str(tmp_path / "docs"), "--split", "95,5,0", "--tokenizer-model",
+              tok_path, "--steps", str(steps), "--eval-interval", "10", "--eval-iters", "4",
+              "--lr", "3e-3", "--lr-warmup-iters", "3", "--log-interval", "25",
+              "--dtype", "fp32"]
+    for name, world, axes in (("ep2", 2, {"ep": 2}), ("tp2pp2", 4, {"tp": 2, "pp": 2})):
+        r = cli("run", write_plan(tmp_path / f"{name}.json", world, **axes), "--out",
+                str(tmp_path / name), "--ckpt-dir", str(tmp_path / f"ckpt_{name}"), *common,
+                timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ev = evaluations(tmp_path / name)
+        assert len(ev) == 5 and ev[-1] < ev[0] - 0.15, ev
+    same_losses(tmp_path / "ep2", tmp_path / "tp2pp2")
+
+    r = cli("checkpoint", "export", str(tmp_path / "ckpt_tp2pp2"), "--to", "hf", "-o",
+            str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == Path(tok_path).read_bytes()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moeplan.runtime.data import TokenData
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    prompt = "The for statement is used to iterate"
+    ids = tok(prompt, return_tensors="pt")
+    assert ids["input_ids"][0].tolist() == json_ids(tok_path, prompt)  # the run's tokenizer
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 8 or tok.eos_token_id in out[0].tolist()
+    assert tok.decode(out[0]).startswith(prompt)
+    # transformers' loss on the validation batches is the run's last evaluation loss
+    valid = TokenData(str(tmp_path / "docs"), VOCAB, SEQ, GBS, seed=0, split="95,5,0",
+                      which="valid")
+    batch = torch.cat([valid.global_batch(i) for i in range(4)])  # --eval-iters 4
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    assert float(ce) == pytest.approx(evaluations(tmp_path / "tp2pp2")[-1], rel=1e-4)
+
+
+def json_ids(tok_path: str, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tok_path).encode(text).ids
