@@ -31,3 +31,14 @@ def run_world(script: str, arg: Path) -> None:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+# Fixtures that spawn a process world or train (tens of seconds on two cores): every test that
+# uses one is slow, so `-m "not slow"` is the quick loop; .ci/run runs them all.
+SPAWNING_FIXTURES = frozenset({"results", "runs", "ranks", "launch", "local_yaml", "saved"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
