@@ -150,6 +150,11 @@ def _series(points: Sequence[Point]) -> dict[str, list[Point]]:
     return {k: sorted(v, key=lambda p: p.gpus) for k, v in series.items()}
 
 
+# Labels are plain text: a cluster or model name holding `$…$` must not turn into matplotlib
+# mathtext (where `$\\frac{$` is a parse error that would crash the report).
+PLAIN_TEXT = {"svg.fonttype": "path", "font.size": 9, "text.parse_math": False}
+
+
 def require_matplotlib() -> None:
     """Fail before a long sweep, not after it, when the HTML report cannot be drawn."""
     try:
@@ -169,7 +174,7 @@ def plots(res: WhatIf) -> dict[str, str]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    plt.rcParams.update(PLAIN_TEXT)
     thousands = FuncFormatter(lambda x, _: f"{x:,.0f}" if abs(x) >= 10 else f"{x:g}")
     dollars = FuncFormatter(lambda x, _: f"${x:,.0f}")
     out: dict[str, str] = {}
@@ -332,7 +337,7 @@ def plan_plots(plan: Plan) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9})
+    plt.rcParams.update(PLAIN_TEXT)
     est = plan.estimate
     assert est is not None
     out: dict[str, str] = {}
