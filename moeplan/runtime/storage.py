@@ -177,8 +177,8 @@ class CheckpointRefused(SpecError):
     one sentence naming the file; the message adds what to do (`--resume`'s advice unless the
     caller gives its own, as `checkpoint export` does)."""
 
-    def __init__(self, path: Path, why: str, advice: str = RESUME_ADVICE):
-        self.path, self.why = Path(path), why
+    def __init__(self, path: Path, why: str, advice: str = RESUME_ADVICE, legacy: bool = False):
+        self.path, self.why, self.advice, self.legacy = Path(path), why, advice, legacy
         super().__init__(f"checkpoint {path}: {why} {advice}")
 
 
@@ -597,10 +597,10 @@ def verify(path: str | Path, full: bool = True) -> Verified:
     if legacy:
         raise CheckpointRefused(
             path, f"it is a {legacy} checkpoint (torch.distributed.checkpoint files with a "
-            ".metadata index), which this version does not read: loading it would mean "
-            f"unpickling that index. This version reads {CKPT_FORMAT} (safetensors and JSON).",
-            "Resume with the moeplan version that wrote it, or start a fresh run in another "
-            "--ckpt-dir. Nothing was run.")
+            "pickled .metadata index), which this version does not read: loading it would "
+            f"mean unpickling that index. This version reads {CKPT_FORMAT} (safetensors and "
+            "JSON).", "Resume with the moeplan version that wrote it, or start a fresh run in "
+            "another --ckpt-dir. Nothing was run.", legacy=True)
     if not (path / MANIFEST).is_file():
         raise _refuse(path, f"it has no {MANIFEST}, so it is not a complete checkpoint.")
     raw = _read_bounded(path / MANIFEST, SMALL_JSON_BYTES, path)  # one read: checked and hashed
@@ -725,12 +725,14 @@ def verify_step(ckpt_dir: str | Path, step: int, purpose: str = "resume") -> Ver
     except CheckpointRefused as e:
         older = newest_usable_before(ckpt_dir, step)
         if purpose == "export":
-            advice = ((f"Export the newest usable step with --step {older}, or " if older
-                       else "No older step is usable either; ") + "restore this one from a copy.")
+            this = ("export it with the moeplan version that wrote it" if e.legacy
+                    else "restore this one from a copy")
+            advice = (f"Export the newest usable step with --step {older}, or {this}." if older
+                      else f"No older step is usable either; {this}.")
         else:
-            advice = RESUME_ADVICE + (f" The newest usable step is {older}." if older
-                                      else " No older step is usable either.")
-        raise CheckpointRefused(e.path, e.why, advice) from None
+            advice = e.advice + (f" The newest usable step is {older}." if older
+                                 else " No older step is usable either.")
+        raise CheckpointRefused(e.path, e.why, advice, e.legacy) from None
 
 
 # ------------------------------------------------------------- the directory a run writes into
