@@ -11,8 +11,10 @@ never prepare the plan themselves. The torchrun line comes from `moeplan.command
 Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
 signal, so neither it nor its workers outlive this process, SIGKILLed or not. SIGINT and SIGTERM
 are passed on; the workers stop at the next step boundary (checkpointing when --ckpt-dir is
-given) and this process exits 130 (SIGINT) or 75 (SIGTERM, preemption) after one line. A second
-signal, or workers still busy STOP_GRACE_S later, kills them at once.
+given) and this process exits 130 (SIGINT) or 75 (SIGTERM, preemption) after one line, also
+when the signal went to one worker only (the workers agree on it; summary.json says which). A
+second signal, or workers still busy STOP_GRACE_S later, kills them at once. A single-node run
+holds the --ckpt-dir lock (storage.CkptLock) for its whole life.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .options import PreparedRun, RunOptions
 from .storage import (
     LOCKED_ENV,
     CkptLock,
+    check_ckpt_dir,
     check_token_file,
     held_steps,
     resume_point,
@@ -255,8 +258,6 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
             raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
                             f"has WORLD_SIZE={joined['WORLD_SIZE']}; launch {world} processes.")
         if opts.ckpt_dir:  # global rank 0's worker takes the directory's lock (worker.py)
-            from .storage import check_ckpt_dir
-
             check_ckpt_dir(opts.ckpt_dir)
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
         prepared = PreparedRun(given, running, opts)
@@ -296,8 +297,6 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
             held.enter_context(CkptLock(opts.ckpt_dir, _describe(plan, out)))
             env[LOCKED_ENV] = "1"
         elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
-            from .storage import check_ckpt_dir
-
             check_ckpt_dir(opts.ckpt_dir)
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
         _save_plan(given, out)
