@@ -951,11 +951,12 @@ def checkpoint_list(
             out.print(f"no checkpoint in {ckpt_dir}", highlight=False)
             return
         print_lines(table_lines(
-            f"checkpoints in {ckpt_dir}",
+            "checkpoints, oldest first",
             [Column("step"), Column("state"), Column("model", fold=2),
              Column("layout", fold=1), Column("problem", fold=0)],
-            [[str(r["step"]) + (" (newest)" if r["newest"] else ""), r["state"], r["model"],
-              r["layout"], r["problem"] or ""] for r in rows], width,
+            [[str(r["step"]) + (" (newest)" if r["newest"] else ""), r["state"],
+              r["model"] if r["usable"] else "—", r["layout"] if r["usable"] else "—",
+              r["problem"] or "—"] for r in rows], width,
             [None if r["usable"] else "bold red" for r in rows]))
         newest = next(r for r in rows if r["newest"]) if any(r["newest"] for r in rows) else None
         if newest is None:

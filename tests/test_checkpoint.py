@@ -998,3 +998,22 @@ def test_a_killed_exports_leftover_is_removed_by_the_next_export_there(two_steps
                 str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert not any(d.exists() for d in stale) and live.is_dir() and other.is_dir()
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_checkpoint_list_fits_the_terminal_and_says_what_is_wrong(two_steps, tmp_path, columns):
+    """In a terminal of `columns` columns: no line wider, the damaged step's problem folded
+    under its row rather than cut, and the line saying what --resume and export do."""
+    from rich.cells import cell_len
+
+    from .test_cli_terminal import render_in_pty
+
+    ckpt = _copy(two_steps, tmp_path)
+    (ckpt / "step_00000006" / "rank_00001.safetensors").unlink()
+    screen = render_in_pty(("checkpoint", "list", str(ckpt)), columns)
+    assert all(cell_len(line) <= columns for line in screen.split("\n")), screen
+    flat = _flat(screen)
+    assert "6 (newest) damaged" in flat and "rank_00001.safetensors is missing" in flat
+    assert ("the newest step, 6, is damaged: --resume and export refuse it; export an earlier "
+            "one with --step 3") in flat
+    assert load_plan(two_steps["plan"]).layout_summary() in flat or columns < 100
