@@ -1102,17 +1102,35 @@ def checkpoint_list(
     ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Each complete step: its plan and whether every file matches the manifest."""
+    """Every step: usable or not (the rule --resume and export use), its model and layout."""
     from .runtime.checkpoint import list_checkpoints
 
     rows = list_checkpoints(ckpt_dir)
 
     def render() -> None:
-        t = Table("step", "model", "layout", "verified", title=f"checkpoints in {ckpt_dir}")
-        for r in rows:
-            t.add_row(str(r["step"]), r["model"], r["layout"],
-                      "yes" if r["verified"] else f"no: {r['problem']}")
-        out.print(t if rows else f"no complete checkpoint in {ckpt_dir}")
+        width = _width(out)
+        if not rows:
+            out.print(f"no checkpoint in {ckpt_dir}", highlight=False)
+            return
+        print_lines(table_lines(
+            "checkpoints, oldest first",
+            [Column("step"), Column("state"), Column("model", fold=2),
+             Column("layout", fold=1), Column("problem", fold=0)],
+            [[str(r["step"]) + (" (newest)" if r["newest"] else ""), r["state"],
+              r["model"] if r["usable"] else "—", r["layout"] if r["usable"] else "—",
+              r["problem"] or "—"] for r in rows], width,
+            [None if r["usable"] else "bold red" for r in rows]))
+        newest = next(r for r in rows if r["newest"]) if any(r["newest"] for r in rows) else None
+        if newest is None:
+            said = "no step is a checkpoint: --resume starts afresh and export has nothing"
+        elif newest["usable"]:
+            said = f"--resume and checkpoint export take step {newest['step']}"
+        else:
+            usable = [r["step"] for r in rows if r["usable"]]
+            said = (f"the newest step, {newest['step']}, is {newest['state']}: --resume and "
+                    "export refuse it" + (f"; export an earlier one with --step {usable[-1]}"
+                                          if usable else ""))
+        print_lines([Line(s, "dim") for s in wrap(said, width, "  ")])
 
     emit({"checkpoints": rows}, as_json, render)
 
@@ -1130,9 +1148,10 @@ def checkpoint_export(
         raise SpecError(f"--to takes hf (Hugging Face), got {to!r}.")
     from .runtime.checkpoint import export_checkpoint
 
-    path = export_checkpoint(ckpt_dir, output, step)
-    emit({"path": str(path)}, as_json, lambda: err.print(
-        f"wrote {path} (load it with AutoModelForCausalLM.from_pretrained)", highlight=False))
+    path, exported = export_checkpoint(ckpt_dir, output, step)
+    emit({"path": str(path), "step": exported}, as_json, lambda: err.print(
+        f"wrote {path} from step {exported} (load it with "
+        "AutoModelForCausalLM.from_pretrained)", highlight=False))
 
 
 @data_app.command("prepare")

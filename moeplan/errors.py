@@ -77,6 +77,14 @@ class RunFailed(Exception):
         self.exit_code = code
 
 
+class RunRefused(RunFailed):
+    """The workers refused to go on with exit 2 (a checkpoint that cannot be written, say),
+    after rank 0 printed the one paragraph that says why: nothing more is printed."""
+
+    def __init__(self) -> None:
+        super().__init__(2, "")
+
+
 class RunStopped(RunFailed):
     """SIGINT or SIGTERM stopped a run at a step boundary: exit 130 or 75, and the message is
     the one line saying where it stopped and what was saved (empty where another rank says
@@ -91,6 +99,7 @@ EXIT_CODES: dict[type[BaseException], tuple[int | None, str]] = {
     MoeplanError: (2, "error"),
     InfeasibleError: (3, "infeasible"),
     RunStopped: (None, ""),
+    RunRefused: (None, ""),
     RunFailed: (None, "error"),
     KeyboardInterrupt: (130, ""),
 }

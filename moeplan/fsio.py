@@ -1,4 +1,5 @@
-"""Atomic file writes and strict JSON, for every file and document the CLI produces.
+"""Atomic file writes, bounded reads of regular files and strict JSON, for every file the CLI
+reads or produces.
 
 Why atomic: `-o plan.json` on a full disk, a crash or a Ctrl-C mid-write must leave either the
 old file or the new one, never a truncated mix. The bytes go to a temporary name in the target's
@@ -8,20 +9,29 @@ directory (same filesystem, so the rename is atomic), are fsynced, renamed over 
 Why strict JSON: Python's `json` writes `NaN`/`Infinity` by default, which no other JSON parser
 accepts; a document we emit must load anywhere.
 
+Why one reader (`read_regular`): a hostile path can name a named pipe (opening it waits for a
+writer forever), `/dev/zero` (its size says 0 and it never ends) or a link to either. Every read
+opens without blocking, checks on the open descriptor that it is a regular file (after the
+links are resolved, or refusing links where they have no business), and reads at most the
+limit plus one byte, whatever the file claims about its size.
+
 No torch: the planner and the CLI import this.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import MoeplanError, SpecError
+from .limits import clip
 
 
 def _reason(err: OSError) -> str:
@@ -59,6 +69,109 @@ def is_file(path: str | Path) -> bool:
         return Path(path).is_file()
     except (OSError, ValueError):
         return False
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class FileRefused(SpecError):
+    """A file that cannot be read as asked: `reason` says why in a few words ("is a named
+    pipe, not a regular file"), so callers can put it into their own paragraph; `kind` is
+    "unreadable" (missing, no permission: `reason` is the OS's), "type" (not a regular file,
+    or a link where none may be) or "size" (above the limit)."""
+
+    def __init__(self, path: str | Path, reason: str, kind: str = "type"):
+        self.path, self.reason, self.kind = Path(path), reason, kind
+        said = f"cannot be read ({reason})" if kind == "unreadable" else reason
+        super().__init__(f"{path} {said}; give a regular file.")
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | Path, follow_links: bool = True) -> int:
+    """A file descriptor open for reading on `path`, which must be a regular file.
+
+    The open never blocks (O_NONBLOCK: a named pipe opens at once instead of waiting for a
+    writer) and the type is checked on the descriptor itself, after any links are resolved, so
+    nothing can be swapped in between the check and the read. `follow_links=False` refuses a
+    link as the last path component (a checkpoint's files are never links). Raises FileRefused.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP and not follow_links:
+            raise FileRefused(path, "is a symbolic link, not a regular file") from None
+        raise FileRefused(path, _reason(err), "unreadable") from None
+    except ValueError:  # an embedded NUL
+        raise FileRefused(path, "is not a usable file name", "unreadable") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FileRefused(path, f"is {_kind(mode)}, not a regular file")
+    return fd
+
+
+def read_regular(path: str | Path, limit: int, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file `path`, refused (FileRefused) above `limit` bytes.
+
+    At most `limit` + 1 bytes are ever read, whatever the file's size says (a /proc file says
+    0; a link to /dev/zero is refused as a device before any read)."""
+    fd = open_regular(path, follow_links)
+    try:
+        chunks, size = [], 0
+        while size <= limit:
+            block = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not block:
+                break
+            chunks.append(block)
+            size += len(block)
+    except OSError as err:
+        raise FileRefused(path, _reason(err), "unreadable") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileRefused(path, f"is larger than the limit of {limit:,} bytes for this kind "
+                          "of file", "size")
+    return b"".join(chunks)
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append `text` to `path` (created if missing), never through a link and never into
+    anything but a regular file: run outputs such as metrics.jsonl are appended to, and a link
+    planted in their place would otherwise send the run's writes to a file outside --out."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SpecError(f"{path} is a symbolic link; run outputs are never written through "
+                            "a link. Remove it or choose another --out.") from None
+        if err.errno == errno.ENXIO:  # a named pipe nobody reads
+            raise SpecError(f"{path} is a named pipe, not a regular file; remove it or "
+                            "choose another --out.") from None
+        raise SpecError(f"cannot write {path}: {_reason(err)}. Free space or choose another "
+                        "--out.") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SpecError(f"{path} is {_kind(mode)}, not a regular file; remove it or "
+                            "choose another --out.")
+        data = text.encode("utf-8")
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as err:
+        raise SpecError(f"cannot write {path}: {_reason(err)}. Free space or choose another "
+                        "--out.") from None
+    finally:
+        os.close(fd)
 
 
 def check_writable(path: str | Path) -> Path:
@@ -118,6 +231,46 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """`atomic_write_bytes` for UTF-8 text."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"a key appears twice in one object: `{clip(key)}`")
+        seen.add(key)
+    return dict(pairs)
+
+
+def first_nonfinite(data: Any, where: str = "") -> str | None:
+    """The dotted path of the first NaN/inf in a parsed document, or None."""
+    stack: list[tuple[Any, str]] = [(data, where)]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return at or "(the document)"
+        if isinstance(value, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def loads_json(text: str | bytes, allow_nonfinite: bool = False) -> Any:
+    """JSON as every reader in moeplan parses it: an object with a repeated key is refused
+    (Python's `json` keeps the last value silently), and so are NaN, Infinity and numbers
+    that overflow to infinity (`1e999`), naming the field. Raises ValueError.
+
+    `allow_nonfinite` leaves the non-finite values in, for a caller that names the field in
+    its own words (the spec loader)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")  # UnicodeDecodeError is a ValueError
+    data = json.loads(text, object_pairs_hook=_unique_keys)
+    if not allow_nonfinite:
+        bad = first_nonfinite(data)
+        if bad is not None:
+            raise ValueError(f"field `{bad}` is not a finite number (NaN or infinity)")
+    return data
 
 
 def strict_dumps(data: Any, indent: int | None = 2) -> str:

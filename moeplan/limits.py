@@ -7,12 +7,14 @@ largest published model or cluster, so no real input is refused; the README's "L
 lists them. Model sizes are enforced as pydantic field bounds in `specs/`, the rest by the
 loader and the CLI through `check`.
 
-No torch, no I/O: importable from the planner.
+No torch, and no I/O beyond reading this process's CPU quota: importable from the planner.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 from .errors import SpecError
 
@@ -42,11 +44,45 @@ MAX_NESTING = 64  # mapping/list depth of a spec document
 PROCS_PER_CORE = 4  # calibrate --nproc on CPU: oversubscription beyond this measures nothing
 MAX_DEVICES_PER_NODE = 64  # calibrate --nproc before torch tells whether GPUs are present
 EXCERPT_CHARS = 60  # longest piece of user input an error message quotes
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
+# ---------------------------------------------------------------- runs
+# `run --seed`: the data stream and the weights are drawn from generators seeded by
+# seed × 1,000,003 + step; below 2^32 that stays far inside torch's 64-bit seeds. A checkpoint's
+# meta.json is held to the same rule (storage.check_meta calls `check_seed`).
+MAX_SEED = 2**32 - 1
+MAX_STEPS = 10**12  # `run --steps`: the step to reach
+
+
+def check_seed(seed: object, field: str = "--seed") -> int:
+    """Refuse a seed outside 0..MAX_SEED: the one rule for `run --seed` and checkpoints."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise SpecError(f"{field} must be a whole number from 0 to {MAX_SEED:,}, got "
+                        f"{excerpt(seed)}; the same seed gives the same data and weights, so "
+                        "any number in that range will do.")
+    return seed
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota
+    (a container given 1.5 CPUs of time runs 2 processes at most usefully).
+    `os.cpu_count()` counts the host's CPUs and ignores both."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
 
 
 def max_cpu_procs() -> int:
     """Most processes `calibrate --nproc` / `whatif --workers` may start on this host."""
-    return PROCS_PER_CORE * (os.cpu_count() or 1)
+    return PROCS_PER_CORE * usable_cpus()
 
 
 def clip(text: str, limit: int = EXCERPT_CHARS) -> str:

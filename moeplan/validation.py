@@ -224,7 +224,13 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
                         "like published_runs.csv.")
     text = read_text(p, "CSV file")
     try:
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        header = reader.fieldnames or []
+        twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+        if twice is not None:  # DictReader would keep the last column's cells silently
+            raise SpecError(f"{p}: the column `{excerpt(twice)}` appears twice in the header; "
+                            "give each column once.")
+        rows = list(reader)
     except csv.Error as err:
         raise SpecError(f"{p} is not a valid CSV file ({err}); fix the file.") from None
     if rows and "id" not in rows[0]:

@@ -664,3 +664,315 @@ def test_the_run_stops_after_the_configured_non_finite_steps_in_a_row(tmp_path, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r.get("skipped", False) for r in rows] == [False, False, True, True]
     assert "2 steps in a row" in " ".join(capsys.readouterr().err.split())
+
+
+# ------------------------------------------------- one rule for list, export and resume (CLI)
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> dict:
+    """A world-2 (ep2) run saved at steps 3 and 6, as `moeplan run` writes it."""
+    root = tmp_path_factory.mktemp("two_steps")
+    plan = write_plan(root / "ep2.json", 2, ep=2)
+    r = moeplan("run", plan, "--steps", "6", "--out", str(root / "out"), "--ckpt-dir",
+                str(root / "ckpt"), "--ckpt-every", "3", "--seed", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"root": root, "plan": plan, "ckpt": root / "ckpt"}
+
+
+def _copy(two_steps: dict, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_steps["ckpt"], ckpt)
+    return ckpt
+
+
+def _listed(ckpt: Path) -> list[dict]:
+    r = moeplan("checkpoint", "list", str(ckpt), "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return json.loads(r.stdout)["checkpoints"]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_damaged_newest_step_is_listed_damaged_and_refused_by_export_and_resume_alike(
+        two_steps, tmp_path):
+    """Steps 3 and 6 saved, a shard of step 6 lost: export used to export step 3 without a
+    word and list to hide step 6, while --resume refused it. One rule now: list says step 6 is
+    damaged and why, export and --resume refuse it by name and point at step 3."""
+    ckpt = _copy(two_steps, tmp_path)
+    (ckpt / "step_00000006" / "rank_00001.safetensors").unlink()
+    rows = _listed(ckpt)
+    assert [(r["step"], r["state"], r["usable"]) for r in rows] == [
+        (3, "usable", True), (6, "damaged", False)]
+    assert "rank_00001.safetensors is missing" in rows[1]["problem"] and rows[1]["newest"]
+    hf = tmp_path / "hf"
+    r = moeplan("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(hf))
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not hf.exists(), said
+    assert "step_00000006" in said and "rank_00001.safetensors is missing" in said
+    assert "--step 3" in said
+    r = moeplan("run", two_steps["plan"], "--steps", "8", "--seed", "3", "--out",
+                str(tmp_path / "out"), "--ckpt-dir", str(ckpt), "--resume")
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, said
+    assert "step_00000006" in said and "rank_00001.safetensors is missing" in said
+    assert "newest usable step is 3" in said
+    r = moeplan("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(hf), "--step", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (hf / "config.json").is_file()
+    assert [r["step"] for r in _listed(ckpt)] == [3, 6]  # nothing was removed
+
+
+def test_checkpoint_list_names_every_step_directory_and_the_layout_in_the_plan_vocabulary(
+        two_steps, tmp_path):
+    ckpt = _copy(two_steps, tmp_path)
+    shutil.copytree(ckpt / "step_00000006", ckpt / "step_00000009")
+    (ckpt / "step_00000009" / "manifest.json").unlink()  # not a checkpoint
+    rows = _listed(ckpt)
+    assert [(r["step"], r["state"]) for r in rows] == [
+        (3, "usable"), (6, "usable"), (9, "not a checkpoint")]
+    plan = load_plan(two_steps["plan"])
+    assert rows[0]["layout"] == plan.summary()  # e.g. `tp1 cp1 dp2 pp1 ep2 etp1 edp1 …`
+    assert rows[0]["layout"].startswith("tp1 cp1 dp2 pp1 ep2 etp1 edp1 mbs")
+    assert rows[1]["newest"] and "no manifest.json" in rows[2]["problem"]
+    text = moeplan("checkpoint", "list", str(ckpt)).stdout
+    assert "--resume and checkpoint export take step 6" in _flat(text)
+
+
+def test_export_of_a_step_directory_says_to_give_the_directory_and_the_step(two_steps,
+                                                                          tmp_path):
+    """It used to say "no complete checkpoint", which sent the user looking for damage."""
+    step = two_steps["ckpt"] / "step_00000006"
+    r = moeplan("checkpoint", "export", str(step), "--to", "hf", "-o", str(tmp_path / "hf"))
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "no complete checkpoint" not in said, said
+    assert f"export {two_steps['ckpt']} --step 6" in said and "give the directory" in said
+    r = moeplan("checkpoint", "list", str(step))
+    assert r.returncode == 2 and f"list {two_steps['ckpt']}" in _flat(r.stderr)
+
+
+def _rank_file_with_rng(step: Path) -> Path:
+    index = json.loads((step / "index.json").read_text())
+    return step / index["files"][index["tensors"]["rng/torch"]["boxes"][0][0]]
+
+
+def _rewrite_safetensors(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def _split_safetensors(path: Path) -> tuple[dict, bytes]:
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8: 8 + n]), blob[8 + n:]
+
+
+def _trailing(header: dict, data: bytes) -> tuple[dict, bytes]:
+    return header, data + b"\0" * 8
+
+
+def _overlapping(header: dict, data: bytes) -> tuple[dict, bytes]:
+    names = sorted((k for k in header if k != "__metadata__"),
+                   key=lambda k: header[k]["data_offsets"][0])
+    last = next(k for k in reversed(names) if header[k]["data_offsets"][1]
+                > header[k]["data_offsets"][0] >= 8)
+    a, b = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [a - 4, b - 4]  # reaches into the tensor before it
+    return header, data[:-4]
+
+
+def _metadata_not_strings(header: dict, data: bytes) -> tuple[dict, bytes]:
+    header["__metadata__"] = {"format": 5}
+    return header, data
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (_trailing, "after its last tensor"),
+    (_overlapping, "not where the previous tensor ends"),
+    (_metadata_not_strings, "__metadata__"),
+])
+def test_a_rank_file_safetensors_refuses_is_refused_by_the_check_before_any_worker(
+        two_steps, tmp_path, damage, needle):
+    """Trailing bytes, overlapping ranges or a non-string __metadata__ (manifest resealed)
+    passed the check, then failed inside safe_open: a SafetensorError traceback on export,
+    dead workers on resume. The check now accepts exactly what safetensors accepts."""
+    from safetensors import safe_open
+
+    ckpt = _copy(two_steps, tmp_path)
+    step = ckpt / "step_00000006"
+    bad = step / "rank_00001.safetensors"
+    _rewrite_safetensors(bad, *damage(*_split_safetensors(bad)))
+    _reseal(step, bad.name)
+    with pytest.raises(Exception), safe_open(str(bad), framework="pt") as f:  # noqa: B017
+        for name in f.keys():  # noqa: SIM118  (the control: safetensors refuses it too)
+            f.get_tensor(name)
+    with pytest.raises(SpecError, match=needle):
+        verify(step)
+    r = moeplan("checkpoint", "export", str(ckpt), "--to", "hf", "-o", str(tmp_path / "hf"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in _flat(r.stderr)
+    r = moeplan("run", two_steps["plan"], "--steps", "8", "--seed", "3", "--out",
+                str(tmp_path / "out"), "--ckpt-dir", str(ckpt), "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in _flat(r.stderr)
+    assert not (tmp_path / "out").exists()  # refused before any worker started
+
+
+def test_the_header_check_accepts_exactly_what_safetensors_opens(tmp_path):
+    """Random edits of a small safetensors file (offsets, sizes, dtypes, shapes, metadata,
+    trailing or missing bytes): `read_safetensors_header` accepts a file exactly when the
+    safetensors library opens it and reads every tensor (ours may be stricter only where
+    moeplan never writes such a file: dtypes and key order)."""
+    import random
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moeplan.runtime.storage import read_safetensors_header
+
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16),
+               "c": torch.zeros(0), "d": torch.arange(6, dtype=torch.int64)}, str(path),
+              metadata={"format": "pt"})
+    header, data = _split_safetensors(path)
+    rng = random.Random(0)
+    agree = 0
+    for trial in range(300):
+        h, d = json.loads(json.dumps(header)), data
+        for _ in range(rng.randint(1, 2)):
+            key = rng.choice(["a", "b", "c", "d"])
+            edit = rng.randrange(6)
+            if edit == 0:
+                h[key]["data_offsets"] = [o + rng.choice([-4, -2, 2, 4]) for o in
+                                          h[key]["data_offsets"]]
+            elif edit == 1:
+                h[key]["data_offsets"][1] += rng.choice([-2, 2])
+            elif edit == 2:
+                d = d + b"\0" * rng.choice([1, 2, 8]) if rng.random() < 0.5 else d[:-2]
+            elif edit == 3:
+                h[key]["shape"] = [*h[key]["shape"][:-1], max(0, h[key]["shape"][-1] - 1)] \
+                    if h[key]["shape"] else [1]
+            elif edit == 4:
+                h["__metadata__"] = rng.choice([{"format": 5}, {"x": None}, ["pt"],
+                                                {"format": "pt", "k": "v"}])
+            else:
+                h[key]["dtype"] = rng.choice(["F32", "F16", "I64", "U8"])
+        _rewrite_safetensors(path, h, d)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    f.get_tensor(name)
+            theirs = True
+        except Exception:
+            theirs = False
+        try:
+            read_safetensors_header(path, tmp_path)
+            ours = True
+        except SpecError:
+            ours = False
+        assert ours == theirs, (trial, h, len(d))
+        agree += ours
+    assert 0 < agree < 300  # both verdicts occurred
+
+
+def test_a_garbage_rng_state_is_refused_before_any_worker(two_steps, tmp_path):
+    """An rng/torch of 0xFF bytes (manifest resealed) gave an "Invalid mt19937 state"
+    traceback in a worker; the launcher's check refuses it now."""
+    ckpt = _copy(two_steps, tmp_path)
+    step = ckpt / "step_00000006"
+    path = _rank_file_with_rng(step)
+    header, data = _split_safetensors(path)
+    a, b = header["rng/torch#0"]["data_offsets"]
+    _rewrite_safetensors(path, header, data[:a] + b"\xff" * (b - a) + data[b:])
+    _reseal(step, path.name)
+    r = moeplan("run", two_steps["plan"], "--steps", "8", "--seed", "3", "--out",
+                str(tmp_path / "out"), "--ckpt-dir", str(ckpt), "--resume")
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, said
+    assert "RNG state" in said and "mt19937" not in said and not (tmp_path / "out").exists()
+    assert [(x["step"], x["usable"]) for x in _listed(ckpt)] == [(3, True), (6, False)]
+
+
+def test_the_rng_check_accepts_exactly_what_torch_accepts():
+    import random
+
+    from moeplan.runtime.storage import rng_state_problem
+
+    good = torch.get_rng_state()
+    rng = random.Random(1)
+    verdicts = set()
+    for _ in range(300):
+        state = bytearray(good.numpy().tobytes())
+        for _ in range(rng.randint(1, 3)):
+            at = rng.choice([8, 9, 10, 11, 12, 13, 16, 17, 18, 20, rng.randrange(len(state))])
+            state[at] = rng.choice([0, 1, 2, 0x70, 0xFF])
+        if rng.random() < 0.05:
+            state = state[: rng.choice([5048, 100])]
+        try:
+            torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            theirs = True
+        except RuntimeError:
+            theirs = False
+        ours = rng_state_problem(bytes(state)) is None
+        assert ours == theirs, bytes(state[:24]).hex()
+        verdicts.add(ours)
+    torch.set_rng_state(good)
+    assert verdicts == {True, False}
+
+
+def test_steps_past_1e8_are_seen_in_order_by_resume_list_and_prune(two_steps, tmp_path):
+    """Step 100,000,000 is named with 9 digits; the scanner expected 8, so resume, list and
+    prune never saw it."""
+    from moeplan.runtime.storage import prune, resume_point, step_dir, step_of
+
+    ckpt = _copy(two_steps, tmp_path)
+    for big in (99_999_999, 100_000_000):
+        step = step_dir(ckpt, big)
+        shutil.copytree(ckpt / "step_00000006", step)
+        _rewrite_meta(step, step=big)
+        _reseal(step, "meta.json")
+    assert step_dir(ckpt, 100_000_000).name == "step_100000000"
+    assert step_of("step_000000003") is None  # not the name of step 3
+    assert complete_steps(ckpt) == [3, 6, 99_999_999, 100_000_000]
+    assert resume_point(ckpt)[0] == step_dir(ckpt, 100_000_000)
+    assert verify(step_dir(ckpt, 100_000_000)).step == 100_000_000
+    rows = _listed(ckpt)
+    assert [r["step"] for r in rows if r["usable"]] == [3, 6, 99_999_999, 100_000_000]
+    prune(ckpt, keep=2)
+    assert complete_steps(ckpt) == [99_999_999, 100_000_000]
+
+
+def test_a_killed_exports_leftover_is_removed_by_the_next_export_there(two_steps, tmp_path):
+    """A killed export left its `.OUT.tmp-*` directory behind forever."""
+    import socket
+
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = [tmp_path / ".hf.tmp-0badc0de", tmp_path / f".hf.tmp-{host}-{dead}-0badc0de"]
+    live = tmp_path / f".hf.tmp-{host}-{os.getpid()}-0badc0de"  # an export in progress
+    other = tmp_path / ".hf2.tmp-0badc0de"  # another output's
+    for d in (*stale, live, other):
+        d.mkdir()
+        (d / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+    r = moeplan("checkpoint", "export", str(two_steps["ckpt"]), "--to", "hf", "-o",
+                str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not any(d.exists() for d in stale) and live.is_dir() and other.is_dir()
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_checkpoint_list_fits_the_terminal_and_says_what_is_wrong(two_steps, tmp_path, columns):
+    """In a terminal of `columns` columns: no line wider, the damaged step's problem folded
+    under its row rather than cut, and the line saying what --resume and export do."""
+    from rich.cells import cell_len
+
+    from .test_cli_terminal import render_in_pty
+
+    ckpt = _copy(two_steps, tmp_path)
+    (ckpt / "step_00000006" / "rank_00001.safetensors").unlink()
+    screen = render_in_pty(("checkpoint", "list", str(ckpt)), columns)
+    assert all(cell_len(line) <= columns for line in screen.split("\n")), screen
+    flat = _flat(screen)
+    assert "6 (newest) damaged" in flat and "rank_00001.safetensors is missing" in flat
+    assert ("the newest step, 6, is damaged: --resume and export refuse it; export an earlier "
+            "one with --step 3") in flat
+    assert load_plan(two_steps["plan"]).layout_summary() in flat or columns < 100

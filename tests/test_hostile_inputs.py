@@ -401,5 +401,323 @@ def test_python_api_refuses_non_finite_imbalance(imbalance):
         moeplan.api.estimate(plan, imbalance=imbalance)
 
 
+# ------------------------------------------------------------------------ round 3: files and runs
+def _run_plan(tmp_path: Path, world: int = 1, **axes) -> str:
+    import torch  # noqa: F401  (imported before the timed refusal, as a real launcher has it)
+
+    from .test_run_cli import write_plan
+
+    return write_plan(tmp_path / "plan.json", world, **axes)
+
+
+@pytest.mark.parametrize("seed", ["-5", "99999999999999999999999", str(2**32)])
+def test_a_seed_the_checkpoint_rule_refuses_is_refused_where_options_are_parsed(seed, tmp_path,
+                                                                              capsys):
+    """A negative seed used to train and save checkpoints that resume, list and export all
+    refuse; a huge one passed the launcher and killed the workers with an overflow."""
+    plan = _run_plan(tmp_path)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    refused(["run", plan, "--seed", seed, "--out", str(out), "--ckpt-dir", str(ckpt)], capsys,
+            "--seed", "0", f"{2**32 - 1:,}")
+    assert not out.exists() and not ckpt.exists()
+
+
+def test_the_seed_rule_is_the_checkpoint_metadata_rule(tmp_path):
+    """One rule, in one place: every seed `run` accepts is one a checkpoint's meta.json may
+    hold, and the other way round."""
+    from moeplan.runtime.storage import CKPT_FORMAT, check_meta
+
+    step = tmp_path / "step_00000001"
+    for seed in (-5, 0, 7, limits.MAX_SEED, limits.MAX_SEED + 1, 10**23):
+        try:
+            limits.check_seed(seed)
+            by_run = True
+        except SpecError:
+            by_run = False
+        try:
+            check_meta(step, {"format": CKPT_FORMAT, "step": 1, "seed": seed, "world_size": 1})
+            by_meta = True
+        except SpecError:
+            by_meta = False
+        assert by_run == by_meta == (0 <= seed <= limits.MAX_SEED), seed
+
+
+def test_steps_beyond_the_limit_are_refused_before_any_worker(tmp_path):
+    r = run_cli("run", _run_plan(tmp_path), "--steps", str(10**30), "--out",
+                str(tmp_path / "o"), timeout=60)  # (it used to train on, step after step)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "--steps" in r.stderr and "limit" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_ckpt_dir_that_is_a_file_is_refused_before_any_worker(tmp_path, capsys):
+    """It used to kill the workers with a traceback (exit 1) at the first save."""
+    plan = _run_plan(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for ckpt in (afile, afile / "sub"):
+        refused(["run", plan, "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "o")], capsys,
+                "--ckpt-dir", "not a directory")
+    assert afile.read_text() == "keep" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["chmod", "proc"])
+def test_a_ckpt_dir_that_cannot_be_written_is_refused_before_any_worker(where, tmp_path, capsys):
+    """A read-only --ckpt-dir used to be found only at the first save, after training."""
+    plan = _run_plan(tmp_path)
+    if where == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only mode directory; the /proc case runs")
+        ckpt = tmp_path / "ro"
+        ckpt.mkdir()
+        ckpt.chmod(0o555)
+    else:
+        ckpt = Path("/proc/self")  # a directory no one may create files in
+    refused(["run", plan, "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "o")], capsys,
+            "--ckpt-dir", "cannot")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_ckpt_dir_held_by_another_run_is_refused_naming_the_holder(tmp_path, capsys):
+    """Two runs on one --ckpt-dir pruned each other's steps; now the first run holds a lock
+    for its whole life and a second one exits 2 naming it."""
+    from moeplan.runtime.storage import CkptLock
+
+    plan = _run_plan(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    with CkptLock(ckpt, "moeplan run first.json --out runs/first"):
+        for extra in ([], ["--resume"]):
+            said = refused(["run", plan, "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "o"),
+                            *extra], capsys, "in use", f"pid {os.getpid()}", "runs/first")
+            assert "Nothing was run" in said
+    assert not (tmp_path / "o").exists()
+    with CkptLock(ckpt, "again"):  # released when the holder ends
+        pass
+
+
+def test_a_symlinked_metrics_file_is_refused_and_its_target_is_untouched(tmp_path, capsys):
+    """metrics.jsonl is appended to; a link to a file outside --out used to be followed."""
+    plan = _run_plan(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (out / "metrics.jsonl").symlink_to(victim)
+    refused(["run", plan, "--out", str(out)], capsys, "metrics.jsonl", "link")
+    assert victim.read_text() == "precious\n"
+
+
+def test_appending_never_follows_a_link_or_blocks_on_a_pipe(tmp_path):
+    """The one way run outputs are appended (metrics.jsonl): a link or a named pipe swapped in
+    during the run is refused, not followed or waited on."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    link = tmp_path / "metrics.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(SpecError, match="link"):
+        fsio.append_text(link, "{}\n")
+    assert victim.read_text() == "precious\n"
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)
+    with pytest.raises(SpecError, match="named pipe"):
+        fsio.append_text(pipe, "{}\n")
+    fsio.append_text(tmp_path / "new.jsonl", "a\n")
+    fsio.append_text(tmp_path / "new.jsonl", "b\n")
+    assert (tmp_path / "new.jsonl").read_text() == "a\nb\n"
+
+
+# --------------------------------------------- round 3: every read is bounded and of a regular file
+def _hf_dir(tmp_path: Path) -> tuple[Path, str]:
+    """A Hugging Face directory whose config.json is the tiny model's, and a plan of it."""
+    from moeplan.runtime.hf_io import hf_config_for
+
+    plan = _run_plan(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_config_for(load_plan(plan).model)))
+    return hf, plan
+
+
+@pytest.mark.parametrize("which", ["config.json", "model.safetensors"])
+def test_a_named_pipe_in_an_init_from_directory_is_refused_not_waited_on(which, tmp_path):
+    """A named pipe as config.json or as the weights file hung the launcher until killed."""
+    hf, plan = _hf_dir(tmp_path)
+    if which == "config.json":
+        (hf / which).unlink()
+    os.mkfifo(hf / which)
+    t0 = time.perf_counter()
+    r = run_cli("run", plan, "--init-from", str(hf), "--out", str(tmp_path / "o"), timeout=60)
+    assert r.returncode == 2 and time.perf_counter() - t0 < 30, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "named pipe" in r.stderr and which in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("how", ["link", "hf"])
+def test_a_config_json_linked_to_dev_zero_is_refused_not_read_without_bound(how, tmp_path,
+                                                                            capsys):
+    """`read_json` trusted st_size == 0 and read /dev/zero until memory ran out."""
+    if how == "link":  # `--model` on the planner side: the same reader
+        cfg = tmp_path / "config.json"
+        cfg.symlink_to("/dev/zero")
+        with pytest.raises(SpecError, match="not a regular file"):
+            from moeplan.specs.loader import read_document
+
+            read_document(cfg)
+        return
+    hf, plan = _hf_dir(tmp_path)
+    (hf / "config.json").unlink()
+    (hf / "config.json").symlink_to("/dev/zero")
+    t0 = time.perf_counter()
+    r = run_cli("run", plan, "--init-from", str(hf), "--out", str(tmp_path / "o"), timeout=60)
+    assert r.returncode == 2 and time.perf_counter() - t0 < 30, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "not a regular file" in r.stderr
+
+
+def test_the_one_reader_reads_at_most_the_limit_plus_one_byte(tmp_path):
+    """Whatever a file claims about its size (/proc files say 0), no more than limit + 1
+    bytes are read, and only from a regular file."""
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 5000)
+    assert len(fsio.read_regular(big, 5000)) == 5000
+    with pytest.raises(SpecError, match="larger than"):
+        fsio.read_regular(big, 4999)
+    assert fsio.read_regular(Path("/proc/self/status"), 1 << 20).startswith(b"Name:")
+    with pytest.raises(SpecError, match="not a regular file"):
+        fsio.read_regular(Path("/dev/zero"), 10)
+    with pytest.raises(SpecError, match="directory"):
+        fsio.read_regular(tmp_path, 10)
+    link = tmp_path / "link.json"
+    link.symlink_to(big)
+    assert len(fsio.read_regular(link, 5000)) == 5000
+    with pytest.raises(SpecError, match="link"):
+        fsio.read_regular(link, 5000, follow_links=False)
+
+
+# ------------------------------------------------------------------------ round 3: duplicate keys
+SPEC_YAML = ("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 128\n"
+             "vocab_size: 100\n")
+
+
+def test_a_repeated_key_in_a_spec_yaml_is_refused(tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text(SPEC_YAML + "num_layers: 4\n")
+    refused(["specs", "validate", str(spec)], capsys, "num_layers", "twice")
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path, capsys):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("base: &b {num_layers: 2, hidden_size: 64}\n<<: *b\nnum_layers: 4\n"
+                    "num_attention_heads: 4\nffn_hidden_size: 128\nvocab_size: 100\n")
+    from moeplan.specs.loader import read_document
+
+    assert read_document(spec)["num_layers"] == 4  # an explicit key overrides a merged one
+
+
+def test_a_repeated_key_in_a_plan_json_is_refused(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    text = plan.read_text()
+    plan.write_text(text.replace('"layout": {', '"layout": {"tp": 8, ', 1))
+    refused(["export", str(plan)], capsys, "tp", "twice")
+
+
+def _hf_config_text() -> str:
+    from moeplan.runtime.hf_io import hf_config_for
+    from moeplan.specs import load_model
+
+    from .conftest import DATA
+
+    return json.dumps(hf_config_for(load_model(DATA / "tiny_qwen3_moe.yaml")))
+
+
+@pytest.mark.parametrize("bad,needle", [(', "hidden_size": 4096}', "twice"),
+                                        (', "rope_theta2": 1e999}', "finite")])
+def test_a_repeated_key_or_overflowing_number_in_an_hf_config_is_refused_on_every_path(
+        bad, needle, tmp_path, capsys):
+    """The planner's `--model config.json` and the runtime's `--init-from` read it alike."""
+    text = _hf_config_text()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(text[:-1] + bad)
+    refused(["specs", "show", str(hf / "config.json"), "--json"], capsys, needle)
+    from moeplan.runtime.hf_io import hf_config
+
+    with pytest.raises(SpecError, match=needle):
+        hf_config(hf)
+
+
+# ------------------------------------------------------------------------ round 3: reports
+def test_a_dollar_sign_in_a_cluster_name_is_plain_text_in_the_report(tmp_path, capsys):
+    """`$…$` rendered as matplotlib mathtext, and `$\\frac{$` crashed `whatif -o report.html`."""
+    import importlib.resources
+
+    import yaml
+
+    text = (importlib.resources.files("moeplan.specs") / "presets" / "clusters"
+            / "h100.yaml").read_text()
+    doc = yaml.safe_load(text) | {"name": "x$\\frac{$"}
+    cluster = tmp_path / "c$\\frac{$.yaml"
+    cluster.write_text(yaml.safe_dump(doc))
+    report = tmp_path / "report.html"
+    assert main(["whatif", "--model", "llama3-8b", "--cluster", str(cluster), "--gpus", "8",
+                 "-o", str(report)]) == 0, capsys.readouterr().err[-2000:]
+    assert report.stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------ round 3: small gaps
+def test_per_core_limits_count_the_cpus_this_process_may_run_on(tmp_path, monkeypatch):
+    """os.cpu_count() ignores CPU affinity and cgroup quotas; the limits use what this
+    process may run on."""
+    monkeypatch.setattr(limits.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert limits.usable_cpus() == 1
+    assert limits.max_cpu_procs() == limits.PROCS_PER_CORE
+    monkeypatch.setattr(limits.os, "sched_getaffinity", lambda _pid: set(range(8)),
+                        raising=False)
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")  # 1.5 CPUs of time: 2 processes can use it
+    monkeypatch.setattr(limits, "CGROUP_CPU_MAX", quota)
+    assert limits.usable_cpus() == 2
+    quota.write_text("max 100000\n")
+    assert limits.usable_cpus() == 8
+
+
+def test_whatif_workers_above_the_affinity_limit_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(limits.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+             "--workers", str(limits.PROCS_PER_CORE + 1)], capsys, "--workers",
+            str(limits.PROCS_PER_CORE))
+
+
+def test_unknown_keys_in_a_calibration_file_are_refused_by_name(tmp_path, capsys):
+    path = tmp_path / "cal.yaml"
+    path.write_text("hbm_eff: 0.8\ngemm_eff_maxx: {hopper: 0.7}\n")
+    refused([*EST, "--calibration", str(path)], capsys, "gemm_eff_maxx", "gemm_eff_max")
+
+
+def test_a_csv_with_a_duplicated_column_is_refused(tmp_path, capsys):
+    path = tmp_path / "runs.csv"
+    header = HEADER.strip() + ",tp\n"
+    row = ",".join(GOOD[c] for c in HEADER.strip().split(",")) + ",8\n"
+    path.write_text(header + row)
+    refused(["validate", str(path)], capsys, "tp", "twice")
+
+
 if sys.platform != "linux":  # /proc and the bash stubs are Linux-specific
     pytestmark = pytest.mark.skip("Linux-only checks")
+
+
+def test_a_named_pipe_as_a_datasets_index_or_a_tokenizer_is_refused_not_waited_on(tmp_path):
+    """The data and tokenizer readers use the one non-blocking regular-file check too."""
+    pytest.importorskip("tokenizers")
+    from moeplan.data.indexed import read_index
+    from moeplan.data.tokenizer import load_tokenizer
+
+    (tmp_path / "corpus.bin").write_bytes(b"\0" * 8)
+    os.mkfifo(tmp_path / "corpus.idx")
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError, match="named pipe"):
+        read_index(tmp_path / "corpus")
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(SpecError, match="named pipe"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    assert time.perf_counter() - t0 < 5

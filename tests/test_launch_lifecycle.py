@@ -222,6 +222,31 @@ def test_gpus_are_read_from_nvidia_smi_as_cuda_visible_devices_leaves_them(tmp_p
     assert "--scale-down" in said and "more nodes" not in said  # one rank: no node to add
 
 
+def test_the_guard_offers_more_nodes_only_when_one_rank_alone_fits():
+    """Two ranks of a 373.8 GB-per-rank run on a 23 GB host were told to try `--nnodes 2
+    --nproc-per-node 1`, which cannot work: each node would still hold a whole rank. The guard
+    says why more nodes cannot help and offers what can (--scale-down)."""
+    big = Plan(model=load_model("llama3-70b"), cluster=load_cluster("h100", gpus=2),
+               training=TrainingSpec(seq_len=4096, global_batch_size=2),
+               layout=Layout.build(2, 2, tp=2))
+    host = Devices("cpu", (23.0,))
+    (rank,) = price_ranks(big, [0], "fp32", "cpu")
+    assert rank.total_gb > 23.0
+    with pytest.raises(SpecError) as e:
+        guard_memory(big, RunOptions(), nproc=2, devices=host)
+    said = str(e.value)
+    assert "--nnodes" not in said and "--scale-down" in said
+    assert f"one rank alone (rank 0) needs about {rank.total_gb:.1f} GB" in said
+    assert "More nodes cannot help" in said
+    small = _qwen_plan(2, ep=2)  # each rank fits alone, both together do not: more nodes help
+    need = price_ranks(small, [0, 1], "fp32", "cpu")
+    tight = Devices("cpu", (max(n.total_gb for n in need) + 0.5,))
+    with pytest.raises(SpecError) as e:
+        guard_memory(small, RunOptions(scale_down=True), nproc=2, devices=tight)
+    assert "--nnodes 2 --nproc-per-node 1" in str(e.value)
+    assert "cannot help" not in str(e.value)
+
+
 def test_every_node_is_priced_when_the_rendezvous_decides_the_node_rank():
     assert node_ranks(8, 2, 1, 4) == [[4, 5, 6, 7]]
     assert node_ranks(8, 2, None, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -7,7 +7,6 @@ refit.py import no torch either, nor does this module until a machine is measure
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,12 +67,12 @@ def machine_options(nproc: int | None = None, dtype: str | None = None,
     except ImportError:
         raise TorchMissing("moeplan calibrate") from None
     gpu = torch.cuda.is_available()
-    n = nproc or (torch.cuda.device_count() if gpu else min(4, os.cpu_count() or 1))
+    n = nproc or (torch.cuda.device_count() if gpu else min(4, limits.usable_cpus()))
     if gpu and n > torch.cuda.device_count():
         raise SpecError(f"--nproc {n}: only {torch.cuda.device_count()} GPUs are present.")
     if not gpu:
         limits.check("--nproc", n, cpu_max, f"on CPU use at most {limits.PROCS_PER_CORE} "
-                     f"processes per core ({os.cpu_count()} cores here)")
+                     f"processes per core ({limits.usable_cpus()} usable here)")
     mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
     if mode not in ("quick", "full", "tiny"):
         raise SpecError(f"--grid takes quick, full or tiny, got {limits.excerpt(mode)}.")

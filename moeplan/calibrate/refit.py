@@ -17,7 +17,6 @@ is the honest one. No torch here.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ import numpy as np
 
 from ..cost_models.calibration import calibration_for
 from ..errors import SpecError
+from ..fsio import loads_json, read_regular
+from ..limits import MAX_FILE_BYTES
 from ..specs import Plan, load_plan
 
 PARAMS = ("compute_scale", "comm_scale", "layer_overhead_s", "step_overhead_s")
@@ -67,9 +68,9 @@ def find_run_dirs(paths: Sequence[str]) -> list[Path]:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    try:  # a regular file, bounded, strict (fsio's one reader and parser)
+        return loads_json(read_regular(path, MAX_FILE_BYTES))
+    except (SpecError, ValueError) as err:
         raise SpecError(f"{path}: not readable JSON ({err}). Rerun `moeplan run --out "
                         f"{path.parent}` or remove the directory from --from-runs.") from None
 

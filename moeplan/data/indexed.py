@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecError
+from ..fsio import FileRefused, open_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -102,10 +103,17 @@ def read_index(prefix: str | Path) -> Index:
     contiguous token range); and the .bin holds exactly the tokens the index describes.
     """
     bin_path, idx_path = paths(prefix)
-    try:
-        idx_size, bin_size = idx_path.stat().st_size, bin_path.stat().st_size
-        with open(idx_path, "rb") as f:
-            head = f.read(HEADER_BYTES)
+    try:  # regular files only, checked without blocking (a named pipe is refused, not waited on)
+        fd = open_regular(bin_path)
+        bin_size = os.fstat(fd).st_size
+        os.close(fd)
+        fd = open_regular(idx_path)
+        try:
+            idx_size, head = os.fstat(fd).st_size, os.read(fd, HEADER_BYTES)
+        finally:
+            os.close(fd)
+    except FileRefused as err:
+        raise SpecError(f"--data {prefix}: {err.path} {err.reason}.") from None
     except OSError as err:
         raise SpecError(f"--data {prefix}: cannot read {err.filename}: {err.strerror}.") from None
     if len(head) < HEADER_BYTES or head[:9] != MAGIC:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import limits
 from ..errors import SpecError
-from ..fsio import atomic_write_bytes
+from ..fsio import FileRefused, atomic_write_bytes, loads_json, read_regular
 
 MAX_TOKENIZER_BYTES = 256 << 20  # the largest public tokenizer.json files are ~30 MB
 # files of a Hugging Face tokenizer directory that go with it into an export
@@ -53,7 +53,7 @@ def tokenizer_file(path: str | Path, flag: str = "--tokenizer-model") -> tuple[P
     p = Path(path)
     if p.is_dir():
         f = p / "tokenizer.json"
-        if not f.is_file():
+        if not f.exists():
             has = sorted(x.name for x in p.iterdir() if x.name in TOKENIZER_FILES)[:4]
             raise SpecError(f"{flag} {limits.clip(str(path))}: the directory holds no "
                             "tokenizer.json" + (f" (it has {', '.join(has)}: a slow "
@@ -61,7 +61,7 @@ def tokenizer_file(path: str | Path, flag: str = "--tokenizer-model") -> tuple[P
                                                 "save_pretrained)" if has else "")
                             + ". Give a Hugging Face tokenizer.json or a directory with one.")
         return f, p
-    if p.is_file():
+    if p.exists():  # what kind of file it is, the one reader checks (`load_tokenizer`)
         return p, None
     raise SpecError(f"{flag} {limits.clip(str(path))}: no such file or directory. Give a "
                     "Hugging Face tokenizer.json or a model directory holding one.")
@@ -73,12 +73,15 @@ def load_tokenizer(path: str | Path, flag: str = "--tokenizer-model",
     `eod_token` when given, else tokenizer_config.json's eos_token, else a common name."""
     tokenizers = require_tokenizers()
     file, directory = tokenizer_file(path, flag)
-    size = file.stat().st_size
-    if size > MAX_TOKENIZER_BYTES:
-        raise SpecError(f"{flag} {file}: {size:,} bytes, more than a tokenizer file can be "
-                        f"({MAX_TOKENIZER_BYTES:,}); check the path.")
+    try:  # the one bounded reader: a regular file, at most the limit (a pipe never blocks)
+        text = read_regular(file, MAX_TOKENIZER_BYTES).decode("utf-8")
+    except FileRefused as err:
+        raise SpecError(f"{flag} {file}: {err.reason}; give a tokenizer.json (at most "
+                        f"{MAX_TOKENIZER_BYTES:,} bytes) or a directory holding one.") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{flag} {file}: not UTF-8 text, so not a tokenizer.json.") from None
     try:
-        tok = tokenizers.Tokenizer.from_file(str(file))
+        tok = tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # the Rust side raises a plain Exception on malformed files
         raise SpecError(f"{flag} {file}: not a Hugging Face tokenizer.json "
                         f"({limits.clip(str(err), 120)}).") from None
@@ -95,11 +98,11 @@ def load_tokenizer(path: str | Path, flag: str = "--tokenizer-model",
 def _config_eos(directory: Path | None) -> str | None:
     """tokenizer_config.json's eos_token (a string or {"content": ...}), if there is one."""
     cfg = directory / "tokenizer_config.json" if directory else None
-    if cfg is None or not cfg.is_file() or cfg.stat().st_size > limits.MAX_FILE_BYTES:
+    if cfg is None or not cfg.exists():
         return None
     try:
-        eos = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        eos = loads_json(read_regular(cfg, limits.MAX_FILE_BYTES)).get("eos_token")
+    except (FileRefused, ValueError, AttributeError):
         return None
     if isinstance(eos, dict):
         eos = eos.get("content")

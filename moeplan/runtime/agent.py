@@ -9,7 +9,10 @@ differences a launcher needs:
   (torchrun itself would shut the workers down after 30 s and raise with a traceback). torchrun
   is told to handle only SIGQUIT, the hard stop;
 - a failed worker is reported in one line (rank, exit code or signal) instead of torchrun's
-  ChildFailedError traceback, and the agent exits with the worker's code.
+  ChildFailedError traceback, and the agent exits with the worker's code; a first failure
+  that exited 2 is a worker refusing bad input, which printed the one paragraph saying why
+  itself (rank 0 for a refusal all ranks agreed on, such as a checkpoint that cannot be
+  written), so the agent adds nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 from .lifecycle import AGENT_PID_ENV, LAUNCHER_PID_ENV, set_parent_death_signal, signal_children
 
 HARD_STOP = "SIGQUIT"  # the one signal left to torchrun: stop the workers now
+REFUSED = 2  # a worker's exit code for bad input (MoeplanError), explained by rank 0
 
 
 def _forward(signum: int, _frame: object) -> None:
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = e.get_first_failure()  # the others were stopped because of it
+        if failure.exitcode == REFUSED:
+            return REFUSED  # the worker(s) said why, in one paragraph
         print(failure_line(rank, failure.exitcode), file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except RendezvousError as e:

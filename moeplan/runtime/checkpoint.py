@@ -41,6 +41,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -57,14 +59,22 @@ from .layers import shard_info
 from .storage import (
     CKPT_FORMAT,
     INDEX,
+    MANIFEST,
     META,
     PLAN,
+    SMALL_JSON_BYTES,
     Verified,
     complete_steps,
+    held_steps,
+    newest_claimed,
     publish,
     rank_file,
+    read_json,
     step_dir,
+    step_of,
+    survey,
     verify,
+    verify_step,
     write_atomic,
 )
 from .train import Trainer
@@ -293,7 +303,13 @@ def _write_rank_file(path: Path, pieces: Pieces, owned: dict[str, list[list]]) -
         for j, (off, size) in enumerate(boxes):
             tensors[_stored_name(k, j)] = held[(tuple(off), tuple(size))].contiguous()
     if tensors:
-        save_file(tensors, str(path))
+        try:
+            save_file(tensors, str(path))
+        except Exception as e:  # safetensors' own error type, also for a full disk
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -316,6 +332,27 @@ def _kernel_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 
+class Agreed(SpecError):
+    """A refusal every rank raises together, from one decision shared by a collective: rank 0
+    alone prints it (the other ranks would repeat the same paragraph)."""
+
+
+class SaveFailed(Agreed):
+    """A checkpoint could not be written (a full disk, a read-only file system): every rank
+    raises it together, rank 0 says it in one paragraph, the run exits 2. The steps sealed
+    before stay as they were; the half-written temporary step is removed."""
+
+
+def _save_error(err: OSError, rank: int) -> str:
+    return f"{err.strerror or type(err).__name__} (rank {rank}, {err.filename or 'a file'})"
+
+
+def _agree(error: str | None, device: torch.device) -> str | None:
+    """The first rank's error of a step every rank took part in (None when all succeeded), the
+    same on every rank: one exchange, so no rank waits alone at a barrier for a failed peer."""
+    return next((e for e in all_gather_json(error, device) if e), None)
+
+
 def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
          extra: dict | None = None) -> Path:
     """Write the checkpoint of `step` (steps done) into CKPT/step_N (collective).
@@ -323,34 +360,58 @@ def save(trainer: Trainer, ckpt_dir: str | Path, step: int, keep: int = 3,
     One exchange of box lists (JSON) decides who writes each box; each rank writes its own
     safetensors file into a temporary directory; rank 0 adds index.json, meta.json and
     plan.json, and `publish` seals it (manifest last). A sealed CKPT/step_N is never
-    overwritten: the new copy is dropped.
+    overwritten: the new copy is dropped. A write that fails on any rank (ENOSPC, EROFS, ...)
+    fails the save on every rank alike (`SaveFailed`), after its temporary step is removed.
     """
     ckpt_dir, device = Path(ckpt_dir), trainer.device
     final = step_dir(ckpt_dir, step)
     rank = dist.get_rank()
+    tmp = ckpt_dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    error = None
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / str(broadcast_json(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}", device))
-    if rank == 0:
-        tmp.mkdir()
-    pieces = _local_pieces(trainer)
-    pieces.update({k: _whole(t) for k, t in _kernel_state(trainer).items()})
-    listing = {k: [list(shape), _ST[dtype], [[list(b), list(z)] for (b, z), _ in got]]
-               for k, (shape, dtype, got) in pieces.items()}
-    every = all_gather_json(listing, device)
-    owned = _owned(every)
-    dist.barrier()  # the directory exists
-    _write_rank_file(tmp / rank_file(rank), pieces, owned[rank])
-    dist.barrier()  # every rank's file is written
-    if rank == 0:
-        write_atomic(tmp / INDEX, json.dumps(_index_doc(every, owned)).encode())
-        write_atomic(tmp / PLAN, trainer.plan.model_dump_json(indent=1).encode())
-        write_atomic(tmp / META, json.dumps({
-            "format": CKPT_FORMAT, "step": step, "seed": trainer.seed, "time": time.time(),
-            "world_size": dist.get_world_size(), **(extra or {})}, indent=1,
-            allow_nan=False).encode())
-        publish(tmp, final, keep)
-    dist.barrier()
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as e:
+            error = _save_error(e, rank)
+    tmp = ckpt_dir / str(broadcast_json(tmp.name, device))
+    error = _agree(error, device)  # the directory exists, or nobody writes
+    if error is None:
+        pieces = _local_pieces(trainer)
+        pieces.update({k: _whole(t) for k, t in _kernel_state(trainer).items()})
+        listing = {k: [list(shape), _ST[dtype], [[list(b), list(z)] for (b, z), _ in got]]
+                   for k, (shape, dtype, got) in pieces.items()}
+        every = all_gather_json(listing, device)
+        owned = _owned(every)
+        try:
+            _write_rank_file(tmp / rank_file(rank), pieces, owned[rank])
+        except OSError as e:
+            error = _save_error(e, rank)
+        error = _agree(error, device)  # every rank's file is written
+    if error is None and rank == 0:
+        try:
+            write_atomic(tmp / INDEX, json.dumps(_index_doc(every, owned)).encode())
+            write_atomic(tmp / PLAN, trainer.plan.model_dump_json(indent=1).encode())
+            write_atomic(tmp / META, json.dumps({
+                "format": CKPT_FORMAT, "step": step, "seed": trainer.seed, "time": time.time(),
+                "world_size": dist.get_world_size(), **(extra or {})}, indent=1,
+                allow_nan=False).encode())
+            publish(tmp, final, keep)
+        except OSError as e:
+            error = _save_error(e, rank)
+    if rank == 0 and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    error = broadcast_json(error, device)  # type: ignore[assignment]
+    if error is not None:
+        sealed = complete_steps(ckpt_dir)
+        raise SaveFailed(
+            f"cannot save the checkpoint of step {step} into {ckpt_dir}: {error}. The run "
+            f"stopped after step {step}; "
+            + (f"the sealed checkpoints (steps {', '.join(map(str, sealed[-5:]))}) are unchanged "
+               f"and the half-written step was removed. Free space or make {ckpt_dir} "
+               "writable, then continue with --resume." if sealed else
+               "no checkpoint was sealed before it. Free space or make the directory writable "
+               "and run again."))
     return final
 
 
@@ -470,7 +531,8 @@ def load_state(trainer: Trainer, state: dict[str, list[tuple[Box, torch.Tensor]]
 def _same_plan(trainer: Trainer, path: Path) -> bool:
     """Whether the checkpoint at `path` was written under this trainer's layout, choices and
     precision (what fixes each rank's shards and data)."""
-    saved = json.loads((path / PLAN).read_text())
+    saved = read_json(path / PLAN, SMALL_JSON_BYTES, path)
+    assert isinstance(saved, dict)
     mine = json.loads(trainer.plan.model_dump_json())
     return all(saved.get(k) == mine.get(k) for k in ("layout", "choices")) and \
         saved["training"].get("precision") == mine["training"].get("precision")
@@ -523,41 +585,59 @@ def read_checkpoint(path: Path):
     return plan, state
 
 
+def checkpoint_directory(ckpt_dir: str | Path, command: str) -> Path:
+    """`ckpt_dir` as `checkpoint list|export` take it: the --ckpt-dir of a run, not one of its
+    step directories (which is refused saying what to give instead)."""
+    d = Path(ckpt_dir)
+    step = step_of(d.name)
+    if step is not None or (d / MANIFEST).exists():
+        parent = d.parent if str(d.parent) else Path(".")
+        example = (f"`moeplan checkpoint export {parent} --step {step} --to hf -o OUT`"
+                   if command == "export" else f"`moeplan checkpoint list {parent}`")
+        raise SpecError(f"{ckpt_dir} is one step of a checkpoint directory, not the directory: "
+                        f"give the directory{' and the step' if command == 'export' else ''}, "
+                        f"{example}.")
+    if not d.is_dir():
+        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
+    return d
+
+
 def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
-    """Each complete step of `ckpt_dir`: step, model, layout, verified (and the problem)."""
+    """Every step directory of `ckpt_dir` with the one verdict `--resume` and `checkpoint
+    export` use (`storage.survey`): its state ("usable", "damaged", "older format", "not a
+    checkpoint") and what is wrong, the model and the layout in the plan vocabulary
+    (`Plan.summary()`); `newest` marks the step `--resume` and export take by default."""
     from ..specs import load_plan
 
-    if not Path(ckpt_dir).is_dir():
-        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
+    d = checkpoint_directory(ckpt_dir, "list")
+    newest = newest_claimed(d)
     rows = []
-    for s in complete_steps(ckpt_dir):
-        path = step_dir(ckpt_dir, s)
-        row: dict[str, Any] = {"step": s, "path": str(path), "model": "?", "layout": "?",
-                               "verified": True, "problem": None}
-        try:
-            verify(path)
-            plan = load_plan(path / "plan.json")
-            L = plan.layout
-            row.update(model=plan.model.name, layout=f"tp{L.tp} cp{L.cp} ep{L.ep} etp{L.etp} "
-                       f"pp{L.pp} dp{L.dp}")
-        except SpecError as e:
-            row.update(verified=False, problem=str(e)[:200])
+    for st in survey(d):
+        row: dict[str, Any] = {"step": st.step, "path": str(st.path), "state": st.state,
+                               "usable": st.usable, "verified": st.usable,
+                               "problem": st.problem, "newest": st.step == newest,
+                               "model": "?", "layout": "?"}
+        if st.usable:
+            plan = load_plan(st.path / PLAN)
+            row.update(model=plan.model.name, layout=plan.summary())
         rows.append(row)
     return rows
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | None = None,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """`moeplan checkpoint export CKPT_DIR --to hf -o OUT_DIR [--step N]`."""
-
-    steps = complete_steps(ckpt_dir)
-    if not steps:
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> tuple[Path, int]:
+    """`moeplan checkpoint export CKPT_DIR --to hf -o OUT_DIR [--step N]` → (OUT_DIR, the step
+    exported): the newest step that claims to be a checkpoint, or `step`, by the same rule as
+    `--resume` (`verify_step`): a damaged one is refused by name (with the newest usable step
+    to give instead), never passed over in silence."""
+    d = checkpoint_directory(ckpt_dir, "export")
+    held = held_steps(d)
+    if not held:
         raise SpecError(f"{ckpt_dir}: no complete checkpoint to export.")
-    if step is not None and step not in steps:
-        raise SpecError(f"{ckpt_dir}: no complete checkpoint of step {step}; complete steps: "
-                        f"{', '.join(map(str, steps[-10:]))}.")
-    path = step_dir(ckpt_dir, step if step is not None else steps[-1])
-    verify(path)
-    plan, state = read_checkpoint(path)
+    if step is not None and step not in held:
+        raise SpecError(f"{ckpt_dir}: no checkpoint of step {step}; its checkpoints: "
+                        f"{', '.join(map(str, held[-10:]))}.")
+    v = verify_step(d, step if step is not None else held[-1], "export")
+    plan, state = read_checkpoint(v.path)
     return write_hf(plan.model, state, out_dir, max_shard_bytes,
-                    tokenizer=checkpoint_tokenizer(ckpt_dir))
+                    tokenizer=checkpoint_tokenizer(ckpt_dir)), v.step

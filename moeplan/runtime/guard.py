@@ -164,6 +164,25 @@ def shortfall(needs: list[RankNeed], devices: Devices) -> str | None:
     return None
 
 
+def one_rank_fits(needs: list[RankNeed], devices: Devices) -> bool:
+    """Whether the busiest rank alone fits (on the host, or on any one GPU here): only then can
+    spreading the ranks over more nodes make the run fit."""
+    if not devices.free_gb or not needs:
+        return True
+    busiest = max(n.total_gb for n in needs)
+    return busiest <= max(devices.free_gb)
+
+
+def why_more_nodes_cannot_help(needs: list[RankNeed], devices: Devices) -> str:
+    """The sentence saying why more nodes are not offered: one rank does not fit alone."""
+    busiest = max(needs, key=lambda n: n.total_gb)
+    where = ("the host's MemAvailable" if devices.kind == "cpu"
+             else "the free memory of the largest GPU here")
+    return (f"More nodes cannot help: one rank alone (rank {busiest.rank}) needs about "
+            f"{busiest.total_gb:.1f} GB, more than the {max(devices.free_gb):.1f} GB of {where}, "
+            "and a rank never spans nodes.")
+
+
 def machine_cluster(plan: Plan, device_kind: str, gpu_name: str | None,
                     cluster: str | None) -> ClusterSpec | None:
     """The ClusterSpec predictions for this machine use: `--cluster` when given, else the

@@ -21,7 +21,9 @@ worker starts.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecError
+from ..fsio import FileRefused, loads_json, open_regular, read_regular
 from ..specs import ModelSpec
 from .layers import shard_info
 
@@ -40,23 +43,23 @@ MAX_INDEX_BYTES = 64 << 20  # index.json of the largest public checkpoints is a 
 
 # ------------------------------------------------------------------------------ the files
 def read_json(path: Path, limit: int) -> dict[str, Any]:
-    """A strict JSON object from `path` (size-bounded, NaN/Infinity refused)."""
+    """A strict JSON object from `path`: a regular file (a named pipe or a link to a device is
+    refused, never waited on or read without end), at most `limit` bytes, no repeated key, no
+    NaN or infinity (`1e999` included) — the planner's reader (`specs.loader`) refuses the same."""
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise SpecError(f"{path} is {size:,} bytes, more than the {limit:,} a "
-                            "Hugging Face file of this kind can be; check the path.")
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise SpecError(f"cannot read {path}: {err.strerror}. Check the path.") from None
+        raw = read_regular(path, limit)
+    except FileRefused as err:
+        if err.kind == "size":
+            raise SpecError(f"{path} is more than the {limit:,} bytes a Hugging Face file of "
+                            "this kind can be; check the path.") from None
+        if err.kind == "unreadable":
+            raise SpecError(f"cannot read {path}: {err.reason}. Check the path.") from None
+        raise SpecError(f"{path} {err.reason}; a Hugging Face checkpoint directory holds "
+                        "regular files.") from None
+    try:
+        data = loads_json(raw)
     except UnicodeDecodeError:
         raise SpecError(f"{path} is not UTF-8 text; it is not a Hugging Face JSON file.") from None
-
-    def no_constant(name: str) -> None:
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        data = json.loads(text, parse_constant=no_constant)
     except (ValueError, RecursionError) as err:
         raise SpecError(f"{path} is not valid JSON: {str(err)[:120]}. Fix the file.") from None
     if not isinstance(data, dict):
@@ -114,6 +117,11 @@ class HFWeights:
     def _file(self, name: str):
         if name not in self._files:
             path = self.dir / name
+            try:  # a named pipe would block safe_open forever, a device read without end
+                os.close(open_regular(path))
+            except FileRefused as err:
+                raise SpecError(f"{path} {err.reason}; the weights of a Hugging Face "
+                                "checkpoint are regular safetensors files.") from None
             try:
                 self._files[name] = self._open(str(path), framework="pt")
             except Exception as err:  # safetensors raises its own error types
@@ -421,7 +429,6 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     """Refuse (SpecError, exit 2) an HF directory whose config or tensors do not match `spec`,
     from config.json and the safetensors headers only; run before any worker starts."""
     import logging
-    import os
 
     from .model import Transformer
 
@@ -602,8 +609,6 @@ def _fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        import os
-
         os.fsync(f.fileno())
 
 
@@ -652,15 +657,55 @@ def _hf_special_ids(config: dict[str, Any], tokenizer) -> dict[str, Any]:
     return {**config, "eos_token_id": tokenizer.eod_id}
 
 
+def _export_tmp(out: Path) -> Path:
+    """The temporary sibling an export of `out` writes into: `.OUT.tmp-HOST-PID-RANDOM`, so a
+    later export can tell the leftover of a killed one from one in progress."""
+    import socket
+    import uuid
+
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
+    return out.parent / f".{out.name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _remove_stale_exports(out: Path) -> list[Path]:
+    """Remove what killed exports to `out` left behind (their temporary directories never
+    reached the rename): those of this host whose process is gone, and any of an older naming
+    without host and pid. A live export's directory, and other hosts', are left alone."""
+    import shutil
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
+    gone = []
+    for p in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        tail = p.name[len(out.name) + 6:]
+        m = re.fullmatch(r"(.+)-(\d+)-[0-9a-f]{8}", tail)
+        if m is None and not re.fullmatch(r"[0-9a-f]{8}", tail):
+            continue  # not a name an export gives
+        if m is not None and (m[1] != host or _alive(int(m[2]))):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path,
              max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer=None) -> Path:
     """config.json + sharded safetensors + model.safetensors.index.json (+ the tokenizer's
     files, `tokenizer`: a `data.tokenizer.TokenizerInfo`), atomically: written into a temporary
     sibling directory, each file fsynced, then renamed to `out_dir` (which must not exist
-    yet), so a failed export leaves nothing behind."""
-    import os
+    yet), so a failed export leaves nothing behind, and what a killed one left is removed by
+    the next export to the same place."""
     import shutil
-    import uuid
 
     from safetensors.torch import save
 
@@ -669,9 +714,10 @@ def write_hf(spec: ModelSpec, full: dict[str, torch.Tensor], out_dir: str | Path
         raise SpecError(f"-o {out}: it already exists; export into a new directory.")
     if not out.parent.is_dir():
         raise SpecError(f"-o {out}: the parent directory {out.parent} does not exist.")
+    _remove_stale_exports(out)
     config = _hf_special_ids(hf_config_for(spec), tokenizer)
     tensors = hf_tensors(spec, full)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = _export_tmp(out)
     try:
         tmp.mkdir()
         shards: list[dict[str, torch.Tensor]] = [{}]

@@ -11,30 +11,48 @@ never prepare the plan themselves. The torchrun line comes from `moeplan.command
 Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
 signal, so neither it nor its workers outlive this process, SIGKILLed or not. SIGINT and SIGTERM
 are passed on; the workers stop at the next step boundary (checkpointing when --ckpt-dir is
-given) and this process exits 130 (SIGINT) or 75 (SIGTERM, preemption) after one line. A second
-signal, or workers still busy STOP_GRACE_S later, kills them at once.
+given) and this process exits 130 (SIGINT) or 75 (SIGTERM, preemption) after one line, also
+when the signal went to one worker only (the workers agree on it; summary.json says which). A
+second signal, or workers still busy STOP_GRACE_S later, kills them at once. A single-node run
+holds the --ckpt-dir lock (storage.CkptLock) for its whole life.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from .. import limits
 from ..commands import torchrun_args
-from ..errors import MoeplanError, NotYetAvailable, RunFailed, RunStopped, SpecError
-from ..fsio import write_json
+from ..errors import (
+    MoeplanError,
+    NotYetAvailable,
+    RunFailed,
+    RunRefused,
+    RunStopped,
+    SpecError,
+)
+from ..fsio import FileRefused, loads_json, read_regular, write_json
 from ..specs import Plan, check_layout, load_plan
-from .lifecycle import LAUNCHER_PID_ENV, stop_exit_code
+from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, stop_exit_code
 from .options import PreparedRun, RunOptions
 from .settings import apply_settings, check_run_inputs, keeps_vocabulary
-from .storage import held_steps, resume_point, verify
+from .storage import (
+    LOCKED_ENV,
+    CkptLock,
+    check_ckpt_dir,
+    held_steps,
+    resume_point,
+    step_of,
+    verify_step,
+)
 from .support import features_not_executed, settings_not_executed, without_speed_settings
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
@@ -71,6 +89,8 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
     assert opts.steps is not None
     if opts.steps < 1:
         raise SpecError(f"--steps must be at least 1, got {opts.steps}.")
+    limits.check("--steps", opts.steps, limits.MAX_STEPS, "train fewer steps")
+    limits.check_seed(opts.seed)
     if opts.dtype not in (None, "fp32", "bf16"):
         raise SpecError(f"--dtype takes fp32 or bf16, got {opts.dtype!r}.")
     if opts.ckpt_every < 0 or opts.max_restarts < 0 or opts.ckpt_keep < 0:
@@ -142,7 +162,7 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
               file=sys.stderr)
     if path is None:
         return 0, None
-    v = verify(path)
+    v = verify_step(path.parent, step_of(path.name) or 0)  # the rule list and export use
     saved = load_plan(path / "plan.json")
     if saved.model != running.model:
         raise SpecError(f"checkpoint {path} holds model {saved.model.name!r} with other "
@@ -206,13 +226,15 @@ def guard_memory(running: Plan, opts: RunOptions, nproc: int, devices=None) -> N
             fixes.append(f"`--scale-down` (the same parallel degrees on a "
                          f"{small.model.total_params() / 1e6:.1f} M-parameter model, about "
                          f"{sum(n.total_gb for n in small_needs):.1f} GB here)")
-    if nproc > 1:
+    alone = guard.one_rank_fits(needs, devices)
+    if nproc > 1 and alone:
         fixes.append(f"more nodes (`--nnodes {opts.nnodes * 2} --nproc-per-node {nproc // 2}` "
                      "on each, with --rdzv-endpoint)")
     fixes.append("a smaller plan (`moeplan search` over more GPUs shards weights and "
                  "optimizer states further; recompute and a smaller --gbs cut activations)")
+    why_not = "" if alone else " " + guard.why_more_nodes_cannot_help(needs, devices)
     raise SpecError(f"this run does not fit in memory: {why}, priced by the cost model at "
-                    f"{dtype}. Nothing was run. Fix: " + "; or ".join(fixes) + ".")
+                    f"{dtype}. Nothing was run.{why_not} Fix: " + "; or ".join(fixes) + ".")
 
 
 def run(plan: Plan | str | Path, **options: object) -> dict:
@@ -224,7 +246,6 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     """
     opts = RunOptions(**options)  # type: ignore[arg-type]
     given, running = prepare_plan(plan, opts)
-    opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
     if opts.cluster:
         from .guard import check_cluster_ref
 
@@ -232,12 +253,17 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     world = running.layout.world_size
     out = Path(opts.out) if opts.out else default_out(plan)
     opts.out = str(out)
-    prepared = PreparedRun(given, running, opts)
+    check_outputs(out)
     joined = _joined_environment(opts)
     if joined is not None:
         if int(joined["WORLD_SIZE"]) != world:
             raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
                             f"has WORLD_SIZE={joined['WORLD_SIZE']}; launch {world} processes.")
+        if opts.ckpt_dir:  # global rank 0's worker takes the directory's lock (worker.py)
+            check_ckpt_dir(opts.ckpt_dir)
+        opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
+        prepared = PreparedRun(given, running, opts)
+        os.environ.pop(LOCKED_ENV, None)
         if joined.get("RANK", "0") == "0":
             _save_plan(given, out)
         os.environ.update(joined)
@@ -267,28 +293,68 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         print(describe_scale_down(given, running, keeps_vocabulary(opts)), file=sys.stderr,
               flush=True)
     guard_memory(running, opts, nproc)
-    _save_plan(given, out)
-    prepared.write(out)  # OUT/run.json: what every worker reads, prepared once, here
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
-    started = time.time()
-    code, signum = _run_agent(torchrun_command(opts, out, nproc), env)
+    with contextlib.ExitStack() as held:
+        env = dict(os.environ)
+        env.pop(LOCKED_ENV, None)
+        if opts.ckpt_dir and opts.nnodes == 1:  # the whole run is this tree: lock it here
+            held.enter_context(CkptLock(opts.ckpt_dir, _describe(plan, out)))
+            env[LOCKED_ENV] = "1"
+        elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
+            check_ckpt_dir(opts.ckpt_dir)
+        opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
+        _save_plan(given, out)
+        PreparedRun(given, running, opts).write(out)  # OUT/run.json: what every worker reads
+        env.setdefault("OMP_NUM_THREADS", str(max(1, limits.usable_cpus() // nproc)))
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+        started = time.time()
+        code, signum = _run_agent(torchrun_command(opts, out, nproc), env)
     summary_path = out / "summary.json"
     fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
     summary = _read_summary(summary_path) if fresh else None
-    if signum and not (summary and not summary.get("preempted_at") and code == 0):
-        raise Stopped(signum, summary, opts.ckpt_dir)  # (a run that finished anyway returns)
+    stop = signum or _stopped_by(summary)  # this process, or any one worker, got the signal
+    if stop and not (summary and not summary.get("preempted_at") and code == 0):
+        raise Stopped(stop, summary, opts.ckpt_dir)  # (a run that finished anyway returns)
+    if code == 2:  # the workers refused to go on; rank 0 said why in one paragraph
+        raise RunRefused()
     if code:
         raise RunFailed(code)
     return summary or {}
 
 
+def _describe(plan: Plan | str | Path, out: Path) -> str:
+    """The run, as the lock file names it to a second run."""
+    name = plan.model.name if isinstance(plan, Plan) else str(plan)
+    return f"moeplan run {limits.clip(name, 120)} --out {limits.clip(str(out), 120)}"
+
+
+def _stopped_by(summary: dict | None) -> int | None:
+    """The stop signal the workers agreed on (summary.json's `stopped_by`), when a worker
+    rather than this launcher received it (a node-local preemption signals one process)."""
+    name = (summary or {}).get("stopped_by")
+    return next((int(s) for s in STOP_EXIT_CODES if s.name == name), None)
+
+
+def check_outputs(out: Path) -> None:
+    """Refuse, before anything starts, a run output that would be written somewhere else: the
+    appended metrics.jsonl must be a regular file (not a link to a file outside --out, not a
+    named pipe); the other outputs are replaced by rename, which never follows a link."""
+    metrics = out / "metrics.jsonl"
+    try:
+        mode = metrics.lstat().st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise SpecError(f"{metrics} is {what}; the run appends to it and never writes through "
+                        "a link. Remove it, or choose another --out. Nothing was run.")
+
+
 def _read_summary(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = loads_json(read_regular(path, limits.MAX_FILE_BYTES))
+    except (FileRefused, ValueError):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _save_plan(plan: Plan, out: Path) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..fsio import finite_or_null, strict_dumps
+from ..fsio import append_text, finite_or_null, strict_dumps
 from ..specs import Plan
 from .options import RunOptions
 
@@ -66,8 +66,9 @@ class RunLog:
             record.update(eval_loss=eval_loss, eval_ppl=ppl)
             self.evaluations.append(finite_or_null({"step": metrics.step, "loss": eval_loss,
                                                     "ppl": ppl}))
-        with open(self.out / "metrics.jsonl", "a") as f:  # appended, never truncated
-            f.write(strict_dumps(finite_or_null(record), indent=None) + "\n")
+        # appended, never truncated, never through a link
+        append_text(self.out / "metrics.jsonl",
+                    strict_dumps(finite_or_null(record), indent=None) + "\n")
         if self.tb is not None:
             self.tb.step(metrics.step, record)
             if eval_loss is not None:

@@ -18,18 +18,25 @@ checkpoint completely before any worker starts.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import limits
 from ..errors import SpecError
+from ..fsio import FileRefused, loads_json, open_regular, read_regular
 
 CKPT_FORMAT = "moeplan-ckpt-v3"  # v3: per-rank safetensors, JSON index, required manifest
 LEGACY_FORMATS = ("moeplan-ckpt-v1", "moeplan-ckpt-v2")  # DCP files with a pickled index
@@ -38,7 +45,16 @@ INDEX = "index.json"
 META = "meta.json"
 PLAN = "plan.json"
 LATEST = "latest"
-_STEP = re.compile(r"^step_(\d{8})$")
+LOCK = ".moeplan.lock"  # held (flock) by the run writing into the directory; names it
+_STEP = re.compile(r"^step_(\d{8,13})$")  # 8 digits, more past step 99,999,999 (MAX_STEPS)
+
+
+def step_of(name: str) -> int | None:
+    """The step a `step_*` directory name stands for, or None. Names are `step_{N:08d}`: eight
+    digits up to step 99,999,999 and as many as needed past it; a name with extra leading zeros
+    (`step_000000003`) is not the name of any step, so it cannot shadow `step_00000003`."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m and name == step_dir("", int(m.group(1))).name else None
 
 
 # ------------------------------------------------------------------------ checkpoint folders
@@ -66,7 +82,7 @@ def rank_file(rank: int) -> str:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, follow_links=False), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -96,21 +112,22 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync(path.parent)
 
 
-def _refuse(path: Path, why: str) -> SpecError:
-    return SpecError(f"checkpoint {path}: {why} Refusing to load it: restore the step from a "
-                     "copy, remove it to resume from an earlier step, or start a fresh run in "
-                     "another --ckpt-dir. Nothing was run.")
+RESUME_ADVICE = ("Refusing to load it: restore the step from a copy, remove it to resume from "
+                 "an earlier step, or start a fresh run in another --ckpt-dir. Nothing was run.")
 
 
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a JSON number")
+class CheckpointRefused(SpecError):
+    """A step directory that is not a usable checkpoint: `why` says what is wrong with it, in
+    one sentence naming the file; the message adds what to do (`--resume`'s advice unless the
+    caller gives its own, as `checkpoint export` does)."""
+
+    def __init__(self, path: Path, why: str, advice: str = RESUME_ADVICE, legacy: bool = False):
+        self.path, self.why, self.advice, self.legacy = Path(path), why, advice, legacy
+        super().__init__(f"checkpoint {path}: {why} {advice}")
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("a key appears twice")
-    return dict(pairs)
+def _refuse(path: Path, why: str) -> CheckpointRefused:
+    return CheckpointRefused(path, why)
 
 
 def read_json(path: Path, limit: int, step: Path) -> object:
@@ -119,18 +136,19 @@ def read_json(path: Path, limit: int, step: Path) -> object:
 
 
 def _read_bounded(path: Path, limit: int, step: Path) -> bytes:
-    if path.is_symlink() or not path.is_file():
-        raise _refuse(step, f"{path.name} is missing or not a plain file.")
-    if path.stat().st_size > limit:
-        raise _refuse(step, f"{path.name} has {path.stat().st_size} bytes, more than the "
-                      f"{limit} a checkpoint's {path.name} may have.")
-    return path.read_bytes()
+    """A checkpoint file's bytes: a regular file (never a link), at most `limit` bytes."""
+    try:
+        return read_regular(path, limit, follow_links=False)
+    except FileRefused as e:
+        if e.kind == "size":
+            raise _refuse(step, f"{path.name} has more than the {limit} bytes a checkpoint's "
+                          f"{path.name} may have.") from None
+        raise _refuse(step, f"{path.name} is missing or not a plain file ({e.reason}).") from None
 
 
 def parse_json(data: bytes, name: str, step: Path) -> object:
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant,
-                          object_pairs_hook=_unique_keys)
+        return loads_json(data)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
         raise _refuse(step, f"{name} is not strict JSON ({str(e)[:120]}).") from None
 
@@ -170,12 +188,10 @@ def _legacy_format(path: Path) -> str | None:
     dcp_files = (path / ".metadata").exists() or any(path.glob("*.distcp"))
     fmt = None
     try:
-        m = path / META
-        small = m.is_file() and m.stat().st_size <= SMALL_JSON_BYTES
-        meta = json.loads(m.read_bytes().decode("utf-8")) if small else None
+        meta = loads_json(read_regular(path / META, SMALL_JSON_BYTES, follow_links=False))
         if isinstance(meta, dict) and meta.get("format") in LEGACY_FORMATS:
             fmt = meta["format"]
-    except (OSError, ValueError, RecursionError):
+    except (SpecError, ValueError, RecursionError):
         pass
     return fmt or ("moeplan-ckpt-v2" if dcp_files else None)
 
@@ -270,7 +286,7 @@ def scan(ckpt_dir: str | Path) -> list[tuple[int, str]]:
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)))
+    steps = sorted(s for p in root.iterdir() if (s := step_of(p.name)) is not None)
     return [(s, step_state(step_dir(root, s))) for s in steps]
 
 
@@ -303,16 +319,33 @@ def check_meta(path: Path, meta: object) -> dict:
     if meta.get("format") != CKPT_FORMAT:
         raise _refuse(path, f"{META} names format {str(meta.get('format'))[:40]!r}, not "
                       f"{CKPT_FORMAT}.")
-    for key in ("step", "seed", "world_size"):
+    for key in ("step", "world_size"):
         if not _whole(meta.get(key)) or meta[key] < (1 if key == "world_size" else 0):
             raise _refuse(path, f'{META}: "{key}" must be a whole number'
                           + (" of at least 1" if key == "world_size" else "")
                           + f", got {str(meta.get(key))[:40]!r}.")
-    m = _STEP.match(path.name)
-    if m and int(m.group(1)) != meta["step"]:
+    try:
+        limits.check_seed(meta.get("seed"), f'{META}: "seed"')  # the rule `run --seed` obeys
+    except SpecError as e:
+        raise _refuse(path, str(e).split(";")[0] + ".") from None
+    m = step_of(path.name)
+    if m is not None and m != meta["step"]:
         raise _refuse(path, f'{META} says step {meta["step"]} but the directory is '
                       f"{path.name}.")
     return meta
+
+
+def check_plan(path: Path, doc: object) -> None:
+    """plan.json: a plan this version reads (the resuming run compares its model; export
+    builds the model from it)."""
+    from ..specs import Plan
+    from ..specs.validated import build
+
+    try:
+        build(Plan, doc, "plan", str(path / PLAN))
+    except SpecError as e:
+        raise _refuse(path, f"{PLAN} is not a plan this version reads "
+                      f"({limits.clip(' '.join(str(e).split()), 200)}).") from None
 
 
 def check_index(path: Path, index: object) -> dict:
@@ -368,12 +401,37 @@ def _bad_tensor(t: object, n_files: int, names: set[tuple[int, str]]) -> str | N
     return None
 
 
-def read_safetensors_header(path: Path, step: Path) -> dict[str, tuple[str, list[int]]]:
-    """name → (dtype, shape) from a safetensors file's header, checked without torch: the
-    header is bounded strict JSON, and each tensor's byte range lies inside the file and
-    matches its dtype and shape. Anything else (a pickle, say) is refused by name."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+@dataclass(frozen=True)
+class StEntry:
+    """One tensor of a safetensors header: dtype, shape and its byte range in the data section
+    (which starts at `data_start` in the file)."""
+
+    dtype: str
+    shape: list[int]
+    begin: int
+    end: int
+    data_start: int
+
+
+def read_safetensors_header(path: Path, step: Path) -> dict[str, StEntry]:
+    """name → entry of a safetensors file's header, checked without torch by the rules the
+    safetensors library applies when it opens the file (`Metadata::validate`), so that nothing
+    passes here that `safe_open` then refuses inside a worker:
+
+    - 8 bytes of little-endian header length n ≤ 100 MB, the header inside the file, a JSON
+      object (UTF-8, strict, no repeated key) starting with `{`;
+    - `__metadata__`, when present, maps strings to strings;
+    - each tensor has exactly dtype, shape and data_offsets; its byte count is its shape's
+      product times the dtype's size;
+    - sorted by offset, the tensors' ranges are contiguous and non-overlapping, start at 0 and
+      end exactly at the end of the file (no trailing bytes).
+    Anything else (a pickle, say) is refused by name."""
+    try:
+        fd = open_regular(path, follow_links=False)
+    except FileRefused as e:
+        raise _refuse(step, f"{path.name} is not a regular file ({e.reason}).") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 2 <= n <= min(HEADER_BYTES, size - 8):
@@ -381,31 +439,80 @@ def read_safetensors_header(path: Path, step: Path) -> dict[str, tuple[str, list
                           "do not give a header length inside the file).")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                            object_pairs_hook=_unique_keys)
+        header = loads_json(raw) if raw[:1] == b"{" else None
     except (ValueError, RecursionError):
-        raise _refuse(step, f"{path.name} is not a safetensors file (its header is not strict "
-                      "JSON).") from None
+        header = None
     if not isinstance(header, dict):
-        raise _refuse(step, f"{path.name} is not a safetensors file.")
-    data = size - 8 - n
-    out: dict[str, tuple[str, list[int]]] = {}
+        raise _refuse(step, f"{path.name} is not a safetensors file (its header is not a "
+                      "strict JSON object).")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _refuse(step, f"{path.name}: its __metadata__ is not a mapping of strings to "
+                      "strings, which safetensors refuses.")
+    out: dict[str, StEntry] = {}
     for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        ok = (isinstance(e, dict) and e.get("dtype") in ST_ITEMSIZE
-              and isinstance(e.get("shape"), list) and all(map(_whole, e["shape"]))
-              and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-              and all(map(_whole, e["data_offsets"])))
+        ok = (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}
+              and e["dtype"] in ST_ITEMSIZE and isinstance(e["shape"], list)
+              and len(e["shape"]) <= MAX_NDIM
+              and all(_whole(d) and 0 <= d < 1 << 40 for d in e["shape"])
+              and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2
+              and all(_whole(o) and o >= 0 for o in e["data_offsets"]))
         if ok:
             a, b = e["data_offsets"]
-            ok = (0 <= a <= b <= data and all(d >= 0 for d in e["shape"])
-                  and b - a == math.prod(e["shape"]) * ST_ITEMSIZE[e["dtype"]])
+            ok = b - a == math.prod(e["shape"]) * ST_ITEMSIZE[e["dtype"]]
         if not ok:
             raise _refuse(step, f"{path.name}: the header entry of {name[:80]!r} is not a "
-                          "tensor inside the file.")
-        out[name] = (e["dtype"], e["shape"])
+                          "tensor of its dtype and shape.")
+        out[name] = StEntry(e["dtype"], e["shape"], *e["data_offsets"], 8 + n)
+    end = 0
+    for name, e in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin != end:
+            raise _refuse(step, f"{path.name}: the bytes of {name[:80]!r} start at {e.begin}, "
+                          f"not where the previous tensor ends ({end}); safetensors refuses "
+                          "overlapping or gapped offsets.")
+        end = e.end
+    if 8 + n + end != size:
+        raise _refuse(step, f"{path.name} has {size - 8 - n - end} bytes after its last "
+                      "tensor (or lacks them); safetensors refuses a data section that its "
+                      "tensors do not cover exactly.")
     return out
+
+
+# torch's CPU generator state (at::CPUGeneratorImplState, 5056 bytes on 64-bit platforms):
+# seed u64, left i32, seeded i32, next u64, 624 state words, ... `torch.set_rng_state`
+# refuses another size, and an engine unless seeded, 1 ≤ left ≤ 624 and (uint32) next ≤ 624
+# ("Invalid mt19937 state"); tests/test_checkpoint.py checks this against torch itself.
+RNG_KEY = "rng/torch"
+RNG_BYTES = (5056,)
+MT_N = 624
+
+
+def rng_state_problem(state: bytes) -> str | None:
+    """Why torch would refuse `state` as a CPU RNG state (None: it accepts it)."""
+    if len(state) not in RNG_BYTES:
+        return f"it has {len(state)} bytes, not the {RNG_BYTES[0]} of a torch CPU RNG state"
+    left, seeded = struct.unpack_from("<ii", state, 8)
+    (nxt,) = struct.unpack_from("<Q", state, 16)
+    if not seeded or not 1 <= left <= MT_N or nxt & 0xFFFFFFFF > MT_N:
+        return "it is not a valid Mersenne-Twister state (torch refuses it)"
+    return None
+
+
+def _rng_problem(path: Path, index: dict, headers: list[dict[str, StEntry]]) -> str | None:
+    """Why the saved RNG state would make `torch.set_rng_state` fail in a worker, or None:
+    read from its boxes (a 1-D byte tensor) without torch."""
+    entry = index["tensors"].get(RNG_KEY)
+    if entry is None:
+        return f"{INDEX} holds no {RNG_KEY}, which every checkpoint saves"
+    if entry["dtype"] != "U8" or len(entry["shape"]) != 1:
+        return f"{RNG_KEY} is not a 1-D U8 tensor"
+    data = bytearray(entry["shape"][0])
+    for fi, name, (off,), (count,) in entry["boxes"]:
+        e = headers[fi][name]
+        with os.fdopen(open_regular(path / index["files"][fi], follow_links=False), "rb") as f:
+            f.seek(e.data_start + e.begin)
+            data[off: off + count] = f.read(count)
+    return rng_state_problem(bytes(data))
 
 
 # ------------------------------------------------------------------------------ verification
@@ -432,12 +539,12 @@ def verify(path: str | Path, full: bool = True) -> Verified:
     path = Path(path)
     legacy = _legacy_format(path)
     if legacy:
-        raise SpecError(
-            f"checkpoint {path} is a {legacy} checkpoint (torch.distributed.checkpoint files "
-            "with a pickled .metadata index), which this version does not read: loading it "
-            f"would mean unpickling that index. This version reads {CKPT_FORMAT} (safetensors "
-            "and JSON). Resume with the moeplan version that wrote it, or start a fresh run in "
-            "another --ckpt-dir. Nothing was run.")
+        raise CheckpointRefused(
+            path, f"it is a {legacy} checkpoint (torch.distributed.checkpoint files with a "
+            "pickled .metadata index), which this version does not read: loading it would "
+            f"mean unpickling that index. This version reads {CKPT_FORMAT} (safetensors and "
+            "JSON).", "Resume with the moeplan version that wrote it, or start a fresh run in "
+            "another --ckpt-dir. Nothing was run.", legacy=True)
     if not (path / MANIFEST).is_file():
         raise _refuse(path, f"it has no {MANIFEST}, so it is not a complete checkpoint.")
     raw = _read_bounded(path / MANIFEST, SMALL_JSON_BYTES, path)  # one read: checked and hashed
@@ -448,7 +555,7 @@ def verify(path: str | Path, full: bool = True) -> Verified:
             raise _refuse(path, f"{name} does not match its SHA-256 in {MANIFEST} (corrupt "
                           "or changed after it was written).")
     meta = check_meta(path, read_json(path / META, SMALL_JSON_BYTES, path))
-    read_json(path / PLAN, SMALL_JSON_BYTES, path)
+    check_plan(path, read_json(path / PLAN, SMALL_JSON_BYTES, path))
     index = check_index(path, read_json(path / INDEX, INDEX_BYTES, path))
     want_files = {META, PLAN, INDEX, *index["files"]}
     if set(files) != want_files:
@@ -462,15 +569,20 @@ def verify(path: str | Path, full: bool = True) -> Verified:
 
 
 def _headers_match(path: Path, index: dict) -> None:
-    """Every box the index names is a tensor of that name, dtype and shape in its file."""
+    """Every box the index names is a tensor of that name, dtype and shape in its file, and
+    the saved RNG state is one torch accepts."""
     headers = [read_safetensors_header(path / f, path) for f in index["files"]]
     for key, t in index["tensors"].items():
         for fi, name, _, size in t["boxes"]:
-            got = headers[fi].get(name)
+            e = headers[fi].get(name)
+            got = e and (e.dtype, e.shape)
             if got != (t["dtype"], size):
                 raise _refuse(path, f"{index['files'][fi]} does not hold {name[:80]!r} as "
                               f"{INDEX} describes it ({t['dtype']} {size[:8]}, for {key[:80]}); "
                               f"it holds {got and (got[0], got[1][:8])}.")
+    bad = _rng_problem(path, index, headers)
+    if bad:
+        raise _refuse(path, f"its saved RNG state ({RNG_KEY}) cannot be restored: {bad}.")
 
 
 def manifest_sha256(path: str | Path) -> str:
@@ -481,10 +593,184 @@ def manifest_sha256(path: str | Path) -> str:
 
 
 def newest_checkpoint(ckpt_dir: str | Path, check: bool = True) -> Path | None:
-    """The newest sealed step directory (verified completely when `check`), or None."""
+    """The newest step directory that claims to be a checkpoint (verified completely, by
+    `verify_step`'s rule, when `check`), or None."""
     path, _ = resume_point(ckpt_dir)
     if path is None:
         return None
     if check:
-        verify(path)
+        verify_step(path.parent, step_of(path.name) or 0)
     return path
+
+
+# ------------------------------------------------------------ usable steps: one rule for all
+# A `step_*` directory with a manifest (or an older format's files) claims to be a checkpoint;
+# it is usable exactly when `verify` accepts it completely. `--resume` (and a torchrun restart)
+# and `checkpoint export` take the newest claimed step, or the one `--step` names, and refuse
+# it by name when it is not usable: they never fall back to an older step in silence.
+# `checkpoint list` shows every step directory with the same verdict. A `step_*` without a
+# manifest is not a checkpoint: passed over by name, removed at the next save.
+@dataclass(frozen=True)
+class StepStatus:
+    """What one `step_*` directory is, by the one rule (`verify`, completely)."""
+
+    step: int
+    path: Path
+    state: str  # "usable" | "damaged" | "older format" | "not a checkpoint"
+    problem: str | None  # why it is not usable (None when it is)
+    verified: Verified | None
+
+    @property
+    def usable(self) -> bool:
+        return self.verified is not None
+
+
+NOT_SEALED = (f"it has no {MANIFEST}, so it is not a checkpoint (never sealed, or its manifest "
+              "was removed); --resume and export pass over it, and the next save removes it")
+
+
+def step_status(path: Path, step: int) -> StepStatus:
+    """The verdict on one step directory: usable (verified completely) or why not."""
+    if not (path / MANIFEST).exists() and not _legacy_format(path):
+        return StepStatus(step, path, "not a checkpoint", NOT_SEALED, None)
+    try:
+        return StepStatus(step, path, "usable", None, verify(path))
+    except CheckpointRefused as e:
+        state = "older format" if _legacy_format(path) else "damaged"
+        return StepStatus(step, path, state, e.why, None)
+
+
+def survey(ckpt_dir: str | Path) -> list[StepStatus]:
+    """Every `step_*` directory of `ckpt_dir`, oldest first, each with its verdict."""
+    return [step_status(step_dir(ckpt_dir, s), s) for s, _ in scan(ckpt_dir)]
+
+
+def newest_claimed(ckpt_dir: str | Path) -> int | None:
+    """The step `--resume` and `checkpoint export` take by default: the newest step directory
+    that claims to be a checkpoint (usable or not), or None."""
+    held = held_steps(ckpt_dir)
+    return held[-1] if held else None
+
+
+def newest_usable_before(ckpt_dir: str | Path, step: int) -> int | None:
+    """The newest usable step older than `step` (each candidate verified completely)."""
+    for s in reversed(held_steps(ckpt_dir)):
+        if s < step and step_status(step_dir(ckpt_dir, s), s).usable:
+            return s
+    return None
+
+
+def verify_step(ckpt_dir: str | Path, step: int, purpose: str = "resume") -> Verified:
+    """`verify` of `ckpt_dir`'s step `step`, refused by the one rule's words: what is wrong,
+    and which older step is usable instead (`purpose`: "resume" or "export")."""
+    path = step_dir(ckpt_dir, step)
+    try:
+        return verify(path)
+    except CheckpointRefused as e:
+        older = newest_usable_before(ckpt_dir, step)
+        if purpose == "export":
+            this = ("export it with the moeplan version that wrote it" if e.legacy
+                    else "restore this one from a copy")
+            advice = (f"Export the newest usable step with --step {older}, or {this}." if older
+                      else f"No older step is usable either; {this}.")
+        else:
+            advice = e.advice + (f" The newest usable step is {older}." if older
+                                 else " No older step is usable either.")
+        raise CheckpointRefused(e.path, e.why, advice, e.legacy) from None
+
+
+# ------------------------------------------------------------- the directory a run writes into
+LOCKED_ENV = "MOEPLAN_CKPT_LOCKED"  # set by a launcher holding the lock, for its workers
+
+
+def check_ckpt_dir(ckpt_dir: str | Path) -> Path:
+    """Refuse, before anything starts, a --ckpt-dir the run could not save into: a file (or
+    a path under one), one that cannot be created, or one that cannot be written (read-only
+    file system, no permission). It is created when missing."""
+    d = Path(ckpt_dir)
+    for p in (d, *d.parents):
+        if p.exists() and not p.is_dir():
+            raise SpecError(f"--ckpt-dir {limits.clip(str(d))}: {p} is a file, not a directory. "
+                            "Give a directory (it is created if missing). Nothing was run.")
+        if p.exists():
+            break
+    probe = d / f".moeplan-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe.mkdir()
+        os.close(os.open(probe / "x", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as e:
+        raise SpecError(f"--ckpt-dir {limits.clip(str(d))}: cannot write into it "
+                        f"({e.strerror or type(e).__name__}); checkpoints could not be saved. "
+                        "Give a writable directory. Nothing was run.") from None
+    finally:
+        with contextlib.suppress(OSError):
+            (probe / "x").unlink()
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+    return d
+
+
+class CkptLock:
+    """An exclusive lock on a checkpoint directory for the life of a run.
+
+    Two runs saving into one directory prune each other's temporary steps and mix their
+    checkpoints. The run holds `flock` on DIR/.moeplan.lock (released by the kernel when the
+    holder exits, however it exits, so a killed run leaves no stale lock) and writes who it is
+    into the file; a second run finds the lock taken and is refused, naming the holder.
+    `flock` works across processes of one host and, on Linux NFS, across hosts."""
+
+    def __init__(self, ckpt_dir: str | Path, command: str):
+        self.dir, self.command, self.fd = Path(ckpt_dir), command, None
+
+    def acquire(self) -> CkptLock:
+
+        check_ckpt_dir(self.dir)
+        path = self.dir / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise SpecError(f"--ckpt-dir {self.dir}: cannot open its lock file {LOCK} "
+                            f"({e.strerror}); remove it if it is not a regular file. Nothing "
+                            "was run.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise SpecError(f"--ckpt-dir {self.dir}: cannot lock it ({e.strerror}). "
+                                "Nothing was run.") from None
+            raise SpecError(f"--ckpt-dir {self.dir} is in use by another run ({holder}); two "
+                            "runs saving into one checkpoint directory would prune each "
+                            "other's steps. Wait for it to end (or stop it), or give another "
+                            "--ckpt-dir. Nothing was run.") from None
+        doc = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+               "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(doc).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> CkptLock:
+        return self.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    """Who holds a checkpoint lock, from what it wrote into the lock file."""
+    try:
+        doc = loads_json(os.pread(fd, 4096, 0))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["since"])))
+        return (f"pid {int(doc['pid'])} on {limits.clip(str(doc['host']), 40)} since {since}: "
+                f"{limits.clip(str(doc['command']), 200)}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its holder did not say who it is"

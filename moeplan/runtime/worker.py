@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import limits
 from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, write_json
 from ..specs import Plan
@@ -29,7 +30,7 @@ from .groups import build_groups
 from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
 from .options import PreparedRun, RunOptions
 from .runlog import RunLog, eval_due, peak_tflops
-from .storage import manifest_sha256, newest_checkpoint, step_dir
+from .storage import LOCKED_ENV, CkptLock, manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
 
 
@@ -40,7 +41,7 @@ def _device() -> torch.device:
         return dev
     if "OMP_NUM_THREADS" not in os.environ:  # the launcher sets it: cores / local workers
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(max(1, limits.usable_cpus() // local))
     return torch.device("cpu")
 
 
@@ -59,6 +60,7 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
     if not dist.is_initialized():
         _init_process_group(device)
     rank0 = dist.get_rank() == 0
+    lock = _lock_ckpt_dir(opts, out, device)  # held until this process exits
     groups = build_groups(RankGrid.from_layout(running.layout),
                           domain=running.cluster.usable_domain(running.layout.world_size))
     assert groups is not None
@@ -140,7 +142,28 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
         write_json(out / "summary.json", finite_or_null(summary))
     dist.barrier()
     dist.destroy_process_group()
+    if lock is not None:
+        lock.release()
     return stop_sig or None
+
+
+def _lock_ckpt_dir(opts: RunOptions, out: Path, device: torch.device) -> CkptLock | None:
+    """Global rank 0 locks --ckpt-dir for the run (storage.CkptLock) unless the launcher of
+    the whole run holds it already (a single-node `moeplan run`); several nodes, or a torchrun
+    or SLURM launch that `moeplan run` joins, have no such launcher. Collective: a lock held
+    by another run refuses the run on every rank alike."""
+    if not opts.ckpt_dir or os.environ.get(LOCKED_ENV) == "1":
+        return None
+    lock, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = CkptLock(opts.ckpt_dir, f"moeplan run --out {out}").acquire()
+        except SpecError as e:
+            error = str(e)
+    error = checkpoint.broadcast_json(error, device)  # type: ignore[assignment]
+    if error:
+        raise checkpoint.Agreed(str(error))
+    return lock
 
 
 def _init_process_group(device: torch.device) -> None:
@@ -190,7 +213,7 @@ def _resume(trainer: Trainer, opts: RunOptions) -> int:
             found = {"error": str(e)}
     found = checkpoint.broadcast_json(found, trainer.device)  # type: ignore[assignment]
     if "error" in found:
-        raise SpecError(found["error"])
+        raise checkpoint.Agreed(found["error"])
     if found["path"] is None:
         return 0
     return checkpoint.load(trainer, found["path"], manifest_sha256=found["manifest"])
@@ -329,9 +352,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out = Path(a.run_dir)
         run_worker(PreparedRun.read(out), out)
-    except MoeplanError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    except MoeplanError as e:  # rank 0 says it; another rank only what it found alone
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or not isinstance(e, checkpoint.Agreed):
+            where = "" if rank == "0" else f" (worker rank {rank})"
+            print(f"error{where}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # leave the group before exiting (gloo aborts otherwise)
+            dist.destroy_process_group()
         raise SystemExit(e.exit_code) from None
     except RuntimeError as e:  # a peer died mid-collective: the agent names it, in one line
         if not isinstance(e, dist.DistError) and not any(

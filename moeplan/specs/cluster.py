@@ -95,6 +95,15 @@ class ClusterSpec(BaseModel):
         from ..cost_models.calibration import default_calibration
 
         shipped = default_calibration().to_dict()
+        unknown = sorted(set(cal) - set(shipped))
+        if unknown:  # the cost models would ignore it without a word
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], list(shipped), n=1)
+            raise ValueError(f"`{limits.clip(str(unknown[0]))}` is not a calibration constant"
+                             + (f" (did you mean `{near[0]}`?)" if near else "")
+                             + f"; the constants are {', '.join(sorted(shipped))}. Rewrite the "
+                             "file with `moeplan calibrate`")
         for key, value in cal.items():
             ref = shipped.get(key)
             if isinstance(ref, list):

@@ -7,8 +7,6 @@ so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import difflib
-import json
-import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +15,7 @@ import yaml
 
 from .. import limits
 from ..errors import SpecError
-from ..fsio import is_file
+from ..fsio import FileRefused, first_nonfinite, is_file, loads_json, read_regular
 from .cluster import ClusterSpec
 from .hf import model_from_hf_config
 from .model import ModelSpec
@@ -76,6 +74,27 @@ class _BoundedLoader(yaml.SafeLoader):
             raise _too_deep()
         return super().add_indent(column)
 
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        """Refuse a key written twice in one mapping (PyYAML keeps the last silently). Keys
+        brought in by a merge (`<<: *base`) are not written twice: an explicit key overrides
+        them, as YAML intends."""
+        if isinstance(node, yaml.MappingNode):
+            seen: set[object] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base constructor refuses it
+                    continue
+                if dup:
+                    raise SpecError(f"key `{limits.excerpt(key)}` is written twice in one "
+                                    f"mapping (line {key_node.start_mark.line + 1}); give each "
+                                    "field once.")
+        return super().construct_mapping(node, deep=deep)
+
 
 def _too_deep() -> SpecError:
     return SpecError(f"the document nests deeper than {limits.MAX_NESTING} levels; spec files "
@@ -122,26 +141,13 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _first_nonfinite(data: Any, where: str = "") -> str | None:
-    """The dotted path of the first NaN/inf in a parsed document, or None."""
-    stack: list[tuple[Any, str]] = [(data, where)]
-    while stack:
-        value, at = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            return at or "(the document)"
-        if isinstance(value, dict):
-            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(value))
-    return None
-
-
 def parse_text(text: str, source: str, as_json: bool) -> Any:
-    """Parse YAML or JSON text within the document limits; NaN and infinities (YAML `.nan`,
-    non-standard JSON `NaN`) are parsed, then refused naming the field they sit in."""
+    """Parse YAML or JSON text within the document limits; a key written twice in one mapping
+    is refused; NaN and infinities (YAML `.nan`, non-standard JSON `NaN`, `1e999`) are parsed,
+    then refused naming the field they sit in."""
     kind = "JSON" if as_json else "YAML"
     try:
-        data = (json.loads(text) if as_json
+        data = (loads_json(text, allow_nonfinite=True) if as_json
                 else yaml.load(text, Loader=_BoundedLoader))  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec files "
@@ -154,7 +160,7 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         raise SpecError(f"{source}: {err}") from None
     if as_json:  # JSON has no aliases; bound its size and depth the same way as YAML's
         _check_json_shape(data, source)
-    bad = _first_nonfinite(data)
+    bad = first_nonfinite(data)
     if bad is not None:
         raise SpecError(f"{source}: field `{bad}` is not a finite number (NaN or infinity); "
                         "give a finite value.")
@@ -178,17 +184,20 @@ def _check_json_shape(data: Any, source: str) -> None:
 
 
 def read_text(path: Path, what: str = "file") -> str:
-    """A file's UTF-8 text, refused (SpecError) when missing, too large or not UTF-8."""
+    """A file's UTF-8 text, refused (SpecError) when missing, not a regular file (a named pipe,
+    a device), too large or not UTF-8; at most the limit plus one byte is read."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(limits.MAX_FILE_BYTES + 1)
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        raise SpecError(f"cannot read {what} {path}: {reason}. Check the path.") from None
-    if len(raw) > limits.MAX_FILE_BYTES:
-        raise SpecError(f"{what} {path} is larger than the limit of "
-                        f"{limits.MAX_FILE_BYTES // 2**20} MiB; spec, plan and CSV files are "
-                        "small text files. Check that this is the file you meant.")
+        raw = read_regular(path, limits.MAX_FILE_BYTES)
+    except FileRefused as err:
+        if err.kind == "size":
+            raise SpecError(f"{what} {path} is larger than the limit of "
+                            f"{limits.MAX_FILE_BYTES // 2**20} MiB; spec, plan and CSV files are "
+                            "small text files. Check that this is the file you meant.") from None
+        if err.kind == "unreadable":
+            raise SpecError(f"cannot read {what} {path}: {err.reason}. Check the "
+                            "path.") from None
+        raise SpecError(f"{what} {path} {err.reason}; pass a YAML, JSON or CSV text "
+                        "file.") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
