@@ -58,7 +58,6 @@ app.add_typer(data_app, name="data")
 
 out = Console()
 err = Console(stderr=True)
-_state = {"debug": False}
 
 GRAD_REDUCE_HELP = ("Data-parallel gradient reduction dtype: fp32 (Megatron's default) or bf16 "
                     "(half the bytes and gradient memory; Megatron --grad-reduce-in-bf16).")
@@ -97,6 +96,35 @@ AXIS_HELP = {
 TARGET_HELP = ("The executor the plan is for, whose rules it must keep (docs/EXPORT.md): "
                "megatron (Megatron-LM; one recompute and offload set for every stage) or "
                "moeplan (`moeplan run`).")
+# ------------------------------------------------------------------- options shared by commands
+# Declared once: every command that takes one of these takes it under the same name and help.
+MODEL_HELP = "Preset, spec file or HF config."
+CLUSTER_HELP = "Cluster preset or file."
+PRECISION_HELP = "bf16, fp8-delayed, fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4"
+ModelOpt = Annotated[str, typer.Option("--model", help=MODEL_HELP)]
+MaybeModelOpt = Annotated[str | None, typer.Option("--model", help=MODEL_HELP)]
+ClusterOpt = Annotated[str, typer.Option("--cluster", help=CLUSTER_HELP)]
+MaybeClusterOpt = Annotated[str | None, typer.Option("--cluster", help=CLUSTER_HELP)]
+GpusOpt = Annotated[int | None, typer.Option("--gpus", min=1, help="GPU count.")]
+SeqOpt = Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")]
+MaybeSeqOpt = Annotated[int | None, typer.Option("--seq", min=1, help="Sequence length.")]
+GbsOpt = Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences).")]
+PrecisionOpt = Annotated[str | None, typer.Option("--precision", help=PRECISION_HELP + ".")]
+CalibrationOpt = Annotated[str | None, typer.Option(
+    "--calibration", help="Overlay measured efficiency constants (moeplan calibrate -o).")]
+GradReduceOpt = Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)]
+ReportOpt = Annotated[str | None, typer.Option("--report", help=REPORT_HELP)]
+
+
+def axis_option(name: str) -> Any:
+    """`--tp`, `--pp`, ...: one parallel degree (AXIS_HELP), at least 1."""
+    return Annotated[int, typer.Option(f"--{name}", min=1, help=AXIS_HELP[name])]
+
+
+TpOpt, PpOpt, VppOpt, CpOpt, EpOpt, EtpOpt, MbsOpt = (
+    axis_option(a) for a in ("tp", "pp", "vpp", "cp", "ep", "etp", "mbs"))
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
@@ -201,7 +229,7 @@ def _root(
     version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    _state["debug"] = debug
+    """Declares the root options; `main` reads --debug from the command line itself."""
 
 
 # ---------------------------------------------------------------------------------------- specs
@@ -258,27 +286,23 @@ def specs_validate(
 def estimate(
     plan_file: Annotated[str | None, typer.Argument(
         metavar="[PLAN.json]", help="A plan written by `search -o` or `estimate -o`.")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Preset, spec file or HF config.")
-                     ] = None,
-    cluster: Annotated[str | None, typer.Option("--cluster", help="Cluster preset or file.")
-                       ] = None,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPU count.")] = None,
-    seq: Annotated[int | None, typer.Option("--seq", min=1, help="Sequence length.")] = None,
-    gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences).")
-                   ] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
-    vpp: Annotated[int, typer.Option("--vpp", min=1, help=AXIS_HELP["vpp"])] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
-    mbs: Annotated[int, typer.Option("--mbs", min=1, help=AXIS_HELP["mbs"])] = 1,
+    model: MaybeModelOpt = None,
+    cluster: MaybeClusterOpt = None,
+    gpus: GpusOpt = None,
+    seq: MaybeSeqOpt = None,
+    gbs: GbsOpt = None,
+    tp: TpOpt = 1,
+    pp: PpOpt = 1,
+    vpp: VppOpt = 1,
+    cp: CpOpt = 1,
+    ep: EpOpt = 1,
+    etp: EtpOpt = 1,
+    mbs: MbsOpt = 1,
     recompute: Annotated[str | None, typer.Option("--recompute", help="e.g. core_attn,moe_act "
                                                   "or full.")] = None,
     offload: Annotated[str | None, typer.Option("--offload", help="e.g. expert_fc1,moe_act.")
                        ] = None,
-    precision: Annotated[str | None, typer.Option("--precision", help="bf16, fp8-delayed, "
-                         "fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4.")] = None,
+    precision: PrecisionOpt = None,
     dispatcher: Annotated[str, typer.Option("--dispatcher", help="alltoall, allgather, flex.")
                           ] = "alltoall",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Merged fwd/bwd EP overlap.")
@@ -287,7 +311,7 @@ def estimate(
         "--tp-comm-overlap", help="TP comm overlapped with the GEMMs (TE userbuffers).")] = False,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
-    grad_reduce: Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)] = "fp32",
+    grad_reduce: GradReduceOpt = "fp32",
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -295,12 +319,10 @@ def estimate(
                                              "over the mean (1.0: forced balance).")] = 1.0,
     routing_histogram: Annotated[str | None, typer.Option(
         "--routing-histogram", help="routing.json: per-layer tokens per expert.")] = None,
-    calibration: Annotated[str | None, typer.Option(
-        "--calibration", help="Overlay measured efficiency constants (moeplan calibrate -o).")
-                           ] = None,
+    calibration: CalibrationOpt = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
                       ] = None,
-    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
+    report: ReportOpt = None,
     target: Annotated[str | None, typer.Option(
         "--target", help=TARGET_HELP + " Default: the plan's own, else megatron.")] = None,
     as_json: JsonOpt = False,
@@ -471,14 +493,14 @@ def validate(
 
 @app.command()
 def search(
-    model: Annotated[str, typer.Option("--model", help="Preset, spec file or HF config.")],
-    cluster: Annotated[str, typer.Option("--cluster", help="Cluster preset or file.")],
-    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPU count.")] = None,
-    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
+    model: ModelOpt,
+    cluster: ClusterOpt,
+    gpus: GpusOpt = None,
+    seq: SeqOpt = 4096,
     gbs: Annotated[int | None, typer.Option("--gbs", min=1, help="Global batch (sequences); "
                                             "default about 4M tokens.")] = None,
-    precision: Annotated[str, typer.Option("--precision", help="bf16, fp8-delayed, "
-                         "fp8-tensorwise, fp8-blockwise, mxfp8, nvfp4, or auto.")] = "bf16",
+    precision: Annotated[str, typer.Option("--precision", help=PRECISION_HELP + ", or auto.")
+                         ] = "bf16",
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
     target: Annotated[str, typer.Option("--target", help=TARGET_HELP)] = "megatron",
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
@@ -486,16 +508,15 @@ def search(
                           ] = None,
     imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
                          "busiest EP rank over the mean.")] = 1.0,
-    calibration: Annotated[str | None, typer.Option("--calibration", help="Overlay measured "
-                           "efficiency constants.")] = None,
+    calibration: CalibrationOpt = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
                       ] = None,
-    report: Annotated[str | None, typer.Option("--report", help=REPORT_HELP)] = None,
+    report: ReportOpt = None,
     objective: Annotated[str, typer.Option("--objective", help="robust: rank by the low end of "
                          "the 80 % tokens/s/GPU interval, so a plan wins only if it still wins "
                          "when its unvalidated effects disappoint; expected: rank by the point "
                          "estimate.")] = "robust",
-    grad_reduce: Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)] = "fp32",
+    grad_reduce: GradReduceOpt = "fp32",
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
@@ -603,7 +624,7 @@ WHATIF_COLUMNS = {
 
 @app.command()
 def whatif(
-    model: Annotated[str, typer.Option("--model", help="Preset, spec file or HF config.")],
+    model: ModelOpt,
     cluster: Annotated[str, typer.Option("--cluster", help="Cluster presets or files, "
                        "comma-separated (h100,h200,gb200-nvl72).")],
     gpus: Annotated[str | None, typer.Option("--gpus", help="GPU counts: 64,128,256 or a "
@@ -889,11 +910,11 @@ def _check_out_dir(out_dir: str) -> None:
 def groups(
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="World size.")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help=AXIS_HELP["tp"])] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help=AXIS_HELP["cp"])] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1, help=AXIS_HELP["pp"])] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1, help=AXIS_HELP["ep"])] = 1,
-    etp: Annotated[int, typer.Option("--etp", min=1, help=AXIS_HELP["etp"])] = 1,
+    tp: TpOpt = 1,
+    cp: CpOpt = 1,
+    pp: PpOpt = 1,
+    ep: EpOpt = 1,
+    etp: EtpOpt = 1,
     order: Annotated[str, typer.Option("--order", help="tp-cp-ep-dp-pp or tp-cp-ep-pp-dp.")] = (
         "tp-cp-ep-dp-pp"),
     as_json: JsonOpt = False,

@@ -511,6 +511,24 @@ def test_the_launcher_passes_the_verified_step_to_the_workers(tmp_path):
     assert back.running == running and back.given == given and running != given
 
 
+def test_run_json_refers_to_the_plan_file_instead_of_copying_it(tmp_path):
+    """One form per plan fact: OUT/run.json names OUT/plan.json by SHA-256 (the running plan is
+    there only where it differs); a plan file changed after the launch is refused by name."""
+    opts = RunOptions(steps=2)
+    given, running = prepare_plan(write_plan(tmp_path / "plan.json", 2, tp=2), opts)
+    out = tmp_path / "out"
+    PreparedRun(given, running, opts).write(out)
+    doc = json.loads((out / "run.json").read_text())
+    assert set(doc) == {"format", "plan", "running", "options"} and doc["running"] is None
+    assert doc["plan"]["file"] == "plan.json" and "model" not in json.dumps(doc["plan"])
+    assert PreparedRun.read(out).given == given
+    plan = json.loads((out / "plan.json").read_text())
+    plan["training"]["lr"] = 0.5
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SpecError, match="changed after"):
+        PreparedRun.read(out)
+
+
 def test_the_package_holds_no_pickle_loading_code():
     """No pickle, Unpickler, torch.load, weights_only=False, allow_pickle or DCP FileSystemReader
     anywhere in moeplan's code (comments and prose aside; a module named in a string counts)."""

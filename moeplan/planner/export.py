@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..commands import (
+from ..launch_lines import (
     MASTER_ENDPOINT,
     ShellRef,
     format_lines,

@@ -5,7 +5,7 @@ starts: an invalid layout, a world size that does not match the processes, a pla
 runtime does not execute yet (each with its fix), a run that cannot fit in the memory present
 (guard.py). This module imports no torch, so those errors are instant. What passed is written
 once, with the options, to OUT/run.json (`options.PreparedRun`); the workers read that file and
-never prepare the plan themselves. The torchrun line comes from `moeplan.commands`, the builder
+never prepare the plan themselves. The torchrun line comes from `moeplan.launch_lines`, the builder
 `moeplan export` uses too.
 
 Lifecycle (lifecycle.py): torchrun's agent runs in a session of its own under a parent-death
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .. import limits
-from ..commands import torchrun_args
+from ..launch_lines import torchrun_args
 from ..errors import (
     MoeplanError,
     NotYetAvailable,
@@ -39,7 +39,7 @@ from ..errors import (
     RunStopped,
     SpecError,
 )
-from ..fsio import FileRefused, loads_json, read_regular, write_json
+from ..fsio import FileRefused, loads_json, read_regular
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, stop_exit_code
 from .options import PreparedRun, RunOptions
@@ -265,7 +265,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         prepared = PreparedRun(given, running, opts)
         os.environ.pop(LOCKED_ENV, None)
         if joined.get("RANK", "0") == "0":
-            _save_plan(given, out)
+            prepared.write_plan(out)
         os.environ.update(joined)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -302,8 +302,9 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
             check_ckpt_dir(opts.ckpt_dir)
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
-        _save_plan(given, out)
-        PreparedRun(given, running, opts).write(out)  # OUT/run.json: what every worker reads
+        # OUT/plan.json (the plan as given, next to its summary: `calibrate --from-runs`
+        # re-predicts it) and OUT/run.json, what every worker reads
+        PreparedRun(given, running, opts).write(out)
         env.setdefault("OMP_NUM_THREADS", str(max(1, limits.usable_cpus() // nproc)))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         started = time.time()
@@ -355,13 +356,6 @@ def _read_summary(path: Path) -> dict | None:
     except (FileRefused, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
-
-
-def _save_plan(plan: Plan, out: Path) -> None:
-    """OUT/plan.json: the plan next to its summary, so `moeplan calibrate --from-runs` can
-    re-predict it (written once every check passed, right before workers start)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "plan.json", plan.model_dump(mode="json"))
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

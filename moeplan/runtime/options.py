@@ -9,15 +9,18 @@ made (or repeat them world-size times). No torch here: the launcher imports this
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .. import limits
 from ..errors import SpecError
-from ..fsio import write_json
+from ..fsio import atomic_write_bytes, loads_json, read_regular, strict_dumps, write_json
 from ..specs import Plan
 
-RUN_FILE = "run.json"  # in the run directory: the prepared plans and options, for the workers
-RUN_FORMAT = 1
+RUN_FILE = "run.json"  # in the run directory: the prepared run, for the workers
+PLAN_FILE = "plan.json"  # beside it: the plan as given (calibrate --from-runs re-predicts it)
+RUN_FORMAT = 2
 
 
 @dataclass
@@ -80,17 +83,27 @@ class PreparedRun:
     options: RunOptions
 
     def write(self, out: Path) -> Path:
-        """OUT/run.json, atomically (temporary file, fsync, rename)."""
-        out.mkdir(parents=True, exist_ok=True)
+        """OUT/plan.json (the plan as given) and OUT/run.json, each atomically (temporary file,
+        fsync, rename). run.json refers to plan.json by name and SHA-256 instead of copying it,
+        and holds the running plan only where it differs (scaled down, settings applied)."""
+        digest = self.write_plan(out)
         return write_json(out / RUN_FILE, {
-            "format": RUN_FORMAT, "given": self.given.model_dump(mode="json"),
-            "running": (None if self.running is self.given
+            "format": RUN_FORMAT, "plan": {"file": PLAN_FILE, "sha256": digest},
+            "running": (None if self.running == self.given
                         else self.running.model_dump(mode="json")),
             "options": asdict(self.options)})
 
+    def write_plan(self, out: Path) -> str:
+        """OUT/plan.json, the plan as given, atomically; returns its SHA-256."""
+        out.mkdir(parents=True, exist_ok=True)
+        data = strict_dumps(self.given.model_dump(mode="json")).encode()
+        atomic_write_bytes(out / PLAN_FILE, data)
+        return sha256(data)
+
     @classmethod
     def read(cls, out: Path) -> PreparedRun:
-        """The run the launcher wrote into `out` (bounded, strict JSON, plans re-validated)."""
+        """The run the launcher wrote into `out` (bounded, strict JSON, plans re-validated, the
+        plan file the one the launcher wrote)."""
         from ..specs.loader import build, read_document
 
         path = out / RUN_FILE
@@ -98,7 +111,18 @@ class PreparedRun:
         if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
             raise SpecError(f"{path}: not a run file of this moeplan version (format "
                             f"{RUN_FORMAT}); rerun `moeplan run`.")
-        given = build(Plan, doc.get("given"), "plan", str(path))
+        ref = doc.get("plan")
+        if not isinstance(ref, dict) or ref.get("file") != PLAN_FILE:
+            raise SpecError(f"{path}: `plan` does not name {PLAN_FILE}; rerun `moeplan run`.")
+        data = read_regular(out / PLAN_FILE, limits.MAX_FILE_BYTES)
+        if sha256(data) != ref.get("sha256"):
+            raise SpecError(f"{out / PLAN_FILE} changed after `moeplan run` prepared the run "
+                            f"(its SHA-256 is not the one {path} names); rerun `moeplan run`.")
+        given = build(Plan, loads_json(data), "plan", str(out / PLAN_FILE))
         running = given if doc.get("running") is None else build(Plan, doc["running"], "plan",
                                                                   str(path))
         return cls(given, running, RunOptions.from_dict(doc.get("options"), str(path)))
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
