@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..errors import LayoutError, SpecError
 from ..launch_lines import (
     MASTER_ENDPOINT,
     ShellRef,
@@ -33,7 +34,6 @@ from ..launch_lines import (
     split_procs,
     torchrun_args,
 )
-from ..errors import LayoutError, SpecError
 from ..limits import MAX_TRAIN_ITERS, excerpt
 from ..specs import (
     OFFLOAD_MODULES,

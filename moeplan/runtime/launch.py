@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from .. import limits
-from ..launch_lines import torchrun_args
 from ..errors import (
     MoeplanError,
     NotYetAvailable,
@@ -40,6 +39,7 @@ from ..errors import (
     SpecError,
 )
 from ..fsio import FileRefused, loads_json, read_regular
+from ..launch_lines import torchrun_args
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, stop_exit_code
 from .options import PreparedRun, RunOptions
