@@ -58,7 +58,7 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x.float()) * grid[idx + tie.long()]
 
 
-def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool = False) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool = False) -> torch.Tensor:
     """fp8_max / amax, 1 where amax is 0 (TE keeps the scale then); power of two (rounded down,
     so nothing saturates) when asked."""
     scale = torch.where(amax > 0, fmax / amax.clamp(min=torch.finfo(torch.float32).tiny),
@@ -69,7 +69,7 @@ def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool = False) -> tor
 
 def quantise_tensorwise(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Per-tensor current scaling: one scale = fp8_max / amax(x) (TE Float8CurrentScaling)."""
-    scale = _scale_from_amax(x.detach().abs().amax().float(), FP8_MAX[fmt])
+    scale = scale_from_amax(x.detach().abs().amax().float(), FP8_MAX[fmt])
     return cast_fp8(x.float() * scale, fmt) / scale
 
 
@@ -98,7 +98,7 @@ def quantise_blockwise(x: torch.Tensor, fmt: str, block: tuple[int, int], k_dim:
     xo = _oriented(x, k_dim)
     xb, shape = _blocks(xo, *block)
     amax = xb.detach().abs().amax(dim=(1, 3), keepdim=True)  # (M/r, 1, K/c, 1)
-    scale = _scale_from_amax(amax, FP8_MAX[fmt], pow2)
+    scale = scale_from_amax(amax, FP8_MAX[fmt], pow2)
     out = _unblock(cast_fp8(xb * scale, fmt) / scale, shape)
     return _oriented(out, k_dim)
 
@@ -132,7 +132,7 @@ def quantise_nvfp4(x: torch.Tensor, block: tuple[int, int] = (1, 16),
     xo = _oriented(x, k_dim)
     xb, shape = _blocks(xo, *block)
     amax = xb.detach().abs().amax()
-    s_enc = _scale_from_amax(amax, E2M1_MAX * FP8_MAX["e4m3"])
+    s_enc = scale_from_amax(amax, E2M1_MAX * FP8_MAX["e4m3"])
     amax_b = xb.detach().abs().amax(dim=(1, 3), keepdim=True)
     scale_b = cast_fp8(amax_b / E2M1_MAX * s_enc, "e4m3")  # E4M3 block scale (× s)
     safe = torch.where(scale_b > 0, scale_b, torch.ones_like(scale_b))

@@ -19,7 +19,7 @@ import torch
 from ..errors import NotYetAvailable
 from .backend import register_backend
 from .emulated import EmulatedBackend, QuantisedLinear, SiteState
-from .quant import FP8_DTYPES, FP8_MAX, _scale_from_amax
+from .quant import FP8_DTYPES, FP8_MAX, scale_from_amax
 
 
 def scaled_mm_available(device: torch.device | None = None) -> bool:
@@ -31,7 +31,7 @@ def scaled_mm_available(device: torch.device | None = None) -> bool:
 
 def _to_fp8(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor current scaling → (FP8 tensor, fp32 dequant scale = amax / fp8_max)."""
-    scale = _scale_from_amax(t.detach().abs().amax().float(), FP8_MAX[fmt])
+    scale = scale_from_amax(t.detach().abs().amax().float(), FP8_MAX[fmt])
     m = FP8_MAX[fmt]
     return (t.float() * scale).clamp(-m, m).to(FP8_DTYPES[fmt]), scale.reciprocal()
 
