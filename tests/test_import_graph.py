@@ -190,21 +190,6 @@ def test_the_planner_packages_never_import_torch_or_the_runtime():
                     todo.append(child)
 
 
-def _functions(pkg: str):
-    """(lines, 'path:function') of every function in a moeplan subpackage."""
-    root = (REPO / 'moeplan') / pkg
-    for f in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                yield node.end_lineno - node.lineno + 1, f"{f.relative_to(root.parent)}:{node.name}"
-
-
-def test_no_planner_or_cost_model_function_is_over_100_lines():
-    long = [(n, where) for pkg in ("planner", "cost_models") for n, where in _functions(pkg)
-            if n > 100]
-    assert long == []
-
-
 def test_no_module_imports_a_private_name_from_another_module():
     root = (REPO / 'moeplan')
     private = []
@@ -214,14 +199,3 @@ def test_no_module_imports_a_private_name_from_another_module():
                 private += [f"{f.relative_to(root)}: {a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert private == []
-
-
-def test_the_planner_imports_a_narrow_api_of_the_estimator():
-    root = (REPO / 'moeplan') / "planner"
-    names = set()
-    for f in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(
-                    "cost_models.estimate"):
-                names |= {a.name for a in node.names}
-    assert len(names) <= 5, sorted(names)
