@@ -186,3 +186,14 @@ def test_a_worker_trains_the_run_the_launcher_prepared_from_the_run_directory_al
     assert summary["model"] == running.model.name != given.model.name
     assert summary["layout"] == running.summary()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_run_prepares_a_plan_with_one_set_per_stage_under_its_own_rules(tmp_path):
+    """`moeplan run` is the `moeplan` executor whatever target a plan names: per-stage
+    recompute and offload (which the Megatron export refuses) are prepared, not refused."""
+    from moeplan.runtime.launch import RunOptions, prepare_plan
+
+    path = write_plan(tmp_path / "staged.json", 2, pp=2, choices=Choices(
+        recompute=[["core_attn"], []], offload=[["expert_fc1"], ["attn_norm"]]))
+    given, running = prepare_plan(path, RunOptions(steps=1))
+    assert running.choices.offload == [["expert_fc1"], ["attn_norm"]]

@@ -122,7 +122,8 @@ def predict(run: RunRecord, overrides: dict[str, Any] | None = None) -> float:
     p = run.plan
     cluster = p.cluster.model_copy(update={"calibration": overrides}) if overrides is not None \
         else p.cluster
-    return estimate(p.model, cluster, p.training, p.layout, p.choices).step_time_s
+    return estimate(p.model, cluster, p.training, p.layout, p.choices,
+                    target="moeplan").step_time_s  # it ran on this runtime
 
 
 def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: np.ndarray,

@@ -103,11 +103,13 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         if used and not opts.ckpt_dir:
             raise SpecError(f"{flag} needs --ckpt-dir DIR (where checkpoints are written and "
                             "resumed from). Nothing was run.")
-    check_layout(plan.model, plan.training, plan.layout, choices=plan.choices)
     missing = features_not_executed(plan)
     if missing:
         raise NotYetAvailable("the runtime does not execute yet what this plan uses: "
                               + "; ".join(missing) + ". Nothing was run.")
+    # the rest of the rules of this executor (a `megatron` plan runs here as well, per-stage
+    # choices included: the runtime's own rules are the ones that apply)
+    check_layout(plan.model, plan.training, plan.layout, choices=plan.choices, target="moeplan")
     running = plan
     skipped = settings_not_executed(plan)
     if skipped:  # speed settings only: the same function runs without them
@@ -118,7 +120,8 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
         from .scale import scale_down_plan
 
         running = scale_down_plan(running, keep_vocab=keeps_vocabulary(opts))
-        check_layout(running.model, running.training, running.layout, choices=running.choices)
+        check_layout(running.model, running.training, running.layout, choices=running.choices,
+                     target="moeplan")
     for line in check_run_inputs(running, opts):  # data, split, tokenizer, eval, logs
         print(f"data {line}", file=sys.stderr)
     if opts.init_from:

@@ -11,16 +11,19 @@ with something the user can type. Pure function of the plan: no torch.
 from __future__ import annotations
 
 from ..specs import Plan
-from ..specs.rules import Facts, model_features_not_executed, violations
+from ..specs.rules import BY_NAME, MOEPLAN, Facts, model_features_not_executed, violations
 
 __all__ = ["SPEED_SETTINGS", "features_not_executed", "model_features_not_executed",
            "settings_not_executed", "without_speed_settings"]
 
 
 def features_not_executed(plan: Plan) -> list[str]:
-    """Each rule of the `moeplan` target the plan breaks, worded with its fix."""
+    """Each rule of the runtime's own (the table's rules of the `moeplan` target alone) the
+    plan breaks, worded with its fix; the rules both executors share are a layout's validity
+    (`check_layout`)."""
     facts = Facts(plan.model, plan.training, plan.layout, plan.choices, plan.cluster)
-    return [why for _, why in violations(facts, "moeplan")]
+    return [why for name, why in violations(facts, "moeplan")
+            if BY_NAME[name].targets == MOEPLAN]
 
 
 SPEED_SETTINGS = {"tp_comm_overlap": "TP communication overlap (tp_comm_overlap)",

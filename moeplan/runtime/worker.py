@@ -316,7 +316,8 @@ def _predicted_here(running: Plan, device: torch.device, dtype: torch.dtype,
     try:
         cluster = guard.machine_cluster(running, kind, gpu, opts.cluster)
         est = None if cluster is None else estimate(running.model, cluster, running.training,
-                                                    running.layout, running.choices)
+                                                    running.layout, running.choices,
+                                                    target="moeplan")
     except MoeplanError as e:
         cluster, est = None, None
         notes.append(f"no step-time prediction: {e}")
