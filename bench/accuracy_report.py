@@ -27,7 +27,7 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)", "H100": "Hoppe
 
 
 RAW: dict[str, dict[str, str]] = {}
-CSV_NAME = "shared/data/published_runs.csv"
+CSV_NAME = ""
 
 
 def generation(gpu: str) -> str:
@@ -181,7 +181,7 @@ both revisions score the same 102 held-out rows):
 - **Megatron-Bridge's recipes price the rows that ran them.** The performance summary prints a
   run's sizes, not its dispatcher, EP overlap, CUDA graphs or recompute; those live in the
   workload configs (`scripts/performance/configs/<family>/*_workload_base_configs.py`).
-  `moeplan/bridge_recipes.py` holds {recipes} of them for DeepSeek-V3, Kimi-K2,
+  `moeplan/validation/recipes.py` holds {recipes} of them for DeepSeek-V3, Kimi-K2,
   Qwen3-235B-A22B, Qwen3-30B-A3B and gpt-oss-120b, reduced to what moeplan prices. A row is
   priced with a recipe only when its model, GPU, precision and every printed size (GPUs,
   global batch, micro-batch, TP, PP, VPP, CP, EP) equal the recipe's, and, where the recipe
@@ -305,7 +305,7 @@ def change_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
         return _pct([abs(err(r)) for r in rows
                      if r["model"] == name and r["split"] == "held-out"])
 
-    from moeplan.bridge_recipes import RECIPES
+    from moeplan.validation.recipes import RECIPES
 
     matched = [r for r in rows if "recipe" in r["assumed"]]
     first = re.search(r"\(([0-9.]+)x the prediction in the median\)", shipped.get("_about", ""))
@@ -403,7 +403,7 @@ ASSUMPTIONS = """## Assumptions and known gaps
   "MCore" baseline), dp is derived. Unpublished settings take moeplan's
   defaults (alltoall dispatcher, no EP overlap, no TP comm overlap, no CUDA graphs, no
   recompute, distributed optimizer, fp32 gradient reduction, bf16 parameter gathers), except
-  where a Megatron-Bridge recipe's sizes match the row (`moeplan/bridge_recipes.py`, above),
+  where a Megatron-Bridge recipe's sizes match the row (`moeplan/validation/recipes.py`, above),
   the documented 26.06 MXFP8 MoE recipe rule, the NeMo/Megatron-Bridge TP comm overlap and
   bf16 gradient reduction rules, and NeMo 2.0's FP8 parameter gather rule.
 - The recipe table was read at one revision of each workload-config file. A release that ran
@@ -510,10 +510,11 @@ def foreign_tail(path: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("csv")
+    ap.add_argument("csv", nargs="?", default=None,
+                    help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
     ap.add_argument("-o", "--out", default="docs/ACCURACY.md")
-    ap.add_argument("--csv-name", default="shared/data/published_runs.csv",
-                    help="how the CSV is named in the document")
+    ap.add_argument("--csv-name", default="",
+                    help="how the CSV is named in the document (empty: the shipped copy, the default)")
     args = ap.parse_args()
     global RAW, CSV_NAME
     raw = read_rows(args.csv)

@@ -252,7 +252,8 @@ def fit(rows: list[dict[str, str]], sweeps: int = 12, leave_out: tuple[str, ...]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv")
+    ap.add_argument("csv", nargs="?", default=None,
+                    help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
     ap.add_argument("-o", "--out", default=str(Path(__file__).resolve().parents[1] / "moeplan"
                                                / "cost_models" / "calibration.json"))
     ap.add_argument("--sweeps", type=int, default=12)

@@ -119,7 +119,8 @@ def scored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv")
+    ap.add_argument("csv", nargs="?", default=None,
+                    help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
     ap.add_argument("-o", "--out", default=str(PROFILE))
     args = ap.parse_args()
     raw = read_rows(args.csv)

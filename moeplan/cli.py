@@ -352,8 +352,9 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
 
 @app.command()
 def validate(
-    runs_csv: Annotated[str, typer.Argument(metavar="RUNS.csv",
-                                            help="A CSV shaped like published_runs.csv.")],
+    runs_csv: Annotated[str | None, typer.Argument(
+        metavar="[RUNS.csv]", help="A CSV shaped like published_runs.csv (default: the "
+        "published runs shipped with moeplan).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict published runs and report the error per row (fit and held-out rows apart)."""

@@ -17,8 +17,6 @@ from moeplan.runtime.support import features_not_executed, settings_not_executed
 from moeplan.specs import check_layout
 from moeplan.validation import case_of, read_rows
 
-from .conftest import SHARED
-
 GB = 1e9
 LLAMA = load_model("llama3-70b")
 H100 = load_cluster("h100", gpus=64)
@@ -31,7 +29,7 @@ def published_cases():
     from moeplan.specs import list_presets
 
     presets = list_presets()
-    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    rows = read_rows()  # the shipped published runs
     return [(r, c) for r in rows for c in [case_of(r, presets)] if not isinstance(c, str)]
 
 
@@ -283,9 +281,9 @@ def test_every_recipe_is_a_layout_megatron_would_run_with_its_settings():
     """The table is checked the way a row is: each recipe builds as a layout with its settings
     and recompute, on its model and GPU, without a rule violation (so no recipe silently falls
     back to the defaults), and its recompute modules exist in moeplan."""
-    from moeplan.bridge_recipes import RECIPE_FILES, RECIPES
     from moeplan.specs import layout_violations
     from moeplan.specs.layout import RecomputeModule
+    from moeplan.validation.recipes import RECIPE_FILES, RECIPES
 
     cluster_of = {"GB300": "gb300-nvl72", "GB200": "gb200-nvl72", "B300": "b300",
                   "B200": "b200", "H100-SXM": "h100"}
