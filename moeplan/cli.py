@@ -355,11 +355,18 @@ def validate(
     runs_csv: Annotated[str | None, typer.Argument(
         metavar="[RUNS.csv]", help="A CSV shaped like published_runs.csv (default: the "
         "published runs shipped with moeplan).")] = None,
+    cv: Annotated[str | None, typer.Option("--cv", help="Cross-validate instead: model "
+                  "(leave one model out) or release (leave one software release out); each "
+                  "fold refits the calibration without its rows (a quick refit: one sweep).")
+                  ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict published runs and report the error per row (fit and held-out rows apart)."""
     from .validation import read_rows, validate_rows
 
+    if cv is not None:
+        _validate_cv(runs_csv, cv, as_json)
+        return
     res = validate_rows(read_rows(runs_csv))
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
@@ -403,6 +410,36 @@ def validate(
             print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
+
+
+def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
+    """`validate --cv`: leave-one-model-out or leave-one-release-out error per family."""
+    from .validation import read_rows
+    from .validation.crossval import CLI_CHOICES, cross_validate_rows
+
+    if by not in CLI_CHOICES:
+        raise SpecError(f"--cv {limits.excerpt(by)}: takes {' or '.join(CLI_CHOICES)} (leave one model "
+                        "out, or one software release out).")
+    res = cross_validate_rows(read_rows(runs_csv), by, "quick",  # type: ignore[arg-type]
+                              log=lambda m: err.print(m, highlight=False, markup=False))
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def render() -> None:
+        width = _width(out)
+        cols = [Column("family"), Column("rows", right=True), Column("MAPE", right=True),
+                Column("mean error", right=True)]
+        body = [[k, str(v["rows"]), pct(v["mape"]), f"{v['bias']:+.1%}"]
+                for k, v in res["by_family"].items()]
+        title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
+                 f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
+        print_lines(table_lines(title, cols, body, width))
+        note = (f"MAPE tokens/s/GPU {pct(res['mape'])}, median {pct(res['median_ape'])}, "
+                f"90th percentile {pct(res['p90_ape'])}")
+        print_lines([Line(x) for x in wrap(note, width, "  ")])
+
+    emit(res, as_json, render)
 
 
 @app.command()

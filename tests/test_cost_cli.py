@@ -220,8 +220,9 @@ def test_fit_reads_fit_rows_only(tmp_path):
     rows = [{**r, "id": f"{r['id']}-{g}", "global_batch_seqs": str(g)}
             for r in base for g in (64, 128, 256, 512, 1024, 2048)]
     assert {split_of(r) for r in rows} == {"fit", "held-out"}
-    _, cases, _ = mod.fit(rows, sweeps=0)
+    cases = mod.fit_cases(rows)
     assert cases and all(split_of(c.row) == "fit" for c in cases)
+    assert {c.id for c in cases} == {r["id"] for r in rows if split_of(r) == "fit"}
 
 
 def test_rows_naming_a_preset_architecture_are_scored_with_it():

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import LayoutError, MoeplanError
 from ..specs import Choices, Layout, TrainingSpec, load_cluster, load_model
+from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
 from .recipes import Recipe, contradicts, recipe_for
 from .rows import number, release_of, size
@@ -52,6 +53,7 @@ class RunCase:
     row: dict[str, str]
     assumed: dict[str, Any] = field(default_factory=dict)  # unprinted settings from the recipe
     choices: Choices = field(default_factory=Choices)  # recompute as the row publishes it
+    cluster: ClusterSpec | None = None  # the cluster at the row's GPU count, loaded once
 
 
 def config_key(row: dict[str, str]) -> str:
@@ -217,7 +219,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
                    {**assumed, **numerics, **assumed_cluster, **_recipe_note(bridge, choices)},
-                   choices)
+                   choices, cluster)
 
 
 def _recipe_note(bridge: Recipe | None, choices: Choices) -> dict[str, Any]:

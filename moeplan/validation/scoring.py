@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import MoeplanError
 from ..specs import Layout, TrainingSpec, list_presets, load_cluster, load_model
+from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
 from .cases import RunCase, case_of, config_key, split_of
 from .rows import release_of
@@ -38,21 +39,33 @@ def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | N
     return None
 
 
+def published_tokens(case: RunCase) -> tuple[float | None, bool]:
+    """(tokens/s/GPU, derived): as published, else derived from the published TFLOPS in the
+    row's own FLOP convention (None when neither is known)."""
+    if case.published_tokens is not None:
+        return case.published_tokens, False
+    fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
+    if case.published_tflops is not None and fpt_conv:
+        return case.published_tflops * 1e12 / fpt_conv, True
+    return None, False
+
+
+def cluster_of(case: RunCase) -> ClusterSpec:
+    """The case's cluster at its GPU count (loaded once, by `case_of`)."""
+    return case.cluster or load_cluster(case.cluster_name, case.layout.world_size)
+
+
 def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predict one case: the row dict `moeplan validate` prints (plus split and group)."""
     from ..cost_models.estimate import estimate
 
-    cluster = load_cluster(case.cluster_name, case.layout.world_size)
+    cluster = cluster_of(case)
     est = estimate(case.model, cluster, case.training, case.layout, case.choices,
                    calibration=calibration)
     fpt_ours = case.model.flops_per_token(case.training.seq_len)
     fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
     pred_tflops_conv = (est.tflops_per_gpu * fpt_conv / fpt_ours) if fpt_conv else None
-    pub_tokens = case.published_tokens
-    derived = False
-    if pub_tokens is None and case.published_tflops is not None and fpt_conv:
-        pub_tokens = case.published_tflops * 1e12 / fpt_conv
-        derived = True
+    pub_tokens, derived = published_tokens(case)
     from ..cost_models import uncertainty as U
 
     iv = est.interval
