@@ -453,15 +453,20 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
                                   calibration, check=False, with_interval=False
                                   ).estimate.tokens_per_s_per_gpu
     keys = U.regime_keys(model, cluster, training.precision, layout)
+    measured = U.measured_bounds(cluster)
+    far = U.distance(model, cluster, training, layout)
     lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys,
-                                          measured=U.measured_bounds(cluster))
+                                          measured=measured, far=far)
+    prof = U.default_profile()
+    widened = [] if measured else U.widen(*prof.bounds(keys)[:2], keys, far, prof)[2]
     # tokens per GPU per step, exact: plans whose intervals share a low end then share a
     # robust key to the last bit, and the search breaks the tie by the expected step time
     # rather than by the rounding of tokens/s × step
     per_step = training.global_batch_size * training.seq_len / layout.world_size
     interval = Interval(level=U.LEVEL, tokens_per_s_per_gpu=(lo, hi),
                         step_time_s=(per_step / hi, per_step / lo),
-                        pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n)
+                        pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n,
+                        widened_by=widened)
     return est.model_copy(update={"interval": interval,
                                   "assumptions": [t.assumption for t in terms]})
 

@@ -29,6 +29,7 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
+from .host import SYNC_GAP_LAUNCHES, floor_excess, host_kind, layer_launches
 from .overlap import overlap_cost
 
 BF16 = 2
@@ -184,14 +185,48 @@ def graphed_share(kind: str, cuda_graphs: bool) -> float:
     return GRAPHED_SHARE.get(kind, 0.0) if cuda_graphs else 0.0
 
 
-def _layer(ctx: Context, **fields: Any) -> LayerCost:
+def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> LayerCost:
     """A LayerCost, built by keyword, carrying the cluster's host-link bandwidth (for offload
-    option times) and its kernel-launch overhead per pass: the calibrated per-layer overhead
-    less the share CUDA graphs capture (an MTP module launches like the layer it wraps)."""
+    option times), its forward and backward times raised to the host floor (`host_floor`;
+    `pre_device_s`: an MoE layer's forward device time before its routing sync) and any fixed
+    per-layer overhead a calibration measured (`layer_overhead_s`), less the share CUDA graphs
+    capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
-        share = graphed_share(str(fields["kind"]), ctx.layout.cuda_graphs)
+        kind = str(fields["kind"])
+        share = graphed_share(kind, ctx.layout.cuda_graphs)
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
+        up_f, up_b = host_floor(ctx, kind, fields["fwd_s"] + fields.get("exposed_fwd_s", 0.0),
+                                fields["bwd_s"] + fields.get("exposed_bwd_s", 0.0),
+                                pre_device_s)
+        fields["fwd_s"] += up_f
+        fields["bwd_s"] += up_b
     return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)
+
+
+def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float,
+               pre_device_s: float | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds the host adds to a layer over its device time, compute plus
+    exposed communication (`cost_models.host`): each stretch the host launches without waiting
+    takes max(host, device). An MoE layer's forward splits at its routing sync into the
+    attention and router part (`pre_device_s`) and the rest, and pays the restart gap; CUDA
+    graphs launch a dense layer, and an MoE layer's part before the sync, as one graph."""
+    if kind not in ("dense", "moe", "loss"):
+        return 0.0, 0.0
+    t = ctx.cal.launch_s(host_kind(ctx.cluster))
+    if t <= 0.0:
+        return 0.0, 0.0
+    n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind)
+    graphs = ctx.layout.cuda_graphs and kind != "loss"
+    if kind != "moe":
+        if graphs:  # the whole layer is one graph each way
+            return 0.0, 0.0
+        return floor_excess(n.pre * t, fwd_device_s), floor_excess(n.bwd * t, bwd_device_s)
+    pre_d = min(pre_device_s if pre_device_s is not None else 0.0, fwd_device_s)
+    pre_h = t if graphs else n.pre * t
+    captured = n.pre / (n.pre + n.post) if graphs else 0.0
+    fwd = (floor_excess(pre_h, pre_d) + floor_excess(n.post * t, fwd_device_s - pre_d)
+           + n.syncs * SYNC_GAP_LAUNCHES * t)
+    return fwd, floor_excess(n.bwd * (1.0 - captured) * t, bwd_device_s)
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
@@ -486,7 +521,8 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
         rec["mla_up_proj"] = at.up_fwd
     dense = at.params + m.router_params() + m.shared_expert_params() / t + h
     experts = m.num_experts * m.expert_params() / (L.ep * L.etp)
-    return _layer(ctx, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
+    return _layer(ctx, pre_device_s=at.fwd + norm2 + router + tp_f / 2 + at.cp_exposed_fwd,
+                  kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
                   exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors, recompute_fwd_s=rec,
                   dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 

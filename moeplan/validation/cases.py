@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost_models.uncertainty import model_family
 from ..errors import LayoutError, MoeplanError
 from ..specs import Choices, Layout, TrainingSpec, load_cluster, load_model
 from ..specs.cluster import ClusterSpec
@@ -88,7 +89,8 @@ def model_preset_of(row: dict[str, str]) -> str:
 
 
 def family_of(model_preset: str) -> str:
-    return re.split(r"-\d|-v\d|-a\d|-\d+x", model_preset)[0].split("-")[0]
+    """A preset's model family (`uncertainty.model_family`: "qwen3", "gpt-oss", ...)."""
+    return model_family(model_preset)
 
 
 GPT_DIMS = re.compile(r"GPT[\w-]* ([\d.]+)B \(heads (\d+), hidden (\d+), layers (\d+)\)")

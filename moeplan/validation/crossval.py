@@ -53,11 +53,9 @@ def release_label(case: RunCase) -> str:
 
 
 def family_group(case: RunCase) -> str:
-    """The model family (deepseek, qwen3, llama3, gpt-oss, ...) a row's model belongs to."""
-    if case.family == "gpt-dense":
-        return "gpt"
-    name = case.model.name
-    return "gpt-oss" if name.startswith("gpt-oss") else case.family
+    """The model family (deepseek, qwen3, llama3, gpt-oss, ...) a row's model belongs to; the
+    GPTs papers spell out by their dimensions are the family "gpt"."""
+    return "gpt" if case.family == "gpt-dense" else case.family
 
 
 GROUPS: dict[str, Callable[[RunCase], str]] = {
@@ -115,7 +113,7 @@ def assemble(cases: Sequence[RunCase], by: By, refit: Refit, folds: Sequence[Fol
     """The rows and summary of a set of folds (the folds may have been run apart)."""
     pred = {i: (f.group, q) for f in folds for i, q in f.predictions.items()}
     rows = []
-    for c in cases:
+    for c in scored(cases):
         if c.id not in pred:
             continue
         pub = published_tokens(c)[0]
