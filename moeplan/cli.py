@@ -263,6 +263,12 @@ def estimate(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     grad_reduce: Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)] = "fp32",
+    stack: Annotated[str, typer.Option("--stack", help="Software stack the estimate assumes: "
+                     "current (fused MoE router and permutation, fused sink attention, DP "
+                     "communication overlapped), mcore-2024 (without those fusions), "
+                     "megatron-2023 (also without DP overlap), megatron-2022 (also unfused "
+                     "attention) or megatron-2021 (also no sequence parallelism).")
+                     ] = "current",
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -301,7 +307,8 @@ def estimate(
                 "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
-                                 calibration, grad_reduce_dtype=grad_reduce)
+                                 calibration, grad_reduce_dtype=grad_reduce,
+                                 software_stack=stack)
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     plan = plan.model_copy(update={"estimate": est})
     if report:

@@ -85,12 +85,12 @@ def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
     plain = estimate(llama, c, tr, Layout.build(64, 256, tp=4, pp=2), with_interval=False)
     assert not any("ran slower" in w or "ran faster" in w for w in plain.warnings)
 
-    def row(model, split, pub, pred):
-        return {"model": model, "split": split, "family": "x",
-                "published_tokens_per_s_per_gpu": pub, "predicted_tokens_per_s_per_gpu": pred}
-    rows_ = ([row("a", "fit", 60, 100)] * 5 + [row("b", "fit", 95, 100)] * 9
-             + [row("c", "fit", 50, 100)] * 4 + [row("d", "held-out", 50, 100)] * 9)
-    assert set(model_evidence(rows_)) == {"a"}  # b within 20%, c too few rows, d held-out
+    def row(model, pub, pred, family="x"):  # cross-validated rows: held out of their refit
+        return {"model": model, "family": family, "published": pub, "predicted": pred}
+    rows_ = ([row("a", 60, 100)] * 5 + [row("b", 95, 100)] * 9 + [row("c", 50, 100)] * 4
+             + [row("d", 50, 100, family="gpt")] * 9)
+    # b within 20%, c too few rows, d GPTs at their own dimensions (not one model)
+    assert set(model_evidence(rows_)) == {"a"}
     assert model_evidence(rows_)["a"] == {"rows": 5, "median": 0.6, "low": 0.6, "high": 0.6}
 
 
@@ -106,13 +106,12 @@ def test_fit_rows_that_use_an_effect_but_miss_it_do_not_validate_it():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
-    def row(i, key, pub, pred, split="fit"):
-        return {"id": i, "split": split, "assumption_keys": [key],
+    def row(i, key, pub, pred):
+        return {"id": i, "assumption_keys": [key],
                 "published_tokens_per_s_per_gpu": pub, "predicted_tokens_per_s_per_gpu": pred}
 
     rows = [row("A", "flex/x", 100, 130), row("B", "flex/x", 100, 128),
-            row("C", "ep_overlap/x", 100, 103), row("D", "ep_overlap/x", 100, 97),
-            row("E", "flex/x", 100, 100, split="held-out")]  # held-out rows never count
+            row("C", "ep_overlap/x", 100, 103), row("D", "ep_overlap/x", 100, 97)]
     validated, contradicted = mod.split_evidence(rows)
     assert validated == {"ep_overlap/x": ["C", "D"]}
     assert contradicted == {"flex/x": {"rows": ["A", "B"], "median": round(100 / 128, 3)}}

@@ -9,7 +9,7 @@ import pytest
 from moeplan import Choices, Layout, Plan, TrainingSpec, load_cluster, load_model
 from moeplan.cost_models.calibration import default_calibration
 from moeplan.cost_models.estimate import estimate, fixed_buffer_bytes
-from moeplan.cost_models.layers import GRAPHED_SHARE, dense_layer, make_context, moe_layer
+from moeplan.cost_models.layers import dense_layer, make_context, moe_layer
 from moeplan.errors import LayoutError
 from moeplan.planner.export import to_megatron_args
 from moeplan.planner.search import search
@@ -61,13 +61,8 @@ def test_tp_comm_overlap_needs_tp():
         check_layout(LLAMA, TR, Layout.build(64, 256, pp=4, tp_comm_overlap=True))
 
 
-def test_cuda_graphs_remove_the_captured_launch_overhead_for_graph_memory():
+def test_cuda_graphs_hold_their_memory_pool():
     cal = default_calibration()
-    assert cal.layer_overhead_s > 0
-    no, yes = dense_layer(_ctx(tp=8, pp=2)), dense_layer(_ctx(tp=8, pp=2, cuda_graphs=True))
-    assert no.launch_s == pytest.approx(cal.layer_overhead_s)
-    assert yes.launch_s == pytest.approx(cal.layer_overhead_s * (1 - GRAPHED_SHARE["dense"]))
-    assert no.time_s - yes.time_s == pytest.approx(2 * (no.launch_s - yes.launch_s))
     layout = Layout.build(64, 256, tp=8, pp=2)
     graphed = layout.model_copy(update={"cuda_graphs": True})
     extra = fixed_buffer_bytes(LLAMA, TR, graphed, cal) - fixed_buffer_bytes(LLAMA, TR, layout,
@@ -75,19 +70,13 @@ def test_cuda_graphs_remove_the_captured_launch_overhead_for_graph_memory():
     assert extra == pytest.approx(cal.cuda_graph_gb * GB)
 
 
-def test_moe_layers_keep_the_launches_of_their_dynamic_shaped_part():
-    m = load_model("mixtral-8x7b")
-    cal = default_calibration()
-    lay = Layout.build(64, 256, tp=2, ep=8, cuda_graphs=True)
-    lc = moe_layer(make_context(m, H100, TR, lay, cal))
-    assert 0 < lc.launch_s < cal.layer_overhead_s
-
-
 def test_graphs_and_overlap_make_a_step_faster_and_are_named_as_unvalidated_or_validated():
+    small = load_model("llama3-8b")  # host-bound at tp 8, 1,024 tokens: the graphs matter
+    tr = TrainingSpec(seq_len=1024, global_batch_size=256)
     base = Layout.build(64, 256, tp=8, pp=2)
-    t0 = estimate(LLAMA, H100, TR, base)
-    t1 = estimate(LLAMA, H100, TR, base.model_copy(update={"tp_comm_overlap": True,
-                                                          "cuda_graphs": True}))
+    t0 = estimate(small, H100, tr, base)
+    t1 = estimate(small, H100, tr, base.model_copy(update={"tp_comm_overlap": True,
+                                                           "cuda_graphs": True}))
     assert t1.step_time_s < t0.step_time_s
     terms = {a.term: a for a in t1.assumptions}
     graphs = next(a for k, a in terms.items() if "CUDA graphs" in k)

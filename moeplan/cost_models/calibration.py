@@ -74,9 +74,6 @@ class Calibration:
     # no published row documents graphs, so this is a prior, not a fit (Megatron-LM's guide:
     # graphs "increase memory usage")
     cuda_graph_gb: float = 2.0
-    # keys per attention kernel call past which longer kernels stop gaining efficiency
-    # (compute.attention_length_factors; fitted, within ATTN_SEQ_RANGE)
-    attn_length_cap: float = 32768.0
     # share of the attention microbenchmark's throughput (attn_fwd_eff/attn_bwd_eff, measured
     # on cuDNN kernels alone) that a training step's attention realises, per architecture:
     # the step also runs TE's layout changes, RoPE and softmax-statistics traffic around the

@@ -24,9 +24,8 @@ from . import comm as C
 from . import uncertainty as U
 from .calibration import Calibration, calibration_for
 from .compute import (
-    ATTN_SEQ_RANGE,
     adam_step_bytes,
-    attention_length_factors,
+    attention_length_ceiling,
     lowp_speedup,
     membound_time,
 )
@@ -258,8 +257,11 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     # all-gather before its first forward; the interleaved schedule spaces a stage's chunks
     # pp passes apart at both ends of the step (overlap.staged_exposed_time)
     v = L.vpp
-    dp_exposed = (staged_exposed_time(rs, v, bwd_window_s / v, L.pp * bwd_window_s / v)
-                  + staged_exposed_time(ag, v, fwd_window_s / v, L.pp * fwd_window_s / v))
+    if training.dp_comm_overlap:
+        dp_exposed = (staged_exposed_time(rs, v, bwd_window_s / v, L.pp * bwd_window_s / v)
+                      + staged_exposed_time(ag, v, fwd_window_s / v, L.pp * fwd_window_s / v))
+    else:  # the reduction starts once the backward is done, the gathers end before the forward
+        dp_exposed = rs + ag
     moments = moments_bytes(training)
     dense_shards, expert_shards = (L.dp * L.cp, max(1, L.edp)) if L.distributed_optimizer else (
         1, 1)
@@ -511,7 +513,7 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
     speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
     arch = cluster.architecture
-    gain = attention_length_factors(ATTN_SEQ_RANGE[1], arch, cal.attn_length_cap)  # longest
+    gain = attention_length_ceiling(arch)  # the longest kernels' efficiency
     eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0],
               cal.attn_bwd_eff[arch] * gain[1])
     tokens = training.global_batch_size * training.seq_len

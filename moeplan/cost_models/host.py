@@ -59,6 +59,9 @@ SHARED_EXPERT = 4    # fc1, SwiGLU, fc2, add of the shared experts (a dense MLP 
 CP_STEP = 3          # per context-parallel ring step: attention kernel, K/V send/recv, correction
 LOSS = 8             # final norm, output GEMM, vocab-parallel cross-entropy pieces
 BWD_FACTOR = 2.0     # each non-GEMM forward kernel has about two backward kernels
+# without Megatron's MoE fusions (TrainingSpec.fused_moe_kernels), the router (softmax, top-k, aux-loss pieces) and permutation (argsort,
+# index_select, scatter-add, the probabilities' multiply) as separate kernels
+UNFUSED_MOE = 12
 
 
 def host_kind(cluster: ClusterSpec) -> str:
@@ -87,7 +90,8 @@ def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
     return n, gemms
 
 
-def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str) -> Launches:
+def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
+                   fused_moe: bool = True) -> Launches:
     """Launches of one decoder layer (`kind` "dense" or "moe") or of the loss head ("loss").
 
     Backward: BWD_FACTOR kernels per forward non-GEMM kernel, a data- and a weight-gradient
@@ -104,12 +108,13 @@ def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str) 
         bwd = BWD_FACTOR * (attn + DENSE_MLP + tp - gemms) + 2 * gemms + q * gemms
         return Launches(fwd, 0.0, bwd)
     local = max(1, (model.num_experts or 1) // layout.ep)
+    unfused = 0 if fused_moe else UNFUSED_MOE
     shared = SHARED_EXPERT if model.num_shared_experts else 0
     grouped_ops = 2 + (2 if shared else 0)             # fc1 and fc2 (and the shared ones)
-    pre = attn + 3 + q * attn_gemms                    # attention, norm, router GEMM, top-k
-    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops
+    pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
+    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops + unfused / 2
     gemms = attn_gemms + 1 + 2 * local + (2 if shared else 0)
-    non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local  # grouped GEMMs counted apart
+    non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local + unfused
     bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops)
     return Launches(pre, post, bwd, 1)
 

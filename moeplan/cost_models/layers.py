@@ -147,6 +147,12 @@ class Context:
         return self.n_tok / self.layout.tp
 
     @property
+    def n_elem(self) -> float:
+        """Tokens a rank's norms, dropouts and residual adds run over: Nsp with sequence
+        parallelism, every token of the TP group without it (TrainingSpec.sequence_parallel)."""
+        return self.n_sp if self.training.sequence_parallel else self.n_tok
+
+    @property
     def lowp(self) -> bool:
         return self.training.precision != "bf16"
 
@@ -215,7 +221,8 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     t = ctx.cal.launch_s(host_kind(ctx.cluster))
     if t <= 0.0:
         return 0.0, 0.0
-    n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind)
+    n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind,
+                       ctx.training.fused_moe_kernels)
     graphs = ctx.layout.cuda_graphs and kind != "loss"
     if kind != "moe":
         if graphs:  # the whole layer is one graph each way
@@ -245,6 +252,14 @@ def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, fl
 
 def _mem(ctx: Context, nbytes: float) -> float:
     return membound_time(nbytes, ctx.cluster.hbm_tb_s, ctx.cal)
+
+
+def _norm_add(ctx: Context) -> float:
+    """Seconds of one block's norm (read, write) and residual add over the hidden states, bf16
+    (10 bytes per element), plus the hidden dropout (read, write, one-byte mask) of the stacks
+    that train with it; over Nsp tokens, or all N without sequence parallelism."""
+    per = 10 + (5 if ctx.training.dropout else 0)
+    return _mem(ctx, per * ctx.n_elem * ctx.model.hidden_size)
 
 
 def _cast_bytes(ctx: Context, elems: float) -> float:
@@ -307,6 +322,31 @@ def cp_kernel_lengths(seq: float, cp: int, window: float | None = None
     return ((1.0 - short, lengths[0]), (short, lengths[1]))
 
 
+def unfused_attention(ctx: Context) -> bool:
+    """Whether core attention runs unfused (Transformer Engine `UnfusedDotProductAttention`,
+    or Megatron-LM 2021's batched GEMMs around a fused softmax): on the 'megatron-2021' stack
+    always; with attention sinks (gpt-oss) on any stack before 'current', as TE takes learnable
+    softmax offsets into cuDNN's fused kernel only from cuDNN 9.13.1 (TE PR 2148) and falls
+    back before (TE issue 2318)."""
+    tr = ctx.training
+    return not tr.fused_attention or (ctx.model.attention_sinks and not tr.fused_sink_attention)
+
+
+def _unfused_attention(ctx: Context, queries: float, keys: float, heads: float, d_qk: float,
+                       d_v: float) -> tuple[float, float, float]:
+    """(forward s, backward s, scores kept) of unfused attention: QKᵀ and PV as batched GEMMs
+    over every key (masks, causal or windowed, cut no work) and the scores streamed through
+    HBM between them: a fused scale-mask-softmax reads and writes each bf16 score (4 bytes)
+    forward and reads two and writes one backward (6); the 2021–22 stacks also drop out
+    attention probabilities as their GPT recipes did (attention dropout 0.1: read, write and
+    a one-byte mask, 5 bytes each way). The probabilities are kept for backward."""
+    n = heads * queries * keys
+    drop = 5 if ctx.training.dropout else 0
+    gemm = (_gemm(ctx, queries, d_qk, keys, covered=False, count=heads)
+            + _gemm(ctx, queries, keys, d_v, covered=False, count=heads))
+    return gemm + _mem(ctx, (4 + drop) * n), 2 * gemm + _mem(ctx, (6 + drop) * n), n
+
+
 @_per_context
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
@@ -341,11 +381,14 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     # tiles under a sliding window w (compute.attended_keys), at the head dim's efficiency
     flops = N * attended_keys(seq, window) * (a / t) * 2 * (d_qk + d_v)
     core_f = core_b = 0.0
-    for share, kv_len in cp_kernel_lengths(seq, ctx.layout.cp, window):
+    scores = 0.0  # query-key scores an unfused attention keeps for backward
+    if unfused_attention(ctx):
+        core_f, core_b, scores = _unfused_attention(ctx, N, seq / L.cp, a / t, d_qk, d_v)
+    for share, kv_len in (() if scores else cp_kernel_lengths(seq, ctx.layout.cp, window)):
         f_, b_ = attention_time(share * flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
-                                kv_len)
+                                kv_len, windowed=window is not None and kv_len >= window)
         core_f, core_b = core_f + f_, core_b + b_
-    norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
+    norm = _norm_add(ctx)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
     gemm_f = down + up + proj
     fwd = norm + gemm_f + core_f + elementwise
@@ -376,7 +419,8 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
         ActTensor("attn_norm_out", act, frozenset({"layernorm"}), "qkv_linear"),
         ActTensor("qkv", BF16 * N * qkv_w, frozenset({"mla_up_proj"}) if down_w else frozenset(),
                   "core_attn"),
-        ActTensor("attn_stats", 4 * N * a / t, frozenset({"core_attn"}), "core_attn"),
+        ActTensor("attn_stats", 4 * N * a / t + BF16 * scores, frozenset({"core_attn"}),
+                  "core_attn"),
         ActTensor("attn_out", BF16 * N * a * d_v / t, frozenset(), "attn_proj"),
     ]
     if down_w:
@@ -408,7 +452,7 @@ def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
     at = attention_block(ctx, sliding)
     m, t, N, Nsp = ctx.model, ctx.layout.tp, ctx.n_tok, ctx.n_sp
     g, act, fc1, out = _ffn(ctx, N, m.ffn_hidden_size, t)
-    norm2 = _mem(ctx, 10 * Nsp * m.hidden_size)
+    norm2 = _norm_add(ctx)
     fwd = at.fwd + g + act + norm2
     bwd = at.bwd + 2 * (g + act + norm2)
     tp = at.tp + (4 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0)
@@ -471,8 +515,14 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     R = Nsp * k * L.etp * imbalance                  # routed copies on the busiest rank
     per_expert = R / local_experts
     g_e, act_e, fc1_e, out_e = _ffn(ctx, per_expert, fe, L.etp, count=local_experts)
-    router = _gemm(ctx, Nsp, h, m.num_experts, covered=False) + _mem(ctx, 12 * Nsp * m.num_experts)
-    perm = _mem(ctx, 2 * 4 * R * h)                  # permute + unpermute, read + write bf16
+    # router: logits GEMM, then top-k, softmax and the aux loss over the fp32 logits: one
+    # fused kernel's traffic (12 bytes per logit), or about six separate PyTorch passes (48)
+    # on a stack without the fusions; permute + unpermute read and write each routed copy (bf16), or
+    # twice that unfused (argsort + index_select, then a scatter-add with the probabilities)
+    unfused = not ctx.training.fused_moe_kernels
+    router = (_gemm(ctx, Nsp, h, m.num_experts, covered=False)
+              + _mem(ctx, (48 if unfused else 12) * Nsp * m.num_experts))
+    perm = _mem(ctx, (2 if unfused else 1) * 2 * 4 * R * h)
     shared_g = shared_act = 0.0
     sh_fc1 = sh_out = 0.0
     if m.num_shared_experts:

@@ -69,8 +69,6 @@ START: dict[str, Any] = {
     # the CUDA launch; Grace's cores are slower per thread than the x86 hosts'
     "layer_overhead_s": 0.0, "launch_us": {"x86": 10.0, "grace": 15.0},
     "frag_frac": 0.05, "workspace_gb": 1.5, "reserve_gb": 2.0,
-    # keys per attention kernel past which the microbenchmark's length gain is not realised
-    "attn_length_cap": 32768.0,
     # share of those microbenchmark attention efficiencies a training step realises
     "attn_realised": {"hopper": 1.0, "blackwell": 1.0},
     "calibrated": [],
@@ -98,7 +96,6 @@ GRID: list[tuple[str, list[float]]] = [
     ("launch_us.grace", [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0]),
     ("attn_realised.hopper", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]),
     ("attn_realised.blackwell", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]),
-    ("attn_length_cap", [4096.0, 5793.0, 8192.0, 11585.0, 16384.0, 23170.0, 32768.0]),
 ]
 TIED = {"lowp_gain.fp8-tensorwise": ["lowp_gain.fp8-delayed", "lowp_gain.fp8-blockwise"]}
 

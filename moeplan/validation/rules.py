@@ -57,11 +57,33 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
     return {}
 
 
+# Megatron-LM as the 2021–22 papers ran it (Narayanan et al. 2021, arXiv 2104.04473 §5;
+# Korthikanti et al. 2022, arXiv 2205.05198): attention as batched GEMMs around a fused softmax
+# (the s² scores selective recomputation drops), dropout 0.1, and a DistributedDataParallel
+# that all-reduced the
+# gradients once the backward had finished (`allreduce_gradients` after the backward; the
+# overlapped reduction, `--overlap-grad-reduce`, came with Megatron Core's DDP in 2023).
+MEGATRON_2021_SOURCES = ("Narayanan et al. 2021",)
+# Korthikanti et al. 2022 added sequence parallelism and selective recomputation to it
+MEGATRON_2022_SOURCES = ("Korthikanti et al. 2022",)
+# MegaScale's Megatron-LM baseline (Jiang et al. 2024, NSDI): its data-parallel all-gather and
+# reduce-scatter are not overlapped with compute — overlapping them is one of the
+# optimizations MegaScale adds (§3.2) — so the baseline loses efficiency as DP grows (53% MFU
+# at 256 GPUs, 41% at 12,288, Table 2).
+MEGATRON_2023_SOURCES = ("MegaScale (ByteDance, NSDI 2024)",)
+
+
 def training_settings(row: dict[str, str]) -> dict[str, Any]:
-    """Training numerics the row's source documents for its recipe family but does not print
-    (bf16 gradient reduction, FP8 parameter all-gather)."""
+    """Training numerics and stack the row's source documents for its recipe family but does
+    not print (bf16 gradient reduction, FP8 parameter all-gather, the Megatron generation)."""
     src = row.get("source", "") or ""
     out: dict[str, Any] = {}
+    if src.startswith(MEGATRON_2021_SOURCES):
+        out["software_stack"] = "megatron-2021"
+    elif src.startswith(MEGATRON_2022_SOURCES):
+        out["software_stack"] = "megatron-2022"
+    elif src.startswith(MEGATRON_2023_SOURCES):
+        out["software_stack"] = "megatron-2023"
     if src.startswith(BF16_GRAD_REDUCE_SOURCES):
         out["grad_reduce_dtype"] = "bf16"
     if src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8":
