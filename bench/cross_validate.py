@@ -1,13 +1,14 @@
 """Leave-one-model-out, leave-one-release-out and configuration-split accuracy, full refit.
 
-    python bench/cross_validate.py [CSV] [--by model,release,config] [--jobs 2]
-                                   [-o bench/data/crossval.json]
+    python bench/cross_validate.py [CSV] [--by model,release,config] [--refit full|quick]
+                                   [--jobs 2] [-o bench/data/crossval.json]
 
 Each fold refits the calibration with the shipped profile's own procedure (`refit="full"`:
 sweeps to convergence with the polish step, `moeplan.validation.fit.fit`) on every scored row
 outside the fold, and predicts the fold's rows with that profile alone. `moeplan validate --cv`
-runs the same folds with the quick refit (one sweep); this script prints both side by side
-for the leave-one-model-out folds with `--compare-quick`. The JSON it writes is what
+runs the same folds with the quick refit (one sweep); `--refit quick` runs that here
+(written to bench/data/crossval_quick.json unless -o says otherwise), so the two can be set side
+by side. The JSON of the full refit is what
 `bench/fit_intervals.py` (interval widths by distance from the fit) and
 `bench/accuracy_report.py` (the headline) read.
 """
@@ -54,26 +55,21 @@ def main() -> None:
                     help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
     ap.add_argument("--by", default="model,release,config")
     ap.add_argument("--jobs", type=int, default=1, help="folds run in parallel processes")
-    ap.add_argument("--compare-quick", action="store_true",
-                    help="also run the leave-one-model-out folds with the CLI's quick refit")
-    ap.add_argument("-o", "--out", default=str(OUT))
+    ap.add_argument("--refit", choices=("full", "quick"), default="full")
+    ap.add_argument("-o", "--out", default=None)
     args = ap.parse_args()
+    out = args.out or str(OUT if args.refit == "full" else OUT.with_name("crossval_quick.json"))
     doc: dict[str, Any] = {"_about": "Cross-validated accuracy of moeplan's cost models "
-                           "(bench/cross_validate.py): each fold refits the calibration "
-                           "without its rows and predicts them."}
+                           f"(bench/cross_validate.py, {args.refit} refit): each fold refits "
+                           "the calibration without its rows and predicts them."}
     for by in args.by.split(","):
-        res = run(args.csv, by, "full", args.jobs)
+        res = run(args.csv, by, args.refit, args.jobs)
         doc[by] = res
-        print(f"leave-one-{by}-out (full refit): MAPE {100 * res['mape']:.1f}% over "
+        print(f"leave-one-{by}-out ({args.refit} refit): MAPE {100 * res['mape']:.1f}% over "
               f"{res['count']} rows, median {100 * res['median_ape']:.1f}%, p90 "
               f"{100 * res['p90_ape']:.1f}%", file=sys.stderr)
-    if args.compare_quick:
-        res = run(args.csv, "model", "quick", args.jobs)
-        doc["model_quick"] = res
-        print(f"leave-one-model-out (quick refit, as `moeplan validate --cv model`): MAPE "
-              f"{100 * res['mape']:.1f}%", file=sys.stderr)
-    write_json(args.out, doc, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_json(out, doc, indent=1)
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

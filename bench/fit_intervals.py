@@ -9,8 +9,9 @@ The honest samples of the model's error are the cross-validated predictions of
 
 - the configuration split's held-out rows, predicted by a refit on its fit rows: the error on
   a new configuration of a model the fit knows. Their conformal 10 % / 90 % bounds per regime
-  (most specific first, backing off while a regime has fewer than MIN_ROWS rows) are the
-  interval of an estimate near the evidence;
+  (most specific first, backing off while a regime has fewer than MIN_ROWS rows; rows of a
+  model missed as a whole left out, its own band carrying its error) are the interval of an
+  estimate near the evidence;
 - every row, predicted by a refit without its model (leave-one-model-out): the error on a
   model the fit never saw, per regime (`unseen`), and pooled over the rows whose family had no
   other model in the fit (`family_unseen`);
@@ -20,8 +21,9 @@ The honest samples of the model's error are the cross-validated predictions of
 An estimate's interval starts from its regime's band and widens by its distance from the fit
 evidence (`uncertainty.widen`): a model or family no fit row has, a GPU and precision with
 few rows, a micro-batch, tokens per expert or sequence beyond the fit rows' range
-(`per_doubling` per doubling, the least value that covers 80 % of the leave-one-model-out rows
-lying beyond their fold's range). Coverage is measured on rows none of whose bounds used them:
+(`per_doubling` per doubling: the least value, at least PER_DOUBLING_FLOOR, that covers 80 % of
+the leave-one-model-out rows lying beyond their fold's range, models missed as a whole aside).
+Coverage is measured on rows none of whose bounds used them:
 cross-conformal over K folds of the configuration split, and per family under
 leave-one-model-out, each model's band built from the other models' rows only. Evidence for the
 named assumptions comes from the rows the fit saw; the memory margin from the DeepSeek-V3
@@ -36,6 +38,7 @@ import math
 import sys
 import zlib
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,7 @@ def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
 
 
 def dimension_ranges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each dimension's range over the rows (`uncertainty.DIMENSIONS`)."""
     by: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         for d, x in r["dims"].items():
@@ -168,47 +172,79 @@ def profile_doc(**parts: Any) -> dict[str, Any]:
 
 
 def enrich(cv_rows: list[dict[str, Any]], shipped: dict[str, dict[str, Any]],
-           dims: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    """Cross-validated rows with the regimes, pessimistic ratio and dimensions of their case."""
+           cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Cross-validated rows with the regimes, pessimistic ratio, dimensions and "GPU/precision"
+    of their case."""
     out = []
     for r in cv_rows:
         s = shipped.get(r["id"])
         if s is None or not s["predicted_tokens_per_s_per_gpu"]:
             continue
+        c = cases[r["id"]]
         ratio = (s["pessimistic_tokens_per_s_per_gpu"] or s["predicted_tokens_per_s_per_gpu"]
                  ) / s["predicted_tokens_per_s_per_gpu"]
         out.append({**r, "regimes": s["regimes"], "pessimistic_ratio": ratio,
-                    "dims": dims[r["id"]]})
+                    "dims": U.dimensions(c.model, c.training, c.layout),
+                    "gpu_precision": f"{c.cluster.gpu}/{c.training.precision}"})
     return out
 
 
-def lomo_coverage(lomo: list[dict[str, Any]], per_doubling: float) -> dict[str, Any]:
-    """Coverage under leave-one-model-out: each model's rows get the band of models left out
-    (of families left out, when no other model of its family is in the fold), built from the
-    other models' rows only, widened by their distance from the fold's range."""
-    by_family_models: dict[str, set[str]] = defaultdict(set)
+def lone_families(lomo: list[dict[str, Any]]) -> set[str]:
+    """Families with a single model in the rows: leaving that model out leaves the family."""
+    models: dict[str, set[str]] = defaultdict(set)
     for r in lomo:
-        by_family_models[r["family"]].add(r["model"])
+        models[r["family"]].add(r["model"])
+    return {f for f, ms in models.items() if len(ms) == 1}
+
+
+def distance_parts(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                   per_doubling: float, off: set[str] = frozenset()) -> dict[str, Any]:
+    """The profile's distance bands and ranges from the rows given (what `uncertainty.widen`
+    reads): every held-out band, every unseen band, the fit rows' ranges and counts. The
+    regime bands leave out the models in `off` (missed as a whole: their own band carries
+    their error, which would otherwise widen every other model's interval)."""
+    lone = lone_families(lomo)
+    counts: dict[str, int] = defaultdict(int)
+    for r in lomo:
+        counts[r["gpu_precision"]] += 1
+    return {"regimes": bands([r for r in held if r["model"] not in off]), "unseen": bands(lomo),
+            "family_unseen": pooled([r for r in lomo if r["family"] in lone]),
+            "model_bands": model_bands(held),
+            "seen_models": sorted({r["model"] for r in lomo if r["family"] != "gpt"}),
+            "seen_families": sorted({r["family"] for r in lomo if r["family"] != "gpt"}),
+            "ranges": dimension_ranges(lomo), "per_doubling": per_doubling,
+            "gpu_precision_rows": dict(sorted(counts.items()))}
+
+
+def cv_interval(r: dict[str, Any], prof: U.IntervalProfile, model_seen: bool) -> list[float]:
+    """A row's interval under a fold's profile, built exactly as `estimate` builds it
+    (`uncertainty.widen` on the regime's band)."""
+    steps = {d: math.log2(max(lo / x, x / hi, 1.0)) for d, x in r["dims"].items()
+             if (rg := prof.ranges.get(d)) and x > 0 for lo, hi in [rg]}
+    far = U.Distance(r["model"], model_seen, r["family"] in prof.seen_families,
+                     {d: v for d, v in steps.items() if v > 0},
+                     prof.gpu_precision_rows.get(r["gpu_precision"], 0))
+    q_lo, q_hi, _, _ = prof.bounds(r["regimes"])
+    q_lo, q_hi, _ = U.widen(q_lo, q_hi, r["regimes"], far, prof)
+    return interval(r, q_lo, q_hi)
+
+
+def lomo_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]], per_doubling: float,
+                  off: set[str] = frozenset()) -> dict[str, Any]:
+    """Coverage under leave-one-model-out: each model's rows get the interval a profile built
+    without that model's rows would give them (its held-out, unseen and family bands, ranges
+    and counts all from the other models), as `estimate` would for a model no fit row has."""
     hits: dict[str, list[bool]] = defaultdict(list)
     widths: list[float] = []
     for model in sorted({r["model"] for r in lomo}):
-        mine = [r for r in lomo if r["model"] == model]
         others = [r for r in lomo if r["model"] != model]
-        fam = mine[0]["family"]
-        alone = by_family_models[fam] == {model}
-        ranges = dimension_ranges(others)
-        lone = [r for r in others if by_family_models[r["family"]] == {r["model"]}]
-        fam_band = pooled(lone) if alone else None
-        reg = bands(others)
-        for r in mine:
-            if fam_band:
-                lo, hi = fam_band["q_lo"], fam_band["q_hi"]
-            else:
-                k = next((k for k in r["regimes"] if k in reg), None)
-                lo, hi = (reg[k]["q_lo"], reg[k]["q_hi"]) if k else (-0.35, 0.35)
-            steps = doublings(r["dims"], ranges)
-            iv = interval(r, lo - per_doubling * steps, hi + per_doubling * steps)
-            hits[fam].append(covered(r, iv))
+        prof = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if r["model"] != model], others, per_doubling,
+                             off)))
+        for r in (r for r in lomo if r["model"] == model):
+            iv = cv_interval(r, prof, model_seen=False)
+            hits[r["family"]].append(covered(r, iv))
             widths.append(width(r, iv))
     allh = [h for v in hits.values() for h in v]
     return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
@@ -217,41 +253,53 @@ def lomo_coverage(lomo: list[dict[str, Any]], per_doubling: float) -> dict[str, 
                           for k, v in sorted(hits.items())}}
 
 
-def fit_per_doubling(lomo: list[dict[str, Any]]) -> tuple[float, int]:
-    """The least widening per doubling that covers LEVEL of the leave-one-model-out rows lying
-    beyond their fold's range (their model's rows are not in the fold), with their count."""
-    far = []
+PER_DOUBLING_FLOOR = 0.05
+"""The least widening per doubling beyond the fit rows' range, whatever the rows measure: a
+size no fit row has is territory no row has checked."""
+
+
+def fit_per_doubling(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                     off: set[str] = frozenset()) -> tuple[float, int]:
+    """The least widening per doubling (at least PER_DOUBLING_FLOOR) that covers LEVEL of the
+    leave-one-model-out rows lying beyond their fold's range (their model's rows are not in
+    the fold), with their count. Rows of the models in `off` (missed as a whole, whatever
+    their size: their own band covers them) do not measure it."""
+    folds = {}
     for model in sorted({r["model"] for r in lomo}):
-        ranges = dimension_ranges([r for r in lomo if r["model"] != model])
-        far += [(r, s) for r in lomo if r["model"] == model
-                if (s := doublings(r["dims"], ranges)) > 0]
+        others = [r for r in lomo if r["model"] != model]
+        folds[model] = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if r["model"] != model], others, 0.0, off)))
+    far = [r for r in lomo if r["model"] not in off
+           and doublings(r["dims"], {d: list(v) for d, v in folds[r["model"]].ranges.items()}) > 0]
     if len(far) < U.MIN_ROWS:
-        return 0.1, len(far)  # prior: a tenth of e per doubling (not enough rows to measure)
-    reg = bands(lomo)
-    for k in PER_DOUBLING_GRID:
+        return 0.1, len(far)  # prior: a tenth of e per doubling (too few rows to measure)
+    for k in (k for k in PER_DOUBLING_GRID if k >= PER_DOUBLING_FLOOR):
         hit = 0
-        for r, s in far:
-            key = next((x for x in r["regimes"] if x in reg), None)
-            lo, hi = (reg[key]["q_lo"], reg[key]["q_hi"]) if key else (-0.35, 0.35)
-            hit += covered(r, interval(r, lo - k * s, hi + k * s))
+        for r in far:
+
+            prof = replace(folds[r["model"]], per_doubling=k)
+            hit += covered(r, cv_interval(r, prof, model_seen=False))
         if hit >= U.LEVEL * len(far):
             return k, len(far)
     return PER_DOUBLING_GRID[-1], len(far)
 
 
-def config_coverage(held: list[dict[str, Any]], by_id: dict[str, dict[str, str]]
-                    ) -> dict[str, Any]:
+def config_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                    by_id: dict[str, dict[str, str]], per_doubling: float,
+                    off: set[str] = frozenset()) -> dict[str, Any]:
     """Cross-conformal coverage of the configuration split's held-out rows: K folds by
-    configuration, each fold's bands built from the other folds only."""
+    configuration, each fold's bands built from the other folds' rows only, the model seen."""
     fold = {r["id"]: zlib.crc32(config_key(by_id[r["id"]]).encode()) % K_FOLDS for r in held}
     hits, widths, by_regime = [], [], defaultdict(list)
     for k in range(K_FOLDS):
-        reg = bands([r for r in held if fold[r["id"]] != k])
+        prof = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if fold[r["id"]] != k], lomo, per_doubling,
+                             off)))
         for r in held:
             if fold[r["id"]] == k:
-                key = next((x for x in r["regimes"] if x in reg), None)
-                lo, hi = (reg[key]["q_lo"], reg[key]["q_hi"]) if key else (-0.35, 0.35)
-                iv = interval(r, lo, hi)
+                iv = cv_interval(r, prof, model_seen=True)
                 hits.append(covered(r, iv))
                 widths.append(width(r, iv))
                 by_regime[r["regimes"][2]].append(hits[-1])
@@ -271,8 +319,7 @@ def main() -> None:
     raw = read_rows(args.csv)
     by_id = {r["id"]: r for r in raw}
     cv = json.loads(Path(args.crossval).read_text())
-    cases = cases_of(raw)
-    dims = {c.id: U.dimensions(c.model, c.training, c.layout) for c in cases}
+    cases = {c.id: c for c in cases_of(raw)}
     # 1. evidence from the rows the shipped profile saw
     first = validate_rows(raw)
     seen = [r for r in first["rows"] if r["published_tokens_per_s_per_gpu"]]
@@ -290,29 +337,17 @@ def main() -> None:
                                                contradicted=contradicted))
     U.default_profile.cache_clear()
     shipped = {r["id"]: r for r in validate_rows(raw)["rows"]}
-    held = enrich(cv["config"]["rows"], shipped, dims)
-    lomo = enrich(cv["model"]["rows"], shipped, dims)
-    scored_dims = [{"dims": dims[i]} for i in shipped if shipped[i]["published_tokens_per_s_per_gpu"]]
-    # 3. the distance bands
-    by_family_models: dict[str, set[str]] = defaultdict(set)
-    for r in lomo:
-        by_family_models[r["family"]].add(r["model"])
-    lone = [r for r in lomo if by_family_models[r["family"]] == {r["model"]}]
-    per_doubling, far_rows = fit_per_doubling(lomo)
-    counts: dict[str, int] = defaultdict(int)
-    for c in cases:
-        if shipped.get(c.id, {}).get("published_tokens_per_s_per_gpu"):
-            counts[f"{c.cluster.gpu}/{c.training.precision}"] += 1
+    held = enrich(cv["config"]["rows"], shipped, cases)
+    lomo = enrich(cv["model"]["rows"], shipped, cases)
+    # 3. the distance bands, the widening per doubling, and coverage on unseen rows
+    models = model_evidence(held)
+    per_doubling, far_rows = fit_per_doubling(held, lomo, set(models))
     doc = profile_doc(
-        regimes=bands(held), memory=memory, evidence=evidence, contradicted=contradicted,
-        unseen=bands(lomo), family_unseen=pooled(lone), model_bands=model_bands(held),
-        models=model_evidence(held),
-        seen_models=sorted({c.model.name for c in cases if c.family != "gpt-dense"}),
-        seen_families=sorted({c.family for c in cases if c.family != "gpt-dense"}),
-        ranges=dimension_ranges(scored_dims), per_doubling=per_doubling,
-        per_doubling_rows=far_rows, gpu_precision_rows=dict(sorted(counts.items())),
-        cross_validated=config_coverage(held, by_id),
-        leave_one_model_out=lomo_coverage(lomo, per_doubling))
+        memory=memory, evidence=evidence, contradicted=contradicted,
+        models=models, **distance_parts(held, lomo, per_doubling, set(models)),
+        per_doubling_rows=far_rows,
+        cross_validated=config_coverage(held, lomo, by_id, per_doubling, set(models)),
+        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, set(models)))
     write_json(out, indent=1, data=doc)
     U.default_profile.cache_clear()
     lc, cc = doc["leave_one_model_out"], doc["cross_validated"]

@@ -325,3 +325,76 @@ def test_a_26_06_row_whose_sizes_contradict_its_recipe_is_not_given_the_recipes_
     other = case_of(_bridge(**over, micro_batch="2"), presets)
     assert "recipe" not in other.assumed
     assert not other.layout.ep_overlap and other.layout.dispatcher == "alltoall"
+
+
+STACKS = ("current", "mcore-2024", "megatron-2023", "megatron-2022", "megatron-2021")
+
+
+def _est(model, cluster, layout, stack, seq=4096, gbs=256):
+    tr = TrainingSpec(seq_len=seq, global_batch_size=gbs, software_stack=stack)
+    return estimate(model, cluster, tr, layout, with_interval=False)
+
+
+def test_each_older_stack_is_no_faster_than_the_newer_one():
+    """The stacks are generations: each lacks what the next adds, so a step never gets faster
+    going back in time, and the features bite where they apply."""
+    cases = [(load_model("gpt-oss-120b"), load_cluster("gb200-nvl72", 64),
+              Layout.build(64, 256, ep=64, mbs=1)),
+             (load_model("qwen3-30b-a3b"), load_cluster("h100", 16), Layout.build(16, 256, ep=16)),
+             (LLAMA, H100, Layout.build(64, 256, tp=8, pp=2))]
+    for model, cluster, layout in cases:
+        t = [_est(model, cluster, layout, s).step_time_s for s in STACKS]
+        assert t == sorted(t), (model.name, t)
+    moe = [_est(*cases[1], s).step_time_s for s in ("current", "mcore-2024")]
+    dense = [_est(*cases[2], s).step_time_s for s in ("megatron-2023", "megatron-2022")]
+    assert moe[1] > moe[0] and dense[1] > dense[0]
+
+
+def test_sink_attention_runs_unfused_before_cudnn_9_13_1():
+    """gpt-oss's learnable sinks: TE's fused cuDNN kernel takes them from cuDNN 9.13.1, else
+    TE runs UnfusedDotProductAttention, which keeps every query-key score for backward."""
+    oss, c = load_model("gpt-oss-120b"), load_cluster("gb200-nvl72", 64)
+    lay = Layout.build(64, 256, ep=64, mbs=1)
+
+    def kept(stack):
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+        return dense_layer(make_context(oss, c, tr, lay, default_calibration())
+                           ).activation_bytes()
+
+    scores = oss.num_attention_heads * 4096 * 4096 * 2  # bf16 probabilities, one sequence
+    assert kept("mcore-2024") - kept("current") == pytest.approx(scores)
+
+
+def test_stacks_before_2024_wait_for_the_whole_backward_to_reduce_gradients():
+    from moeplan.cost_models.estimate import step_extras
+
+    lay = Layout.build(64, 256, tp=8)  # dp 8
+    cal = default_calibration()
+
+    def extras(stack):
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+        return step_extras(LLAMA, H100, tr, lay, cal, dense_params=1e9, expert_params=0.0,
+                           fwd_window_s=1.0, bwd_window_s=2.0)
+
+    old, new = extras("megatron-2023"), extras("mcore-2024")
+    assert old.dp_exposed_s == pytest.approx(old.reduce_scatter_s + old.all_gather_s)
+    assert new.dp_exposed_s < old.dp_exposed_s
+
+
+def test_published_rows_are_priced_on_the_stack_their_source_ran():
+    stack = {c.row["source"].split(" (")[0].split(" et al")[0]: c.training.software_stack
+             for _, c in published_cases()}
+    assert stack["Narayanan"] == "megatron-2021"
+    assert stack["MegaScale"] == "megatron-2023"
+    assert stack["NVIDIA Megatron-Bridge performance summary"] == "current"
+
+
+def test_the_stack_is_a_command_line_setting(capsys):
+    from moeplan.cli import main
+
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "16", "--gbs",
+            "64", "--ep", "16", "--json"]
+    assert main([*args, "--stack", "mcore-2024"]) == 0
+    assert '"software_stack": "mcore-2024"' not in capsys.readouterr().err
+    assert main([*args, "--stack", "2019"]) == 2
+    assert "software_stack" in capsys.readouterr().err

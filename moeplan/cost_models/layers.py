@@ -383,7 +383,8 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     core_f = core_b = 0.0
     scores = 0.0  # query-key scores an unfused attention keeps for backward
     if unfused_attention(ctx):
-        core_f, core_b, scores = _unfused_attention(ctx, N, seq / L.cp, a / t, d_qk, d_v)
+        # this rank's queries against every key (over the ring's steps under CP)
+        core_f, core_b, scores = _unfused_attention(ctx, N, seq, a / t, d_qk, d_v)
     for share, kv_len in (() if scores else cp_kernel_lengths(seq, ctx.layout.cp, window)):
         f_, b_ = attention_time(share * flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
                                 kv_len, windowed=window is not None and kv_len >= window)
@@ -419,8 +420,10 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
         ActTensor("attn_norm_out", act, frozenset({"layernorm"}), "qkv_linear"),
         ActTensor("qkv", BF16 * N * qkv_w, frozenset({"mla_up_proj"}) if down_w else frozenset(),
                   "core_attn"),
-        ActTensor("attn_stats", 4 * N * a / t + BF16 * scores, frozenset({"core_attn"}),
-                  "core_attn"),
+        # unfused attention keeps its bf16 probabilities, and with dropout the mask and the
+        # dropped-out copy (Korthikanti et al. 2022: 5·a·s² bytes per sequence)
+        ActTensor("attn_stats", 4 * N * a / t + (5 if ctx.training.dropout else BF16) * scores,
+                  frozenset({"core_attn"}), "core_attn"),
         ActTensor("attn_out", BF16 * N * a * d_v / t, frozenset(), "attn_proj"),
     ]
     if down_w:

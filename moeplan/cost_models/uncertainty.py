@@ -86,8 +86,9 @@ def conformal_bounds(residuals: Sequence[float], level: float = LEVEL
     r = sorted(residuals)
     n = len(r)
     a = (1 - level) / 2
-    k_hi = math.ceil((n + 1) * (1 - a))
-    k_lo = math.floor((n + 1) * a)
+    # ranks of exact products ((n + 1)·0.9 is 9 for n = 8, not 9.000000000000002)
+    k_hi = math.ceil((n + 1) * (1 - a) - 1e-9)
+    k_lo = math.floor((n + 1) * a + 1e-9)
     if n == 0 or k_hi > n or k_lo < 1:
         return None
     return r[k_lo - 1], r[k_hi - 1]
