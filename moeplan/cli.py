@@ -442,8 +442,8 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
         title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
                  f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
         print_lines(table_lines(title, cols, body, width))
-        note = (f"MAPE tokens/s/GPU {pct(res['mape'])}, median {pct(res['median_ape'])}, "
-                f"90th percentile {pct(res['p90_ape'])}")
+        note = (f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
+                f"90th percentile {pct(res['p90_ape'])})")
         print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(res, as_json, render)

@@ -69,3 +69,20 @@ def test_validate_cv_reports_every_row_once_with_per_family_errors(rows, tmp_pat
 def test_validate_cv_refuses_an_unknown_grouping(capsys):
     assert main(["validate", "--cv", "gpu"]) == 2
     assert "--cv" in capsys.readouterr().err
+
+
+def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(rows, tmp_path):
+    import csv
+
+    from .test_cli_terminal import assert_fits_and_whole, json_of, render_in_pty
+
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    args = ("validate", str(path), "--cv", "model")
+    doc = json_of(args)
+    nums = [f"{v['mape']:.1%}" for v in doc["by_family"].values()]
+    nums += [f"{v['bias']:+.1%}" for v in doc["by_family"].values()] + [f"{doc['mape']:.1%}"]
+    assert_fits_and_whole(render_in_pty(args, 80), 80, nums)
