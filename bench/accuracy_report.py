@@ -418,7 +418,11 @@ CHANGES = """## What changed
   one release out does the same per software release. `bench/cross_validate.py` runs every
   fold with the shipped profile's own procedure (full refit); `moeplan validate --cv
   model|release` runs them with a quick refit (one sweep, no polish). No fold's prediction
-  reads the shipped profile, and the folds share nothing but START, the fit's physical priors.
+  reads the shipped profile. The folds share START, the search's starting point: physical
+  priors, and for the GEMM efficiencies and a few other constants an earlier revision's
+  optimum (fitted then on that revision's fit rows). Each fold searches every constant over
+  its whole grid from there, so START is not a fitted value, but it is not blind to the rows
+  that earlier fit saw either.
   Since the honest figures are the cross-validated ones, the shipped profile is fitted on every
   scored row ({rows} rows, objective {objective}); the configuration split survives as a refit
   on its fit rows predicting its held-out rows.
