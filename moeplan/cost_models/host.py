@@ -23,9 +23,10 @@ Three things move the floor (Megatron Core MoE report, arXiv 2603.07685, §4.3.6
   "before_ep_alltoall"): the host stops running ahead, and the layer's forward becomes two
   segments, each its own max of host and device time, plus the restart gap (the device idles
   until the host's next launch reaches it, ≈ 2 launches). Backward reuses the saved splits.
-  Token dropping with padding to capacity has static shapes and no sync.
-- CUDA graphs: a captured region launches as one graph (`graphed`: the whole dense layer; the
-  attention block and router of an MoE layer, the part before its sync).
+  Token dropping with padding to capacity has static shapes and no sync, but the TrainingSpec's
+  capacity factor does not say whether a run pads, so the sync is always priced.
+- CUDA graphs: a captured region launches as one graph (the whole dense layer; the attention
+  block and router of an MoE layer, the part before its sync: `layers.host_floor`).
 
 The per-launch host time is `Calibration.launch_us`, per host CPU (x86 beside PCIe GPUs, Grace
 beside NVL72 GPUs over NVLink-C2C), fitted within physical bounds or measured by
@@ -59,8 +60,9 @@ SHARED_EXPERT = 4    # fc1, SwiGLU, fc2, add of the shared experts (a dense MLP 
 CP_STEP = 3          # per context-parallel ring step: attention kernel, K/V send/recv, correction
 LOSS = 8             # final norm, output GEMM, vocab-parallel cross-entropy pieces
 BWD_FACTOR = 2.0     # each non-GEMM forward kernel has about two backward kernels
-# without Megatron's MoE fusions (TrainingSpec.fused_moe_kernels), the router (softmax, top-k, aux-loss pieces) and permutation (argsort,
-# index_select, scatter-add, the probabilities' multiply) as separate kernels
+# without Megatron's MoE fusions (TrainingSpec.fused_moe_kernels), the router (softmax, top-k,
+# aux-loss pieces) and the permutation (argsort, index_select, scatter-add, the probabilities'
+# multiply) as separate kernels
 UNFUSED_MOE = 12
 
 
