@@ -1,50 +1,69 @@
 """Fit the 80 % prediction intervals and the memory margin (moeplan/cost_models/intervals.json).
 
-    python bench/fit_intervals.py DATA/published_runs.csv [-o moeplan/cost_models/intervals.json]
+    python bench/fit_intervals.py [CSV] [--crossval bench/data/crossval.json]
+                                  [-o moeplan/cost_models/intervals.json]
 
-Split conformal (see moeplan.cost_models.uncertainty): the constants were fitted on the fit rows
-only, so the held-out rows' log-residuals log(published / predicted) tokens/s/GPU are honest
-samples of the model's error. Per regime (most specific first, backing off while a regime has
-fewer than MIN_ROWS held-out rows) the conformal 10 % / 90 % bounds are taken over all held-out
-rows; that is what ships. How well such bounds cover rows they never saw is measured by
-cross-conformal evaluation: the held-out rows are cut into K folds by configuration, each
-fold's intervals are built from the other folds' residuals only, and coverage and median width
-are counted over all folds. Evidence for the named assumptions comes from the fit rows; the
-memory margin from the DeepSeek-V3 anatomy (worst part's relative error). Deterministic.
+The shipped calibration is fitted on every scored row, so its own errors on them prove nothing.
+The honest samples of the model's error are the cross-validated predictions of
+`bench/cross_validate.py`, each made by a refit that never saw the row:
+
+- the configuration split's held-out rows, predicted by a refit on its fit rows: the error on
+  a new configuration of a model the fit knows. Their conformal 10 % / 90 % bounds per regime
+  (most specific first, backing off while a regime has fewer than MIN_ROWS rows; rows of a
+  model missed as a whole left out, its own band carrying its error) are the interval of an
+  estimate near the evidence;
+- every row, predicted by a refit without its model (leave-one-model-out): the error on a
+  model the fit never saw, per regime (`unseen`), and pooled over the rows whose family had no
+  other model in the fit (`family_unseen`);
+- per model, the conformal band of its own held-out rows (`model_bands`, at least MODEL_ROWS):
+  a model the fit misses as a whole keeps its rows in the fit, and its interval covers it.
+
+An estimate's interval starts from its regime's band and widens by its distance from the fit
+evidence (`uncertainty.widen`): a model or family no fit row has, a GPU and precision with
+few rows, a micro-batch, tokens per expert or sequence beyond the fit rows' range
+(`per_doubling` per doubling: the least value, at least PER_DOUBLING_FLOOR, that covers 80 % of
+the leave-one-model-out rows lying beyond their fold's range, models missed as a whole aside).
+Coverage is measured on rows none of whose bounds used them:
+cross-conformal over K folds of the configuration split, and per family under
+leave-one-model-out, each model's band built from the other models' rows only. Evidence for the
+named assumptions comes from the rows the fit saw; the memory margin from the DeepSeek-V3
+anatomy (worst part's relative error). Deterministic.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import zlib
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from moeplan.cost_models import uncertainty as U
 from moeplan.fsio import write_json
-from moeplan.validation import (
-    anatomy_parts,
-    config_key,
-    inside,
-    median_width,
-    read_rows,
-    validate_rows,
-)
+from moeplan.validation import anatomy_parts, config_key, read_rows, validate_rows
+from moeplan.validation.crossval import cases_of
 
 K_FOLDS = 5
+MODEL_ROWS = 5
+PER_DOUBLING_GRID = [0.0, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3]
 PROFILE = Path(__file__).resolve().parents[1] / "moeplan" / "cost_models" / "intervals.json"
+CROSSVAL = Path(__file__).resolve().parent / "data" / "crossval.json"
 
 
-def regime_bounds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def residual(r: dict[str, Any]) -> float:
+    return math.log(r["published"] / r["predicted"])
+
+
+def bands(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Conformal bounds of every regime name that has at least MIN_ROWS rows."""
     by: dict[str, list[float]] = defaultdict(list)
     for r in rows:
-        res = math.log(r["published_tokens_per_s_per_gpu"] / r["predicted_tokens_per_s_per_gpu"])
         for k in r["regimes"]:
-            by[k].append(res)
+            by[k].append(residual(r))
     out = {}
     for k, res in sorted(by.items()):
         b = U.conformal_bounds(res) if len(res) >= U.MIN_ROWS else None
@@ -53,38 +72,43 @@ def regime_bounds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per model preset, the fit rows' published/predicted ratio where it is off as a whole
-    (`uncertainty.off_as_a_whole`: enough rows, a median beyond `uncertainty.MODEL_RATIO`). A
-    bias the fit leaves in one model's rows is one the constants could not take up without
-    hurting the others (a recipe's software, not the hardware); `estimate` names it for plans
-    of that model."""
-    by_model: dict[str, list[float]] = defaultdict(list)
+def pooled(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    b = U.conformal_bounds([residual(r) for r in rows])
+    return None if b is None else {"q_lo": round(b[0], 5), "q_hi": round(b[1], 5),
+                                   "rows": len(rows)}
+
+
+def model_bands(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        if r["split"] == "fit" and r["family"] != "gpt-dense":
-            by_model[r["model"]].append(r["published_tokens_per_s_per_gpu"]
-                                        / r["predicted_tokens_per_s_per_gpu"])
-    out = {}
-    for name, ratios in sorted(by_model.items()):
-        med = sorted(ratios)[len(ratios) // 2]
-        if U.off_as_a_whole(ratios):
-            out[name] = {"rows": len(ratios), "median": round(med, 3),
-                         "low": round(min(ratios), 3), "high": round(max(ratios), 3)}
-    return out
+        if r["family"] != "gpt":  # GPTs at their own dimensions are not one model
+            by[r["model"]].append(r)
+    return {m: b for m, rs in sorted(by.items()) if len(rs) >= MODEL_ROWS
+            and (b := pooled(rs)) is not None}
+
+
+def model_evidence(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model, the held-out rows' published/predicted ratio where it is off as a whole
+    (`uncertainty.off_as_a_whole`): a bias the fit leaves in one model's rows (a recipe's
+    software, not the hardware); `estimate` names it for plans of that model."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["family"] != "gpt":
+            by[r["model"]].append(r["published"] / r["predicted"])
+    return {m: {"rows": len(v), "median": round(sorted(v)[len(v) // 2], 3),
+                "low": round(min(v), 3), "high": round(max(v), 3)}
+            for m, v in sorted(by.items()) if U.off_as_a_whole(v)}
 
 
 def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
                                                        dict[str, dict[str, Any]]]:
-    """(validated, contradicted) evidence per assumption key from the fit rows: the fit rows
-    that rely on an effect validate it unless their median published/predicted ratio is off
-    by `uncertainty.MODEL_RATIO` or more either way, the threshold a model is "off as a whole" at. Rows that
-    use an effect and miss it say the effect may not deliver what it is priced at, so it keeps
-    its pessimistic low end."""
+    """(validated, contradicted) evidence per assumption key from the rows the fit saw: the
+    rows that rely on an effect validate it unless their median published/predicted ratio is
+    off by `uncertainty.MODEL_RATIO` or more either way. Rows that use an effect and miss it
+    say the effect may not deliver what it is priced at, so it keeps its pessimistic low end."""
     ids: dict[str, list[str]] = defaultdict(list)
     ratios: dict[str, list[float]] = defaultdict(list)
     for r in rows:
-        if r["split"] != "fit":
-            continue
         for k in r["assumption_keys"]:
             ids[k].append(r["id"])
             if r["published_tokens_per_s_per_gpu"] and r["predicted_tokens_per_s_per_gpu"]:
@@ -100,33 +124,206 @@ def split_evidence(rows: list[dict[str, Any]]) -> tuple[dict[str, list[str]],
     return validated, contradicted
 
 
-def profile_doc(regimes: dict, evidence: dict, memory: dict, cv: dict,
-                models: dict | None = None, contradicted: dict | None = None
-                ) -> dict[str, Any]:
+def dimension_ranges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each dimension's range over the rows (`uncertainty.DIMENSIONS`)."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        for d, x in r["dims"].items():
+            by[d].append(x)
+    return {d: [min(v), max(v)] for d, v in sorted(by.items())}
+
+
+def doublings(dims: dict[str, float], ranges: dict[str, list[float]]) -> float:
+    out = 0.0
+    for d, x in dims.items():
+        if d in ranges and x > 0:
+            out += math.log2(max(ranges[d][0] / x, x / ranges[d][1], 1.0))
+    return out
+
+
+def interval(r: dict[str, Any], q_lo: float, q_hi: float) -> list[float]:
+    """The interval of a cross-validated row: its low end from its pessimistic prediction,
+    scaled from the shipped profile's to the fold's point."""
+    pess = r["predicted"] * r["pessimistic_ratio"]
+    return [min(r["predicted"], pess) * math.exp(min(q_lo, 0.0)),
+            r["predicted"] * math.exp(max(q_hi, 0.0))]
+
+
+def covered(r: dict[str, Any], iv: list[float]) -> bool:
+    return iv[0] <= r["published"] <= iv[1]
+
+
+def width(r: dict[str, Any], iv: list[float]) -> float:
+    return (iv[1] - iv[0]) / r["predicted"]
+
+
+def median(v: list[float]) -> float:
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def profile_doc(**parts: Any) -> dict[str, Any]:
     return {"_about": "80 % prediction intervals of moeplan (bench/fit_intervals.py): conformal "
-            "bounds of held-out published runs per regime, assumption evidence from fit rows, "
-            "memory-model error from the DeepSeek-V3 anatomy, models whose fit rows are off "
-            "as a whole.",
-            "level": U.LEVEL, "min_rows": U.MIN_ROWS, "regimes": regimes, "memory": memory,
-            "evidence": evidence, "contradicted": contradicted or {}, "cross_validated": cv,
-            "models": models or {}}
+            "bounds of cross-validated published runs per regime, widened by the distance "
+            "from the fit evidence; assumption evidence from the rows the fit saw; "
+            "memory-model error from the DeepSeek-V3 anatomy; models off as a whole.",
+            "level": U.LEVEL, "min_rows": U.MIN_ROWS, **parts}
 
 
-def scored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r["published_tokens_per_s_per_gpu"]
-            and r["predicted_tokens_per_s_per_gpu"]]
+def enrich(cv_rows: list[dict[str, Any]], shipped: dict[str, dict[str, Any]],
+           cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Cross-validated rows with the regimes, pessimistic ratio, dimensions and "GPU/precision"
+    of their case."""
+    out = []
+    for r in cv_rows:
+        s = shipped.get(r["id"])
+        if s is None or not s["predicted_tokens_per_s_per_gpu"]:
+            continue
+        c = cases[r["id"]]
+        ratio = (s["pessimistic_tokens_per_s_per_gpu"] or s["predicted_tokens_per_s_per_gpu"]
+                 ) / s["predicted_tokens_per_s_per_gpu"]
+        out.append({**r, "regimes": s["regimes"], "pessimistic_ratio": ratio,
+                    "dims": U.dimensions(c.model, c.training, c.layout),
+                    "gpu_precision": f"{c.cluster.gpu}/{c.training.precision}"})
+    return out
+
+
+def lone_families(lomo: list[dict[str, Any]]) -> set[str]:
+    """Families with a single model in the rows: leaving that model out leaves the family."""
+    models: dict[str, set[str]] = defaultdict(set)
+    for r in lomo:
+        models[r["family"]].add(r["model"])
+    return {f for f, ms in models.items() if len(ms) == 1}
+
+
+def distance_parts(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                   per_doubling: float, off: set[str] = frozenset()) -> dict[str, Any]:
+    """The profile's distance bands and ranges from the rows given (what `uncertainty.widen`
+    reads): every held-out band, every unseen band, the fit rows' ranges and counts. The
+    regime bands leave out the models in `off` (missed as a whole: their own band carries
+    their error, which would otherwise widen every other model's interval)."""
+    lone = lone_families(lomo)
+    counts: dict[str, int] = defaultdict(int)
+    for r in lomo:
+        counts[r["gpu_precision"]] += 1
+    return {"regimes": bands([r for r in held if r["model"] not in off]), "unseen": bands(lomo),
+            "family_unseen": pooled([r for r in lomo if r["family"] in lone]),
+            "model_bands": model_bands(held),
+            "seen_models": sorted({r["model"] for r in lomo if r["family"] != "gpt"}),
+            "seen_families": sorted({r["family"] for r in lomo if r["family"] != "gpt"}),
+            "ranges": dimension_ranges(lomo), "per_doubling": per_doubling,
+            "gpu_precision_rows": dict(sorted(counts.items()))}
+
+
+def cv_interval(r: dict[str, Any], prof: U.IntervalProfile, model_seen: bool) -> list[float]:
+    """A row's interval under a fold's profile, built exactly as `estimate` builds it
+    (`uncertainty.widen` on the regime's band)."""
+    steps = {d: math.log2(max(lo / x, x / hi, 1.0)) for d, x in r["dims"].items()
+             if (rg := prof.ranges.get(d)) and x > 0 for lo, hi in [rg]}
+    far = U.Distance(r["model"], model_seen, r["family"] in prof.seen_families,
+                     {d: v for d, v in steps.items() if v > 0},
+                     prof.gpu_precision_rows.get(r["gpu_precision"], 0))
+    q_lo, q_hi, _, _ = prof.bounds(r["regimes"])
+    q_lo, q_hi, _ = U.widen(q_lo, q_hi, r["regimes"], far, prof)
+    return interval(r, q_lo, q_hi)
+
+
+def lomo_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]], per_doubling: float,
+                  off: set[str] = frozenset()) -> dict[str, Any]:
+    """Coverage under leave-one-model-out: each model's rows get the interval a profile built
+    without that model's rows would give them (its held-out, unseen and family bands, ranges
+    and counts all from the other models), as `estimate` would for a model no fit row has."""
+    hits: dict[str, list[bool]] = defaultdict(list)
+    widths: list[float] = []
+    for model in sorted({r["model"] for r in lomo}):
+        others = [r for r in lomo if r["model"] != model]
+        prof = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if r["model"] != model], others, per_doubling,
+                             off)))
+        for r in (r for r in lomo if r["model"] == model):
+            iv = cv_interval(r, prof, model_seen=False)
+            hits[r["family"]].append(covered(r, iv))
+            widths.append(width(r, iv))
+    allh = [h for v in hits.values() for h in v]
+    return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
+            "median_width": round(median(widths), 4),
+            "by_family": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
+                          for k, v in sorted(hits.items())}}
+
+
+PER_DOUBLING_FLOOR = 0.05
+"""The least widening per doubling beyond the fit rows' range, whatever the rows measure: a
+size no fit row has is territory no row has checked."""
+
+
+def fit_per_doubling(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                     off: set[str] = frozenset()) -> tuple[float, int]:
+    """The least widening per doubling (at least PER_DOUBLING_FLOOR) that covers LEVEL of the
+    leave-one-model-out rows lying beyond their fold's range (their model's rows are not in
+    the fold), with their count. Rows of the models in `off` (missed as a whole, whatever
+    their size: their own band covers them) do not measure it."""
+    folds = {}
+    for model in sorted({r["model"] for r in lomo}):
+        others = [r for r in lomo if r["model"] != model]
+        folds[model] = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if r["model"] != model], others, 0.0, off)))
+    far = [r for r in lomo if r["model"] not in off
+           and doublings(r["dims"], {d: list(v) for d, v in folds[r["model"]].ranges.items()}) > 0]
+    if len(far) < U.MIN_ROWS:
+        return 0.1, len(far)  # prior: a tenth of e per doubling (too few rows to measure)
+    for k in (k for k in PER_DOUBLING_GRID if k >= PER_DOUBLING_FLOOR):
+        hit = 0
+        for r in far:
+
+            prof = replace(folds[r["model"]], per_doubling=k)
+            hit += covered(r, cv_interval(r, prof, model_seen=False))
+        if hit >= U.LEVEL * len(far):
+            return k, len(far)
+    return PER_DOUBLING_GRID[-1], len(far)
+
+
+def config_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                    by_id: dict[str, dict[str, str]], per_doubling: float,
+                    off: set[str] = frozenset()) -> dict[str, Any]:
+    """Cross-conformal coverage of the configuration split's held-out rows: K folds by
+    configuration, each fold's bands built from the other folds' rows only, the model seen."""
+    fold = {r["id"]: zlib.crc32(config_key(by_id[r["id"]]).encode()) % K_FOLDS for r in held}
+    hits, widths, by_regime = [], [], defaultdict(list)
+    for k in range(K_FOLDS):
+        prof = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if fold[r["id"]] != k], lomo, per_doubling,
+                             off)))
+        for r in held:
+            if fold[r["id"]] == k:
+                iv = cv_interval(r, prof, model_seen=True)
+                hits.append(covered(r, iv))
+                widths.append(width(r, iv))
+                by_regime[r["regimes"][2]].append(hits[-1])
+    return {"folds": K_FOLDS, "rows": len(hits), "coverage": round(sum(hits) / len(hits), 4),
+            "median_width": round(median(widths), 4),
+            "by_regime": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
+                          for k, v in sorted(by_regime.items())}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv")
+    ap.add_argument("csv", nargs="?", default=None,
+                    help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
+    ap.add_argument("--crossval", default=str(CROSSVAL))
     ap.add_argument("-o", "--out", default=str(PROFILE))
     args = ap.parse_args()
     raw = read_rows(args.csv)
     by_id = {r["id"]: r for r in raw}
-    # 1. evidence from the fit rows (what each fit row's layout relies on)
+    cv = json.loads(Path(args.crossval).read_text())
+    cases = {c.id: c for c in cases_of(raw)}
+    # 1. evidence from the rows the shipped profile saw
     first = validate_rows(raw)
-    evidence, contradicted = split_evidence(first["rows"])
+    seen = [r for r in first["rows"] if r["published_tokens_per_s_per_gpu"]]
+    evidence, contradicted = split_evidence(seen)
     parts = anatomy_parts()
     worst = max(parts, key=lambda k: abs(parts[k][0] / parts[k][1] - 1))
     err = abs(parts[worst][0] / parts[worst][1] - 1)
@@ -136,41 +333,29 @@ def main() -> None:
                   f"{k} {100 * (a / b - 1):+.1f}%" for k, (a, b) in parts.items())}
     # 2. re-predict with that evidence (the pessimistic low ends depend on it)
     out = Path(args.out)
-    write_json(out, indent=1, data=profile_doc({}, dict(evidence), memory, {}, None, contradicted))
+    write_json(out, indent=1, data=profile_doc(regimes={}, memory=memory, evidence=evidence,
+                                               contradicted=contradicted))
     U.default_profile.cache_clear()
-    rows = scored(validate_rows(raw)["rows"])
-    held = [r for r in rows if r["split"] == "held-out"]
-    # 3. cross-conformal coverage on held-out rows never used for their own bounds
-    fold = {r["id"]: zlib.crc32(config_key(by_id[r["id"]]).encode()) % K_FOLDS for r in held}
-    cv_rows = []
-    for k in range(K_FOLDS):
-        train = [r for r in held if fold[r["id"]] != k]
-        prof = U.profile_from_dict(profile_doc(regime_bounds(train), evidence, memory, {}, None,
-                                               contradicted))
-        for r in held:
-            if fold[r["id"]] == k:
-                lo, hi, regime, _ = U.tokens_interval(
-                    r["predicted_tokens_per_s_per_gpu"], r["pessimistic_tokens_per_s_per_gpu"],
-                    r["regimes"], prof)
-                cv_rows.append({**r, "predicted_interval_tokens_per_s_per_gpu": [lo, hi],
-                                "cv_regime": regime})
-    hits = [inside(r) for r in cv_rows]
-    by_regime: dict[str, list[bool]] = defaultdict(list)
-    for r, h in zip(cv_rows, hits, strict=True):
-        by_regime[r["regimes"][2]].append(bool(h))  # generation/kind
-    cv = {"folds": K_FOLDS, "rows": len(cv_rows),
-          "coverage": round(sum(hits) / len(hits), 4),
-          "median_width": round(median_width(cv_rows), 4),
-          "by_regime": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
-                        for k, v in sorted(by_regime.items())}}
-    regimes = regime_bounds(held)
-    models = model_evidence(rows)
-    write_json(out, indent=1, data=profile_doc(regimes, dict(evidence), memory, cv, models, contradicted))
+    shipped = {r["id"]: r for r in validate_rows(raw)["rows"]}
+    held = enrich(cv["config"]["rows"], shipped, cases)
+    lomo = enrich(cv["model"]["rows"], shipped, cases)
+    # 3. the distance bands, the widening per doubling, and coverage on unseen rows
+    models = model_evidence(held)
+    per_doubling, far_rows = fit_per_doubling(held, lomo, set(models))
+    doc = profile_doc(
+        memory=memory, evidence=evidence, contradicted=contradicted,
+        models=models, **distance_parts(held, lomo, per_doubling, set(models)),
+        per_doubling_rows=far_rows,
+        cross_validated=config_coverage(held, lomo, by_id, per_doubling, set(models)),
+        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, set(models)))
+    write_json(out, indent=1, data=doc)
     U.default_profile.cache_clear()
-    print(f"held-out rows {len(held)}; cross-validated coverage {cv['coverage']:.1%}, median "
-          f"width {cv['median_width']:.1%}; {len(regimes)} regimes; memory error "
-          f"{err:.1%}; models off as a whole: {', '.join(models) or 'none'}; effects their "
-          f"fit rows contradict: {', '.join(contradicted) or 'none'}; wrote {out}",
+    lc, cc = doc["leave_one_model_out"], doc["cross_validated"]
+    print(f"configuration split: coverage {cc['coverage']:.1%}, median width "
+          f"{cc['median_width']:.1%} ({cc['rows']} rows); leave-one-model-out: coverage "
+          f"{lc['coverage']:.1%}, median width {lc['median_width']:.1%} ({lc['rows']} rows); "
+          f"per doubling beyond the fit range {per_doubling} ({far_rows} rows); memory error "
+          f"{err:.1%}; models off as a whole: {', '.join(doc['models']) or 'none'}; wrote {out}",
           file=sys.stderr)
 
 

@@ -25,10 +25,10 @@ from moeplan.planner.problem import OPTIONS, layer_table, menu
 from moeplan.planner.screen import Problem, solve_layout
 from moeplan.planner.search import SearchResult, search
 from moeplan.specs import Plan, list_presets
-from moeplan.validation import case_of, predict_case, read_rows
+from moeplan.validation import case_of, predict_case, read_rows, shipped_runs
 
 CASES = ("R0265", "R0089")  # Qwen3-235B-A22B on 256 H100, DeepSeek-V3 on 256 GB200
-CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "published_runs.csv"
+CSV = shipped_runs()
 
 
 def _detail(text: str) -> str:

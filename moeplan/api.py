@@ -119,6 +119,7 @@ def plan_from_options(
     optimizer_offload_fraction: float = 0.0,
     grad_reduce_dtype: str = "fp32",
     target: str = "megatron",
+    software_stack: str = "current",
 ) -> Plan:
     """A Plan (no estimate yet) from command-line style values; dp and micro-batches derived."""
     missing = [f for f, v in (("--gbs", gbs),) if v is None]
@@ -129,7 +130,7 @@ def plan_from_options(
         raise SpecError(f"moeplan estimate needs {', '.join(missing)} (or a PLAN.json).")
     m = load_model(model)
     t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision,
-                      grad_reduce_dtype=grad_reduce_dtype)
+                      grad_reduce_dtype=grad_reduce_dtype, software_stack=software_stack)
     try:
         layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
     except ValidationError as err:

@@ -312,6 +312,12 @@ def estimate(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     grad_reduce: GradReduceOpt = "fp32",
+    stack: Annotated[str, typer.Option("--stack", help="Software stack the estimate assumes: "
+                     "current (fused MoE router and permutation, fused sink attention, DP "
+                     "communication overlapped), mcore-2024 (without those fusions), "
+                     "megatron-2023 (also without DP overlap), megatron-2022 (also unfused "
+                     "attention) or megatron-2021 (also no sequence parallelism).")
+                     ] = "current",
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -354,7 +360,8 @@ def estimate(
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
-                                 target=target or "megatron")
+                                 target=target or "megatron",
+                                 software_stack=stack)
     if target is not None:
         check_target(target)
         plan = plan.model_copy(update={"target": target})
@@ -424,13 +431,21 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
 
 @app.command()
 def validate(
-    runs_csv: Annotated[str, typer.Argument(metavar="RUNS.csv",
-                                            help="A CSV shaped like published_runs.csv.")],
+    runs_csv: Annotated[str | None, typer.Argument(
+        metavar="[RUNS.csv]", help="A CSV shaped like published_runs.csv (default: the "
+        "published runs shipped with moeplan).")] = None,
+    cv: Annotated[str | None, typer.Option("--cv", help="Cross-validate instead: model "
+                  "(leave one model out) or release (leave one software release out); each "
+                  "fold refits the calibration without its rows (a quick refit: one sweep).")
+                  ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict published runs and report the error per row (fit and held-out rows apart)."""
     from .validation import read_rows, validate_rows
 
+    if cv is not None:
+        _validate_cv(runs_csv, cv, as_json)
+        return
     rows = read_rows(runs_csv)
     with progress_line(2.0) as bar:
         res = validate_rows(rows, progress=lambda done, total: bar.update(
@@ -489,6 +504,36 @@ def validate(
             print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
+
+
+def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
+    """`validate --cv`: leave-one-model-out or leave-one-release-out error per family."""
+    from .validation import read_rows
+    from .validation.crossval import CLI_CHOICES, cross_validate_rows
+
+    if by not in CLI_CHOICES:
+        raise SpecError(f"--cv {limits.excerpt(by)}: takes {' or '.join(CLI_CHOICES)} (leave one model "
+                        "out, or one software release out).")
+    res = cross_validate_rows(read_rows(runs_csv), by, "quick",  # type: ignore[arg-type]
+                              log=lambda m: err.print(m, highlight=False, markup=False))
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def render() -> None:
+        width = _width(out)
+        cols = [Column("family"), Column("rows", right=True), Column("MAPE", right=True),
+                Column("mean error", right=True)]
+        body = [[k, str(v["rows"]), pct(v["mape"]), f"{v['bias']:+.1%}"]
+                for k, v in res["by_family"].items()]
+        title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
+                 f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
+        print_lines(table_lines(title, cols, body, width))
+        note = (f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
+                f"90th percentile {pct(res['p90_ape'])})")
+        print_lines([Line(x) for x in wrap(note, width, "  ")])
+
+    emit(res, as_json, render)
 
 
 @app.command()

@@ -12,7 +12,6 @@ import pytest
 TESTS = Path(__file__).parent
 DATA = TESTS / "data"
 REPO = TESTS.parent
-SHARED = REPO.parent / "shared"
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

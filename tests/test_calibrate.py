@@ -38,6 +38,9 @@ def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
     cal = spec.calibration
     assert cal["gemm_eff_max"]["cpu"] > 0 and cal["gemm_half_dim"] > 0
     assert cal["attn_fwd_eff"]["cpu"] > 0 and cal["layer_overhead_s"] > 0
+    # a CPU's cores launch and compute: its launches add (layer_overhead_s), no host floor
+    assert cal["launch_us"] == {"x86": 0.0, "grace": 0.0}
+    assert "launch" in spec.sources["launch_us"]
     assert spec.nvlink_gb_s > 0 and spec.nvlink_latency_us >= 0   # from the gloo collectives
     assert "collectives" in spec.sources
     r = cli("specs", "validate", str(local_yaml))
@@ -261,3 +264,14 @@ def test_a_real_run_leaves_its_plan_and_refits_from_it(local_yaml, cli, tmp_path
     assert r.returncode == 0, r.stderr
     row = json.loads(r.stdout)["runs"][0]
     assert row["split"] == "fit" and abs(row["after_error"]) <= abs(row["before_error"])
+
+
+def test_the_launch_time_per_eager_kernel_is_a_few_microseconds_of_host_time():
+    """`moeplan calibrate` measures the host floor's time per launch (cost_models.host): a
+    one-element add per launch, timed on the host; on this CPU it is the dispatcher's cost."""
+    import torch
+
+    from moeplan.calibrate.micro import launch_us
+
+    us = launch_us(torch.device("cpu"), n=500)
+    assert 0.05 < us < 500.0

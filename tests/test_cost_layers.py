@@ -97,8 +97,10 @@ def test_sliding_window_layer_prices_the_tiles_its_kernel_computes():
     per_key = s * m.num_attention_heads * 2 * (2 * m.head_dim_)  # QKᵀ + PV FLOPs per key
     f_full = attention_time(per_key * attended_keys(s), c.peak, c.cal, c.arch, m.head_dim_,
                             kv_len=s)[0]
-    # the window's short kernel runs at the short-kernel efficiency (attention_length_factors)
-    f_swa = attention_time(per_key * 256, c.peak, c.cal, c.arch, m.head_dim_, kv_len=128)[0]
+    # the window's short kernel runs at the efficiency of its two key tiles per query tile
+    # (attention_length_factors, windowed)
+    f_swa = attention_time(per_key * 256, c.peak, c.cal, c.arch, m.head_dim_, kv_len=128,
+                           windowed=True)[0]
     assert full.recompute_fwd_s["core_attn"] == pytest.approx(f_full)
     assert swa.recompute_fwd_s["core_attn"] == pytest.approx(f_swa)
     # flash attention keeps no s² scores: the window does not change the saved activations

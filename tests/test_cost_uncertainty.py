@@ -12,16 +12,18 @@ from moeplan.specs import Choices, Layout, TrainingSpec, load_cluster, load_mode
 
 def test_conformal_bounds_need_enough_rows_and_take_the_finite_sample_ranks():
     assert U.conformal_bounds([0.1] * 8) is None  # ⌈9·0.9⌉ = 9 > 8: no finite 80 % interval
+    # nine rows make one: ⌈10·0.9⌉ = 9, though 10·0.9 is 9.000000000000002 in floating point
+    assert U.conformal_bounds([i / 10 for i in range(9)]) == (0.0, 0.8)
     r = [i / 10 for i in range(-10, 11)]  # 21 residuals, -1.0 … 1.0
     lo, hi = U.conformal_bounds(r)
     assert (lo, hi) == (r[2 - 1], r[20 - 1])  # ⌊22·0.1⌋ = 2nd, ⌈22·0.9⌉ = 20th smallest
 
 
 def test_unvalidated_overlap_pulls_the_low_end_to_the_plan_without_it():
-    # no fit row overlaps EP across B200 nodes (H100 rows now do: their recipes document it)
-    m, c = load_model("qwen3-235b-a22b"), load_cluster("b200", 256)
+    # no published row overlaps an EP group that leaves its NVL72 rack
+    m, c = load_model("qwen3-235b-a22b"), load_cluster("gb200-nvl72", 256)
     t = TrainingSpec(seq_len=4096, global_batch_size=2048)
-    ovl = Layout.build(256, 2048, tp=2, pp=4, vpp=4, ep=32, ep_overlap=True)
+    ovl = Layout.build(256, 2048, ep=128, ep_overlap=True)
     e = estimate(m, c, t, ovl)
     plain = estimate(m, c, t, ovl.model_copy(update={"ep_overlap": False}))
     weak = [a for a in e.assumptions if not a.validated]
@@ -85,12 +87,12 @@ def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
     plain = estimate(llama, c, tr, Layout.build(64, 256, tp=4, pp=2), with_interval=False)
     assert not any("ran slower" in w or "ran faster" in w for w in plain.warnings)
 
-    def row(model, split, pub, pred):
-        return {"model": model, "split": split, "family": "x",
-                "published_tokens_per_s_per_gpu": pub, "predicted_tokens_per_s_per_gpu": pred}
-    rows_ = ([row("a", "fit", 60, 100)] * 5 + [row("b", "fit", 95, 100)] * 9
-             + [row("c", "fit", 50, 100)] * 4 + [row("d", "held-out", 50, 100)] * 9)
-    assert set(model_evidence(rows_)) == {"a"}  # b within 20%, c too few rows, d held-out
+    def row(model, pub, pred, family="x"):  # cross-validated rows: held out of their refit
+        return {"model": model, "family": family, "published": pub, "predicted": pred}
+    rows_ = ([row("a", 60, 100)] * 5 + [row("b", 95, 100)] * 9 + [row("c", 50, 100)] * 4
+             + [row("d", 50, 100, family="gpt")] * 9)
+    # b within 20%, c too few rows, d GPTs at their own dimensions (not one model)
+    assert set(model_evidence(rows_)) == {"a"}
     assert model_evidence(rows_)["a"] == {"rows": 5, "median": 0.6, "low": 0.6, "high": 0.6}
 
 
@@ -106,13 +108,12 @@ def test_fit_rows_that_use_an_effect_but_miss_it_do_not_validate_it():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
-    def row(i, key, pub, pred, split="fit"):
-        return {"id": i, "split": split, "assumption_keys": [key],
+    def row(i, key, pub, pred):
+        return {"id": i, "assumption_keys": [key],
                 "published_tokens_per_s_per_gpu": pub, "predicted_tokens_per_s_per_gpu": pred}
 
     rows = [row("A", "flex/x", 100, 130), row("B", "flex/x", 100, 128),
-            row("C", "ep_overlap/x", 100, 103), row("D", "ep_overlap/x", 100, 97),
-            row("E", "flex/x", 100, 100, split="held-out")]  # held-out rows never count
+            row("C", "ep_overlap/x", 100, 103), row("D", "ep_overlap/x", 100, 97)]
     validated, contradicted = mod.split_evidence(rows)
     assert validated == {"ep_overlap/x": ["C", "D"]}
     assert contradicted == {"flex/x": {"rows": ["A", "B"], "median": round(100 / 128, 3)}}
@@ -125,3 +126,60 @@ def test_fit_rows_that_use_an_effect_but_miss_it_do_not_validate_it():
     assert not term.assumption.validated and term.pessimistic is strip
     assert "2 fit rows use it (A, B)" in term.assumption.evidence
     assert U._term("ep_overlap/x", "overlap", prof, "no rows", strip).assumption.validated
+
+
+def _far_profile(**extra):
+    base = {"level": 0.8, "memory": {"rel_error": 0.1, "evidence": "-"}, "evidence": {},
+            "regimes": {"all": {"q_lo": -0.1, "q_hi": 0.1, "rows": 50}},
+            "unseen": {"all": {"q_lo": -0.3, "q_hi": 0.2, "rows": 90}},
+            "family_unseen": {"q_lo": -0.5, "q_hi": 0.25, "rows": 40},
+            "model_bands": {"odd-1b": {"q_lo": -0.6, "q_hi": 0.05, "rows": 9}},
+            "seen_models": ["seen-7b", "odd-1b"], "seen_families": ["seen", "odd"],
+            "ranges": {"micro_batch": [1, 8], "seq_len": [2048, 32768]},
+            "per_doubling": 0.1, "gpu_precision_rows": {"H100-SXM/bf16": 40}}
+    return U.profile_from_dict({**base, **extra})
+
+
+def _far(model="seen-7b", seen=True, family=True, doublings=None, rows=40):
+    return U.Distance(model, seen, family, doublings or {}, rows)
+
+
+def test_intervals_widen_with_the_distance_from_the_fit_evidence():
+    """Near the evidence the regime's held-out band; a model no fit row has takes the band of
+    models left out of the fit, a family no fit row has the band of families left out; a GPU
+    and precision with few rows the unseen band; each doubling beyond the fit rows' range
+    widens both ends; a model whose rows the fit misses keeps its own measured band."""
+    p, keys = _far_profile(), ["all"]
+    assert U.widen(-0.1, 0.1, keys, _far(), p)[:2] == (-0.1, 0.1)
+    assert U.widen(-0.1, 0.1, keys, _far("new-9b", False), p)[:2] == (-0.3, 0.2)
+    lo, hi, why = U.widen(-0.1, 0.1, keys, _far("alien-9b", False, False), p)
+    assert (lo, hi) == (-0.5, 0.25) and "family" in why[0]
+    assert U.widen(-0.1, 0.1, keys, _far(rows=2), p)[:2] == (-0.3, 0.2)
+    lo, hi, why = U.widen(-0.1, 0.1, keys, _far(doublings={"micro_batch": 2.0}), p)
+    assert (lo, hi) == pytest.approx((-0.3, 0.3)) and "micro batch" in why[-1]
+    assert U.widen(-0.1, 0.1, keys, _far("odd-1b"), p)[:2] == (-0.6, 0.1)
+
+
+def test_distance_measures_doublings_outside_the_fit_range():
+    p = _far_profile()
+    m, c = load_model("llama3-8b"), load_cluster("h100", 64)
+    inside = U.distance(m, c, TrainingSpec(seq_len=4096, global_batch_size=64),
+                        Layout.build(64, 64, tp=8, mbs=1), p)
+    beyond = U.distance(m, c, TrainingSpec(seq_len=131072, global_batch_size=64),
+                        Layout.build(64, 64, tp=8, mbs=1), p)
+    assert inside.doublings == {} and beyond.doublings == {"seq_len": pytest.approx(2.0)}
+    assert not inside.model_seen  # llama3-8b is not among this profile's fit models
+
+
+def test_the_shipped_intervals_never_narrow_the_regime_band():
+    """A search bounds robust keys by the regime's band alone (planner.search's
+    `_least_key_factor`): every widening must keep the interval at least that wide."""
+    prof = U.default_profile()
+    for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3", "llama3-8b"):
+        m, c = load_model(name), load_cluster("gb200-nvl72", 64)
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256)
+        lay = Layout.build(64, 256, ep=8 if m.is_moe else 1, tp=1 if m.is_moe else 8)
+        keys = U.regime_keys(m, c, tr.precision, lay)
+        q_lo, q_hi = prof.bounds(keys)[:2]
+        lo, hi, _ = U.widen(q_lo, q_hi, keys, U.distance(m, c, tr, lay), prof)
+        assert lo <= q_lo and hi >= q_hi

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO, SHARED
+from .conftest import REPO
 
 try:
     import tomllib
@@ -81,13 +81,12 @@ def test_the_plain_install_hides_what_the_extras_add():
     assert "matplotlib" not in hidden  # no extra brings a plotting library any more
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared/ data is not beside the checkout")
 def test_readme_examples_run_in_order_on_the_plain_install(tmp_path):
     hidden, run_extra = extras_only()
     hidden |= {"matplotlib"}  # reports draw their own charts: no plotting library either
     hf = REPO / "tests" / "data" / "hf" / "qwen3-30b-a3b.json"
     for cmd, comment in examples():
-        cmd = cmd.replace("path/to/config.json", str(hf)).replace("../shared", str(SHARED))
+        cmd = cmd.replace("path/to/config.json", str(hf))
         argv = shlex.split(cmd)[1:]
         needs_run = "moeplan[run]" in comment
         assert needs_run == (argv[0] == "run"), f"say which install `{cmd}` needs"

@@ -9,15 +9,13 @@ import pytest
 from moeplan import Choices, Layout, Plan, TrainingSpec, load_cluster, load_model
 from moeplan.cost_models.calibration import default_calibration
 from moeplan.cost_models.estimate import estimate, fixed_buffer_bytes
-from moeplan.cost_models.layers import GRAPHED_SHARE, dense_layer, make_context, moe_layer
+from moeplan.cost_models.layers import dense_layer, make_context, moe_layer
 from moeplan.errors import LayoutError
 from moeplan.planner.export import to_megatron_args
 from moeplan.planner.search import search
 from moeplan.runtime.support import features_not_executed, settings_not_executed
 from moeplan.specs import check_layout
 from moeplan.validation import case_of, read_rows
-
-from .conftest import SHARED
 
 GB = 1e9
 LLAMA = load_model("llama3-70b")
@@ -31,7 +29,7 @@ def published_cases():
     from moeplan.specs import list_presets
 
     presets = list_presets()
-    rows = read_rows(SHARED / "data" / "published_runs.csv")
+    rows = read_rows()  # the shipped published runs
     return [(r, c) for r in rows for c in [case_of(r, presets)] if not isinstance(c, str)]
 
 
@@ -63,13 +61,8 @@ def test_tp_comm_overlap_needs_tp():
         check_layout(LLAMA, TR, Layout.build(64, 256, pp=4, tp_comm_overlap=True))
 
 
-def test_cuda_graphs_remove_the_captured_launch_overhead_for_graph_memory():
+def test_cuda_graphs_hold_their_memory_pool():
     cal = default_calibration()
-    assert cal.layer_overhead_s > 0
-    no, yes = dense_layer(_ctx(tp=8, pp=2)), dense_layer(_ctx(tp=8, pp=2, cuda_graphs=True))
-    assert no.launch_s == pytest.approx(cal.layer_overhead_s)
-    assert yes.launch_s == pytest.approx(cal.layer_overhead_s * (1 - GRAPHED_SHARE["dense"]))
-    assert no.time_s - yes.time_s == pytest.approx(2 * (no.launch_s - yes.launch_s))
     layout = Layout.build(64, 256, tp=8, pp=2)
     graphed = layout.model_copy(update={"cuda_graphs": True})
     extra = fixed_buffer_bytes(LLAMA, TR, graphed, cal) - fixed_buffer_bytes(LLAMA, TR, layout,
@@ -77,19 +70,13 @@ def test_cuda_graphs_remove_the_captured_launch_overhead_for_graph_memory():
     assert extra == pytest.approx(cal.cuda_graph_gb * GB)
 
 
-def test_moe_layers_keep_the_launches_of_their_dynamic_shaped_part():
-    m = load_model("mixtral-8x7b")
-    cal = default_calibration()
-    lay = Layout.build(64, 256, tp=2, ep=8, cuda_graphs=True)
-    lc = moe_layer(make_context(m, H100, TR, lay, cal))
-    assert 0 < lc.launch_s < cal.layer_overhead_s
-
-
 def test_graphs_and_overlap_make_a_step_faster_and_are_named_as_unvalidated_or_validated():
+    small = load_model("llama3-8b")  # host-bound at tp 8, 1,024 tokens: the graphs matter
+    tr = TrainingSpec(seq_len=1024, global_batch_size=256)
     base = Layout.build(64, 256, tp=8, pp=2)
-    t0 = estimate(LLAMA, H100, TR, base)
-    t1 = estimate(LLAMA, H100, TR, base.model_copy(update={"tp_comm_overlap": True,
-                                                          "cuda_graphs": True}))
+    t0 = estimate(small, H100, tr, base)
+    t1 = estimate(small, H100, tr, base.model_copy(update={"tp_comm_overlap": True,
+                                                           "cuda_graphs": True}))
     assert t1.step_time_s < t0.step_time_s
     terms = {a.term: a for a in t1.assumptions}
     graphs = next(a for k, a in terms.items() if "CUDA graphs" in k)
@@ -283,9 +270,9 @@ def test_every_recipe_is_a_layout_megatron_would_run_with_its_settings():
     """The table is checked the way a row is: each recipe builds as a layout with its settings
     and recompute, on its model and GPU, without a rule violation (so no recipe silently falls
     back to the defaults), and its recompute modules exist in moeplan."""
-    from moeplan.bridge_recipes import RECIPE_FILES, RECIPES
     from moeplan.specs import layout_violations
     from moeplan.specs.layout import RecomputeModule
+    from moeplan.validation.recipes import RECIPE_FILES, RECIPES
 
     cluster_of = {"GB300": "gb300-nvl72", "GB200": "gb200-nvl72", "B300": "b300",
                   "B200": "b200", "H100-SXM": "h100"}
@@ -338,3 +325,76 @@ def test_a_26_06_row_whose_sizes_contradict_its_recipe_is_not_given_the_recipes_
     other = case_of(_bridge(**over, micro_batch="2"), presets)
     assert "recipe" not in other.assumed
     assert not other.layout.ep_overlap and other.layout.dispatcher == "alltoall"
+
+
+STACKS = ("current", "mcore-2024", "megatron-2023", "megatron-2022", "megatron-2021")
+
+
+def _est(model, cluster, layout, stack, seq=4096, gbs=256):
+    tr = TrainingSpec(seq_len=seq, global_batch_size=gbs, software_stack=stack)
+    return estimate(model, cluster, tr, layout, with_interval=False)
+
+
+def test_each_older_stack_is_no_faster_than_the_newer_one():
+    """The stacks are generations: each lacks what the next adds, so a step never gets faster
+    going back in time, and the features bite where they apply."""
+    cases = [(load_model("gpt-oss-120b"), load_cluster("gb200-nvl72", 64),
+              Layout.build(64, 256, ep=64, mbs=1)),
+             (load_model("qwen3-30b-a3b"), load_cluster("h100", 16), Layout.build(16, 256, ep=16)),
+             (LLAMA, H100, Layout.build(64, 256, tp=8, pp=2))]
+    for model, cluster, layout in cases:
+        t = [_est(model, cluster, layout, s).step_time_s for s in STACKS]
+        assert t == sorted(t), (model.name, t)
+    moe = [_est(*cases[1], s).step_time_s for s in ("current", "mcore-2024")]
+    dense = [_est(*cases[2], s).step_time_s for s in ("megatron-2023", "megatron-2022")]
+    assert moe[1] > moe[0] and dense[1] > dense[0]
+
+
+def test_sink_attention_runs_unfused_before_cudnn_9_13_1():
+    """gpt-oss's learnable sinks: TE's fused cuDNN kernel takes them from cuDNN 9.13.1, else
+    TE runs UnfusedDotProductAttention, which keeps every query-key score for backward."""
+    oss, c = load_model("gpt-oss-120b"), load_cluster("gb200-nvl72", 64)
+    lay = Layout.build(64, 256, ep=64, mbs=1)
+
+    def kept(stack):
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+        return dense_layer(make_context(oss, c, tr, lay, default_calibration())
+                           ).activation_bytes()
+
+    scores = oss.num_attention_heads * 4096 * 4096 * 2  # bf16 probabilities, one sequence
+    assert kept("mcore-2024") - kept("current") == pytest.approx(scores)
+
+
+def test_stacks_before_2024_wait_for_the_whole_backward_to_reduce_gradients():
+    from moeplan.cost_models.estimate import step_extras
+
+    lay = Layout.build(64, 256, tp=8)  # dp 8
+    cal = default_calibration()
+
+    def extras(stack):
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+        return step_extras(LLAMA, H100, tr, lay, cal, dense_params=1e9, expert_params=0.0,
+                           fwd_window_s=1.0, bwd_window_s=2.0)
+
+    old, new = extras("megatron-2023"), extras("mcore-2024")
+    assert old.dp_exposed_s == pytest.approx(old.reduce_scatter_s + old.all_gather_s)
+    assert new.dp_exposed_s < old.dp_exposed_s
+
+
+def test_published_rows_are_priced_on_the_stack_their_source_ran():
+    stack = {c.row["source"].split(" (")[0].split(" et al")[0]: c.training.software_stack
+             for _, c in published_cases()}
+    assert stack["Narayanan"] == "megatron-2021"
+    assert stack["MegaScale"] == "megatron-2023"
+    assert stack["NVIDIA Megatron-Bridge performance summary"] == "current"
+
+
+def test_the_stack_is_a_command_line_setting(capsys):
+    from moeplan.cli import main
+
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "16", "--gbs",
+            "64", "--ep", "16", "--json"]
+    assert main([*args, "--stack", "mcore-2024"]) == 0
+    assert '"software_stack": "mcore-2024"' not in capsys.readouterr().err
+    assert main([*args, "--stack", "2019"]) == 2
+    assert "software_stack" in capsys.readouterr().err

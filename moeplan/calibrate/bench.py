@@ -133,6 +133,7 @@ def measure_kernels(grid: Grid, device: torch.device, dtype: str, threads: int,
         progress("per-layer and per-step overheads")
         res["layer_overhead_s"], res["step_overhead_s"] = measure_overheads(device, dtype,
                                                                           grid.min_s)
+        res["launch_us"] = micro.launch_us(device)
         res["seconds"]["kernels"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)

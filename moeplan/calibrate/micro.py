@@ -25,6 +25,24 @@ def device_sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def launch_us(device: torch.device, n: int = 2000) -> float:
+    """Host microseconds per eager kernel launch: `n` one-element in-place adds issued back to
+    back, timed on the host before the device is waited for (on a GPU the kernels queue, so the
+    loop measures the Python, PyTorch-dispatcher and cudaLaunchKernel cost of each; on a CPU
+    each op also runs, and its compute on one element is negligible). The host floor's
+    `launch_us` (cost_models.host)."""
+    x = torch.zeros(1, device=device)
+    for _ in range(50):  # warm the dispatcher and the kernel cache
+        x.add_(1.0)
+    device_sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1.0)
+    host = time.perf_counter() - t0
+    device_sync(device)
+    return host / n * 1e6
+
+
 def time_op(fn: Callable[[], object], device: torch.device, min_s: float = 0.05,
             batches: int = 3) -> float:
     """Seconds per call of `fn`: fastest of `batches` batches, each ≥ min_s/batches long."""

@@ -74,14 +74,21 @@ class Calibration:
     # no published row documents graphs, so this is a prior, not a fit (Megatron-LM's guide:
     # graphs "increase memory usage")
     cuda_graph_gb: float = 2.0
-    # keys per attention kernel call past which longer kernels stop gaining efficiency
-    # (compute.attention_length_factors; fitted, within ATTN_SEQ_RANGE)
-    attn_length_cap: float = 32768.0
     # share of the attention microbenchmark's throughput (attn_fwd_eff/attn_bwd_eff, measured
     # on cuDNN kernels alone) that a training step's attention realises, per architecture:
     # the step also runs TE's layout changes, RoPE and softmax-statistics traffic around the
     # kernel and, under CP, one kernel per ring step; fitted on the fit rows, ≤ 1 (missing: 1)
     attn_realised: dict[str, float] = field(default_factory=dict)
+    # host time per eager kernel launch (Python module code, PyTorch dispatcher,
+    # cudaLaunchKernel), microseconds, per host CPU ("x86", "grace"; cost_models.host): the
+    # floor a layer's time cannot go below; NVIDIA's Nsight Systems guide measures ≈ 20 µs for
+    # one PyTorch element-wise kernel on a V100-era host; `moeplan calibrate` measures its own.
+    # Missing: no host floor
+    launch_us: dict[str, float] = field(default_factory=dict)
+
+    def launch_s(self, host: str) -> float:
+        """Host seconds per kernel launch on a host CPU kind (0: no floor priced)."""
+        return self.launch_us.get(host, 0.0) * 1e-6
 
     def sm_fraction(self, arch: str) -> float:
         return self.comm_sm_fraction.get(arch, 0.15)

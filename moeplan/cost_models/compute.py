@@ -106,45 +106,66 @@ def attention_head_dim_factor(head_dim: float, half_dim: float) -> float:
 
 
 # cuDNN attention for DeepSeek-V3 shapes, TFLOPS forward/backward at s = 4096 and s = 16384
-# (REFERENCE.md, "Time"): the kernels gain with the sequence they run over (fewer masked-tile
-# and pipeline-fill losses per row of tiles). Ampere has no such figure: Hopper's curve.
+# (REFERENCE.md, "Time"): the kernels gain with the keys they run over. Ampere has no such
+# figure: Hopper's curve.
 ATTN_LENGTH_TFLOPS = {"hopper": ((553.0, 422.0), (638.0, 523.0)),
                       "blackwell": ((1324.0, 1083.0), (1698.0, 1298.0))}
 ATTN_REF_SEQ = 4096.0
-ATTN_SEQ_RANGE = (2048.0, 32768.0)  # the power law is not carried far past the measurements
 
 
-def attention_length_factors(kv_len: float, arch: str, cap: float = ATTN_SEQ_RANGE[1]
-                             ) -> tuple[float, float]:
-    """(forward, backward) attention efficiency at `kv_len` keys per kernel call relative to
-    the calibrated s = 4096: the measured 4K → 16K gain as a power law in the length,
-    (t_16K / t_4K)^(log₄(L / 4096)), with L clamped to ATTN_SEQ_RANGE and to `cap`
-    (`Calibration.attn_length_cap`). A CP rank's ring steps run over seq/cp keys each, so
-    context parallelism pays this as shorter kernels.
+def key_tiles(kv_len: float, windowed: bool = False, block: int = FLASH_BLOCK) -> float:
+    """Key tiles one query tile of a flash kernel iterates over, on the average: (L/B + 1)/2
+    for a causal kernel over L keys, ⌈(w − 1)/B⌉ + 1 under a sliding window of w keys."""
+    if windowed:
+        return float(math.ceil((kv_len - 1) / block) + 1)
+    return (kv_len / block + 1.0) / 2.0
 
-    The cap is fitted because the gain is a single-kernel microbenchmark's: whether a training
-    step's longer kernels realise it is for the measured runs to say. They say it stops early
-    (the long-sequence NeMo and Parallel Folding runs, 16K–256K, are over-predicted by 12–52%,
-    growing with length, when it is carried to 32K), while the fall-off of shorter kernels is
-    kept as measured."""
+
+def tile_overhead(arch: str) -> tuple[float, float]:
+    """(forward, backward) fixed cost of a query tile in key-tile units, c: a query tile costs
+    c + n tile-times for its n key tiles (loading Q, the softmax epilogue, writing O and its
+    statistics, the pipeline's fill), so a kernel reaches n/(n + c) of its asymptote. Solved
+    from the two measured lengths: g = t(16K)/t(4K) = [n₁₆/(n₁₆+c)]/[n₄/(n₄+c)] gives
+    c = n₄·n₁₆·(g − 1)/(n₁₆ − g·n₄) (Hopper ≈ 3.6 / 5.8 tiles, Blackwell ≈ 6.9 / 4.7)."""
     (f4, b4), (f16, b16) = ATTN_LENGTH_TFLOPS.get(arch, ATTN_LENGTH_TFLOPS["hopper"])
-    lo, hi = ATTN_SEQ_RANGE
-    x = math.log(min(max(kv_len, lo), max(min(hi, cap), lo)) / ATTN_REF_SEQ, 4.0)
-    return (f16 / f4) ** x, (b16 / b4) ** x
+    n4, n16 = key_tiles(ATTN_REF_SEQ), key_tiles(4 * ATTN_REF_SEQ)
+    return tuple(n4 * n16 * (g - 1) / (n16 - g * n4)  # type: ignore[return-value]
+                 for g in (f16 / f4, b16 / b4))
+
+
+def attention_length_factors(kv_len: float, arch: str, windowed: bool = False
+                             ) -> tuple[float, float]:
+    """(forward, backward) attention efficiency of a kernel over `kv_len` keys (a window of
+    `kv_len` keys when `windowed`) relative to the calibrated causal s = 4096:
+    [n/(n + c)] / [n₄/(n₄ + c)], n its key tiles per query tile (`key_tiles`), c the query
+    tile's fixed cost (`tile_overhead`). It reproduces the measured 4K → 16K gain, saturates
+    at (n₄ + c)/n₄ for the longest kernels (Hopper 1.22× forward, Blackwell 1.42×), and
+    prices the short kernels a context-parallel ring step or a 128-token window runs (two key
+    tiles per query tile: 0.43× the 4K forward efficiency on Hopper)."""
+    n, n4 = key_tiles(kv_len, windowed), key_tiles(ATTN_REF_SEQ)
+    f, b = ((n / (n + c)) / (n4 / (n4 + c)) for c in tile_overhead(arch))
+    return f, b
+
+
+def attention_length_ceiling(arch: str) -> tuple[float, float]:
+    """(forward, backward) factor of the longest kernels: the asymptote (n₄ + c)/n₄."""
+    n4 = key_tiles(ATTN_REF_SEQ)
+    f, b = ((n4 + c) / n4 for c in tile_overhead(arch))
+    return f, b
 
 
 def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str,
-                   head_dim: float | None = None, kv_len: float | None = None
-                   ) -> tuple[float, float]:
+                   head_dim: float | None = None, kv_len: float | None = None,
+                   windowed: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
     (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
     scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given and
-    by `attention_length_factors` when the keys per kernel call are, and by the share of the
+    by `attention_length_factors` when the keys per kernel call are (a window's when
+    `windowed`), and by the share of the
     microbenchmark a training step realises (`Calibration.attn_realised`). `flops_fwd` is the
     work the kernel does (see `attended_keys`), not the model count."""
     f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
-    lf, lb = (attention_length_factors(kv_len, arch, cal.attn_length_cap) if kv_len
-              else (1.0, 1.0))
+    lf, lb = attention_length_factors(kv_len, arch, windowed) if kv_len else (1.0, 1.0)
     f *= min(1.0, cal.attn_realised.get(arch, 1.0))
     fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f * lf)
     bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f * lb)

@@ -24,9 +24,8 @@ from . import comm as C
 from . import uncertainty as U
 from .calibration import Calibration, calibration_for
 from .compute import (
-    ATTN_SEQ_RANGE,
     adam_step_bytes,
-    attention_length_factors,
+    attention_length_ceiling,
     lowp_speedup,
     membound_time,
 )
@@ -258,8 +257,11 @@ def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     # all-gather before its first forward; the interleaved schedule spaces a stage's chunks
     # pp passes apart at both ends of the step (overlap.staged_exposed_time)
     v = L.vpp
-    dp_exposed = (staged_exposed_time(rs, v, bwd_window_s / v, L.pp * bwd_window_s / v)
-                  + staged_exposed_time(ag, v, fwd_window_s / v, L.pp * fwd_window_s / v))
+    if training.dp_comm_overlap:
+        dp_exposed = (staged_exposed_time(rs, v, bwd_window_s / v, L.pp * bwd_window_s / v)
+                      + staged_exposed_time(ag, v, fwd_window_s / v, L.pp * fwd_window_s / v))
+    else:  # the reduction starts once the backward is done, the gathers end before the forward
+        dp_exposed = rs + ag
     moments = moments_bytes(training)
     dense_shards, expert_shards = (L.dp * L.cp, max(1, L.edp)) if L.distributed_optimizer else (
         1, 1)
@@ -454,15 +456,20 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
                                   calibration, check=False, with_interval=False
                                   ).estimate.tokens_per_s_per_gpu
     keys = U.regime_keys(model, cluster, training.precision, layout)
+    measured = U.measured_bounds(cluster)
+    far = U.distance(model, cluster, training, layout)
     lo, hi, regime, n = U.tokens_interval(est.tokens_per_s_per_gpu, pess, keys,
-                                          measured=U.measured_bounds(cluster))
+                                          measured=measured, far=far)
+    prof = U.default_profile()
+    widened = [] if measured else U.widen(*prof.bounds(keys)[:2], keys, far, prof)[2]
     # tokens per GPU per step, exact: plans whose intervals share a low end then share a
     # robust key to the last bit, and the search breaks the tie by the expected step time
     # rather than by the rounding of tokens/s × step
     per_step = training.global_batch_size * training.seq_len / layout.world_size
     interval = Interval(level=U.LEVEL, tokens_per_s_per_gpu=(lo, hi),
                         step_time_s=(per_step / hi, per_step / lo),
-                        pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n)
+                        pessimistic_tokens_per_s_per_gpu=pess, regime=regime, rows=n,
+                        widened_by=widened)
     return est.model_copy(update={"interval": interval,
                                   "assumptions": [t.assumption for t in terms]})
 
@@ -508,7 +515,7 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     peak_lowp = cluster.peak_tflops(training.precision) if training.precision != "bf16" else None
     speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
     arch = cluster.architecture
-    gain = attention_length_factors(ATTN_SEQ_RANGE[1], arch, cal.attn_length_cap)  # longest
+    gain = attention_length_ceiling(arch)  # the longest kernels' efficiency
     eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0],
               cal.attn_bwd_eff[arch] * gain[1])
     tokens = training.global_batch_size * training.seq_len

@@ -29,6 +29,7 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
+from .host import SYNC_GAP_LAUNCHES, floor_excess, host_kind, layer_launches
 from .overlap import overlap_cost
 
 BF16 = 2
@@ -146,6 +147,12 @@ class Context:
         return self.n_tok / self.layout.tp
 
     @property
+    def n_elem(self) -> float:
+        """Tokens a rank's norms, dropouts and residual adds run over: Nsp with sequence
+        parallelism, every token of the TP group without it (TrainingSpec.sequence_parallel)."""
+        return self.n_sp if self.training.sequence_parallel else self.n_tok
+
+    @property
     def lowp(self) -> bool:
         return self.training.precision != "bf16"
 
@@ -184,14 +191,49 @@ def graphed_share(kind: str, cuda_graphs: bool) -> float:
     return GRAPHED_SHARE.get(kind, 0.0) if cuda_graphs else 0.0
 
 
-def _layer(ctx: Context, **fields: Any) -> LayerCost:
+def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> LayerCost:
     """A LayerCost, built by keyword, carrying the cluster's host-link bandwidth (for offload
-    option times) and its kernel-launch overhead per pass: the calibrated per-layer overhead
-    less the share CUDA graphs capture (an MTP module launches like the layer it wraps)."""
+    option times), its forward and backward times raised to the host floor (`host_floor`;
+    `pre_device_s`: an MoE layer's forward device time before its routing sync) and any fixed
+    per-layer overhead a calibration measured (`layer_overhead_s`), less the share CUDA graphs
+    capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
-        share = graphed_share(str(fields["kind"]), ctx.layout.cuda_graphs)
+        kind = str(fields["kind"])
+        share = graphed_share(kind, ctx.layout.cuda_graphs)
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
+        up_f, up_b = host_floor(ctx, kind, fields["fwd_s"] + fields.get("exposed_fwd_s", 0.0),
+                                fields["bwd_s"] + fields.get("exposed_bwd_s", 0.0),
+                                pre_device_s)
+        fields["fwd_s"] += up_f
+        fields["bwd_s"] += up_b
     return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)
+
+
+def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float,
+               pre_device_s: float | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds the host adds to a layer over its device time, compute plus
+    exposed communication (`cost_models.host`): each stretch the host launches without waiting
+    takes max(host, device). An MoE layer's forward splits at its routing sync into the
+    attention and router part (`pre_device_s`) and the rest, and pays the restart gap; CUDA
+    graphs launch a dense layer, and an MoE layer's part before the sync, as one graph."""
+    if kind not in ("dense", "moe", "loss"):
+        return 0.0, 0.0
+    t = ctx.cal.launch_s(host_kind(ctx.cluster))
+    if t <= 0.0:
+        return 0.0, 0.0
+    n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind,
+                       ctx.training.fused_moe_kernels)
+    graphs = ctx.layout.cuda_graphs and kind != "loss"
+    if kind != "moe":
+        if graphs:  # the whole layer is one graph each way
+            return 0.0, 0.0
+        return floor_excess(n.pre * t, fwd_device_s), floor_excess(n.bwd * t, bwd_device_s)
+    pre_d = min(pre_device_s if pre_device_s is not None else 0.0, fwd_device_s)
+    pre_h = t if graphs else n.pre * t
+    captured = n.pre / (n.pre + n.post) if graphs else 0.0
+    fwd = (floor_excess(pre_h, pre_d) + floor_excess(n.post * t, fwd_device_s - pre_d)
+           + n.syncs * SYNC_GAP_LAUNCHES * t)
+    return fwd, floor_excess(n.bwd * (1.0 - captured) * t, bwd_device_s)
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
@@ -210,6 +252,14 @@ def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, fl
 
 def _mem(ctx: Context, nbytes: float) -> float:
     return membound_time(nbytes, ctx.cluster.hbm_tb_s, ctx.cal)
+
+
+def _norm_add(ctx: Context) -> float:
+    """Seconds of one block's norm (read, write) and residual add over the hidden states, bf16
+    (10 bytes per element), plus the hidden dropout (read, write, one-byte mask) of the stacks
+    that train with it; over Nsp tokens, or all N without sequence parallelism."""
+    per = 10 + (5 if ctx.training.dropout else 0)
+    return _mem(ctx, per * ctx.n_elem * ctx.model.hidden_size)
 
 
 def _cast_bytes(ctx: Context, elems: float) -> float:
@@ -272,6 +322,31 @@ def cp_kernel_lengths(seq: float, cp: int, window: float | None = None
     return ((1.0 - short, lengths[0]), (short, lengths[1]))
 
 
+def unfused_attention(ctx: Context) -> bool:
+    """Whether core attention runs unfused (Transformer Engine `UnfusedDotProductAttention`,
+    or Megatron-LM 2021's batched GEMMs around a fused softmax): on the 'megatron-2021' stack
+    always; with attention sinks (gpt-oss) on any stack before 'current', as TE takes learnable
+    softmax offsets into cuDNN's fused kernel only from cuDNN 9.13.1 (TE PR 2148) and falls
+    back before (TE issue 2318)."""
+    tr = ctx.training
+    return not tr.fused_attention or (ctx.model.attention_sinks and not tr.fused_sink_attention)
+
+
+def _unfused_attention(ctx: Context, queries: float, keys: float, heads: float, d_qk: float,
+                       d_v: float) -> tuple[float, float, float]:
+    """(forward s, backward s, scores kept) of unfused attention: QKᵀ and PV as batched GEMMs
+    over every key (masks, causal or windowed, cut no work) and the scores streamed through
+    HBM between them: a fused scale-mask-softmax reads and writes each bf16 score (4 bytes)
+    forward and reads two and writes one backward (6); the 2021–22 stacks also drop out
+    attention probabilities as their GPT recipes did (attention dropout 0.1: read, write and
+    a one-byte mask, 5 bytes each way). The probabilities are kept for backward."""
+    n = heads * queries * keys
+    drop = 5 if ctx.training.dropout else 0
+    gemm = (_gemm(ctx, queries, d_qk, keys, covered=False, count=heads)
+            + _gemm(ctx, queries, keys, d_v, covered=False, count=heads))
+    return gemm + _mem(ctx, (4 + drop) * n), 2 * gemm + _mem(ctx, (6 + drop) * n), n
+
+
 @_per_context
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
@@ -306,11 +381,15 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     # tiles under a sliding window w (compute.attended_keys), at the head dim's efficiency
     flops = N * attended_keys(seq, window) * (a / t) * 2 * (d_qk + d_v)
     core_f = core_b = 0.0
-    for share, kv_len in cp_kernel_lengths(seq, ctx.layout.cp, window):
+    scores = 0.0  # query-key scores an unfused attention keeps for backward
+    if unfused_attention(ctx):
+        # this rank's queries against every key (over the ring's steps under CP)
+        core_f, core_b, scores = _unfused_attention(ctx, N, seq, a / t, d_qk, d_v)
+    for share, kv_len in (() if scores else cp_kernel_lengths(seq, ctx.layout.cp, window)):
         f_, b_ = attention_time(share * flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
-                                kv_len)
+                                kv_len, windowed=window is not None and kv_len >= window)
         core_f, core_b = core_f + f_, core_b + b_
-    norm = _mem(ctx, 10 * Nsp * h)  # norm read/write + residual add, bf16
+    norm = _norm_add(ctx)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
     gemm_f = down + up + proj
     fwd = norm + gemm_f + core_f + elementwise
@@ -341,7 +420,10 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
         ActTensor("attn_norm_out", act, frozenset({"layernorm"}), "qkv_linear"),
         ActTensor("qkv", BF16 * N * qkv_w, frozenset({"mla_up_proj"}) if down_w else frozenset(),
                   "core_attn"),
-        ActTensor("attn_stats", 4 * N * a / t, frozenset({"core_attn"}), "core_attn"),
+        # unfused attention keeps its bf16 probabilities, and with dropout the mask and the
+        # dropped-out copy (Korthikanti et al. 2022: 5·a·s² bytes per sequence)
+        ActTensor("attn_stats", 4 * N * a / t + (5 if ctx.training.dropout else BF16) * scores,
+                  frozenset({"core_attn"}), "core_attn"),
         ActTensor("attn_out", BF16 * N * a * d_v / t, frozenset(), "attn_proj"),
     ]
     if down_w:
@@ -373,7 +455,7 @@ def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
     at = attention_block(ctx, sliding)
     m, t, N, Nsp = ctx.model, ctx.layout.tp, ctx.n_tok, ctx.n_sp
     g, act, fc1, out = _ffn(ctx, N, m.ffn_hidden_size, t)
-    norm2 = _mem(ctx, 10 * Nsp * m.hidden_size)
+    norm2 = _norm_add(ctx)
     fwd = at.fwd + g + act + norm2
     bwd = at.bwd + 2 * (g + act + norm2)
     tp = at.tp + (4 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0)
@@ -436,8 +518,14 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     R = Nsp * k * L.etp * imbalance                  # routed copies on the busiest rank
     per_expert = R / local_experts
     g_e, act_e, fc1_e, out_e = _ffn(ctx, per_expert, fe, L.etp, count=local_experts)
-    router = _gemm(ctx, Nsp, h, m.num_experts, covered=False) + _mem(ctx, 12 * Nsp * m.num_experts)
-    perm = _mem(ctx, 2 * 4 * R * h)                  # permute + unpermute, read + write bf16
+    # router: logits GEMM, then top-k, softmax and the aux loss over the fp32 logits: one
+    # fused kernel's traffic (12 bytes per logit), or about six separate PyTorch passes (48)
+    # on a stack without the fusions; permute + unpermute read and write each routed copy (bf16), or
+    # twice that unfused (argsort + index_select, then a scatter-add with the probabilities)
+    unfused = not ctx.training.fused_moe_kernels
+    router = (_gemm(ctx, Nsp, h, m.num_experts, covered=False)
+              + _mem(ctx, (48 if unfused else 12) * Nsp * m.num_experts))
+    perm = _mem(ctx, (2 if unfused else 1) * 2 * 4 * R * h)
     shared_g = shared_act = 0.0
     sh_fc1 = sh_out = 0.0
     if m.num_shared_experts:
@@ -486,7 +574,8 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
         rec["mla_up_proj"] = at.up_fwd
     dense = at.params + m.router_params() + m.shared_expert_params() / t + h
     experts = m.num_experts * m.expert_params() / (L.ep * L.etp)
-    return _layer(ctx, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
+    return _layer(ctx, pre_device_s=at.fwd + norm2 + router + tp_f / 2 + at.cp_exposed_fwd,
+                  kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
                   exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors, recompute_fwd_s=rec,
                   dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -85,8 +86,9 @@ def conformal_bounds(residuals: Sequence[float], level: float = LEVEL
     r = sorted(residuals)
     n = len(r)
     a = (1 - level) / 2
-    k_hi = math.ceil((n + 1) * (1 - a))
-    k_lo = math.floor((n + 1) * a)
+    # ranks of exact products ((n + 1)·0.9 is 9 for n = 8, not 9.000000000000002)
+    k_hi = math.ceil((n + 1) * (1 - a) - 1e-9)
+    k_lo = math.floor((n + 1) * a + 1e-9)
     if n == 0 or k_hi > n or k_lo < 1:
         return None
     return r[k_lo - 1], r[k_hi - 1]
@@ -109,6 +111,19 @@ class IntervalProfile:
     # assumption key -> (fit row ids, median published/predicted) for the effects whose fit
     # rows are off as a whole: rows that use an effect but miss it do not validate it
     contradicted: dict[str, tuple[list[str], float]] = field(default_factory=dict)
+    # the distance from the fit evidence (`distance`, `widen`): bands of rows whose whole model
+    # was left out of the fit (leave-one-model-out), and of those whose family had no other
+    # model in it; per model, the band of its own rows held out of a fit that saw its others
+    unseen: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    family_unseen: tuple[float, float, int] | None = None
+    model_bands: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    seen_models: tuple[str, ...] = ()
+    seen_families: tuple[str, ...] = ()
+    # the fit rows' range of each dimension (`DIMENSIONS`) and how much a log band widens per
+    # doubling beyond it; fit rows per "GPU/precision"
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    per_doubling: float = 0.0
+    gpu_precision_rows: dict[str, int] = field(default_factory=dict)
 
     def bounds(self, keys: Sequence[str]) -> tuple[float, float, str, int]:
         for k in keys:
@@ -116,6 +131,13 @@ class IntervalProfile:
                 lo, hi, n = self.regimes[k]
                 return lo, hi, k, n
         return -0.35, 0.35, "none (no held-out rows)", 0
+
+    def unseen_bounds(self, keys: Sequence[str]) -> tuple[float, float] | None:
+        """The band of a model the fit never saw, in the most specific regime that has one."""
+        for k in keys:
+            if k in self.unseen:
+                return self.unseen[k][:2]
+        return None
 
 
 MODEL_ROWS = 5
@@ -152,7 +174,19 @@ def profile_from_dict(d: dict[str, Any]) -> IntervalProfile:
         models={k: (int(v["rows"]), float(v["median"]), float(v["low"]), float(v["high"]))
                 for k, v in d.get("models", {}).items()},
         contradicted={k: (list(v["rows"]), float(v["median"]))
-                      for k, v in d.get("contradicted", {}).items()})
+                      for k, v in d.get("contradicted", {}).items()},
+        unseen={k: (float(v["q_lo"]), float(v["q_hi"]), int(v["rows"]))
+                for k, v in d.get("unseen", {}).items()},
+        family_unseen=(None if not d.get("family_unseen") else (
+            float(d["family_unseen"]["q_lo"]), float(d["family_unseen"]["q_hi"]),
+            int(d["family_unseen"]["rows"]))),
+        model_bands={k: (float(v["q_lo"]), float(v["q_hi"]), int(v["rows"]))
+                     for k, v in d.get("model_bands", {}).items()},
+        seen_models=tuple(d.get("seen_models", ())),
+        seen_families=tuple(d.get("seen_families", ())),
+        ranges={k: (float(v[0]), float(v[1])) for k, v in d.get("ranges", {}).items()},
+        per_doubling=float(d.get("per_doubling", 0.0)),
+        gpu_precision_rows={k: int(v) for k, v in d.get("gpu_precision_rows", {}).items()})
 
 
 def model_warning(model: ModelSpec, profile: IntervalProfile | None = None) -> str | None:
@@ -353,12 +387,103 @@ def measured_bounds(cluster: ClusterSpec) -> tuple[float, float, str, int] | Non
 
 def tokens_interval(point: float, pessimistic: float, keys: Sequence[str],
                     profile: IntervalProfile | None = None,
-                    measured: tuple[float, float, str, int] | None = None
-                    ) -> tuple[float, float, str, int]:
+                    measured: tuple[float, float, str, int] | None = None,
+                    far: Distance | None = None) -> tuple[float, float, str, int]:
     """(lo, hi, regime, rows) of tokens/s/GPU: the conformal band around the point, its low end
-    taken from the pessimistic prediction when unvalidated effects could disappoint."""
+    taken from the pessimistic prediction when unvalidated effects could disappoint, widened
+    by the estimate's distance from the fit evidence (`widen`; never narrowed, so a search
+    bounding by the regime's band alone stays a bound)."""
     p = profile or default_profile()
     q_lo, q_hi, regime, n = measured or p.bounds(keys)
+    if far is not None and measured is None:
+        q_lo, q_hi, _ = widen(q_lo, q_hi, keys, far, p)
     lo = min(point, pessimistic) * math.exp(min(q_lo, 0.0))
     hi = point * math.exp(max(q_hi, 0.0))
     return lo, hi, regime, n
+
+
+# ----------------------------------------------------------------------------- distance
+FEW_ROWS = 5
+"""A GPU and precision with fewer fit rows than this is priced as if its calibration were
+carried over (the band of a model the fit never saw)."""
+
+DIMENSIONS = ("micro_batch", "tokens_per_expert", "seq_len")
+"""The per-micro-batch sizes whose fit-row range an estimate can fall outside of."""
+
+
+def model_family(name: str) -> str:
+    """A model's family, from its preset name: the part before its size or version
+    ("qwen3-30b-a3b" → "qwen3", "gpt-oss-120b" → "gpt-oss", "deepseek-v3" → "deepseek")."""
+    return re.split(r"-\d|-v\d|-a\d", name)[0]
+
+
+def dimensions(model: ModelSpec, training: TrainingSpec, layout: Layout) -> dict[str, float]:
+    """The estimate's value of each of DIMENSIONS: sequences per micro-batch, routed token copies
+    each local expert receives per micro-batch (the grouped GEMM's M; MoE only), sequence."""
+    out = {"micro_batch": float(layout.mbs), "seq_len": float(training.seq_len)}
+    if model.is_moe and model.num_experts:
+        tokens = layout.mbs * training.seq_len / (layout.cp * layout.tp)
+        out["tokens_per_expert"] = (tokens * model.moe_top_k * layout.etp
+                                    / (model.num_experts // layout.ep))
+    return out
+
+
+@dataclass(frozen=True)
+class Distance:
+    """How far an estimate lies from the published runs its calibration was fitted on."""
+
+    model: str
+    model_seen: bool
+    family_seen: bool
+    doublings: dict[str, float]        # dimension → doublings outside the fit rows' range
+    gpu_precision_rows: int
+
+
+def distance(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+             profile: IntervalProfile | None = None) -> Distance:
+    """The estimate's distance from the fit evidence (what `widen` widens by)."""
+    p = profile or default_profile()
+    out: dict[str, float] = {}
+    for dim, x in dimensions(model, training, layout).items():
+        if dim in p.ranges and x > 0:
+            lo, hi = p.ranges[dim]
+            beyond = max(lo / x, x / hi, 1.0)
+            if beyond > 1.0:
+                out[dim] = math.log2(beyond)
+    return Distance(model.name, model.name in p.seen_models,
+                    model_family(model.name) in p.seen_families, out,
+                    p.gpu_precision_rows.get(f"{cluster.gpu}/{training.precision}", 0))
+
+
+def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,
+          profile: IntervalProfile) -> tuple[float, float, list[str]]:
+    """The log band (q_lo, q_hi) widened by the distance from the fit evidence, with the
+    reasons: a model no fit row has takes the band of models left out of the fit (of families
+    left out, when its family has no fit row either); so does a GPU and precision with fewer
+    than FEW_ROWS fit rows; a model whose own rows the fit misses takes the band of its rows
+    held out; each doubling of a dimension beyond the fit rows' range widens both ends by
+    `per_doubling`. Never narrower than the band it starts from."""
+    p, why = profile, []
+    bands: list[tuple[float, float]] = []
+    unseen = p.unseen_bounds(keys)
+    if not far.model_seen and p.seen_models:
+        if not far.family_seen and p.family_unseen:
+            bands.append(p.family_unseen[:2])
+            why.append(f"no fit row has the {model_family(far.model)} family")
+        elif unseen:
+            bands.append(unseen)
+            why.append(f"no fit row has {far.model}")
+    if far.gpu_precision_rows < FEW_ROWS and p.gpu_precision_rows and unseen:
+        bands.append(unseen)
+        why.append(f"{far.gpu_precision_rows} fit rows on this GPU and precision")
+    if far.model in p.model_bands:
+        bands.append(p.model_bands[far.model][:2])
+        why.append(f"{far.model}'s held-out rows measured this spread")
+    for lo, hi in bands:
+        q_lo, q_hi = min(q_lo, lo), max(q_hi, hi)
+    steps = sum(far.doublings.values())
+    if steps > 0 and p.per_doubling > 0:
+        q_lo, q_hi = q_lo - p.per_doubling * steps, q_hi + p.per_doubling * steps
+        why += [f"{d.replace('_', ' ')} {v:.1f} doublings outside the fit rows"
+                for d, v in sorted(far.doublings.items())]
+    return q_lo, q_hi, why

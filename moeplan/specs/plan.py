@@ -60,6 +60,12 @@ class Interval(BaseModel):
     regime: str = Field("", description="The group of held-out published runs whose errors set "
                         "the interval's width.")
     rows: int = Field(0, description="How many held-out rows that group has.")
+    widened_by: list[str] = Field(default_factory=list, description="Why the interval is wider "
+                                  "than its regime's: how far the estimate lies from the "
+                                  "published runs the calibration was fitted on (a model or "
+                                  "family no fit row has, a micro-batch, tokens per expert or "
+                                  "sequence outside the fit rows' range, a GPU and precision "
+                                  "with few rows, a model whose rows the fit misses).")
 
 
 class Assumption(BaseModel):

@@ -17,6 +17,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from ..limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TRAIN_ITERS
 
 Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
+SoftwareStack = Literal["current", "mcore-2024", "megatron-2023", "megatron-2022",
+                        "megatron-2021"]
 PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
 DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
 WsdDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]
@@ -79,6 +81,23 @@ class TrainingSpec(BaseModel):
         "parallelism (Megatron --fp8-param-gather): half the parameter all-gather bytes of "
         "those weights; needs an FP8 precision recipe."
     )
+    software_stack: SoftwareStack = Field(
+        "current", description="The software stack the estimate assumes, by the Megatron "
+        "generation that runs it; each older one lacks what the newer adds. 'current': Megatron "
+        "Core ≥ 0.14 with Transformer Engine ≥ 2.8 and cuDNN ≥ 9.13.1, as NVIDIA's 2025–26 "
+        "recipes run: fused MoE router (--moe-router-fusion) and permutation "
+        "(--moe-permute-fusion), sink attention (gpt-oss) in cuDNN's fused kernel. 'mcore-2024': "
+        "without those: the router and the token permutation run as separate PyTorch kernels, "
+        "and sink attention falls back to unfused attention, which computes and keeps every "
+        "query-key score (TE before cuDNN 9.13.1, TE issue 2318). 'megatron-2023': also without "
+        "overlapping the data-parallel gradient reduce-scatter and parameter all-gather with "
+        "compute (Megatron-LM before --overlap-grad-reduce/--overlap-param-gather, as "
+        "MegaScale's baseline ran). 'megatron-2022': also attention as batched GEMMs around a "
+        "fused softmax, keeping every score, and the GPT recipes' dropout (Korthikanti et al. "
+        "2022). 'megatron-2021': also no sequence parallelism: each tensor-parallel rank runs "
+        "the layer norms, dropouts and residual adds over the whole sequence (Narayanan et al. "
+        "2021)."
+    )
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
     moe_capacity_factor: float | None = Field(
@@ -107,6 +126,37 @@ class TrainingSpec(BaseModel):
             raise ValueError(f"fp8_param_gather: needs an FP8 precision recipe, not "
                              f"{self.precision}; set fp8_param_gather false or pick fp8-*/mxfp8")
         return self
+
+    @property
+    def fused_moe_kernels(self) -> bool:
+        """Fused MoE router and permutation (software_stack 'current')."""
+        return self.software_stack == "current"
+
+    @property
+    def fused_attention(self) -> bool:
+        """Flash-style fused attention (cuDNN or FlashAttention through Transformer Engine);
+        the 2021–22 stacks ran QKᵀ and PV as batched GEMMs around a fused softmax kernel."""
+        return self.software_stack not in ("megatron-2022", "megatron-2021")
+
+    @property
+    def dropout(self) -> bool:
+        """Hidden and attention dropout (0.1), as the 2021–22 GPT recipes trained."""
+        return not self.fused_attention
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism (Korthikanti et al. 2022) on tensor-parallel ranks."""
+        return self.software_stack != "megatron-2021"
+
+    @property
+    def fused_sink_attention(self) -> bool:
+        """Sink attention in cuDNN's fused kernel (software_stack 'current')."""
+        return self.software_stack == "current"
+
+    @property
+    def dp_comm_overlap(self) -> bool:
+        """Data-parallel gradient reduction and parameter gathers overlapped with compute."""
+        return self.software_stack not in ("megatron-2023", "megatron-2022", "megatron-2021")
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,0 +1,126 @@
+"""The host floor: a layer cannot run faster than its host launches its kernels.
+
+Megatron Core runs each layer as eager PyTorch: every kernel costs the host a fixed time
+(Python module code, the PyTorch dispatcher, `cudaLaunchKernel`), whatever the kernel's size.
+NVIDIA's Nsight Systems guide measures that round trip at about 20 µs for one PyTorch
+element-wise kernel (V100-era host), the CUDA launch itself at 4–6 µs of it. While the host is
+ahead, launches hide behind device work; a layer whose kernels are small (a fine-grained MoE
+at micro-batch 1, an FP8 recipe that doubles the kernels and halves their time) becomes
+host-bound, and its time is the host's, not the device's: the floor is a max with the device
+time, never a sum.
+
+Three things move the floor (Megatron Core MoE report, arXiv 2603.07685, §4.3.6–4.3.7):
+- The kernel count (`layer_launches`), counted module by module as Megatron Core + Transformer
+  Engine launch them with their fused kernels on (fused RoPE, cuDNN attention, fused bias-SwiGLU,
+  `--moe-router-fusion`, `--moe-permute-fusion`). A grouped expert GEMM of Transformer Engine's
+  `GroupedLinear` launches one GEMM per local expert (forward; data and weight gradient in
+  backward), so the count grows with the experts a rank holds. FP8 and MXFP8 recipes quantize
+  each activation operand before its GEMM and each output gradient before the backward GEMMs
+  (one kernel per operand; a grouped operand in one multi-tensor kernel, `split_quantize`).
+- Host syncs of dropless routing. The all-to-all split sizes and the grouped GEMM's
+  `m_splits` are host values computed from the router's device histogram, so each MoE
+  layer's forward waits for the device once (Megatron's `cuda_sync_point`,
+  "before_ep_alltoall"): the host stops running ahead, and the layer's forward becomes two
+  segments, each its own max of host and device time, plus the restart gap (the device idles
+  until the host's next launch reaches it, ≈ 2 launches). Backward reuses the saved splits.
+  Token dropping with padding to capacity has static shapes and no sync, but the TrainingSpec's
+  capacity factor does not say whether a run pads, so the sync is always priced.
+- CUDA graphs: a captured region launches as one graph (the whole dense layer; the attention
+  block and router of an MoE layer, the part before its sync: `layers.host_floor`).
+
+The per-launch host time is `Calibration.launch_us`, per host CPU (x86 beside PCIe GPUs, Grace
+beside NVL72 GPUs over NVLink-C2C), fitted within physical bounds or measured by
+`moeplan calibrate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..specs.cluster import ClusterSpec
+from ..specs.layout import Layout
+from ..specs.model import ModelSpec
+
+GRACE_C2C_GB_S = 100.0
+"""A host link faster than this is NVLink-C2C (a Grace CPU; PCIe Gen5 x16 carries 64 GB/s)."""
+
+SYNC_GAP_LAUNCHES = 2.0
+"""Device idle after a host sync, in launches: the host's next launch must reach an empty queue."""
+
+# forward kernel launches per module, Megatron Core + Transformer Engine with fused kernels
+ATTN_GQA = 6     # LayerNormLinear (norm, QKV GEMM), fused RoPE, cuDNN attention, proj, add
+ATTN_MLA = 13    # q/kv down GEMMs and norms, q/kv up GEMMs, two RoPE, concat, attention, proj, add
+DENSE_MLP = 5    # LayerNormLinear (norm, fc1), bias-SwiGLU, fc2, add
+TP_COLLECTIVES = 2   # sequence parallelism: all-gather in, reduce-scatter out, per block
+# MoE block around its experts: norm, router GEMM, fused top-k/softmax/aux-loss (2), counts
+# (histogram, all-gather, device-to-host copy), fused permute, all-to-all, chunk sort, fused
+# activation, chunk unsort, all-to-all, fused unpermute, add
+MOE_FIXED = 15
+SHARED_EXPERT = 4    # fc1, SwiGLU, fc2, add of the shared experts (a dense MLP beside them)
+CP_STEP = 3          # per context-parallel ring step: attention kernel, K/V send/recv, correction
+LOSS = 8             # final norm, output GEMM, vocab-parallel cross-entropy pieces
+BWD_FACTOR = 2.0     # each non-GEMM forward kernel has about two backward kernels
+# without Megatron's MoE fusions (TrainingSpec.fused_moe_kernels), the router (softmax, top-k,
+# aux-loss pieces) and the permutation (argsort, index_select, scatter-add, the probabilities'
+# multiply) as separate kernels
+UNFUSED_MOE = 12
+
+
+def host_kind(cluster: ClusterSpec) -> str:
+    """'grace' for GPUs beside a Grace CPU (NVLink-C2C host link), else 'x86'."""
+    return "grace" if cluster.host_link_gb_s > GRACE_C2C_GB_S else "x86"
+
+
+@dataclass(frozen=True)
+class Launches:
+    """Kernel launches of one layer per micro-batch: forward before the MoE sync (`pre`) and
+    after it (`post`; zero for a layer without one), backward, and the host syncs."""
+
+    pre: float
+    post: float
+    bwd: float
+    syncs: int = 0
+
+
+def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
+    """(forward launches, of which GEMMs) of the attention block."""
+    n, gemms = (ATTN_MLA, 5) if model.attention == "mla" else (ATTN_GQA, 2)
+    if layout.tp > 1:
+        n += TP_COLLECTIVES
+    if layout.cp > 1:
+        n += CP_STEP * layout.cp - 1  # one attention kernel per ring step instead of one
+    return n, gemms
+
+
+def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
+                   fused_moe: bool = True) -> Launches:
+    """Launches of one decoder layer (`kind` "dense" or "moe") or of the loss head ("loss").
+
+    Backward: BWD_FACTOR kernels per forward non-GEMM kernel, a data- and a weight-gradient
+    GEMM per forward GEMM. A quantizing recipe adds one kernel per GEMM input forward and per
+    output gradient backward (a grouped operand counts once)."""
+    if kind == "loss":
+        return Launches(LOSS, 0.0, BWD_FACTOR * LOSS)
+    q = 1 if precision != "bf16" else 0
+    attn, attn_gemms = attention_launches(model, layout)
+    if kind != "moe":
+        tp = TP_COLLECTIVES if layout.tp > 1 else 0
+        gemms = attn_gemms + 2
+        fwd = attn + DENSE_MLP + tp + q * gemms
+        bwd = BWD_FACTOR * (attn + DENSE_MLP + tp - gemms) + 2 * gemms + q * gemms
+        return Launches(fwd, 0.0, bwd)
+    local = max(1, (model.num_experts or 1) // layout.ep)
+    unfused = 0 if fused_moe else UNFUSED_MOE
+    shared = SHARED_EXPERT if model.num_shared_experts else 0
+    grouped_ops = 2 + (2 if shared else 0)             # fc1 and fc2 (and the shared ones)
+    pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
+    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops + unfused / 2
+    gemms = attn_gemms + 1 + 2 * local + (2 if shared else 0)
+    non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local + unfused
+    bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops)
+    return Launches(pre, post, bwd, 1)
+
+
+def floor_excess(host_s: float, device_s: float) -> float:
+    """Time a host-bound stretch adds over its device time: max(host, device) − device."""
+    return max(0.0, host_s - device_s)

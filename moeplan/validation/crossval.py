@@ -1,0 +1,167 @@
+"""Cross-validation by model and by release: the error on runs the fit never saw.
+
+A split by configuration (`cases.split_of`) leaves other configurations of the same model and
+release on the fit side, so it rewards fitting the table. Here whole groups are left out:
+
+  model     every row of one model (all releases, GPUs and precisions); the GPTs that papers
+            spell out by their dimensions count as one model
+  release   every row of one software release (one Megatron-Bridge or NeMo container, one paper)
+  config    the configuration split itself, as one fold: fit rows in, held-out rows out
+
+For each group the calibration is refitted (`fit.fit`) on every other scored row, and that
+profile predicts the group's rows. Nothing of the left-out group reaches its own prediction:
+the profile a fold predicts with is built from the fold's fit alone (`fit.shipped_profile`),
+never from the shipped calibration.
+
+`refit` says how hard each fold searches. `full` is the shipped profile's own procedure
+(sweeps to convergence with the polish step); `quick` stops after one sweep without the
+polish, several times cheaper, for `moeplan validate --cv`. Both are reported under their
+name; `bench/cross_validate.py` runs `full`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .cases import RunCase, split_of
+from .fit import FitResult, fit, point, scored, shipped_profile
+from .rows import release_of
+from .scoring import published_tokens
+
+By = Literal["model", "release", "config"]
+Refit = Literal["full", "quick"]
+REFITS: dict[str, dict[str, Any]] = {"full": {"sweeps": 12, "polish": True},
+                                     "quick": {"sweeps": 1, "polish": False}}
+GPT_OWN_DIMENSIONS = "gpt (own dimensions)"
+
+
+def model_group(case: RunCase) -> str:
+    """The model a row ran: its preset, or one group for the GPTs papers spell out."""
+    return GPT_OWN_DIMENSIONS if case.family == "gpt-dense" else case.model.name
+
+
+def release_label(case: RunCase) -> str:
+    """The software release a row ran: its source and container release (or its source alone,
+    for a paper or a one-off table)."""
+    src = (case.row.get("source") or "").strip()
+    rel = release_of(case.row)
+    return f"{src} {rel[0]}.{rel[1]:02d}" if rel else src
+
+
+def family_group(case: RunCase) -> str:
+    """The model family (deepseek, qwen3, llama3, gpt-oss, ...) a row's model belongs to; the
+    GPTs papers spell out by their dimensions are the family "gpt"."""
+    return "gpt" if case.family == "gpt-dense" else case.family
+
+
+GROUPS: dict[str, Callable[[RunCase], str]] = {
+    "model": model_group, "release": release_label,
+    "config": lambda c: "held-out" if split_of(c.row) == "held-out" else "fit"}
+
+
+@dataclass(frozen=True)
+class Fold:
+    group: str
+    train_rows: int
+    objective: float
+    predictions: dict[str, float]  # case id -> predicted tokens/s/GPU
+
+
+def run_fold(cases: Sequence[RunCase], by: By, group: str, refit: Refit = "full",
+             log: Callable[[str], None] | None = None, train_split: str = "all") -> Fold:
+    """Refit without `group`'s rows and predict them; `train_split` "fit" keeps only the
+    configuration split's fit rows on the training side (the shipped profile's rows)."""
+    key = GROUPS[by]
+    train = [c for c in cases if key(c) != group
+             and (train_split == "all" or split_of(c.row) == "fit")]
+    test = [c for c in cases if key(c) == group]
+    res: FitResult = fit(train, log=log, **REFITS[refit])
+    profile = shipped_profile(res, train, "")
+    profile.pop("_about")
+    preds = {c.id: q for c in test if (q := point(c, profile)) is not None}
+    return Fold(group, res.rows, res.objective, preds)
+
+
+def folds_of(cases: Sequence[RunCase], by: By) -> list[str]:
+    """The groups a cross-validation leaves out, one fold each (`config`: the held-out one)."""
+    if by == "config":
+        return ["held-out"]
+    return sorted({GROUPS[by](c) for c in scored(cases)})
+
+
+def cross_validate(cases: Sequence[RunCase], by: By, refit: Refit = "full",
+                   log: Callable[[str], None] | None = None, train_split: str = "all"
+                   ) -> dict[str, Any]:
+    """Every fold of `by`, and the scored rows each predicted: {"by", "refit", "folds",
+    "rows": [{"id", "group", "family", "model", "gpu", "precision", "published", "predicted",
+    "error"}], and the summary of `summarise`."""
+    cases = scored(cases)
+    folds = []
+    for g in folds_of(cases, by):
+        if log:
+            log(f"fold {g}")
+        folds.append(run_fold(cases, by, g, refit, log, train_split))
+    return assemble(cases, by, refit, folds)
+
+
+def assemble(cases: Sequence[RunCase], by: By, refit: Refit, folds: Sequence[Fold]
+             ) -> dict[str, Any]:
+    """The rows and summary of a set of folds (the folds may have been run apart)."""
+    pred = {i: (f.group, q) for f in folds for i, q in f.predictions.items()}
+    rows = []
+    for c in scored(cases):
+        if c.id not in pred:
+            continue
+        pub = published_tokens(c)[0]
+        group, q = pred[c.id]
+        rows.append({"id": c.id, "group": group, "family": family_group(c),
+                     "model": model_group(c), "gpu": c.gpu, "precision": c.training.precision,
+                     "published": pub, "predicted": q, "error": q / pub - 1})
+    return {"by": by, "refit": refit,
+            "folds": [{"group": f.group, "train_rows": f.train_rows,
+                       "objective": round(f.objective, 5)} for f in folds],
+            "rows": rows, **summarise(rows)}
+
+
+def _mape(rows: Sequence[dict[str, Any]]) -> float | None:
+    return sum(abs(r["error"]) for r in rows) / len(rows) if rows else None
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """MAPE over all rows, the median and 90th-percentile absolute error, and per family and
+    per model: rows, MAPE and mean signed error (a family missed one way shows as a bias)."""
+    def per(key: str) -> dict[str, dict[str, Any]]:
+        by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            by[r[key]].append(r)
+        return {k: {"rows": len(v), "mape": _mape(v),
+                    "bias": sum(r["error"] for r in v) / len(v)} for k, v in sorted(by.items())}
+
+    errs = sorted(abs(r["error"]) for r in rows)
+    q = (lambda p: errs[min(len(errs) - 1, math.ceil(p * len(errs)) - 1)]) if errs else None
+    return {"mape": _mape(rows), "count": len(rows),
+            "median_ape": q(0.5) if q else None, "p90_ape": q(0.9) if q else None,
+            "by_family": per("family"), "by_model": per("model")}
+
+
+CLI_CHOICES = ("model", "release")
+"""What `moeplan validate --cv` leaves out (the configuration fold is the plain `validate`)."""
+
+
+def cases_of(rows: Sequence[dict[str, str]]) -> list[RunCase]:
+    """The predictable cases of CSV rows (`cases.case_of`), skipping the rest."""
+    from ..specs import list_presets
+    from .cases import case_of
+
+    presets = list_presets()
+    return [c for r in rows for c in [case_of(r, presets)] if not isinstance(c, str)]
+
+
+def cross_validate_rows(rows: Sequence[dict[str, str]], by: By, refit: Refit = "quick",
+                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`cross_validate` of a CSV's rows (what `moeplan validate --cv` prints)."""
+    return cross_validate(cases_of(rows), by, refit, log)

@@ -1,0 +1,108 @@
+"""Reading published runs: the CSV, its cells, and the shipped copy of the data.
+
+A published-runs CSV is shaped like `data/published_runs.csv` (columns in `data/README.md`).
+Cells are read here, bounded before any spec is built: a size (GPUs, sequence, batch, a
+parallel degree) is a whole number within moeplan's limits, a measurement a finite non-negative
+number, an empty cell "not published". Anything else is a SpecError naming the row and column.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+from importlib import resources
+from pathlib import Path
+
+from ..errors import SpecError
+from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, excerpt
+
+PUBLISHED_RUNS = "published_runs.csv"
+"""The published measured runs shipped with moeplan (`data/README.md` gives their sources)."""
+
+RELEASE_PAT = re.compile(r"release (\d+)\.(\d+)")
+_INT_LIMITS = {"seq_len": MAX_SEQ_LEN, "global_batch_seqs": MAX_GLOBAL_BATCH,
+               "micro_batch": MAX_GLOBAL_BATCH}
+
+
+def shipped_runs() -> Path:
+    """Path of the shipped published-runs CSV (package data, so a clone or a wheel has it)."""
+    return Path(str(resources.files("moeplan.validation") / "data" / PUBLISHED_RUNS))
+
+
+def cell(row: dict[str, str], col: str) -> str:
+    """A cell's text, stripped (empty where the row is short)."""
+    return (row.get(col) or "").strip()
+
+
+def bad_cell(row: dict[str, str], col: str, want: str) -> SpecError:
+    return SpecError(f"row {excerpt(row.get('id', '?'))}, column `{col}`: "
+                     f"{excerpt(cell(row, col))} is not {want}; fix the cell or leave it empty "
+                     "(unpublished).")
+
+
+def number(row: dict[str, str], col: str) -> float | None:
+    """A published measurement: empty (None) or a finite non-negative number, else SpecError."""
+    v = cell(row, col)
+    if not v:
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        raise bad_cell(row, col, "a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise bad_cell(row, col, "a finite non-negative number")
+    return x
+
+
+def size(row: dict[str, str], col: str, default: int | None = None) -> int | None:
+    """A size (GPUs, seq, batch, parallel degree): empty (`default`) or a whole number in
+    1..limit, else SpecError naming the row and column, before any spec is built."""
+    v = cell(row, col)
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise bad_cell(row, col, "a whole number") from None
+    if not math.isfinite(x) or x != int(x) or x < 1:
+        raise bad_cell(row, col, "a positive whole number")
+    n, limit = int(x), _INT_LIMITS.get(col, MAX_GPUS)
+    if n > limit:
+        raise bad_cell(row, col, f"at most {limit:,} (moeplan's limit)")
+    return n
+
+
+def release_of(row: dict[str, str]) -> tuple[int, int] | None:
+    """The (year, month) of the container release a row names in its source detail, if any."""
+    m = RELEASE_PAT.search(row.get("source_detail", "") or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
+    """The CSV's rows as dicts (the shipped published runs when `path` is None); SpecError for
+    a missing, oversized, non-UTF-8 or malformed file (cells are checked per row, in
+    `cases.case_of`)."""
+    from ..fsio import is_file
+    from ..specs.loader import read_text
+
+    p = shipped_runs() if path is None else Path(path)
+    if not is_file(p):
+        raise SpecError(f"{excerpt(str(path))} is not a readable CSV file. Pass a file shaped "
+                        "like published_runs.csv.")
+    text = read_text(p, "CSV file")
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        header = reader.fieldnames or []
+        twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+        if twice is not None:  # DictReader would keep the last column's cells silently
+            raise SpecError(f"{p}: the column `{excerpt(twice)}` appears twice in the header; "
+                            "give each column once.")
+        rows = list(reader)
+    except csv.Error as err:
+        raise SpecError(f"{p} is not a valid CSV file ({err}); fix the file.") from None
+    if rows and "id" not in rows[0]:
+        raise SpecError(f"{path}: no `id` column; the CSV must have the columns of "
+                        "published_runs.csv (id, model_preset, cluster_preset, tp, pp, ...).")
+    return rows

@@ -1,0 +1,99 @@
+"""Documented settings a published row does not print, by the rule of its source.
+
+NVIDIA's performance tables print a run's sizes; the recipe that produced the run sets more
+(TP comm overlap, bf16 gradient reduction, FP8 parameter gathers, the 26.06 MXFP8 MoE change).
+Each rule here names the documentation it follows; `cases.case_of` applies them, and
+`recipes` holds the per-recipe settings matched on every printed size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..specs.model import ModelSpec
+from .rows import cell, release_of
+
+# Megatron-Bridge's MXFP8 MoE recipes for Blackwell turn on the fused CuTe-DSL grouped MLP
+# (GroupGEMM + SwiGLU + quantisation; Megatron-Bridge issue #2885, "delayed to 26.06", enabled
+# in 26.06) together with EP communication overlap (`moe_a2a_overlap`) and the HybridEP flex
+# dispatcher (scripts/performance/configs/*/_workload_base_configs.py, the `FP8_MX` variants).
+# The published rows print neither setting, so rows of those releases are priced with them.
+OVERLAP_RECIPE_FROM = (26, 6)
+
+# NVIDIA's NeMo and Megatron-Bridge performance recipes turn on TP communication overlap (TE
+# userbuffers: `tp_comm_overlap=True` in the performance configs' CommOverlapConfig) whenever
+# TP > 1; the published tables print the sizes, not the overlap. Megatron-LM's own papers and
+# READMEs, the folding paper, TorchTitan and MegaScale's baseline do not document it: priced
+# without (the Layout default), so the fit learns the overlap only from runs that had it.
+TP_OVERLAP_SOURCES = ("NVIDIA Megatron-Bridge performance summary",
+                      "NVIDIA NeMo performance summary", "NVIDIA NeMo 2.0 performance summary",
+                      "NVIDIA NeMo long-sequence performance doc")
+
+# NVIDIA's performance recipes (TP_OVERLAP_SOURCES) also reduce data-parallel gradients in bf16:
+# Megatron-Bridge's performance configs (`cfg.ddp.grad_reduce_in_fp32 = False` in their
+# common settings), NeMo 2.0's performance
+# scripts and recipes' performance mode (`recipe.trainer.plugins.grad_reduce_in_fp32 = False`),
+# NeMo 1's launcher configs (`optim.grad_sync_dtype=bf16`). Megatron-LM reduces in fp32 unless
+# told (`--grad-reduce-in-bf16`), as the TrainingSpec default does.
+BF16_GRAD_REDUCE_SOURCES = TP_OVERLAP_SOURCES
+
+# NeMo 2.0's FP8 mixed-precision recipes gather FP8 parameters: `bf16_with_fp8_mixed` (the
+# unnamed "FP8" of its performance tables, delayed scaling) sets `fp8_params=True` /
+# `fp8_param_gather=True`, and so does its `bf16_with_mxfp8_mixed` (what that "FP8" is on
+# Blackwell). Its current-scaling recipe ("FP8-CS") and Megatron-Bridge's MXFP8 recipe do not
+# document one setting across releases, so those rows keep bf16 gathers.
+FP8_PARAM_GATHER_SOURCES = ("NVIDIA NeMo 2.0 performance summary",)
+
+
+def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, architecture: str
+                    ) -> dict[str, Any]:
+    """Layout settings a row's source documents but the row does not print (see
+    OVERLAP_RECIPE_FROM); empty when nothing is known beyond moeplan's defaults."""
+    rel = release_of(row)
+    if ("Megatron-Bridge" in (row.get("source", "") or "") and rel is not None
+            and rel >= OVERLAP_RECIPE_FROM and precision == "mxfp8" and model.num_experts
+            and architecture == "blackwell"):
+        return {"ep_overlap": True, "dispatcher": "flex"}
+    return {}
+
+
+# Megatron-LM as the 2021–22 papers ran it (Narayanan et al. 2021, arXiv 2104.04473 §5;
+# Korthikanti et al. 2022, arXiv 2205.05198): attention as batched GEMMs around a fused softmax
+# (the s² scores selective recomputation drops), dropout 0.1, and a DistributedDataParallel
+# that all-reduced the
+# gradients once the backward had finished (`allreduce_gradients` after the backward; the
+# overlapped reduction, `--overlap-grad-reduce`, came with Megatron Core's DDP in 2023).
+MEGATRON_2021_SOURCES = ("Narayanan et al. 2021",)
+# Korthikanti et al. 2022 added sequence parallelism and selective recomputation to it
+MEGATRON_2022_SOURCES = ("Korthikanti et al. 2022",)
+# MegaScale's Megatron-LM baseline (Jiang et al. 2024, NSDI): its data-parallel all-gather and
+# reduce-scatter are not overlapped with compute — overlapping them is one of the
+# optimizations MegaScale adds (§3.2) — so the baseline loses efficiency as DP grows (53% MFU
+# at 256 GPUs, 41% at 12,288, Table 2).
+MEGATRON_2023_SOURCES = ("MegaScale (ByteDance, NSDI 2024)",)
+
+
+def training_settings(row: dict[str, str]) -> dict[str, Any]:
+    """Training numerics and stack the row's source documents for its recipe family but does
+    not print (bf16 gradient reduction, FP8 parameter all-gather, the Megatron generation)."""
+    src = row.get("source", "") or ""
+    out: dict[str, Any] = {}
+    if src.startswith(MEGATRON_2021_SOURCES):
+        out["software_stack"] = "megatron-2021"
+    elif src.startswith(MEGATRON_2022_SOURCES):
+        out["software_stack"] = "megatron-2022"
+    elif src.startswith(MEGATRON_2023_SOURCES):
+        out["software_stack"] = "megatron-2023"
+    if src.startswith(BF16_GRAD_REDUCE_SOURCES):
+        out["grad_reduce_dtype"] = "bf16"
+    if src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8":
+        out["fp8_param_gather"] = True
+    return out
+
+
+def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
+    """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
+    src = row.get("source", "") or ""
+    if tp > 1 and src.startswith(TP_OVERLAP_SOURCES):
+        return {"tp_comm_overlap": True}
+    return {}

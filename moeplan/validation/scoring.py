@@ -1,0 +1,240 @@
+"""Scoring: predict each case and compare with what was published.
+
+Tokens/s/GPU is compared where published (it needs no FLOP convention). TFLOPS are compared in
+the row's own `flops_convention`: `causal_halved` is ours, `full` counts the causal attention
+term twice, `full_with_recompute` adds one more forward (Narayanan et al. 2021's hardware FLOPs
+with full recompute). Besides the per-row error: MAPE, interval coverage and width, and
+whether pairs of published layouts of one release are ordered as measured.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import MoeplanError
+from ..specs import Layout, TrainingSpec, list_presets, load_cluster, load_model
+from ..specs.cluster import ClusterSpec
+from ..specs.model import ModelSpec
+from .cases import RunCase, case_of, config_key, split_of
+from .rows import release_of
+
+
+def flops_per_token_in(model: ModelSpec, seq: int, convention: str) -> float | None:
+    """Model FLOPs per token in a published convention (None when unknown)."""
+    base = model.flops_per_token(seq)
+    if convention == "causal_halved":
+        return base
+    m = model
+    n_layers = m.num_layers + m.mtp_layers
+    if m.attention == "mla":
+        qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
+        attn_half = 6 * n_layers * seq * m.num_attention_heads * (qk + (m.v_head_dim or 0)) / 2
+    else:
+        attn_half = 12 * n_layers * m.num_attention_heads * m.head_dim_ * seq / 2
+    full = base + attn_half
+    if convention == "full":
+        return full
+    if convention == "full_with_recompute":
+        return full * 4 / 3
+    return None
+
+
+def published_tokens(case: RunCase) -> tuple[float | None, bool]:
+    """(tokens/s/GPU, derived): as published, else derived from the published TFLOPS in the
+    row's own FLOP convention (None when neither is known)."""
+    if case.published_tokens is not None:
+        return case.published_tokens, False
+    fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
+    if case.published_tflops is not None and fpt_conv:
+        return case.published_tflops * 1e12 / fpt_conv, True
+    return None, False
+
+
+def cluster_of(case: RunCase) -> ClusterSpec:
+    """The case's cluster at its GPU count (loaded once, by `case_of`)."""
+    return case.cluster or load_cluster(case.cluster_name, case.layout.world_size)
+
+
+def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predict one case: the row dict `moeplan validate` prints (plus split and group)."""
+    from ..cost_models.estimate import estimate
+
+    cluster = cluster_of(case)
+    est = estimate(case.model, cluster, case.training, case.layout, case.choices,
+                   calibration=calibration)
+    fpt_ours = case.model.flops_per_token(case.training.seq_len)
+    fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
+    pred_tflops_conv = (est.tflops_per_gpu * fpt_conv / fpt_ours) if fpt_conv else None
+    pub_tokens, derived = published_tokens(case)
+    from ..cost_models import uncertainty as U
+
+    iv = est.interval
+    return {
+        "id": case.id,
+        "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "predicted_interval_tokens_per_s_per_gpu": list(iv.tokens_per_s_per_gpu) if iv else None,
+        "pessimistic_tokens_per_s_per_gpu": iv.pessimistic_tokens_per_s_per_gpu if iv else None,
+        "regimes": U.regime_keys(case.model, cluster, case.training.precision, case.layout),
+        "assumption_keys": U.assumption_keys(case.model, cluster, case.training, case.layout,
+                                             case.choices),
+        "published_tokens_per_s_per_gpu": pub_tokens,
+        "predicted_tflops_per_gpu": pred_tflops_conv,
+        "published_tflops_per_gpu": case.published_tflops,
+        "predicted_memory_gb": est.memory.peak_gb,
+        "published_memory_gb": case.published_memory,
+        "tokens_derived_from_tflops": derived,
+        "split": split_of(case.row),
+        "gpu": case.gpu,
+        "family": case.family,
+        "model": case.model.name,
+        "precision": case.training.precision,
+        "flops_convention": case.convention,
+        "assumed": case.assumed,
+    }
+
+
+def ape(pred: float | None, pub: float | None) -> float | None:
+    if pred is None or pub is None or pub == 0:
+        return None
+    return abs(pred - pub) / abs(pub)
+
+
+def mape(rows: list[dict[str, Any]], key: str = "tokens_per_s_per_gpu") -> float | None:
+    errs = [ape(r[f"predicted_{key}"], r[f"published_{key}"]) for r in rows]
+    errs = [e for e in errs if e is not None]
+    return sum(errs) / len(errs) if errs else None
+
+
+def inside(r: dict[str, Any]) -> bool | None:
+    """Whether the published tokens/s/GPU fell inside the row's predicted interval."""
+    iv, pub = r.get("predicted_interval_tokens_per_s_per_gpu"), r["published_tokens_per_s_per_gpu"]
+    if not iv or pub is None:
+        return None
+    return iv[0] <= pub <= iv[1]
+
+
+def coverage(rows: list[dict[str, Any]]) -> float | None:
+    """Share of rows whose published figure lies inside their 80 % interval."""
+    hits = [h for h in map(inside, rows) if h is not None]
+    return sum(hits) / len(hits) if hits else None
+
+
+def median_width(rows: list[dict[str, Any]]) -> float | None:
+    """Median of (hi − lo) / point over the rows' intervals."""
+    w = sorted((r["predicted_interval_tokens_per_s_per_gpu"][1]
+                - r["predicted_interval_tokens_per_s_per_gpu"][0])
+               / r["predicted_tokens_per_s_per_gpu"]
+               for r in rows if r.get("predicted_interval_tokens_per_s_per_gpu"))
+    if not w:
+        return None
+    n = len(w)
+    return w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
+
+
+def release_group(case_row: dict[str, str], r: dict[str, Any]) -> tuple:
+    """Rows whose order is a claim about layouts alone: one model, cluster, GPU count,
+    precision, sequence length and software release (the source, and its release if named)."""
+    rel = release_of(case_row)
+    return (r["model"], case_row.get("cluster_preset") or case_row.get("gpu"),
+            case_row.get("num_gpus"), r["precision"], case_row.get("seq_len"),
+            case_row.get("source"), rel if rel else case_row.get("source_detail"))
+
+
+def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """How many pairs of published layouts within one release group the model orders as
+    measured (a planner lives by ranking); ties in the published figure are left out."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["published_tokens_per_s_per_gpu"]:
+            groups.setdefault(release_group(raw[r["id"]], r), []).append(r)
+    pairs, wrong, split = 0, [], {"fit": [0, 0], "held-out": [0, 0], "mixed": [0, 0]}
+    for members in groups.values():
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                pa, pb = a["published_tokens_per_s_per_gpu"], b["published_tokens_per_s_per_gpu"]
+                if pa == pb or config_key(raw[a["id"]]) == config_key(raw[b["id"]]):
+                    continue  # a tie, or one layout published twice (no ordering claim)
+                pairs += 1
+                side = a.get("split") if a.get("split") == b.get("split") else "mixed"
+                tally = split.get(side or "mixed", split["mixed"])
+                tally[0] += 1
+                qa, qb = a["predicted_tokens_per_s_per_gpu"], b["predicted_tokens_per_s_per_gpu"]
+                if (qa - qb) * (pa - pb) <= 0:
+                    wrong.append({"ids": [a["id"], b["id"]], "published": [pa, pb],
+                                  "predicted": [qa, qb]})
+                else:
+                    tally[1] += 1
+    # the fit's ranking term sees only pairs of fit rows: held-out and mixed pairs are evidence
+    return {"pairs": pairs, "ordered": pairs - len(wrong),
+            "share": (pairs - len(wrong)) / pairs if pairs else None, "misordered": wrong,
+            "by_split": {k: {"pairs": n, "ordered": o} for k, (n, o) in split.items()}}
+
+
+def skip_groups(skipped: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
+    """Skipped rows grouped by reason, most common first: the reason's head (before any
+    `:` detail, quoted values as `…`) and the ids. `validate` prints these instead of a bare
+    count, so what is not predicted, and why, reads at a glance."""
+    groups: dict[str, list[str]] = {}
+    for s in skipped:
+        head = re.sub(r"(?<!\w)'[^']*'(?!\w)", "…", str(s["why"]).split(":", 1)[0]).strip()
+        groups.setdefault(head, []).append(str(s["id"]))
+    return sorted(groups.items(), key=lambda g: (-len(g[1]), g[0]))
+
+
+def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Predict every predictable row; {"rows", "mape_tokens_per_s", "skipped", ...}.
+    `progress(done, total)` is called before each row."""
+    presets = list_presets()
+    out, skipped = [], []
+    for n, row in enumerate(rows):
+        if progress:
+            progress(n, len(rows))
+        case = case_of(row, presets)
+        if isinstance(case, str):
+            skipped.append({"id": row.get("id") or "?", "why": case})
+            continue
+        try:
+            out.append(predict_case(case, calibration))
+        except MoeplanError as err:
+            skipped.append({"id": case.id, "why": str(err)})
+    held = [r for r in out if r["split"] == "held-out"]
+    fit = [r for r in out if r["split"] == "fit"]
+    from ..cost_models.uncertainty import default_profile
+
+    return {
+        "rows": out,
+        "ranking": layout_pairs(out, {r.get("id", "?"): r for r in rows}),
+        "coverage": coverage(held),
+        "median_interval_width": median_width(held),
+        "coverage_fit": coverage(fit),
+        "coverage_cross_validated": default_profile().cross_validated.get("coverage"),
+        "mape_tokens_per_s": mape(out),
+        "mape_tokens_per_s_held_out": mape(held),
+        "mape_tokens_per_s_fit": mape(fit),
+        "mape_tflops": mape(out, "tflops_per_gpu"),
+        "mape_memory_gb": mape(out, "memory_gb"),
+        "skipped": skipped,
+    }
+
+
+# DeepSeek-V3 per-GPU memory anatomy, Megatron Core MoE report: 256 GPUs, PP4 VPP4 EP64, TP1,
+# ETP1, MBS1, s 4096, BF16, distributed optimizer, before memory optimisations (GB).
+DEEPSEEK_V3_ANATOMY = {"weights+grads": 36.4, "optimizer": 32.1, "activations": 131.0,
+                       "total": 199.5}
+
+
+def anatomy_parts() -> dict[str, tuple[float, float]]:
+    """{part: (moeplan GB, report GB)} for the DeepSeek-V3 anatomy, moeplan's peak GPU."""
+    from ..cost_models.estimate import estimate_breakdown
+
+    m, c = load_model("deepseek-v3"), load_cluster("h100", 256)
+    t = TrainingSpec(seq_len=4096, global_batch_size=1024)
+    mem = estimate_breakdown(m, c, t, Layout.build(256, 1024, pp=4, vpp=4, ep=64),
+                             with_interval=False).estimate.memory
+    ours = {"weights+grads": mem.weights_gb + mem.grads_gb, "optimizer": mem.optimizer_gb,
+            "activations": mem.activations_gb}
+    ours["total"] = sum(ours.values())
+    return {k: (ours[k], v) for k, v in DEEPSEEK_V3_ANATOMY.items()}

@@ -1,0 +1,88 @@
+"""Cross-validation by model and by release (`moeplan validate --cv`): a left-out group is
+predicted by a calibration that never saw it, and the command reports per family."""
+
+import json
+
+import pytest
+
+from moeplan.cli import main
+from moeplan.validation import read_rows
+from moeplan.validation.crossval import cases_of, cross_validate_rows, release_label
+
+MODELS = ("llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b")
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, str]]:
+    """Two predictable published rows of each of three models (small: every fold refits)."""
+    shipped = [r for r in read_rows() if r["model_preset"] in MODELS]
+    ok = {c.id for c in cases_of(shipped) if c.published_tokens}
+    out = []
+    for m in MODELS:
+        out += [r for r in shipped if r["model_preset"] == m and r["id"] in ok][:2]
+    assert len(out) == 6
+    return out
+
+
+def _preds(res: dict) -> dict[str, float]:
+    return {r["id"]: r["predicted"] for r in res["rows"]}
+
+
+def test_a_left_out_model_is_predicted_without_its_own_published_figures(rows):
+    """Tripling one model's published throughput leaves its own cross-validated predictions
+    exactly as they were (its fold never reads them) and moves the other models' (theirs do)."""
+    before = cross_validate_rows(rows, "model")
+    doctored = [{**r, "tokens_per_s_per_gpu": str(3 * float(r["tokens_per_s_per_gpu"]))}
+                if r["model_preset"] == "mixtral-8x7b" else r for r in rows]
+    after = cross_validate_rows(doctored, "model")
+    a, b = _preds(before), _preds(after)
+    mixtral = {r["id"] for r in rows if r["model_preset"] == "mixtral-8x7b"}
+    assert all(a[i] == b[i] for i in mixtral)
+    assert any(a[i] != b[i] for i in a if i not in mixtral)
+    assert {f["group"] for f in before["folds"]} == set(MODELS)
+
+
+def test_bridge_releases_are_separate_folds():
+    by_label = {release_label(c) for c in cases_of(read_rows())
+                if c.row["source"].startswith("NVIDIA Megatron-Bridge")}
+    assert {"NVIDIA Megatron-Bridge performance summary 25.09",
+            "NVIDIA Megatron-Bridge performance summary 26.06"} <= by_label
+
+
+def test_validate_cv_reports_every_row_once_with_per_family_errors(rows, tmp_path, capsys):
+    import csv
+
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert main(["validate", str(path), "--cv", "model", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["by"] == "model" and doc["refit"] == "quick"
+    assert sorted(r["id"] for r in doc["rows"]) == sorted(r["id"] for r in rows)
+    assert set(doc["by_family"]) == {"llama3", "mixtral", "qwen3"}
+    errs = [abs(r["predicted"] / r["published"] - 1) for r in doc["rows"]]
+    assert doc["mape"] == pytest.approx(sum(errs) / len(errs))
+
+
+def test_validate_cv_refuses_an_unknown_grouping(capsys):
+    assert main(["validate", "--cv", "gpu"]) == 2
+    assert "--cv" in capsys.readouterr().err
+
+
+def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(rows, tmp_path):
+    import csv
+
+    from .test_cli_terminal import assert_fits_and_whole, json_of, render_in_pty
+
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    args = ("validate", str(path), "--cv", "model")
+    doc = json_of(args)
+    nums = [f"{v['mape']:.1%}" for v in doc["by_family"].values()]
+    nums += [f"{v['bias']:+.1%}" for v in doc["by_family"].values()] + [f"{doc['mape']:.1%}"]
+    assert_fits_and_whole(render_in_pty(args, 80), 80, nums)
