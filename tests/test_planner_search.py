@@ -399,28 +399,32 @@ def test_pessimistic_variant_depends_on_no_schedule_field(name, cluster, gpus):
         assert all(ch == changes[0] for ch in changes)
 
 
-def test_layer_tables_shared_across_dispatchers_equal_fresh_ones():
-    # Layouts that differ only in the dispatcher and EP overlap share the EP_BLIND layer
-    # costs (problem.layer_table's `shared`): each table must equal the one built alone
+def test_layer_tables_shared_across_expert_axes_equal_fresh_ones():
+    # Layouts that differ only in the expert axes (ep, etp, dispatcher, EP overlap) share the
+    # EP_BLIND layer costs (problem.layer_table's `shared`): each table must equal the one built
+    # alone
     from moeplan.cost_models.calibration import calibration_for
     from moeplan.planner.problem import layer_table
 
     cal = calibration_for(None)
     tr = TrainingSpec(seq_len=4096, global_batch_size=2048)
-    cases = [("deepseek-v3", "h100", 1024, dict(tp=2, pp=16, vpp=2, ep=64)),
-             ("qwen3-235b-a22b", "gb200-nvl72", 256, dict(tp=1, pp=4, vpp=2, ep=32)),
-             ("gpt-oss-120b", "h100", 64, dict(tp=2, pp=2, vpp=2, ep=8, mbs=2))]
-    for name, cname, gpus, axes in cases:
+    cases = [("deepseek-v3", "h100", 1024, dict(tp=2, pp=16, vpp=2), ((64, 1), (8, 2), (32, 2))),
+             ("qwen3-235b-a22b", "gb200-nvl72", 256, dict(tp=1, pp=4, vpp=2),
+              ((32, 1), (8, 4), (64, 1))),
+             ("gpt-oss-120b", "h100", 64, dict(tp=2, pp=2, vpp=2, mbs=2), ((8, 1), (4, 2), (32, 1)))]
+    for name, cname, gpus, axes, experts in cases:
         model, cluster = load_model(name), load_cluster(cname, gpus=gpus)
         dp = gpus // (axes["tp"] * axes["pp"])
         for graphs in (False, True):
             shared: dict = {}
-            for disp, ovl in (("alltoall", False), ("flex", True), ("allgather", False),
-                              ("alltoall", True), ("flex", False)):
-                layout = Layout(**axes, dp=dp, num_microbatches=2048 // (dp * axes.get("mbs", 1)),
+            for (ep, etp), (disp, ovl) in itertools.product(
+                    experts, (("alltoall", False), ("flex", True), ("allgather", False),
+                              ("alltoall", True), ("flex", False))):
+                layout = Layout(**axes, ep=ep, etp=etp, dp=dp,
+                                num_microbatches=2048 // (dp * axes.get("mbs", 1)),
                                 dispatcher=disp, ep_overlap=ovl, cuda_graphs=graphs,
                                 tp_comm_overlap=True)
                 fresh = layer_table(model, cluster, tr, layout, cal)
                 twin = layer_table(model, cluster, tr, layout, cal, shared=shared)
                 assert twin.costs == fresh.costs and twin.keys == fresh.keys
-            assert shared  # the twins did share
+            assert shared  # the layouts did share

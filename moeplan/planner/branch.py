@@ -32,8 +32,8 @@ import numpy as np
 
 from ..cost_models.comm import placement
 from ..cost_models.estimate import bound_params, estimate, lower_bound
-from ..cost_models.uncertainty import pessimistic_layout
-from ..specs import Layout, Plan, TrainingSpec
+from ..cost_models.uncertainty import assumption_keys, pessimistic_layout
+from ..specs import Choices, Layout, Plan, TrainingSpec
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace
 from .objective import Objective, validated_only
 from .problem import LayerTable, Option, layer_table, menu
@@ -45,6 +45,9 @@ SCHEDULE_FIELDS = frozenset({"dp", "pp", "vpp", "mbs", "num_microbatches",
 sizes and placements, the dispatcher and the stack settings), so the search looks a layout's
 pessimistic variant up once for all schedules of its groups
 (`test_pessimistic_variant_depends_on_no_schedule_field` keeps this true)."""
+NO_CHOICES = Choices()
+FIRST, TIGHT, ORDERED = 0, 1, 2
+"""How far a row in the search's heap has been bounded (`BranchAndBound.run`)."""
 KEY_COLUMNS = ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap", "precision")
 """The row columns a layer-cost table depends on (with the groups' placements)."""
 
@@ -165,10 +168,11 @@ class BranchAndBound:
                tr.precision, model.tie_embeddings and layout.pp == 1,
                tuple(placement(layout, a, cluster) for a in ("tp", "cp", "ep", "etp")))
         if key not in self.tables:
-            twins = key[:6] + key[8:]  # the key but the dispatcher and EP overlap
+            # the key but the expert axes: what the EP_BLIND costs read
+            blind = key[:3] + key[5:6] + key[8:12] + key[12][:2]
             self.tables[key] = layer_table(model, cluster, tr, layout, self.pb.cal,
                                            self.imbalance,
-                                           shared=self.twins.setdefault(twins, {}))
+                                           shared=self.twins.setdefault(blind, {}))
         return key
 
     def setup(self, idx: int) -> tuple[Layout, TrainingSpec, tuple]:
@@ -188,8 +192,10 @@ class BranchAndBound:
         the precision."""
         if idx not in self._worse:
             layout, tr, key = self.setup(idx)
-            cls = (tr.precision, key[-1],
-                   tuple(v for f, v in layout.__dict__.items() if f not in SCHEDULE_FIELDS))
+            # the variant is a function of the effects the layout relies on (their evidence
+            # keys), whose validation the search's profile fixes
+            cls = (tr.precision, tuple(assumption_keys(self.pb.model, self.pb.cluster, tr,
+                                                       layout, NO_CHOICES)))
             if cls not in self._variants:
                 worse = pessimistic_layout(self.pb.model, self.pb.cluster, tr, layout)
                 self._variants[cls] = None if worse is None else {
@@ -206,9 +212,12 @@ class BranchAndBound:
         if worse is None or (worse.tp_comm_overlap, worse.cuda_graphs) != (
                 layout.tp_comm_overlap, layout.cuda_graphs):
             return None
-        if not self._row_index:
-            self._row_index.update((r.tobytes(), i) for i, r in enumerate(self.enum.rows))
-        twin = self.enum.rows[idx].copy()
+        rows = np.ascontiguousarray(self.enum.rows)
+        if not self._row_index:  # each row's bytes, indexed once (one numpy view, no loop)
+            as_bytes = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1])))
+            self._row_index.update(zip(as_bytes.ravel().tolist(), range(len(rows)),
+                                       strict=True))
+        twin = rows[idx].copy()
         twin[COL["dispatcher"]] = DISPATCHERS.index(worse.dispatcher)
         twin[COL["ep_overlap"]] = int(worse.ep_overlap)
         j = self._row_index.get(twin.tobytes())
@@ -288,25 +297,33 @@ class BranchAndBound:
         """Visit rows in bound order until none can beat the k-th best; returns whether it
         stopped at the time limit (anytime: only once a plan that fits is in hand, so a short
         limit still returns the first feasible plan, and "nothing fits" stays a proof)."""
+        # a row's key only grows as it is looked at more closely: its first bound, the tight
+        # bound of its layer table, then the objective's order; each is computed only when
+        # the row reaches the top with the one before (lazily, so the visiting order is the
+        # order of the final keys, and a row past the k-th best never pays for the next)
         heap = list(zip([self.lb[i] for i in self.cand.tolist()], self.cand.tolist(),
-                        [False] * len(self.cand), strict=True))
+                        [FIRST] * len(self.cand), strict=True))
         heapq.heapify(heap)
         done = 0
         while heap:
-            bound, idx, tight = heap[0]
+            bound, idx, stage = heap[0]
             if bound >= self.kth():
                 self.pruned["time_bound"] += sum(1 for e in heap if e[1] not in self.solved)
                 return False
             heapq.heappop(heap)
             if idx in self.solved:
                 continue
-            done += 1
-            if progress and done % 200 == 0:
-                progress(done, 2 * len(self.cand))  # each row leaves the heap at most twice
-            if not tight:
-                t = self.tight_bound(idx)
-                heapq.heappush(heap, (self.objective.order_bound(self, idx, t), idx, True))
+            if stage == FIRST:
+                done += 1
+                if progress and done % 200 == 0:
+                    progress(done, len(self.cand))
+                heapq.heappush(heap, (self.tight_bound(idx), idx, TIGHT))
                 continue
+            if stage == TIGHT:
+                order = self.objective.order_bound(self, idx, bound)
+                if order > bound:
+                    heapq.heappush(heap, (order, idx, ORDERED))
+                    continue
             if time_limit_s is not None and self.best and (
                     time.perf_counter() - start > time_limit_s):
                 self.pruned["time_limit"] += len(heap) + 1

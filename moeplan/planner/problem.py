@@ -341,9 +341,10 @@ def _item_time(lc: LayerCost, edge: float) -> float:
 
 
 EP_BLIND = ("attention_block", "dense_layer", "loss_layer")
-"""The per-layer cost functions (cost_models.layers, memoised per context) that read neither the
-MoE dispatcher nor EP overlap: layouts that differ only in those share their results
-(`test_layer_tables_shared_across_dispatchers_equal_fresh_ones` keeps this true)."""
+"""The per-layer cost functions (cost_models.layers, memoised per context) that read none of the
+expert axes (ep, etp, their placements, the MoE dispatcher, EP overlap): layouts that differ
+only in those share their results (`test_layer_tables_shared_across_expert_axes_equal_fresh_ones`
+keeps this true)."""
 
 
 def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
@@ -351,7 +352,7 @@ def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                 ) -> LayerTable:
     """The layout's per-layer costs. `shared`: the EP_BLIND results of a layout that differs
     at most in the dispatcher and EP overlap, reused here and filled for the next such layout
-    (a search prices up to four such twins per group of tp, cp, ep, etp and mbs)."""
+    (a search prices dozens of expert layouts per group of tp, cp and mbs)."""
     ctx = make_context(model, cluster, training, layout, cal)
     if shared:
         ctx.memo.update(shared)
