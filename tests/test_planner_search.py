@@ -372,12 +372,11 @@ def test_screening_bounds_never_exceed_the_pipeline_the_estimate_prices(name, cl
 @pytest.mark.parametrize(("name", "cluster", "gpus"), [("deepseek-v3", "h100", 1024),
                                                        ("qwen3-235b-a22b", "gb200-nvl72", 256),
                                                        ("mixtral-8x7b", "h100", 64)])
-def test_pessimistic_variant_depends_on_no_schedule_field(name, cluster, gpus):
-    # The search looks a layout's pessimistic variant up once per class of layouts that differ
-    # only in SCHEDULE_FIELDS: every layout of a class must have the same variant
-    from moeplan.cost_models.comm import placement
-    from moeplan.cost_models.uncertainty import pessimistic_layout
-    from moeplan.planner.branch import SCHEDULE_FIELDS
+def test_pessimistic_variant_is_a_function_of_the_evidence_keys(name, cluster, gpus):
+    # The search looks a layout's pessimistic variant up once per precision and set of
+    # evidence keys (BranchAndBound.pessimistic): every layout of a class must have the same
+    # variant, and the classes must be few against the layouts
+    from moeplan.cost_models.uncertainty import assumption_keys, pessimistic_layout
     from moeplan.planner.search import search_space
 
     model, c = load_model(name), load_cluster(cluster, gpus=gpus)
@@ -388,8 +387,7 @@ def test_pessimistic_variant_depends_on_no_schedule_field(name, cluster, gpus):
     for row in enum.rows[:: max(1, len(enum.rows) // 3000)]:
         layout = Layout(**_layout(row), tp_comm_overlap=bool(row[0] > 1))
         t = tr.model_copy(update={"precision": enum.precisions[row[-1]]})
-        cls = (t.precision, tuple(placement(layout, a, c) for a in ("tp", "cp", "ep", "etp")),
-               tuple(v for f, v in layout if f not in SCHEDULE_FIELDS))
+        cls = (t.precision, tuple(assumption_keys(model, c, t, layout, Choices())))
         worse = pessimistic_layout(model, c, t, layout)
         change = None if worse is None else {f: v for f, v in worse if getattr(layout, f) != v}
         classes.setdefault(cls, []).append(change)

@@ -39,13 +39,8 @@ from .objective import Objective, validated_only
 from .problem import LayerTable, Option, layer_table, menu
 from .screen import Problem, least_memory, solve_layout, with_graphs
 
-SCHEDULE_FIELDS = frozenset({"dp", "pp", "vpp", "mbs", "num_microbatches",
-                             "distributed_optimizer"})
-"""Layout fields that no modelled assumption reads (uncertainty.assumption_keys: the groups'
-sizes and placements, the dispatcher and the stack settings), so the search looks a layout's
-pessimistic variant up once for all schedules of its groups
-(`test_pessimistic_variant_depends_on_no_schedule_field` keeps this true)."""
 NO_CHOICES = Choices()
+"""A layout's pessimistic variant is bounded before any choice (`pessimistic_layout`)."""
 FIRST, TIGHT, ORDERED = 0, 1, 2
 """How far a row in the search's heap has been bounded (`BranchAndBound.run`)."""
 KEY_COLUMNS = ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap", "precision")
@@ -187,13 +182,12 @@ class BranchAndBound:
         return self._setups[idx]
 
     def pessimistic(self, idx: int) -> Layout | None:
-        """`pessimistic_layout` of the row, its assumptions looked up once per class of layouts
-        that differ only in the schedule (SCHEDULE_FIELDS) and share the groups' placements and
-        the precision."""
+        """`pessimistic_layout` of the row, looked up once per precision and set of evidence
+        keys the layout relies on (`uncertainty.assumption_keys`): which effects are
+        unvalidated, and so what the variant takes away, is a function of those keys alone
+        (`test_pessimistic_variant_is_a_function_of_the_evidence_keys` keeps this true)."""
         if idx not in self._worse:
             layout, tr, key = self.setup(idx)
-            # the variant is a function of the effects the layout relies on (their evidence
-            # keys), whose validation the search's profile fixes
             cls = (tr.precision, tuple(assumption_keys(self.pb.model, self.pb.cluster, tr,
                                                        layout, NO_CHOICES)))
             if cls not in self._variants:
