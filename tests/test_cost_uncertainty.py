@@ -183,3 +183,29 @@ def test_the_shipped_intervals_never_narrow_the_regime_band():
         q_lo, q_hi = prof.bounds(keys)[:2]
         lo, hi, _ = U.widen(q_lo, q_hi, keys, U.distance(m, c, tr, lay), prof)
         assert lo <= q_lo and hi >= q_hi
+
+
+def test_the_least_low_end_bounds_every_layouts_widened_band_and_counts_the_model():
+    """A search turns the k-th robust key into a point threshold with the least downside any
+    of its layouts can have (planner.objective.least_key_factor: e^(−q) of the largest
+    `uncertainty.least_low_end` over the EP fabrics): no layout's widened low end may lie above
+    it, and the model-level distance (a model whose own rows the fit misses) must be in it, or
+    the threshold is looser than the keys and the robust search screens thousands of rows."""
+    prof = U.default_profile()
+    c = load_cluster("h100", 64)
+    for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3", "llama3-8b"):
+        m = load_model(name)
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256)
+        least = max(U.least_low_end(m, c, tr.precision, fab, prof)
+                    for fab in ("nvlink", "scale-out"))
+        for mbs in (1, 2, 4):
+            for ep in ((1, 8, 64) if m.is_moe else (1,)):
+                lay = Layout.build(64, 256, ep=ep, mbs=mbs, tp=1 if m.is_moe else 8)
+                keys = U.regime_keys(m, c, tr.precision, lay)
+                q_lo, q_hi = prof.bounds(keys)[:2]
+                lo = U.widen(q_lo, q_hi, keys, U.distance(m, c, tr, lay), prof)[0]
+                assert lo <= least + 1e-12, (name, mbs, ep)
+    gpt = load_model("gpt-oss-120b")
+    assert gpt.name in prof.model_bands  # the fit misses its rows as a whole
+    regime = prof.bounds(U.regime_names(gpt, c, "bf16", "scale-out"))[0]
+    assert U.least_low_end(gpt, c, "bf16", "scale-out", prof) < regime

@@ -455,6 +455,21 @@ def distance(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
                     p.gpu_precision_rows.get(f"{cluster.gpu}/{training.precision}", 0))
 
 
+def least_low_end(model: ModelSpec, cluster: ClusterSpec, precision: str, fabric: str,
+                  profile: IntervalProfile | None = None) -> float:
+    """The least widening of the log band's low end any layout of this model, cluster,
+    precision and EP fabric can have: the regime's band widened by the distance every such
+    layout shares (the model, its family, the GPU and precision's rows) and by no doubling,
+    since doublings only widen (`widen`). What a search may bound robust keys by."""
+    p = profile or default_profile()
+    keys = regime_names(model, cluster, precision, fabric)
+    q_lo, q_hi, _, _ = p.bounds(keys)
+    near = Distance(model.name, model.name in p.seen_models,
+                    model_family(model.name) in p.seen_families, {},
+                    p.gpu_precision_rows.get(f"{cluster.gpu}/{precision}", 0))
+    return widen(q_lo, q_hi, keys, near, p)[0]
+
+
 def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,
           profile: IntervalProfile) -> tuple[float, float, list[str]]:
     """The log band (q_lo, q_hi) widened by the distance from the fit evidence, with the

@@ -148,14 +148,15 @@ def objective_for(name: str) -> Objective:
 def least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
     """The least ratio of a robust rank key (the interval's high end of step time) to the point
     step time over every regime a layout of this search can fall in: e^(−q_lo) of the regime
-    with the smallest downside (uncertainty.tokens_interval takes the low end from the point or
-    below it, never above). A cluster's own measured band (`moeplan calibrate --from-runs`)
-    replaces every regime's, so it is the factor."""
+    with the smallest downside, widened by the distance from the fit evidence that every
+    layout of the search shares (`uncertainty.least_low_end`: the model, the GPU and
+    precision; uncertainty.tokens_interval takes the low end from the point or below it, never
+    above). A cluster's own measured band (`moeplan calibrate --from-runs`) replaces every
+    regime's, and is not widened, so it is the factor."""
     measured = U.measured_bounds(cluster)
     if measured is not None:
         return math.exp(-min(measured[0], 0.0))
-    prof = U.default_profile()
-    return min(math.exp(-min(prof.bounds(U.regime_names(model, cluster, prec, fab))[0], 0.0))
+    return min(math.exp(-min(U.least_low_end(model, cluster, prec, fab), 0.0))
                for prec in space.precisions for fab in ("nvlink", "scale-out"))
 
 
