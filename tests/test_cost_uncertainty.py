@@ -209,3 +209,17 @@ def test_the_least_low_end_bounds_every_layouts_widened_band_and_counts_the_mode
     assert gpt.name in prof.model_bands  # the fit misses its rows as a whole
     regime = prof.bounds(U.regime_names(gpt, c, "bf16", "scale-out"))[0]
     assert U.least_low_end(gpt, c, "bf16", "scale-out", prof) < regime
+
+
+def test_an_interval_added_to_a_priced_point_equals_the_estimate_priced_whole():
+    # A search prices the point of every screened plan and adds the interval only to the
+    # winners (`estimate(..., point=...)`): the result must be the whole estimate's
+    m, c = load_model("deepseek-v3"), load_cluster("h100", 1024)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=8192)
+    for ovl, disp, off in ((True, "flex", ["attn_norm"]), (False, "alltoall", [])):
+        lay = Layout.build(1024, 8192, tp=4, pp=2, vpp=2, ep=256, dispatcher=disp,
+                           ep_overlap=ovl, tp_comm_overlap=True)
+        ch = Choices(offload=[off] if off else [])
+        point = estimate(m, c, tr, lay, ch, with_interval=False)
+        assert point.interval is None
+        assert estimate(m, c, tr, lay, ch, point=point) == estimate(m, c, tr, lay, ch)

@@ -485,14 +485,20 @@ def estimate(
     calibration: dict[str, Any] | None = None,
     with_interval: bool = True,
     target: str = "megatron",
+    point: Estimate | None = None,
 ) -> Estimate:
     """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4), with
     its 80 % interval and assumptions unless `with_interval` is False (a search ranking by the
     point adds them to the plans it keeps).
 
     Raises LayoutError naming every rule of the target executor (`specs.rules`) the layout
-    breaks; a valid layout that does not fit returns `fits=False`.
+    breaks; a valid layout that does not fit returns `fits=False`. `point`: this layout's and
+    choices' estimate without its interval, already priced (a search's screen), so only the
+    interval is added.
     """
+    if point is not None and with_interval:
+        return _with_interval(point, model, cluster, training, layout, choices or Choices(),
+                              imbalance, routing_histogram, calibration)
     return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
                               routing_histogram, calibration,
                               with_interval=with_interval, target=target).estimate

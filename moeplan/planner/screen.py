@@ -177,7 +177,7 @@ def with_interval_estimate(plan: Plan) -> Plan:
     if plan.estimate is not None and plan.estimate.interval is not None:
         return plan
     est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
-                   target=plan.target)
+                   target=plan.target, point=plan.estimate)
     return plan.model_copy(update={"estimate": est})
 
 
