@@ -40,7 +40,7 @@ Per layout (a `Layout`; choices are what the planner decides):
     Recompute names: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts,
     full; offload names: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
     moe_act. Offload time is ``comm.host_copy_time(bytes, cluster)`` each way, hidden behind the
-    chunk's forward (device-to-host) and backward (host-to-device).
+    layer's own forward (device-to-host) and backward (host-to-device).
 
 ``layer_imbalances(model, ep, imbalance, histogram) -> [per decoder layer]`` and
 ``layer_costs(ctx, imbalances) -> ({kind key: LayerCost}, [key per decoder layer])``
@@ -49,8 +49,8 @@ Per layout (a `Layout`; choices are what the planner decides):
 
 ``stage_terms(model, cluster, training, layout, cal, imbalance, histogram, table=None)
 -> StageTerms``
-    The one per-rank step function: item times at the schedule's edge weight, the passes
-    offload copies hide behind, static bytes and buffers of a rank's parameters, the
+    The one per-rank step function: item times at the schedule's edge weight, the passes each
+    item's offload copies hide behind, static bytes and buffers of a rank's parameters, the
     memory budget, the step outside the pipeline. ``estimate_breakdown`` adds a plan's ranks
     up from it and the planner's MILP prices every stage split from it.
 

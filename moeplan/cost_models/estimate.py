@@ -161,11 +161,26 @@ class StageTerms:
         """(forward, backward) seconds of one item that its offload copies can hide behind."""
         return lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s
 
+    def offload_s(self, lc: LayerCost, nbytes: float) -> float:
+        """Exposed seconds of moving `nbytes` of one item's activations to host in its forward
+        (D2H) and back in its backward (H2D), each hidden behind that item's own pass only
+        (`overlap.exposed_time`, η = 1). Fine-grained activation offloading (Megatron Core's,
+        and `runtime.memory`) moves saved tensors in one group per layer on a side stream: the
+        D2H copies run while the layer's forward produces them, the H2D copies come back one
+        layer at a time, each group brought in as the backward reaches the layer next to it.
+        A layer's copies therefore have about one layer's pass to hide behind; they cannot
+        pool behind the whole chunk's pass, as a sum over the chunk would let a layer with
+        little compute and many bytes borrow its neighbours' compute. The MILP
+        (`planner.sets.item_cost`) prices the same sum per item, so the two agree."""
+        copy = C.host_copy_time(nbytes, self.cluster)
+        fwd, bwd = self.windows_s(lc)
+        return exposed_time(copy, fwd) + exposed_time(copy, bwd)
+
     def chunk(self, items: Sequence[tuple[str, LayerCost]], recompute: Sequence[str],
               offload: Sequence[str]) -> ChunkCost:
         """One chunk for one micro-batch under the stage's recompute and offload choices."""
         edge = self.edge
-        fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = dense = expert = 0.0
+        fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = off_s = dense = expert = 0.0
         for _, lc in items:
             fwd += lc.fwd_s + lc.launch_s
             bwd += lc.bwd_s + lc.launch_s
@@ -174,11 +189,10 @@ class StageTerms:
             tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
             ep_exp += lc.ep_s - (1.0 - edge) * lc.edge_exposed_s
             act += lc.activation_bytes(recompute, offload)
-            off += lc.offload_bytes(recompute, offload)
+            moved = lc.offload_bytes(recompute, offload)
+            off += moved
+            off_s += self.offload_s(lc, moved) if moved else 0.0
             dense, expert = dense + lc.dense_params, expert + lc.expert_params
-        # D2H copies behind the forward, H2D behind the backward (overlap.exposed_time, η = 1)
-        copy = C.host_copy_time(off, self.cluster)
-        off_s = exposed_time(copy, fwd) + exposed_time(copy, bwd)
         return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, ep_exp, off_s, tp, cp,
                          ep, act, off, dense, expert)
 

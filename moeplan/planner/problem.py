@@ -2,8 +2,8 @@
 by the cost models' own per-layer numbers.
 
 `stage_problem` prices items with the estimator's own per-rank step function
-(`cost_models.estimate.stage_terms`): item times, the passes that hide offload copies, static
-bytes and the memory budget come from the `StageTerms` that
+(`cost_models.estimate.stage_terms`): item times, the passes that hide each item's offload
+copies, static bytes and the memory budget come from the `StageTerms` that
 `estimate_breakdown` adds a plan's ranks up from, and in-flight micro-batches are the schedule's
 — so the MILP's objective plus `constant_s` is the estimate of the decoded plan. Two terms
 depend on which rank ends up critical (the DP exposure and the optimizer step over that rank's
@@ -281,9 +281,8 @@ def recompute_pipeline_s(table: LayerTable, problem: StageProblem, layers: Seque
     """A lower bound on the pipeline time `estimate` gives the plan decoded from a solution
     (layers X_r and each rank's options): every item at its bare time plus the forwards its
     rank's recompute re-runs, counted as `LayerCost.recompute_s` counts them. Offload copies
-    are left out: the estimate hides them behind a whole chunk, the problem behind each item,
-    so they are the one term where the problem may exceed the estimate. 0 for a problem that
-    prices interleaved layer kinds as one average layer."""
+    only add time, so leaving them out keeps this a bound. 0 for a problem that prices
+    interleaved layer kinds as one average layer."""
     P = problem
     if any(it.name not in table.costs for it in P.items):
         return 0.0
