@@ -60,6 +60,27 @@ def test_offload_lowers_memory():
     assert off.memory.peak_gb < base.memory.peak_gb
 
 
+def test_offload_copies_hide_only_behind_their_own_layers_compute():
+    # a layer that moves many bytes and computes little cannot borrow its neighbour's compute:
+    # the chunk exposes what each layer's own forward and backward leave uncovered
+    from moeplan.cost_models import calibration_for, stage_terms
+    from moeplan.cost_models.comm import host_copy_time
+    from moeplan.cost_models.layers import ActTensor, LayerCost
+
+    m, c = load_model("mixtral-8x7b"), load_cluster("h100", 16)
+    t = TrainingSpec(seq_len=4096, global_batch_size=64)
+    terms = stage_terms(m, c, t, Layout.build(16, 64, ep=8, pp=2), calibration_for(None))
+    copy_s = host_copy_time(1e9, c)
+    heavy = LayerCost("heavy", fwd_s=0.25 * copy_s, bwd_s=0.5 * copy_s,
+                      tensors=(ActTensor("x", 1e9, offload_by="moe_act"),))
+    busy = LayerCost("busy", fwd_s=4 * copy_s, bwd_s=4 * copy_s)
+    chunk = terms.chunk([("heavy", heavy), ("busy", busy)], [], ["moe_act"])
+    assert chunk.offload_bytes == 1e9
+    assert chunk.offload_s == pytest.approx(0.75 * copy_s + 0.5 * copy_s, rel=1e-12)
+    # the busy layer's passes alone would have hidden both copies
+    assert chunk.fwd_s > copy_s and chunk.bwd_s > copy_s
+
+
 def test_imbalance_raises_step_time_and_histogram_matches_factor():
     m, c = load_model("qwen3-30b-a3b"), load_cluster("h100", 16)
     t = TrainingSpec(seq_len=4096, global_batch_size=64)

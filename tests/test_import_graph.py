@@ -199,3 +199,32 @@ def test_no_module_imports_a_private_name_from_another_module():
                 private += [f"{f.relative_to(root)}: {a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert private == []
+
+
+def _functions(pkg: str):
+    """(lines, "package/module.py:name") of every function of a `moeplan` package."""
+    root = PACKAGE / pkg
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield node.end_lineno - node.lineno + 1, f"{f.relative_to(root.parent)}:{node.name}"
+
+
+def test_no_planner_or_cost_model_function_is_over_100_lines():
+    long = [(n, where) for pkg in ("planner", "cost_models") for n, where in _functions(pkg)
+            if n > 100]
+    assert long == []
+
+
+def test_the_planner_imports_a_narrow_api_of_the_estimator():
+    # the MILP prices stages with the estimator's own step function (`stage_terms`), so the
+    # planner needs the estimate, its breakdown, the lower bound and that function, not the
+    # internals the two once added up separately
+    root = PACKAGE / "planner"
+    names = set()
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(
+                    "cost_models.estimate"):
+                names |= {a.name for a in node.names}
+    assert len(names) <= 5, sorted(names)

@@ -10,7 +10,9 @@ comm         NVLink domains, rank placement (specs.grid.RankGrid), α–β colle
 memory       weights / grads / optimizer bytes (distributed optimizer sharding)
 pipeline     1F1B and interleaved step time, in-flight micro-batches per rank
 layers       per-layer, per-micro-batch costs split per recompute/offload module
-estimate     the whole step: `estimate`, `estimate_breakdown`, `lower_bound`
+estimate     the whole step: `estimate`, `estimate_breakdown`, `lower_bound`, and the per-rank
+             step function `stage_terms` the planner's MILP prices stages with
+breakdown    the frozen per-chunk, per-rank and whole-step results of `estimate_breakdown`
 calibration  the efficiency constants (shipped JSON, overridable per cluster)
 
 API for the planner
@@ -38,17 +40,26 @@ Per layout (a `Layout`; choices are what the planner decides):
     Recompute names: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts,
     full; offload names: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
     moe_act. Offload time is ``comm.host_copy_time(bytes, cluster)`` each way, hidden behind the
-    chunk's forward (device-to-host) and backward (host-to-device).
+    layer's own forward (device-to-host) and backward (host-to-device).
 
 ``layer_imbalances(model, ep, imbalance, histogram) -> [per decoder layer]`` and
 ``layer_costs(ctx, imbalances) -> ({kind key: LayerCost}, [key per decoder layer])``
-    The whole per-layout table at once (layer kinds deduplicated; "E", "L", "m" included).
+    The whole per-layout table at once (layer kinds deduplicated; "E", "L", "m" included);
+    ``layer_table_costs(ctx, imbalance, histogram)`` is the two in one call.
+
+``stage_terms(model, cluster, training, layout, cal, imbalance, histogram, table=None)
+-> StageTerms``
+    The one per-rank step function: item times at the schedule's edge weight, the passes each
+    item's offload copies hide behind, static bytes and buffers of a rank's parameters, the
+    memory budget, the step outside the pipeline. ``estimate_breakdown`` adds a plan's ranks
+    up from it and the planner's MILP prices every stage split from it.
 
 ``static_memory(dense_params, expert_params, dense_shards=dp·cp, expert_shards=edp,
 moments_bytes=4, distributed_optimizer=True, optimizer_offload_fraction=0.0, grad_bytes=4)
 -> StaticMemory``
     Weights, grads, optimizer bytes of a stage (sum the layers' params); `grad_bytes` is
-    ``estimate.grad_reduce_bytes(training)`` (2 when gradients are reduced in bf16).
+    ``estimate.grad_reduce_bytes(training)`` (2 when gradients are reduced in bf16);
+    ``StageTerms.static`` fills in the layout's shards and the training's byte widths.
 
 ``pipeline_time(rank_times, num_microbatches, vpp) -> (step_s, bubble_s)`` and
 ``in_flight_chunks(rank, pp, vpp, m) -> [chunk index per in-flight forward]``
@@ -65,18 +76,19 @@ Lower bounds (cheap, plain integers):
     balanced stage (optimizer states and activations may be offloaded or recomputed away).
 """
 
+from .breakdown import Breakdown, ChunkCost, RankCost, StepExtras
 from .calibration import Calibration, calibration_for, default_calibration
 from .comm import GroupPlacement, group_ranks, placement
 from .estimate import (
-    Breakdown,
-    ChunkCost,
-    RankCost,
+    StageTerms,
     estimate,
     estimate_breakdown,
     imbalance_from_histogram,
     layer_costs,
     layer_imbalances,
+    layer_table_costs,
     lower_bound,
+    stage_terms,
 )
 from .layers import (
     ActTensor,
@@ -94,9 +106,9 @@ from .pipeline import bubble_fraction, in_flight_chunks, pipeline_time
 
 __all__ = [
     "ActTensor", "Breakdown", "Calibration", "ChunkCost", "Context", "GroupPlacement",
-    "LayerCost", "RankCost", "StaticMemory", "bubble_fraction", "calibration_for",
+    "LayerCost", "RankCost", "StageTerms", "StaticMemory", "StepExtras", "bubble_fraction", "calibration_for",
     "default_calibration", "dense_layer", "embedding_layer", "estimate", "estimate_breakdown",
     "group_ranks", "imbalance_from_histogram", "in_flight_chunks", "layer_costs",
-    "layer_imbalances", "loss_layer", "lower_bound",
-    "make_context", "moe_layer", "mtp_layer", "pipeline_time", "placement", "static_memory",
+    "layer_imbalances", "layer_table_costs", "loss_layer", "lower_bound",
+    "make_context", "moe_layer", "mtp_layer", "pipeline_time", "placement", "stage_terms", "static_memory",
 ]

@@ -9,7 +9,7 @@ buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -22,6 +22,7 @@ from ..specs.stage_layout import format_stage_layout, plan_stages
 from ..specs.training import TrainingSpec
 from . import comm as C
 from . import uncertainty as U
+from .breakdown import Breakdown, ChunkCost, RankCost, StepExtras
 from .calibration import Calibration, calibration_for
 from .compute import (
     adam_step_bytes,
@@ -43,56 +44,6 @@ from .layers import (
 from .memory import GB, StaticMemory, static_memory
 from .overlap import edge_weight, exposed_time, staged_exposed_time
 from .pipeline import in_flight_chunks, pipeline_time
-
-
-@dataclass(frozen=True)
-class ChunkCost:
-    """One model chunk (virtual stage) for one micro-batch after the stage's choices."""
-
-    layers: tuple[str, ...]
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float
-    exposed_comm_s: float
-    ep_exposed_s: float
-    offload_s: float
-    tp_s: float
-    cp_s: float
-    ep_s: float
-    activation_bytes: float
-    offload_bytes: float
-    dense_params: float
-    expert_params: float
-
-    @property
-    def time_s(self) -> float:
-        return self.fwd_s + self.bwd_s + self.recompute_s + self.exposed_comm_s + self.offload_s
-
-
-@dataclass(frozen=True)
-class RankCost:
-    """One pipeline rank: its chunks, per-micro-batch time, static memory and peak."""
-
-    rank: int
-    chunks: tuple[ChunkCost, ...]
-    time_s: float
-    static: StaticMemory
-    activation_bytes: float
-    buffer_bytes: float
-
-    @property
-    def peak_bytes(self) -> float:
-        return self.static.total + self.activation_bytes + self.buffer_bytes
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """Everything `estimate` computed, for callers that want more than the Estimate."""
-
-    estimate: Estimate
-    ranks: tuple[RankCost, ...]
-    stage_layout: str
-    layer_costs: dict[str, LayerCost]
 
 
 # ----------------------------------------------------------------------------- routing
@@ -168,25 +119,145 @@ def _layer_kinds(moe: tuple[bool, ...], sliding: tuple[bool, ...], imbalances: t
     return tuple(keys), tuple(kinds.values())
 
 
-def _chunk(items: list[tuple[str, LayerCost]], recompute: list[str], offload: list[str],
-           ctx: Context, edge: float = 0.0) -> ChunkCost:
-    """One chunk for one micro-batch; `edge` is `overlap.edge_weight` of the schedule."""
-    fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = dense = expert = 0.0
-    for _, lc in items:
-        fwd += lc.fwd_s + lc.launch_s
-        bwd += lc.bwd_s + lc.launch_s
-        rec += lc.recompute_s(recompute)
-        exp += lc.exposed_s(edge)
-        tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
-        ep_exp += lc.ep_s - (1.0 - edge) * lc.edge_exposed_s
-        act += lc.activation_bytes(recompute, offload)
-        off += lc.offload_bytes(recompute, offload)
-        dense, expert = dense + lc.dense_params, expert + lc.expert_params
-    # D2H copies behind the forward, H2D behind the backward (overlap.exposed_time, η = 1)
-    copy = C.host_copy_time(off, ctx.cluster)
-    off_s = exposed_time(copy, fwd) + exposed_time(copy, bwd)
-    return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, ep_exp, off_s, tp, cp, ep,
-                     act, off, dense, expert)
+def layer_table_costs(ctx: Context, imbalance: float = 1.0,
+                      routing_histogram: dict[str, Any] | None = None
+                      ) -> tuple[dict[str, LayerCost], list[str]]:
+    """`layer_costs` at the layout's `layer_imbalances`: the per-layer table of one context,
+    which a search builds once per key of the fields the layer costs read and shares across
+    dp, pp and vpp."""
+    imbs = layer_imbalances(ctx.model, ctx.layout.ep, imbalance, routing_histogram)
+    return layer_costs(ctx, imbs)
+
+
+# ----------------------------------------------------------------------------- one rank's step
+@dataclass(frozen=True)
+class StageTerms:
+    """The pieces one layout's step is added up from, for any stage split and choices
+    (`stage_terms`): the per-layer table, the schedule's edge weight, how static bytes, buffers
+    and the memory budget follow from the parameters a rank holds, and the step outside the
+    pipeline. `estimate_breakdown` prices the stages of one plan from them and the MILP's data
+    (`planner.problem.stage_problem`) prices every split and module set from them, so the
+    MILP's objective plus its constant is the estimate of the plan it decodes."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    layout: Layout
+    cal: Calibration
+    costs: Mapping[str, LayerCost]  # per layer kind ("dense", "moe@1.3", "E", "L", "m")
+    keys: Sequence[str]  # the kind of each decoder layer, in model order
+    imbalances: Sequence[float]  # routing imbalance per decoder layer
+    edge: float  # overlap.edge_weight of the schedule
+    moments_bytes: int  # per Adam moment
+    grad_bytes: int  # per main gradient (grad_reduce_bytes)
+    budget_bytes: float  # static + activation bytes a rank with MoE layers may hold
+
+    def item_time_s(self, lc: LayerCost) -> float:
+        """One item for one micro-batch before recompute and offload: forward + backward, two
+        launch overheads, exposed communication at the schedule's edge weight."""
+        return lc.time_at(self.edge)
+
+    def windows_s(self, lc: LayerCost) -> tuple[float, float]:
+        """(forward, backward) seconds of one item that its offload copies can hide behind."""
+        return lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s
+
+    def offload_s(self, lc: LayerCost, nbytes: float) -> float:
+        """Exposed seconds of moving `nbytes` of one item's activations to host in its forward
+        (D2H) and back in its backward (H2D), each hidden behind that item's own pass only
+        (`overlap.exposed_time`, η = 1). Fine-grained activation offloading (Megatron Core's,
+        and `runtime.memory`) moves saved tensors in one group per layer on a side stream: the
+        D2H copies run while the layer's forward produces them, the H2D copies come back one
+        layer at a time, each group brought in as the backward reaches the layer next to it.
+        A layer's copies therefore have about one layer's pass to hide behind; they cannot
+        pool behind the whole chunk's pass, as a sum over the chunk would let a layer with
+        little compute and many bytes borrow its neighbours' compute. The MILP
+        (`planner.sets.item_cost`) prices the same sum per item, so the two agree."""
+        copy = C.host_copy_time(nbytes, self.cluster)
+        fwd, bwd = self.windows_s(lc)
+        return exposed_time(copy, fwd) + exposed_time(copy, bwd)
+
+    def chunk(self, items: Sequence[tuple[str, LayerCost]], recompute: Sequence[str],
+              offload: Sequence[str]) -> ChunkCost:
+        """One chunk for one micro-batch under the stage's recompute and offload choices."""
+        edge = self.edge
+        fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = off_s = dense = expert = 0.0
+        for _, lc in items:
+            fwd += lc.fwd_s + lc.launch_s
+            bwd += lc.bwd_s + lc.launch_s
+            rec += lc.recompute_s(recompute)
+            exp += lc.exposed_s(edge)
+            tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
+            ep_exp += lc.ep_s - (1.0 - edge) * lc.edge_exposed_s
+            act += lc.activation_bytes(recompute, offload)
+            moved = lc.offload_bytes(recompute, offload)
+            off += moved
+            off_s += self.offload_s(lc, moved) if moved else 0.0
+            dense, expert = dense + lc.dense_params, expert + lc.expert_params
+        return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, ep_exp, off_s, tp, cp,
+                         ep, act, off, dense, expert)
+
+    def static(self, dense_params: float, expert_params: float,
+               optimizer_offload_fraction: float = 0.0) -> StaticMemory:
+        """Weights, grads and optimizer bytes of a rank (or one item) holding these parameters."""
+        L = self.layout
+        return static_memory(dense_params, expert_params, L.dp * L.cp, max(1, L.edp),
+                             self.moments_bytes, L.distributed_optimizer,
+                             optimizer_offload_fraction, self.grad_bytes)
+
+    def buffer_bytes(self, has_moe: bool = True) -> float:
+        """`fixed_buffer_bytes` of a rank, at the most imbalanced layer's routing."""
+        return fixed_buffer_bytes(self.model, self.training, self.layout, self.cal,
+                                  max(self.imbalances, default=1.0), has_moe)
+
+    def extras(self, dense_params: float, expert_params: float, fwd_window_s: float,
+               bwd_window_s: float, optimizer_offload_fraction: float = 0.0,
+               embedding_params: float = 0.0) -> StepExtras:
+        """`step_extras` of a rank holding these parameters with these pass windows."""
+        return step_extras(self.model, self.cluster, self.training, self.layout, self.cal,
+                           dense_params, expert_params, fwd_window_s, bwd_window_s,
+                           optimizer_offload_fraction, embedding_params)
+
+    def rank_extras(self, rank: RankCost, optimizer_offload_fraction: float = 0.0
+                    ) -> StepExtras:
+        """`extras` of one priced pipeline rank: its parameters, its chunks' passes as the
+        windows, its embedding and output layer kept bf16 by an FP8 parameter gather."""
+        ch = rank.chunks
+        return self.extras(
+            sum(c.dense_params for c in ch), sum(c.expert_params for c in ch),
+            sum(c.fwd_s for c in ch), sum(c.bwd_s for c in ch), optimizer_offload_fraction,
+            sum(self.costs[k].dense_params for c in ch for k in c.layers
+                if k in EMBEDDING_KINDS))
+
+    def balanced_extras(self, optimizer_offload_fraction: float = 0.0) -> StepExtras:
+        """`extras` of the average rank of a balanced stage split, the decoder layers'
+        parameters and passes over pp: what the MILP adds to its objective as a constant
+        before the stage split is known. Of its terms, the DP exposure and the optimizer step
+        depend on which rank ends up critical, where `rank_extras` prices them for a plan."""
+        costs, keys, pp = self.costs, self.keys, self.layout.pp
+        return self.extras(
+            dense_params=sum(costs[k].dense_params for k in keys) / pp,
+            expert_params=sum(costs[k].expert_params for k in keys) / pp,
+            fwd_window_s=sum(costs[k].fwd_s for k in keys) / pp,
+            bwd_window_s=sum(costs[k].bwd_s for k in keys) / pp,
+            optimizer_offload_fraction=optimizer_offload_fraction)
+
+
+def stage_terms(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                cal: Calibration, imbalance: float = 1.0,
+                routing_histogram: dict[str, Any] | None = None,
+                table: tuple[Mapping[str, LayerCost], Sequence[str]] | None = None
+                ) -> StageTerms:
+    """The `StageTerms` of one layout. `table`: its (costs, keys) from `layer_table_costs` when
+    the caller already holds them (a search shares one table across dp, pp and vpp)."""
+    imbs = layer_imbalances(model, layout.ep, imbalance, routing_histogram)
+    if table is None:
+        table = layer_costs(make_context(model, cluster, training, layout, cal), imbs)
+    costs, keys = table
+    buffers = fixed_buffer_bytes(model, training, layout, cal, max(imbs, default=1.0))
+    return StageTerms(model, cluster, training, layout, cal, costs, keys, imbs,
+                      edge_weight(layout.num_microbatches, layout.pp, layout.vpp),
+                      moments_bytes(training), grad_reduce_bytes(training),
+                      U.static_activation_budget_bytes(cluster, cal, buffers))
 
 
 def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
@@ -199,17 +270,6 @@ def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
         return Confidence(label="calibrated", reason=f"fit data covers {key}")
     return Confidence(label="extrapolated", reason=f"no fit rows for {key}; constants carried "
                       "over from other GPUs, precisions or model kinds")
-
-
-@dataclass(frozen=True)
-class StepExtras:
-    """Step time outside the pipeline schedule, for one pp rank's parameters."""
-
-    pp_exposed_s: float
-    reduce_scatter_s: float
-    all_gather_s: float
-    dp_exposed_s: float
-    optimizer_s: float
 
 
 def step_extras(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
@@ -293,13 +353,6 @@ def fixed_buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout,
     return disp + tp_buf + graphs + cal.workspace_gb * GB
 
 
-def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
-                                   fixed_bytes: float) -> float:
-    """Most static + activation bytes a rank may hold and still fit (uncertainty.max_peak_gb
-    less the fixed buffers, before fragmentation): the budget of the MILP and the search."""
-    return (U.max_peak_gb(cluster, cal) * GB - fixed_bytes) / (1 + cal.frag_frac)
-
-
 EMBEDDING_KINDS = ("E", "L")
 """Layer-table keys of the embedding and the output layer: parameters without an FP8 GEMM."""
 
@@ -331,16 +384,54 @@ def estimate_breakdown(
 ) -> Breakdown:
     """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs)."""
     choices = choices or Choices()
-    world = layout.world_size
     if check:
-        check_layout(model, training, layout, cluster.num_gpus or world, choices, cluster,
-                     target)
+        check_layout(model, training, layout, cluster.num_gpus or layout.world_size, choices,
+                     cluster, target)
     cal = calibration_for({**cluster.calibration, **(calibration or {})})
-    L = layout
-    ctx = make_context(model, cluster, training, L, cal)
-    imbs = layer_imbalances(model, L.ep, imbalance, routing_histogram)
-    costs, keys = layer_costs(ctx, imbs)
-    stages = plan_stages(model, L, choices)
+    terms = stage_terms(model, cluster, training, layout, cal, imbalance, routing_histogram)
+    stages = plan_stages(model, layout, choices)
+    ranks = rank_costs(terms, stages, choices)
+    warnings = _warnings(terms, stages, choices)
+    est, extras = _step_estimate(terms, ranks, choices, warnings)
+    if with_interval:
+        est = _with_interval(est, model, cluster, training, layout, choices, imbalance,
+                             routing_histogram, calibration)
+    return Breakdown(est, tuple(ranks), format_stage_layout(stages), terms.costs, extras)
+
+
+def rank_costs(terms: StageTerms, stages: Sequence[Sequence[str]], choices: Choices
+               ) -> list[RankCost]:
+    """Every pipeline rank of one stage layout (`specs.stage_layout.plan_stages`: per virtual
+    stage, "t" for each decoder layer in model order, "E", "L", "m") under the choices: its
+    chunks, per-micro-batch time, static bytes, in-flight activations at its peak and buffers."""
+    L, cal = terms.layout, terms.cal
+    layer_iter = iter(terms.keys)
+    stage_items: list[list[tuple[str, LayerCost]]] = []
+    for st in stages:
+        items = []
+        for ch in st:
+            key = next(layer_iter) if ch == "t" else ch
+            items.append((key, terms.costs[key]))
+        stage_items.append(items)
+    ranks: list[RankCost] = []
+    for r in range(L.pp):
+        rc, off = choices.recompute_for_stage(r), choices.offload_for_stage(r)
+        chunks = tuple(terms.chunk(stage_items[v * L.pp + r], rc, off) for v in range(L.vpp))
+        static = terms.static(sum(c.dense_params for c in chunks),
+                              sum(c.expert_params for c in chunks),
+                              choices.optimizer_offload_fraction)
+        act = sum(chunks[v].activation_bytes
+                  for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
+        has_moe = terms.model.is_moe and any("moe" in k for c in chunks for k in c.layers)
+        buffers = terms.buffer_bytes(has_moe) + cal.frag_frac * (static.total + act)
+        ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers))
+    return ranks
+
+
+def _warnings(terms: StageTerms, stages: Sequence[Sequence[str]], choices: Choices) -> list[str]:
+    """What the estimate assumed that its user should know: an uneven default stage split,
+    routing imbalance, a model family the fit rows bias."""
+    model, L, imbs = terms.model, terms.layout, terms.imbalances
     warnings: list[str] = []
     if model.num_layers % (L.pp * L.vpp) and not choices.stage_layout:
         warnings.append(f"{model.num_layers} layers do not split evenly over pp·vpp = "
@@ -349,65 +440,51 @@ def estimate_breakdown(
         warnings.append(f"routing imbalance up to {max(imbs):.2f}× priced at the busiest EP rank")
     if (biased := U.model_warning(model)) is not None:
         warnings.append(biased)
-    # decoder layer index per 't' in model order
-    layer_iter = iter(keys)
-    stage_items: list[list[tuple[str, LayerCost]]] = []
-    for st in stages:
-        items = []
-        for ch in st:
-            key = next(layer_iter) if ch == "t" else ch
-            items.append((key, costs[key]))
-        stage_items.append(items)
+    return warnings
 
-    moments = moments_bytes(training)
-    dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
-    edge = edge_weight(L.num_microbatches, L.pp, L.vpp)
-    ranks: list[RankCost] = []
-    for r in range(L.pp):
-        rc, off = choices.recompute_for_stage(r), choices.offload_for_stage(r)
-        chunks = tuple(_chunk(stage_items[v * L.pp + r], rc, off, ctx, edge)
-                       for v in range(L.vpp))
-        dense = sum(c.dense_params for c in chunks)
-        expert = sum(c.expert_params for c in chunks)
-        static = static_memory(dense, expert, dense_shards, expert_shards, moments,
-                               L.distributed_optimizer, choices.optimizer_offload_fraction,
-                               grad_reduce_bytes(training))
-        act = sum(chunks[v].activation_bytes
-                  for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
-        has_moe = model.is_moe and any("moe" in k for c in chunks for k in c.layers)
-        buffers = (fixed_buffer_bytes(model, training, L, cal, max(imbs), has_moe)
-                   + cal.frag_frac * (static.total + act))
-        ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers))
 
+def _step_estimate(terms: StageTerms, ranks: Sequence[RankCost], choices: Choices,
+                   warnings: list[str]) -> tuple[Estimate, StepExtras]:
+    """The SPEC Estimate of priced ranks: the pipeline schedule over them, the step outside it
+    on the critical rank (`StageTerms.rank_extras`), the time split, the memory peak."""
+    model, cluster, training, L, cal = (terms.model, terms.cluster, terms.training, terms.layout,
+                                        terms.cal)
     m_ = L.num_microbatches
-    rank_times = [r.time_s for r in ranks]
-    pipe_s, bubble = pipeline_time(rank_times, m_, L.vpp)
+    pipe_s, bubble = pipeline_time([r.time_s for r in ranks], m_, L.vpp)
     crit = max(ranks, key=lambda r: r.time_s)
-    extras = step_extras(
-        model, cluster, training, L, cal,
-        dense_params=sum(c.dense_params for c in crit.chunks),
-        expert_params=sum(c.expert_params for c in crit.chunks),
-        fwd_window_s=sum(c.fwd_s for c in crit.chunks),
-        bwd_window_s=sum(c.bwd_s for c in crit.chunks),
-        optimizer_offload_fraction=choices.optimizer_offload_fraction,
-        embedding_params=sum(costs[k].dense_params for c in crit.chunks for k in c.layers
-                             if k in EMBEDDING_KINDS))
+    extras = terms.rank_extras(crit, choices.optimizer_offload_fraction)
     pp_exposed, dp_exposed, opt_s = extras.pp_exposed_s, extras.dp_exposed_s, extras.optimizer_s
-    rs, ag = extras.reduce_scatter_s, extras.all_gather_s
     step = pipe_s + pp_exposed + dp_exposed + opt_s + cal.step_overhead_s
 
+    world = L.world_size
     tokens = training.global_batch_size * training.seq_len
-    flops = model.flops_per_token(training.seq_len) * tokens
-    tflops = flops / step / world / 1e12
+    tflops = model.flops_per_token(training.seq_len) * tokens / step / world / 1e12
+    per_mb = {f: m_ * sum(getattr(c, f) for c in crit.chunks)
+              for f in ("recompute_s", "offload_s", "exposed_comm_s", "ep_exposed_s", "tp_s",
+                        "cp_s", "ep_s")}
     compute = m_ * sum(c.fwd_s + c.bwd_s for c in crit.chunks)
-    recompute = m_ * sum(c.recompute_s for c in crit.chunks)
-    offload = m_ * sum(c.offload_s for c in crit.chunks)
-    exposed = m_ * sum(c.exposed_comm_s for c in crit.chunks) + dp_exposed + pp_exposed
     time = TimeBreakdown(
-        compute_s=compute + opt_s, tp_comm_s=m_ * sum(c.tp_s for c in crit.chunks),
-        cp_comm_s=m_ * sum(c.cp_s for c in crit.chunks),
-        ep_comm_s=m_ * sum(c.ep_s for c in crit.chunks), dp_comm_s=rs + ag,
-        pp_bubble_s=bubble, recompute_s=recompute, offload_s=offload, exposed_comm_s=exposed)
+        compute_s=compute + opt_s, tp_comm_s=per_mb["tp_s"], cp_comm_s=per_mb["cp_s"],
+        ep_comm_s=per_mb["ep_s"], dp_comm_s=extras.reduce_scatter_s + extras.all_gather_s,
+        pp_bubble_s=bubble, recompute_s=per_mb["recompute_s"], offload_s=per_mb["offload_s"],
+        exposed_comm_s=per_mb["exposed_comm_s"] + dp_exposed + pp_exposed)
+    memory, fits = _memory(terms, ranks, warnings)
+    parts = {"compute": compute, "pipeline bubble": bubble, "recompute": per_mb["recompute_s"],
+             "offload": per_mb["offload_s"], "ep communication": per_mb["ep_exposed_s"],
+             "tp/cp communication": per_mb["exposed_comm_s"] - per_mb["ep_exposed_s"],
+             "dp communication": dp_exposed, "optimizer": opt_s}
+    bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
+    est = Estimate(
+        step_time_s=step, tokens_per_s_per_gpu=tokens / step / world, tflops_per_gpu=tflops,
+        mfu=tflops / cluster.bf16_tflops, memory=memory, time=time, bottleneck=bottleneck,
+        fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model))
+    return est, extras
+
+
+def _memory(terms: StageTerms, ranks: Sequence[RankCost], warnings: list[str]
+            ) -> tuple[MemoryBreakdown, bool]:
+    """The peak rank's memory and whether it fits (headroom ≥ margin); a warning when not."""
+    cluster, cal = terms.cluster, terms.cal
     peak_rank = max(ranks, key=lambda r: r.peak_bytes)
     peak_gb = peak_rank.peak_bytes / GB
     margin = U.memory_margin_gb(peak_gb, cal)
@@ -423,20 +500,7 @@ def estimate_breakdown(
                         f"less than the {margin:.1f} GB margin (memory-model error "
                         f"{U.default_profile().memory_rel_error:.0%} of the peak plus "
                         f"{cal.reserve_gb:g} GB reserve)")
-    ep_exposed = m_ * sum(c.ep_exposed_s for c in crit.chunks)
-    parts = {"compute": compute, "pipeline bubble": bubble, "recompute": recompute,
-             "offload": offload, "ep communication": ep_exposed,
-             "tp/cp communication": m_ * sum(c.exposed_comm_s for c in crit.chunks) - ep_exposed,
-             "dp communication": dp_exposed, "optimizer": opt_s}
-    bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
-    est = Estimate(
-        step_time_s=step, tokens_per_s_per_gpu=tokens / step / world, tflops_per_gpu=tflops,
-        mfu=tflops / cluster.bf16_tflops, memory=memory, time=time, bottleneck=bottleneck,
-        fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model))
-    if with_interval:
-        est = _with_interval(est, model, cluster, training, layout, choices, imbalance,
-                             routing_histogram, calibration)
-    return Breakdown(est, tuple(ranks), format_stage_layout(stages), costs)
+    return memory, fits
 
 
 def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
@@ -513,7 +577,7 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     can beat: all model FLOPs at the best efficiency any GEMM or attention kernel reaches and the
     recipe's speed-up applied to all of them, spread perfectly over the GPUs; memory = static
     weights/grads/optimizer of a perfectly balanced stage, activations all offloaded/recomputed.
-    Cheap: plain integers in, no layer walk. `params` = `bound_params(model)`, for callers that
+    Cheap: plain integers in, no layer walk. `params` = `model.bound_params()`, for callers that
     bound thousands of layouts of one model.
     """
     cal = calibration or calibration_for(cluster.calibration)
@@ -527,15 +591,9 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     tokens = training.global_batch_size * training.seq_len
     flops = model.flops_per_token(training.seq_len) * tokens
     t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)
-    dense, experts = params or bound_params(model)
+    dense, experts = params or model.bound_params()
     edp = max(1, world // (etp * ep * pp))
     moments = moments_bytes(training)
     st = static_memory(dense / (tp * pp), experts / (ep * etp * pp), dp * cp, edp, moments, True,
                        grad_bytes=grad_reduce_bytes(training))
     return t, st.weights + st.grads
-
-
-def bound_params(model: ModelSpec) -> tuple[float, float]:
-    """(dense, routed-expert) parameters, MTP counted as dense, for `lower_bound`."""
-    experts = model.num_moe_layers * model.num_experts * model.expert_params()
-    return model.total_params() - experts + model.mtp_params(), experts

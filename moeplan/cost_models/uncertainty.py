@@ -38,6 +38,7 @@ from ..specs.plan import Assumption
 from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
+from .memory import GB
 
 LEVEL = 0.8
 MIN_ROWS = 10  # a regime with fewer held-out rows backs off to a broader one
@@ -218,6 +219,13 @@ def max_peak_gb(cluster: ClusterSpec, cal: Calibration,
     peak. The one memory budget estimate, the search bounds and the MILP all use."""
     p = profile or default_profile()
     return (cluster.hbm_gb - cal.reserve_gb) / (1.0 + p.memory_rel_error)
+
+
+def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,
+                                   fixed_bytes: float) -> float:
+    """Most static + activation bytes a rank may hold and still fit (`max_peak_gb` less the
+    fixed buffers, before fragmentation): the budget of the MILP and the search."""
+    return (max_peak_gb(cluster, cal) * GB - fixed_bytes) / (1 + cal.frag_frac)
 
 
 # ----------------------------------------------------------------------------- assumptions

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cost_models.breakdown import Breakdown
 from ..cost_models.calibration import calibration_for
-from ..cost_models.estimate import Breakdown, estimate_breakdown
+from ..cost_models.estimate import estimate_breakdown
 from ..cost_models.memory import GB
 from ..cost_models.uncertainty import default_profile, max_peak_gb
 from ..specs import Plan

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..cost_models.comm import placement
-from ..cost_models.estimate import bound_params, estimate, lower_bound
+from ..cost_models.estimate import estimate, lower_bound
 from ..cost_models.uncertainty import assumption_keys, pessimistic_layout
 from ..specs import Choices, Layout, Plan, TrainingSpec
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace
@@ -84,7 +84,7 @@ def row_bounds(pb: Problem, enum: Enumeration) -> tuple[np.ndarray, np.ndarray]:
     t = t0[rows[:, COL["precision"]]] * (1 + (pp - 1) / (vpp * m))
     cols = [COL["tp"], COL["cp"], COL["dp"], COL["pp"], COL["ep"], COL["etp"]]
     keys, inverse = unique_rows(rows[:, cols])
-    params = bound_params(model)
+    params = model.bound_params()
     per_key = np.array([lower_bound(model, cluster, pb.training, *map(int, k),
                                     calibration=pb.cal, params=params)[1] for k in keys])
     return t, per_key[inverse.ravel()]

@@ -1,12 +1,15 @@
 """The MILP's data (`StageProblem`, its items and module options) and how one layout becomes it,
 by the cost models' own per-layer numbers.
 
-`stage_problem` mirrors `cost_models.estimate.estimate_breakdown` term by term — item times and
-overheads as `_chunk` adds them, static bytes as `static_memory`, in-flight micro-batches as the
-schedule holds them, buffers and fragmentation folded into each rank's budget — so the MILP's
-objective plus `constant_s` is the estimate of the decoded plan. Two terms depend on which rank
-ends up critical (the DP exposure and the optimizer step over that rank's shard); they enter as
-the balanced layout's values, and the final ranking re-scores every plan with `estimate` itself.
+`stage_problem` prices items with the estimator's own per-rank step function
+(`cost_models.estimate.stage_terms`): item times, the passes that hide each item's offload
+copies, static bytes and the memory budget come from the `StageTerms` that
+`estimate_breakdown` adds a plan's ranks up from, and in-flight micro-batches are the schedule's
+— so the MILP's objective plus `constant_s` is the estimate of the decoded plan. Two terms
+depend on which rank ends up critical (the DP exposure and the optimizer step over that rank's
+shard); they enter as the balanced layout's values (`Built.extras`), and the final ranking
+re-scores every plan with `estimate` itself. Interleaved layer kinds are priced as one average
+layer, where the estimate prices each layer.
 """
 
 from __future__ import annotations
@@ -17,19 +20,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
+from ..cost_models.breakdown import StepExtras
 from ..cost_models.calibration import Calibration
-from ..cost_models.estimate import (
-    EMBEDDING_KINDS,
-    fixed_buffer_bytes,
-    grad_reduce_bytes,
-    layer_costs,
-    layer_imbalances,
-    moments_bytes,
-    static_activation_budget_bytes,
-    step_extras,
-)
+from ..cost_models.estimate import layer_table_costs, stage_terms
 from ..cost_models.layers import LayerCost, make_context
-from ..cost_models.memory import static_memory
 from ..cost_models.overlap import edge_weight
 from ..cost_models.pipeline import in_flight_chunks, pipeline_time
 from ..specs import (
@@ -287,9 +281,8 @@ def recompute_pipeline_s(table: LayerTable, problem: StageProblem, layers: Seque
     """A lower bound on the pipeline time `estimate` gives the plan decoded from a solution
     (layers X_r and each rank's options): every item at its bare time plus the forwards its
     rank's recompute re-runs, counted as `LayerCost.recompute_s` counts them. Offload copies
-    are left out: the estimate hides them behind a whole chunk, the problem behind each item,
-    so they are the one term where the problem may exceed the estimate. 0 for a problem that
-    prices interleaved layer kinds as one average layer."""
+    only add time, so leaving them out keeps this a bound. 0 for a problem that prices
+    interleaved layer kinds as one average layer."""
     P = problem
     if any(it.name not in table.costs for it in P.items):
         return 0.0
@@ -336,7 +329,8 @@ def screen_split(free_layers: int, pp: int, vpp: int, num_microbatches: int) -> 
 
 
 def _item_time(lc: LayerCost, edge: float) -> float:
-    """t_i as `estimate._chunk` adds it: fwd + bwd + two launch overheads + exposed comm."""
+    """t_i as `StageTerms.item_time_s` prices it at this edge weight: fwd + bwd + two launch
+    overheads + exposed comm."""
     return lc.time_at(edge)
 
 
@@ -351,13 +345,12 @@ def layer_table(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                 cal: Calibration, imbalance: float = 1.0, shared: dict | None = None
                 ) -> LayerTable:
     """The layout's per-layer costs. `shared`: the EP_BLIND results of a layout that differs
-    at most in the dispatcher and EP overlap, reused here and filled for the next such layout
+    at most in the expert axes (EP_BLIND), reused here and filled for the next such layout
     (a search prices dozens of expert layouts per group of tp, cp and mbs)."""
     ctx = make_context(model, cluster, training, layout, cal)
     if shared:
         ctx.memo.update(shared)
-    imbs = layer_imbalances(model, layout.ep, imbalance, None)
-    costs, keys = layer_costs(ctx, imbs)
+    costs, keys = layer_table_costs(ctx, imbalance)
     if shared is not None:
         shared.update((k, v) for k, v in ctx.memo.items() if k[0] in EP_BLIND)
     return LayerTable(costs, keys, imbalance)
@@ -387,6 +380,9 @@ class Built:
     problem: StageProblem
     constant_s: float  # step time outside the pipeline (p2p, DP, optimizer, per-step overhead)
     leading_layers: int  # decoder layers fixed in stage 0 (the dense layers before the MoE ones)
+    # the step outside the pipeline as `constant_s` prices it, on the balanced rank: its
+    # dp_exposed_s and optimizer_s are the two terms that depend on which rank is critical
+    extras: StepExtras | None = None
 
 
 def stage_problem(
@@ -401,16 +397,15 @@ def stage_problem(
                                                          options)
     L = layout
     S, pp, vpp, m = L.pp * L.vpp, L.pp, L.vpp, L.num_microbatches
-    moments, grad_bytes = moments_bytes(training), grad_reduce_bytes(training)
-    dense_shards, expert_shards = L.dp * L.cp, max(1, L.edp)
-    edge = edge_weight(m, pp, vpp)
+    terms = stage_terms(model, cluster, training, L, cal, table.imbalance,
+                        table=(table.costs, table.keys))
     f = optimizer_offload_fraction
 
     def item(name: str, lc: LayerCost) -> Item:
-        st = static_memory(lc.dense_params, lc.expert_params, dense_shards, expert_shards,
-                           moments, L.distributed_optimizer, f, grad_bytes)
-        return Item(name, _item_time(lc, edge), lc.fwd_s + lc.launch_s, lc.bwd_s + lc.launch_s,
-                    st.total, table.groups_of(name), table.recompute_of(name))
+        fwd_s, bwd_s = terms.windows_s(lc)
+        return Item(name, terms.item_time_s(lc), fwd_s, bwd_s,
+                    terms.static(lc.dense_params, lc.expert_params, f).total,
+                    table.groups_of(name), table.recompute_of(name))
 
     keys = table.keys
     kinds = list(dict.fromkeys(keys))
@@ -428,19 +423,7 @@ def stage_problem(
         free = keys.count(kinds[1])
         leading = keys.count(kinds[0])
     else:  # interleaved kinds (e.g. sliding/full attention): one average layer
-        n = len(keys)
-        parts = [item(k, table.costs[k]) for k in keys]
-        groups: list[Group] = []
-        for p in parts:
-            groups += [Group(g.bytes / n, g.recompute_by, g.offload_by) for g in p.groups]
-        rec: dict[Option, float] = {}
-        for p in parts:
-            for o, t in p.recompute_s:
-                rec[o] = rec.get(o, 0.0) + t / n
-        items.append(Item("layer", sum(p.time_s for p in parts) / n,
-                          sum(p.fwd_s for p in parts) / n, sum(p.bwd_s for p in parts) / n,
-                          sum(p.static_bytes for p in parts) / n, tuple(groups),
-                          tuple(sorted(rec.items()))))
+        items.append(_average_item([item(k, table.costs[k]) for k in keys]))
         free = model.num_layers
     items.append(item("E", table.costs["E"]))
     fixed[0].append((len(items) - 1, 1))
@@ -450,33 +433,34 @@ def stage_problem(
         items.append(item("m", table.costs["m"]))
         fixed[S - 1].append((len(items) - 1, model.mtp_layers))
 
-    inflight = inflight_per_stage(pp, vpp, m)
-
-    budget = static_activation_budget_bytes(
-        cluster, cal, fixed_buffer_bytes(model, training, L, cal, table.imbalance))
-
     problem = StageProblem(
         items=tuple(items), layer_item=0, free_layers=free,
         fixed=tuple(tuple(e) for e in fixed), pp=pp, vpp=vpp,
-        inflight=tuple(inflight), host_s_per_byte=1.0 / (cluster.host_link_gb_s * 1e9),
-        budget_bytes=(budget,) * pp, alpha=m - 1.0 / vpp, beta=1.0 / vpp, options=m_.options,
-        forbidden=m_.forbidden, fixed_layers=fixed_layers, uniform=m_.uniform)
-    return Built(problem, constant_time_s(model, cluster, training, layout, cal, table, f),
-                 leading)
+        inflight=inflight_per_stage(pp, vpp, m),
+        host_s_per_byte=1.0 / (cluster.host_link_gb_s * 1e9),
+        budget_bytes=(terms.budget_bytes,) * pp, alpha=m - 1.0 / vpp, beta=1.0 / vpp,
+        options=m_.options, forbidden=m_.forbidden, fixed_layers=fixed_layers,
+        uniform=m_.uniform)
+    extras = terms.balanced_extras(f)
+    return Built(problem, constant_time_s(extras, cal), leading, extras)
 
 
-def constant_time_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                    layout: Layout, cal: Calibration, table: LayerTable, f: float = 0.0) -> float:
-    """Step time outside the pipeline for a balanced stage split (`estimate.step_extras` on the
-    average rank's parameters and windows) plus the per-step overhead."""
-    pp = layout.pp
-    e = step_extras(
-        model, cluster, training, layout, cal,
-        dense_params=sum(table.costs[k].dense_params for k in table.keys) / pp,
-        expert_params=sum(table.costs[k].expert_params for k in table.keys) / pp,
-        fwd_window_s=sum(table.costs[k].fwd_s for k in table.keys) / pp,
-        bwd_window_s=sum(table.costs[k].bwd_s for k in table.keys) / pp,
-        optimizer_offload_fraction=f,
-        embedding_params=sum(table.costs[k].dense_params for k in table.keys
-                             if k in EMBEDDING_KINDS) / pp)
-    return e.pp_exposed_s + e.dp_exposed_s + e.optimizer_s + cal.step_overhead_s
+def _average_item(parts: Sequence[Item]) -> Item:
+    """One average layer of interleaved kinds: every number the mean over the layers, each
+    tensor group kept with its share of the bytes."""
+    n = len(parts)
+    groups: list[Group] = []
+    for p in parts:
+        groups += [Group(g.bytes / n, g.recompute_by, g.offload_by) for g in p.groups]
+    rec: dict[Option, float] = {}
+    for p in parts:
+        for o, t in p.recompute_s:
+            rec[o] = rec.get(o, 0.0) + t / n
+    return Item("layer", sum(p.time_s for p in parts) / n, sum(p.fwd_s for p in parts) / n,
+                sum(p.bwd_s for p in parts) / n, sum(p.static_bytes for p in parts) / n,
+                tuple(groups), tuple(sorted(rec.items())))
+
+
+def constant_time_s(extras: StepExtras, cal: Calibration) -> float:
+    """Step time outside the pipeline: PP exposure, DP exposure, optimizer, per-step overhead."""
+    return extras.pp_exposed_s + extras.dp_exposed_s + extras.optimizer_s + cal.step_overhead_s

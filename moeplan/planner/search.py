@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost_models.calibration import calibration_for
-from ..cost_models.estimate import static_activation_budget_bytes
 from ..cost_models.memory import GB
+from ..cost_models.uncertainty import static_activation_budget_bytes
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from ..specs.rules import TARGETS, check_target

@@ -53,7 +53,9 @@ class ModuleSets:
 
 
 def item_cost(item: Item, chosen: set[Option], h: float) -> tuple[float, float]:
-    """(Δt, kept bytes) of one item under one module set: the reference for `module_sets`."""
+    """(Δt, kept bytes) of one item under one module set: the reference for `module_sets`.
+    The offload copies hide behind the item's own forward and backward only, as the estimate
+    prices them (`cost_models.estimate.StageTerms.offload_s`)."""
     rec = sum(t for o, t in item.recompute_s if o in chosen)
     kept = off = 0.0
     for g in item.groups:

@@ -374,6 +374,12 @@ class ModelSpec(BaseModel):
         """All parameters, MTP modules excluded (the convention of published model sizes)."""
         return self._params(active=False)
 
+    def bound_params(self) -> tuple[float, float]:
+        """(dense, routed-expert) parameters, MTP counted as dense: what
+        `cost_models.estimate.lower_bound` spreads over a layout's shards."""
+        experts = self.num_moe_layers * self.num_experts * self.expert_params()
+        return self.total_params() - experts + self.mtp_params(), experts
+
     def active_params(self) -> int:
         """Parameters a token touches: routed experts counted top-k times, MTP excluded."""
         return self._params(active=True)
