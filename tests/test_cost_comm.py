@@ -40,6 +40,28 @@ def test_placement_inside_and_across_nvlink():
     assert wide == GroupPlacement(16, 8, 2)
 
 
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
+def test_placement_from_group_parts_equals_the_span_of_every_listed_group(order):
+    # placement reads only the first group and where each group starts (grid.group_parts);
+    # it must be the worst span over every group Megatron's rank generator lists
+    for cname, world in (("h100", 64), ("h100", 256), ("gb200-nvl72", 144), ("gb200-nvl72", 256)):
+        cluster = load_cluster(cname)
+        domain = cluster.usable_domain(world)
+        for tp, cp, pp, ep, etp in ((1, 1, 1, 8, 1), (2, 2, 4, 4, 2), (4, 1, 2, 16, 1),
+                                    (8, 1, 4, 2, 4), (1, 4, 2, 32, 2), (2, 1, 8, 8, 1)):
+            dp = world // (tp * cp * pp)
+            if dp < 1 or world % (tp * cp * pp) or world % (etp * ep * pp):
+                continue
+            L = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
+            for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
+                groups = group_ranks(L, axis)
+                spans = [len({r // domain for r in g}) for g in groups]
+                n = len(groups[0])
+                want = GroupPlacement(n, max(1, n // max(spans)), max(spans)) if n > 1 else (
+                    GroupPlacement(1, 1, 1))
+                assert placement(L, axis, cluster) == want, (cname, world, L, axis)
+
+
 def test_nvl72_jobs_fill_racks_in_equal_segments():
     gb = load_cluster("gb200-nvl72")
     assert gb.usable_domain(64) == 64

@@ -59,14 +59,15 @@ def _placement(sizes: tuple[int, int, int, int, int, int, str], axis: str, domai
                ) -> GroupPlacement:
     # a search asks for the same few thousand placements tens of thousands of times
     tp, cp, dp, pp, ep, etp, order = sizes
-    groups = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order).groups(axis)
-    n = len(groups[0])
+    offsets, bases = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
+                              order=order).group_parts(axis)
+    n = len(offsets)
     if n == 1:
         return GroupPlacement(1, 1, 1)
-    # rank r sits in domain r // domain; every group is its first rank + the first group's
-    # offsets, so its span depends only on that rank modulo the domain
-    firsts = {ranks[0] % domain for ranks in groups}
-    domains = max(len({(b + r) // domain for r in groups[0]}) for b in firsts)
+    # rank r sits in domain r // domain; every group is its first rank (a base, offsets start
+    # at 0) + the offsets, so its span depends only on that base modulo the domain
+    firsts = {b % domain for b in bases}
+    domains = max(len({(b + r) // domain for r in offsets}) for b in firsts)
     return GroupPlacement(n, max(1, n // domains), domains)
 
 

@@ -9,6 +9,7 @@ buffers.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -178,21 +179,25 @@ class StageTerms:
 
     def chunk(self, items: Sequence[tuple[str, LayerCost]], recompute: Sequence[str],
               offload: Sequence[str]) -> ChunkCost:
-        """One chunk for one micro-batch under the stage's recompute and offload choices."""
+        """One chunk for one micro-batch under the stage's recompute and offload choices.
+        Items of one kind cost the same, so each kind is priced once and counted (a chunk of
+        DeepSeek-V3 holds up to 32 layers of one or two kinds)."""
         edge = self.edge
         fwd = bwd = rec = exp = ep_exp = tp = cp = ep = act = off = off_s = dense = expert = 0.0
-        for _, lc in items:
-            fwd += lc.fwd_s + lc.launch_s
-            bwd += lc.bwd_s + lc.launch_s
-            rec += lc.recompute_s(recompute)
-            exp += lc.exposed_s(edge)
-            tp, cp, ep = tp + lc.tp_s, cp + lc.cp_s, ep + lc.ep_s
-            ep_exp += lc.ep_s - (1.0 - edge) * lc.edge_exposed_s
-            act += lc.activation_bytes(recompute, offload)
+        kinds = dict(items)
+        for k, n in Counter(k for k, _ in items).items():
+            lc = kinds[k]
+            fwd += n * (lc.fwd_s + lc.launch_s)
+            bwd += n * (lc.bwd_s + lc.launch_s)
+            rec += n * lc.recompute_s(recompute)
+            exp += n * lc.exposed_s(edge)
+            tp, cp, ep = tp + n * lc.tp_s, cp + n * lc.cp_s, ep + n * lc.ep_s
+            ep_exp += n * (lc.ep_s - (1.0 - edge) * lc.edge_exposed_s)
+            act += n * lc.activation_bytes(recompute, offload)
             moved = lc.offload_bytes(recompute, offload)
-            off += moved
-            off_s += self.offload_s(lc, moved) if moved else 0.0
-            dense, expert = dense + lc.dense_params, expert + lc.expert_params
+            off += n * moved
+            off_s += n * self.offload_s(lc, moved) if moved else 0.0
+            dense, expert = dense + n * lc.dense_params, expert + n * lc.expert_params
         return ChunkCost(tuple(k for k, _ in items), fwd, bwd, rec, exp, ep_exp, off_s, tp, cp,
                          ep, act, off, dense, expert)
 

@@ -46,15 +46,19 @@ def masked_orthogonal_groups(world: int, sizes: list[int], mask: list[bool]) -> 
     Rank = Σ index_i · stride_i over all axes (strides are prefix products of `sizes`); one group
     per setting of the unmasked axes, its ranks enumerated over the masked axes.
     """
-    masked_shape = [s for s, m in zip(sizes, mask, strict=True) if m]
-    unmasked_shape = [s for s, m in zip(sizes, mask, strict=True) if not m]
-    stride = _prefix_product(sizes)
-    masked_stride = [d for d, m in zip(stride, mask, strict=False) if m]
-    unmasked_stride = [d for d, m in zip(stride, mask, strict=False) if not m]
     # rank = base(unmasked index) + offset(masked index): each part once, then every sum
-    offsets = _mixed_radix(masked_shape, masked_stride)
-    return [list(map(base.__add__, offsets)) for base in _mixed_radix(unmasked_shape,
-                                                                       unmasked_stride)]
+    offsets, bases = group_parts(sizes, mask)
+    return [list(map(base.__add__, offsets)) for base in bases]
+
+
+def group_parts(sizes: list[int], mask: list[bool]) -> tuple[list[int], list[int]]:
+    """(offsets, bases) of `masked_orthogonal_groups`: group g is bases[g] + each offset. What
+    a question about every group's shape needs (where its ranks fall), without listing them."""
+    stride = _prefix_product(sizes)
+    masked = [(s, d) for s, d, m in zip(sizes, stride, mask, strict=False) if m]
+    unmasked = [(s, d) for s, d, m in zip(sizes, stride, mask, strict=False) if not m]
+    return (_mixed_radix([s for s, _ in masked], [d for _, d in masked]),
+            _mixed_radix([s for s, _ in unmasked], [d for _, d in unmasked]))
 
 
 def _mixed_radix(shape: list[int], strides: list[int]) -> list[int]:
@@ -93,10 +97,16 @@ class RankGenerator:
 
     def get_ranks(self, token: str) -> list[list[int]]:
         """Groups of the axes named in `token` (e.g. 'tp-cp'), in Megatron's enumeration order."""
+        return masked_orthogonal_groups(self.world_size, *self._masked(token))
+
+    def parts(self, token: str) -> tuple[list[int], list[int]]:
+        """`group_parts` of `get_ranks(token)`: (offsets, bases)."""
+        return group_parts(*self._masked(token))
+
+    def _masked(self, token: str) -> tuple[list[int], list[bool]]:
         names, sizes = self._axes
         wanted = token.split("-")
-        mask = [n in wanted for n in names]
-        return masked_orthogonal_groups(self.world_size, sizes, mask)
+        return sizes, [n in wanted for n in names]
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,14 @@ class RankGrid:
             return self.attention.get_ranks(ATTENTION_AXES[axis])
         if axis in EXPERT_AXES:
             return self.expert.get_ranks(EXPERT_AXES[axis])
+        raise KeyError(f"unknown axis {axis!r}")
+
+    def group_parts(self, axis: str) -> tuple[list[int], list[int]]:
+        """(offsets, bases) of `groups(axis)`: group g is bases[g] + each offset."""
+        if axis in ATTENTION_AXES:
+            return self.attention.parts(ATTENTION_AXES[axis])
+        if axis in EXPERT_AXES:
+            return self.expert.parts(EXPERT_AXES[axis])
         raise KeyError(f"unknown axis {axis!r}")
 
     def all_groups(self, axes: tuple[str, ...] = PRINTED_AXES) -> dict[str, list[list[int]]]:
