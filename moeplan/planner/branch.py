@@ -112,6 +112,8 @@ class BranchAndBound:
         self._setups: dict[int, tuple[Layout, TrainingSpec, tuple]] = {}
         self._worse: dict[int, Layout | None] = {}
         self._variants: dict[tuple, dict[str, Any] | None] = {}
+        self._key_changes: dict[tuple, dict[str, Any] | None] = {}
+        self._worse_keys: dict[tuple, tuple | None] = {}
         self._row_index: dict[bytes, int] = {}
         self.scale = objective.key_factor(pb.model, pb.cluster, space)
         rows = enum.rows
@@ -187,16 +189,34 @@ class BranchAndBound:
         unvalidated, and so what the variant takes away, is a function of those keys alone
         (`test_pessimistic_variant_is_a_function_of_the_evidence_keys` keeps this true)."""
         if idx not in self._worse:
-            layout, tr, key = self.setup(idx)
+            layout, _, key = self.setup(idx)
+            changes = self._changes(idx)
+            self._worse[idx] = None if changes is None else layout.model_copy(update=changes)
+        return self._worse[idx]
+
+    def _changes(self, idx: int) -> dict[str, Any] | None:
+        """The fields the row's pessimistic variant changes, once per layer-table key (which
+        holds every field `assumption_keys` reads) and per set of evidence keys."""
+        layout, tr, key = self.setup(idx)
+        if key not in self._key_changes:
             cls = (tr.precision, tuple(assumption_keys(self.pb.model, self.pb.cluster, tr,
                                                        layout, NO_CHOICES)))
             if cls not in self._variants:
                 worse = pessimistic_layout(self.pb.model, self.pb.cluster, tr, layout)
                 self._variants[cls] = None if worse is None else {
                     f: v for f, v in worse if getattr(layout, f) != v}
-            changes = self._variants[cls]
-            self._worse[idx] = None if changes is None else layout.model_copy(update=changes)
-        return self._worse[idx]
+            self._key_changes[key] = self._variants[cls]
+        return self._key_changes[key]
+
+    def worse_table(self, idx: int) -> LayerTable | None:
+        """The layer table of the row's pessimistic variant, looked up once per table key."""
+        key = self.setup(idx)[2]
+        if key not in self._worse_keys:
+            worse = self.pessimistic(idx)
+            self._worse_keys[key] = (None if worse is None
+                                     else self.table_key(worse, self.setup(idx)[1]))
+        wk = self._worse_keys[key]
+        return None if wk is None else self.tables[wk]
 
     def validated_twin(self, idx: int) -> int | None:
         """The row that differs only in the dispatcher and EP overlap its pessimistic variant

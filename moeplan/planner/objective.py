@@ -90,10 +90,8 @@ class Robust(Objective):
         """Its own table and, when no fit row backs its overlap or dispatcher, its pessimistic
         variant's, since that variant prices its key."""
         out = super().tables(bb, idx)
-        worse = bb.pessimistic(idx)
-        if worse is not None:
-            out.append(bb.tables[bb.table_key(worse, bb.setup(idx)[1])])
-        return out
+        worse = bb.worse_table(idx)
+        return out if worse is None else [*out, worse]
 
     def order_bound(self, bb: BranchAndBound, idx: int, tight: float) -> float:
         """The larger of the tight bound and its key's balanced split with nothing recomputed
@@ -110,12 +108,12 @@ class Robust(Objective):
         """The larger of its own and its pessimistic variant's balanced split, which the
         interval prices at the same choices and split."""
         b = super().split_bound(bb, idx)
-        worse = bb.pessimistic(idx)
+        worse = bb.worse_table(idx)
         if worse is None:
             return b
-        layout, tr, _ = bb.setup(idx)
-        return max(b, bb.tables[bb.table_key(worse, tr)].balanced_pipeline_s(
-            bb.pb.model.mtp_layers, layout.pp, layout.vpp, layout.num_microbatches))
+        layout = bb.setup(idx)[0]
+        return max(b, worse.balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp, layout.vpp,
+                                                layout.num_microbatches))
 
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """A row whose unvalidated overlap or dispatcher the interval's low end takes away is

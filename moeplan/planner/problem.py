@@ -205,13 +205,18 @@ class LayerTable:
     def total_time_s(self, mtp_layers: int, edge: float = 0.0) -> float:
         """Σ over every decoder layer, the embedding, the loss and MTP of one micro-batch's time
         (`edge`: overlap.edge_weight of the schedule; 0 is the steady state, a lower bound)."""
-        t = sum(n * _item_time(self.costs[k], edge)
-                for k, n in Counter(self.keys).items())
+        t = sum(n * _item_time(self.costs[k], edge) for k, n in self.kind_counts().items())
         t += _item_time(self.costs["E"], edge) + _item_time(self.costs["L"], edge)
         if mtp_layers:
             t += mtp_layers * _item_time(self.costs["m"], edge)
         return t
 
+
+    def kind_counts(self) -> Counter[str]:
+        """Decoder layers per kind, counted once per table."""
+        if "counts" not in self.memo:
+            self.memo["counts"] = Counter(self.keys)
+        return self.memo["counts"]
 
     def placement(self) -> tuple[str, int, str | None, int] | None:
         """How `stage_problem` places this table's decoder layers: (repeated kind ℓ, its layers
@@ -268,7 +273,7 @@ class LayerTable:
         place = self.placement()
         if place is None:
             total = first + last + sum(n * _item_time(costs[k], edge)
-                                       for k, n in Counter(self.keys).items())
+                                       for k, n in self.kind_counts().items())
             return 0.0, first, last, total
         ell, free, lead, n_lead = place
         t = _item_time(costs[ell], edge)
