@@ -216,6 +216,12 @@ def test_no_planner_or_cost_model_function_is_over_100_lines():
     assert long == []
 
 
+def test_no_planner_function_is_over_80_lines():
+    # the search reads as small steps (the branch and bound's state, the objective's answers,
+    # the enumeration's two loops), not one function of closures
+    assert [(n, where) for n, where in _functions("planner") if n > 80] == []
+
+
 def test_the_planner_imports_a_narrow_api_of_the_estimator():
     # the MILP prices stages with the estimator's own step function (`stage_terms`), so the
     # planner needs the estimate, its breakdown, the lower bound and that function, not the

@@ -105,94 +105,117 @@ def enumerate_layouts(
     """All valid (tp, cp, dp, pp, vpp, ep, etp, edp, mbs, nmb, dispatcher, ep_overlap, dist_opt,
     precision) rows, with prune counts per rule name: the target's rules (`specs.rules`) plus
     the planner's placement rules (NVLink domains, the space's limits)."""
-    pruned: Counter[str] = Counter()
-    rows: list[tuple[int, ...]] = []
-    ax = _Axes()
-    facts = Facts(model, training, ax, None, cluster, world)
-    levels = layout_rules(target, LEVELS)
+    walk = _Walk(model, cluster, training, world, space, target)
+    walk.attention()
+    arr = np.array(walk.rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return Enumeration(arr, space.precisions, walk.pruned)
 
-    def broken(level: int) -> bool:
-        for r in levels[level]:
-            if not r.ok(facts):
-                pruned[r.name] += 1
+
+class _Walk:
+    """One enumeration: nested loops binding the axes level by level (LEVELS), each level's
+    rules checked once its axes are bound, the valid rows and the prune counts collected. The
+    attention axes and the expert axes are two methods, the second run inside the first."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 world: int, space: SearchSpace, target: str) -> None:
+        self.model, self.training, self.world, self.space = model, training, world, space
+        self.pruned: Counter[str] = Counter()
+        self.rows: list[tuple[int, ...]] = []
+        self.ax = _Axes()
+        self.facts = Facts(model, training, self.ax, None, cluster, world)
+        self.levels = layout_rules(target, LEVELS)
+        # levels without a rule cost nothing: their check is skipped, not called
+        self.has = [bool(rules) for rules in self.levels]
+        self.nvl = cluster.nvlink_domain_gpus
+        experts, moe_ffn = model.num_experts, model.moe_ffn_hidden_size or 0
+        self.expert_axes = list(itertools.product(
+            divisors(experts) if experts else [1],
+            [d for d in divisors(moe_ffn) if d <= self.nvl] if experts else [1]))
+        self.dispatchers = space.dispatchers if experts else ("alltoall",)
+        self.overlaps = (0, 1) if (experts and space.allow_ep_overlap) else (0,)
+        self.domain = cluster.usable_domain(world)
+
+    def broken(self, level: int) -> bool:
+        """Whether a rule of the level fails (counted under its name); callers skip the call
+        where the level has no rule (`has`)."""
+        for r in self.levels[level]:
+            if not r.ok(self.facts):
+                self.pruned[r.name] += 1
                 return True
         return False
 
-    # levels without a rule cost nothing: their check is skipped, not called
-    has = [bool(rules) for rules in levels]
+    def over(self, limit: int, value: int, name: str) -> bool:
+        """Whether the search space's limit on an axis (0: none) excludes the value."""
+        if limit and value > limit:
+            self.pruned[name] += 1
+            return True
+        return False
 
-    nvl = cluster.nvlink_domain_gpus
-    experts = model.num_experts
-    moe_ffn = model.moe_ffn_hidden_size or 0
-    ep_opts = divisors(experts) if experts else [1]
-    etp_opts = [d for d in divisors(moe_ffn) if d <= nvl] if experts else [1]
-    dispatchers = space.dispatchers if experts else ("alltoall",)
-    domain = cluster.usable_domain(world)
-    for tp in divisors(world):
-        if space.max_tp and tp > space.max_tp:
-            pruned["target_max_tp"] += 1
-            continue
-        ax.tp = tp
-        if has[0] and broken(0):
-            continue
-        for cp in divisors(world // tp):
-            if space.max_cp and cp > space.max_cp:
-                pruned["target_max_cp"] += 1
+    def attention(self) -> None:
+        """tp, cp, pp (and so dp), mbs (and so the micro-batch count) and vpp."""
+        ax, sp, world, broken, has = self.ax, self.space, self.world, self.broken, self.has
+        for tp in divisors(world):
+            ax.tp = tp
+            if self.over(sp.max_tp, tp, "target_max_tp") or (has[0] and broken(0)):
                 continue
-            ax.cp = cp
-            if has[1] and broken(1):
-                continue
-            if tp * cp > nvl:
-                pruned["tp_cp_within_nvlink"] += 1
-                continue
-            for pp in divisors(world // (tp * cp)):
-                if space.max_pp and pp > space.max_pp:
-                    pruned["target_max_pp"] += 1
+            for cp in divisors(world // tp):
+                ax.cp = cp
+                if self.over(sp.max_cp, cp, "target_max_cp") or (has[1] and broken(1)):
                     continue
-                ax.pp, ax.dp = pp, world // (tp * cp * pp)
-                if has[2] and broken(2):
+                if tp * cp > self.nvl:
+                    self.pruned["tp_cp_within_nvlink"] += 1
                     continue
-                dp = ax.dp
-                for mbs in (m for m in (1, 2, 4, 8, 16) if m <= space.max_mbs):
-                    ax.mbs = mbs
-                    ax.num_microbatches = max(1, training.global_batch_size // (mbs * dp))
-                    if has[3] and broken(3):
+                for pp in divisors(world // (tp * cp)):
+                    ax.pp, ax.dp = pp, world // (tp * cp * pp)
+                    if self.over(sp.max_pp, pp, "target_max_pp") or (has[2] and broken(2)):
                         continue
-                    nmb = ax.num_microbatches
-                    for vpp in _vpp_options(model, pp, space):
-                        ax.vpp = vpp
-                        if has[4] and broken(4):
+                    for mbs in (m for m in (1, 2, 4, 8, 16) if m <= sp.max_mbs):
+                        ax.mbs = mbs
+                        ax.num_microbatches = max(1, self.training.global_batch_size
+                                                  // (mbs * ax.dp))
+                        if has[3] and broken(3):
                             continue
-                        for ep, etp in itertools.product(ep_opts, etp_opts):
-                            ax.ep, ax.etp = ep, etp
-                            n = etp * ep * pp
-                            ax.edp = world // n if world % n == 0 else 0
-                            if has[5] and broken(5):
-                                continue
-                            edp = ax.edp
-                            for disp in dispatchers:
-                                # etp and ep are adjacent in both rank orders: an ep group
-                                # spanning etp·ep ranks that divides the domain stays inside
-                                # it, where flex is the all-to-all exchange (same plan twice)
-                                if disp == "flex" and domain % (etp * ep) == 0:
-                                    pruned["flex_inside_nvlink"] += 1
-                                    continue
-                                ax.dispatcher = disp
-                                if has[6] and broken(6):
-                                    continue
-                                for ovl in (0, 1) if (experts and space.allow_ep_overlap) else (0,):
-                                    ax.ep_overlap = bool(ovl)
-                                    if has[7] and broken(7):
-                                        continue
-                                    for dopt in (1, 0) if space.allow_no_dist_opt else (1,):
-                                        ax.distributed_optimizer = bool(dopt)
-                                        if has[8] and broken(8):
-                                            continue
-                                        for pi in range(len(space.precisions)):
-                                            rows.append((tp, cp, dp, pp, vpp, ep, etp, edp, mbs,
-                                                         nmb, DISPATCHERS.index(disp), ovl, dopt,
-                                                         pi))
-                                    ax.distributed_optimizer = True
-                                ax.ep_overlap = False
-    arr = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
-    return Enumeration(arr, space.precisions, pruned)
+                        for vpp in _vpp_options(self.model, pp, sp):
+                            ax.vpp = vpp
+                            if not (has[4] and broken(4)):
+                                self.experts()
+
+    def experts(self) -> None:
+        """ep, etp (and so edp), the dispatcher, EP overlap, the distributed optimizer and the
+        precision, under the attention axes bound so far (the innermost loops: locals, and a
+        level's check only where it has rules)."""
+        ax, sp, world, broken, has = self.ax, self.space, self.world, self.broken, self.has
+        head = (ax.tp, ax.cp, ax.dp, ax.pp, ax.vpp)
+        tail = (ax.mbs, ax.num_microbatches)
+        dopts = (1, 0) if sp.allow_no_dist_opt else (1,)
+        precisions = range(len(sp.precisions))
+        rows = self.rows
+        for ep, etp in self.expert_axes:
+            ax.ep, ax.etp = ep, etp
+            n = etp * ep * ax.pp
+            edp = ax.edp = world // n if world % n == 0 else 0
+            if has[5] and broken(5):
+                continue
+            for disp in self.dispatchers:
+                # etp and ep are adjacent in both rank orders: an ep group spanning etp·ep
+                # ranks that divides the domain stays inside it, where flex is the all-to-all
+                # exchange (the same plan twice)
+                if disp == "flex" and self.domain % (etp * ep) == 0:
+                    self.pruned["flex_inside_nvlink"] += 1
+                    continue
+                ax.dispatcher = disp
+                if has[6] and broken(6):
+                    continue
+                d = DISPATCHERS.index(disp)
+                for ovl in self.overlaps:
+                    ax.ep_overlap = bool(ovl)
+                    if has[7] and broken(7):
+                        continue
+                    for dopt in dopts:
+                        ax.distributed_optimizer = bool(dopt)
+                        if has[8] and broken(8):
+                            continue
+                        for pi in precisions:
+                            rows.append((*head, ep, etp, edp, *tail, d, ovl, dopt, pi))
+                    ax.distributed_optimizer = True
+                ax.ep_overlap = False
