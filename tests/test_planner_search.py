@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from moeplan import InfeasibleError, load_cluster, load_model
 from moeplan.cost_models.estimate import estimate
 from moeplan.planner.branch import layout_of_row as _layout
-from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
+from moeplan.planner.enumerate import COL, SearchSpace, enumerate_layouts
 from moeplan.planner.problem import Option, split_options
 from moeplan.planner.screen import OPTIMIZER_OFFLOAD_GRID
 from moeplan.planner.search import search
@@ -441,3 +441,42 @@ def test_layer_tables_shared_across_expert_axes_equal_fresh_ones():
                 twin = layer_table(model, cluster, tr, layout, cal, shared=shared)
                 assert twin.costs == fresh.costs and twin.keys == fresh.keys
             assert shared  # the layouts did share
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus", "gbs"), [
+    ("qwen3-235b-a22b", "h100", 256, 2048), ("gpt-oss-120b", "h100", 64, 512),
+    ("deepseek-v3", "gb200-nvl72", 256, 4096)])
+def test_a_layouts_robust_key_factor_never_exceeds_what_its_estimates_price(name, cluster, gpus,
+                                                                            gbs):
+    # The robust search prunes a row once its point bound times the row's own key factor
+    # (uncertainty.key_factor) reaches the k-th key: exact only while no plan of the layout,
+    # whatever its choices (offload priced pessimistically included), has a key over point
+    # below that factor; and the factor must be at least the search's least, or it is looser
+    import random
+
+    from moeplan.cost_models import uncertainty as U
+    from moeplan.planner.objective import least_key_factor
+    from moeplan.planner.search import search_space
+
+    model, c = load_model(name), load_cluster(cluster, gpus)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=gbs)
+    space = search_space(c, "auto", "megatron")
+    enum = enumerate_layouts(model, c, tr, gpus, space)
+    least = least_key_factor(model, c, space)
+    mbs = enum.rows[:, COL["mbs"]]
+    rows = random.Random(0).sample(range(len(enum.rows)), 6) + [
+        int(i) for i in random.Random(1).sample(list((mbs == mbs.max()).nonzero()[0]), 3)]
+    above = 0
+    for i in rows:
+        row = enum.rows[i]
+        layout = Layout(**_layout(row))
+        t = tr.model_copy(update={"precision": enum.precisions[row[-1]]})
+        f = U.key_factor(model, c, t, layout)
+        assert f >= least * (1 - 1e-12)
+        above += f > least * (1 + 1e-9)
+        for ch in (Choices(), Choices(recompute=["moe_act"], offload=["expert_fc1"],
+                                      optimizer_offload_fraction=1.0)):
+            e = estimate(model, c, t, layout, ch)
+            assert e.interval.step_time_s[1] >= f * e.step_time_s * (1 - 1e-12), (i, ch)
+    if name == "qwen3-235b-a22b":  # micro-batches past the fit rows' range widen its band
+        assert above

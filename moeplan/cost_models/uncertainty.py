@@ -478,6 +478,24 @@ def least_low_end(model: ModelSpec, cluster: ClusterSpec, precision: str, fabric
     return widen(q_lo, q_hi, keys, near, p)[0]
 
 
+def key_factor(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+               profile: IntervalProfile | None = None) -> float:
+    """The least ratio of a robust key (the interval's high end of step time) to the point
+    step time any plan of this layout can have, whatever its choices: e^(−q_lo) of the band
+    `estimate` prices it with (its regime, widened by its own distance from the fit
+    evidence, doublings included), or of the cluster's measured band. The pessimistic
+    variant only pulls the low end further down, so the point times this is a bound on the
+    key; a search prunes a layout with it once its layout is known (`least_low_end` is the
+    least of it over a search's layouts)."""
+    measured = measured_bounds(cluster)
+    if measured is not None:
+        return math.exp(-min(measured[0], 0.0))
+    p = profile or default_profile()
+    keys = regime_keys(model, cluster, training.precision, layout)
+    far = distance(model, cluster, training, layout, p)
+    return math.exp(-min(widen(*p.bounds(keys)[:2], keys, far, p)[0], 0.0))
+
+
 def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,
           profile: IntervalProfile) -> tuple[float, float, list[str]]:
     """The log band (q_lo, q_hi) widened by the distance from the fit evidence, with the

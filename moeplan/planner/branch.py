@@ -115,6 +115,7 @@ class BranchAndBound:
         self._key_changes: dict[tuple, dict[str, Any] | None] = {}
         self._worse_keys: dict[tuple, tuple | None] = {}
         self._row_index: dict[bytes, int] = {}
+        self.factors: dict[tuple, float] = {}  # `Objective.row_factor` per layer-table key
         self.scale = objective.key_factor(pb.model, pb.cluster, space)
         rows = enum.rows
         self.cand = np.flatnonzero(fits)
@@ -142,6 +143,12 @@ class BranchAndBound:
         """The point threshold a row's bound must beat: the k-th key over the least
         key-to-point factor (inf until k plans are kept)."""
         return self.kth_key() / self.scale if self.full() else math.inf
+
+    def kth_of(self, idx: int) -> float:
+        """The point threshold the row's bound must beat: the k-th key over the row's own
+        least key-to-point factor (`Objective.row_factor`; inf until k plans are kept)."""
+        return self.kth_key() / self.objective.row_factor(self, idx) if self.full() else (
+            math.inf)
 
     def push(self, plan: Plan, idx: int) -> None:
         assert plan.estimate is not None
@@ -264,14 +271,15 @@ class BranchAndBound:
     # ------------------------------------------------------------------ one row
     def solve_row(self, idx: int) -> tuple[str, Plan | None]:
         """Screen one row (balanced stages), keep its plan, and remember the outcome."""
-        if self.tight_bound(idx) >= self.kth():
+        kth = self.kth_of(idx)
+        if self.tight_bound(idx) >= kth:
             return self._outcome(idx, "time_bound", ("bound", None))
-        if self.objective.split_bound(self, idx) >= self.kth():
+        if self.objective.split_bound(self, idx) >= kth:
             return self._outcome(idx, "balanced_split_bound", ("bound", None))
         layout, tr, key = self.setup(idx)
         m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
         got = solve_layout(self.pb, tr, layout, self.tables[key], m, key, self.sets,
-                           balanced=True, lb_pipe=self.lb[idx], cutoff=self.kth(),
+                           balanced=True, lb_pipe=self.lb[idx], cutoff=kth,
                            with_interval=self.objective.prices_intervals)
         self.screened += got.screened
         self.solved[idx] = (got.status, got.plan)

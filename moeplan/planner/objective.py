@@ -44,6 +44,10 @@ class Objective:
         """The least key over point step time of any plan of the search."""
         return 1.0
 
+    def row_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """The least key over point step time of the row's plans: the search's least."""
+        return bb.scale
+
     def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
         """The layer tables that bound a row's key."""
         return [bb.tables[bb.setup(idx)[2]]]
@@ -86,6 +90,18 @@ class Robust(Objective):
     def key_factor(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
         return least_key_factor(model, cluster, space)
 
+    def row_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """The row's own least key-to-point ratio (`uncertainty.key_factor`: its regime's band
+        widened by its own distance from the fit evidence, doublings included, which the
+        search's least leaves out), once per layer-table key (which holds every field the
+        band reads). Shaved by 1e-9, so that rounding between this product and the interval's
+        quotient never prunes a row whose key ties the k-th; never below the search's least."""
+        layout, tr, key = bb.setup(idx)
+        if key not in bb.factors:
+            f = U.key_factor(bb.pb.model, bb.pb.cluster, tr, layout)
+            bb.factors[key] = max(bb.scale, f * (1 - 1e-9))
+        return bb.factors[key]
+
     def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
         """Its own table and, when no fit row backs its overlap or dispatcher, its pessimistic
         variant's, since that variant prices its key."""
@@ -99,10 +115,15 @@ class Robust(Objective):
         row can reach. The balanced split tracks what screening finds far better than the even
         spread, so the rows that set the k-th best are screened first and the k-th best
         tightens early. The order decides only which plans outside the top k get priced
-        (`best_validated` is the best of those when the top k has none)."""
-        if tight >= bb.kth():  # past the k-th best the order is moot
-            return tight
-        return max(tight, bb.steady_split_bound(idx))
+        (`best_validated` is the best of those when the top k has none).
+
+        Both are taken up by the row's own key factor over the search's least (`row_factor`),
+        so the heap holds bounds on keys over the least factor and stops where no row's key
+        can reach the k-th key, not only where no row's point can."""
+        r = self.row_factor(bb, idx) / bb.scale
+        if tight * r >= bb.kth():  # past the k-th best the order is moot
+            return tight * r
+        return max(tight, bb.steady_split_bound(idx)) * r
 
     def split_bound(self, bb: BranchAndBound, idx: int) -> float:
         """The larger of its own and its pessimistic variant's balanced split, which the
