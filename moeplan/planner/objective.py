@@ -9,7 +9,9 @@ everything that differs between the two and never tests which one it has.
 Every bound the search prunes with is a bound on the point, and the interval's high end is
 never below the point, so pruning stays exact under either objective: the robust k-th key
 over the least ratio of key to point any regime of the search can have
-(`least_key_factor`) is a point threshold.
+(`least_key_factor`) is a point threshold, and over a row's own ratio (`Robust.row_factor`)
+a tighter one for that row. One bound is robust's alone (`Robust.offload_bound`): a row that
+must offload activations to fit is priced, at its interval's low end, on a slowed host link.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class Objective:
         return bb.tables[key].balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp,
                                                   layout.vpp, layout.num_microbatches)
 
+    def offload_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """A bound on the key of every plan the screen can decode for the row, over the row's
+        key factor (0: none beyond the split's)."""
+        return 0.0
+
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """Whether the row provably ranks no better than a row already judged."""
         return False
@@ -102,6 +109,17 @@ class Robust(Objective):
             bb.factors[key] = max(bb.scale, f * (1 - 1e-9))
         return bb.factors[key]
 
+    def order_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """`row_factor` where the row's groups sit in the fabric of the narrower band
+        (`uncertainty.least_key_factor_of`), once per row key: what a row's heap order reads,
+        before its layout is built."""
+        j = bb.key_of[idx]
+        if j not in bb.order_factors:
+            layout, tr, _ = bb.setup(idx)
+            f = U.least_key_factor_of(bb.pb.model, bb.pb.cluster, tr, layout)
+            bb.order_factors[j] = max(bb.scale, f * (1 - 1e-9))
+        return bb.order_factors[j]
+
     def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
         """Its own table and, when no fit row backs its overlap or dispatcher, its pessimistic
         variant's, since that variant prices its key."""
@@ -117,10 +135,10 @@ class Robust(Objective):
         tightens early. The order decides only which plans outside the top k get priced
         (`best_validated` is the best of those when the top k has none).
 
-        Both are taken up by the row's own key factor over the search's least (`row_factor`),
+        Both are taken up by the row's key factor over the search's least (`order_factor`),
         so the heap holds bounds on keys over the least factor and stops where no row's key
         can reach the k-th key, not only where no row's point can."""
-        r = self.row_factor(bb, idx) / bb.scale
+        r = self.order_factor(bb, idx) / bb.scale
         if tight * r >= bb.kth():  # past the k-th best the order is moot
             return tight * r
         return max(tight, bb.steady_split_bound(idx)) * r
@@ -135,6 +153,19 @@ class Robust(Objective):
         layout = bb.setup(idx)[0]
         return max(b, worse.balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp, layout.vpp,
                                                 layout.num_microbatches))
+
+    def offload_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """The row's least pipeline with its host link slowed (`slow_host_pipeline`), when no
+        fit row backs activation offload: a plan that offloads activations is then priced, at
+        its interval's low end, on the slow link (its key is at least that pipeline times the
+        row's key factor), and a plan that offloads none has no copies, so the slow link
+        leaves its pipeline as its point prices it. Only for a row whose layout effects are
+        validated (no pessimistic variant): a variant prices the low end on another layout.
+        Under memory pressure the point hides the copies the slow link exposes, so rows whose
+        point wins on offload drop out without a screen."""
+        if U.validated("activation_offload") or bb.pessimistic(idx) is not None:
+            return 0.0
+        return bb.slow_host_pipeline(idx)
 
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """A row whose unvalidated overlap or dispatcher the interval's low end takes away is
