@@ -120,6 +120,7 @@ class BranchAndBound:
         self._row_index: dict[bytes, int] = {}
         self.factors: dict[tuple, float] = {}  # `Objective.row_factor` per layer-table key
         self.order_factors: dict[int, float] = {}  # `Robust.order_factor` per row key
+        self._slow_s_per_byte: float | None = None  # `slow_host_pipeline`'s host link
         self.scale = objective.key_factor(pb.model, pb.cluster, space)
         rows = enum.rows
         self.cand = np.flatnonzero(fits)
@@ -284,13 +285,16 @@ class BranchAndBound:
         nothing fits at any fraction."""
         layout, tr, key = self.setup(idx)
         table = self.tables[key]
+        if table.placement() is None:
+            return 0.0
         m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
-        if not m.options or table.placement() is None:
+        if not m.options:
             return 0.0
         built = stage_problem(self.pb.model, self.pb.cluster, tr, layout, self.pb.cal, table, m,
                               OPTIMIZER_OFFLOAD_GRID[-1])
-        P = replace(built.problem,
-                    host_s_per_byte=1.0 / (slow_host(self.pb.cluster).host_link_gb_s * 1e9))
+        if self._slow_s_per_byte is None:
+            self._slow_s_per_byte = 1.0 / (slow_host(self.pb.cluster).host_link_gb_s * 1e9)
+        P = replace(built.problem, host_s_per_byte=self._slow_s_per_byte)
         skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
         if skey not in self.sets:
             self.sets[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
