@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from moeplan import InfeasibleError, load_cluster, load_model
 from moeplan.cost_models.estimate import estimate
 from moeplan.planner.branch import layout_of_row as _layout
-from moeplan.planner.enumerate import SearchSpace, enumerate_layouts
+from moeplan.planner.enumerate import COL, SearchSpace, enumerate_layouts
 from moeplan.planner.problem import Option, split_options
 from moeplan.planner.screen import OPTIMIZER_OFFLOAD_GRID
 from moeplan.planner.search import search
@@ -441,3 +441,99 @@ def test_layer_tables_shared_across_expert_axes_equal_fresh_ones():
                 twin = layer_table(model, cluster, tr, layout, cal, shared=shared)
                 assert twin.costs == fresh.costs and twin.keys == fresh.keys
             assert shared  # the layouts did share
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus", "gbs"), [
+    ("qwen3-235b-a22b", "h100", 256, 2048), ("gpt-oss-120b", "h100", 64, 512),
+    ("deepseek-v3", "gb200-nvl72", 256, 4096)])
+def test_a_layouts_robust_key_factor_never_exceeds_what_its_estimates_price(name, cluster, gpus,
+                                                                            gbs):
+    # The robust search prunes a row once its point bound times the row's own key factor
+    # (uncertainty.key_factor) reaches the k-th key: exact only while no plan of the layout,
+    # whatever its choices (offload priced pessimistically included), has a key over point
+    # below that factor; and the factor must be at least the search's least, or it is looser
+    import random
+
+    from moeplan.cost_models import uncertainty as U
+    from moeplan.planner.objective import least_key_factor
+    from moeplan.planner.search import search_space
+
+    model, c = load_model(name), load_cluster(cluster, gpus)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=gbs)
+    space = search_space(c, "auto", "megatron")
+    enum = enumerate_layouts(model, c, tr, gpus, space)
+    least = least_key_factor(model, c, space)
+    mbs = enum.rows[:, COL["mbs"]]
+    rows = random.Random(0).sample(range(len(enum.rows)), 6) + [
+        int(i) for i in random.Random(1).sample(list((mbs == mbs.max()).nonzero()[0]), 3)]
+    above = 0
+    for i in rows:
+        row = enum.rows[i]
+        layout = Layout(**_layout(row))
+        t = tr.model_copy(update={"precision": enum.precisions[row[-1]]})
+        f = U.key_factor(model, c, t, layout)
+        assert f >= least * (1 - 1e-12)
+        above += f > least * (1 + 1e-9)
+        for ch in (Choices(), Choices(recompute=["moe_act"], offload=["expert_fc1"],
+                                      optimizer_offload_fraction=1.0)):
+            e = estimate(model, c, t, layout, ch)
+            assert e.interval.step_time_s[1] >= f * e.step_time_s * (1 - 1e-12), (i, ch)
+    if name == "qwen3-235b-a22b":  # micro-batches past the fit rows' range widen its band
+        assert above
+
+
+def _robust_state(model, cluster, training, gpus):
+    """The robust search's branch and bound, set up as `search` sets it up, before its run."""
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.cost_models.memory import GB
+    from moeplan.cost_models.uncertainty import static_activation_budget_bytes
+    from moeplan.planner.branch import BranchAndBound, row_bounds
+    from moeplan.planner.objective import objective_for
+    from moeplan.planner.problem import OPTIONS as ALL_OPTIONS
+    from moeplan.planner.screen import Problem
+    from moeplan.planner.search import search_space
+
+    cluster = cluster.with_gpus(gpus)
+    space = search_space(cluster, "auto", "megatron")
+    enum = enumerate_layouts(model, cluster, training, gpus, space, "megatron")
+    pb = Problem(model, cluster, training, calibration_for(cluster.calibration), "megatron")
+    t_lb, mem_lb = row_bounds(pb, enum)
+    fits = mem_lb <= static_activation_budget_bytes(cluster, pb.cal, pb.cal.workspace_gb * GB)
+    return BranchAndBound(pb, enum, space, objective_for("robust"), ALL_OPTIONS, {}, {}, {}, 0,
+                          5, 1.0, fits, t_lb)
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus", "gbs"), [
+    ("qwen3-235b-a22b", "h100", 256, 2048), ("mixtral-8x7b", "h100", 64, 1024)])
+def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_decodes(
+        name, cluster, gpus, gbs):
+    # The robust search drops a row, unscreened, once its least pipeline on the slowed host
+    # link (BranchAndBound.slow_host_pipeline) times its key factor reaches the k-th key:
+    # exact only while no plan the screen can decode for the row, at any optimizer-offload
+    # fraction, has a smaller key. Sampled rows under memory pressure, each fraction's plan
+    # priced whole (interval included); the bound must also bite somewhere (above the split)
+    import random
+
+    from moeplan.planner.problem import menu
+    from moeplan.planner.screen import solve_layout
+
+    bb = _robust_state(load_model(name), load_cluster(cluster),
+                       TrainingSpec(seq_len=4096, global_batch_size=gbs), gpus)
+    rows = [int(i) for i in bb.cand if bb.pessimistic(int(i)) is None]
+    checked = above_split = offloaded = 0
+    for idx in random.Random(0).sample(rows, min(len(rows), 40)):
+        layout, tr, key = bb.setup(idx)
+        bound = bb.objective.offload_bound(bb, idx)
+        factor = bb.objective.row_factor(bb, idx)
+        m = menu(bb.pb.model, tr, layout, bb.pb.target, bb.options)
+        for f in OPTIMIZER_OFFLOAD_GRID if m.options else (0.0,):
+            got = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True,
+                               fractions=(f,))
+            if got.plan is None:
+                continue
+            e = got.plan.estimate
+            assert e.interval.step_time_s[1] >= bound * factor * (1 - 1e-12), (idx, f)
+            checked += 1
+            offloaded += any(got.plan.choices.offload)
+        above_split += bound > 1.02 * bb.objective.split_bound(bb, idx)
+    assert checked >= 10 and above_split and offloaded

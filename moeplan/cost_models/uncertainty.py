@@ -266,6 +266,17 @@ def _slow_host(L: Layout, ch: Choices, c: ClusterSpec) -> tuple[Layout, Choices,
                                        "host_memory_bw_gb_s": c.host_memory_bw_gb_s / 2})
 
 
+def slow_host(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster an interval's low end prices unvalidated host offload on (`_slow_host`)."""
+    return _slow_host(Layout(), Choices(), cluster)[2]
+
+
+def validated(key: str, profile: IntervalProfile | None = None) -> bool:
+    """Whether fit rows back the effect of an evidence key (`assumption_keys`), as `_term`
+    decides it."""
+    return bool((profile or default_profile()).evidence.get(key))
+
+
 def _ids(rows: list[str]) -> str:
     head = ", ".join(rows[:6])
     return head + (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
@@ -476,6 +487,37 @@ def least_low_end(model: ModelSpec, cluster: ClusterSpec, precision: str, fabric
                     model_family(model.name) in p.seen_families, {},
                     p.gpu_precision_rows.get(f"{cluster.gpu}/{precision}", 0))
     return widen(q_lo, q_hi, keys, near, p)[0]
+
+
+def key_factor(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+               profile: IntervalProfile | None = None) -> float:
+    """The least ratio of a robust key (the interval's high end of step time) to the point
+    step time any plan of this layout can have, whatever its choices: e^(−q_lo) of the band
+    `estimate` prices it with (its regime, widened by its own distance from the fit
+    evidence, doublings included), or of the cluster's measured band. The pessimistic
+    variant only pulls the low end further down, so the point times this is a bound on the
+    key; a search prunes a layout with it once its layout is known (`least_low_end` is the
+    least of it over a search's layouts)."""
+    return _key_factor(model, cluster, training, layout, (fabric(layout, cluster),), profile)
+
+
+def least_key_factor_of(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                        layout: Layout, profile: IntervalProfile | None = None) -> float:
+    """`key_factor` at the EP fabric whose band is narrower: what the layout's sizes alone
+    (micro-batch, tokens per expert) allow, wherever its groups sit."""
+    return _key_factor(model, cluster, training, layout, ("nvlink", "scale-out"), profile)
+
+
+def _key_factor(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                fabrics: Sequence[str], profile: IntervalProfile | None) -> float:
+    measured = measured_bounds(cluster)
+    if measured is not None:
+        return math.exp(-min(measured[0], 0.0))
+    p = profile or default_profile()
+    far = distance(model, cluster, training, layout, p)
+    return min(math.exp(-min(widen(*p.bounds(keys)[:2], keys, far, p)[0], 0.0))
+               for keys in (regime_names(model, cluster, training.precision, fab)
+                            for fab in fabrics))
 
 
 def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,

@@ -26,18 +26,21 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..cost_models.comm import placement
 from ..cost_models.estimate import estimate, lower_bound
-from ..cost_models.uncertainty import assumption_keys, pessimistic_layout
+from ..cost_models.uncertainty import assumption_keys, pessimistic_layout, slow_host
 from ..specs import Choices, Layout, Plan, TrainingSpec
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace
+from .ilp import InfeasibleStages, balanced_layers, solve_fixed
 from .objective import Objective, validated_only
-from .problem import LayerTable, Option, layer_table, menu
-from .screen import Problem, least_memory, solve_layout, with_graphs
+from .problem import LayerTable, Option, layer_table, menu, stage_problem
+from .screen import OPTIMIZER_OFFLOAD_GRID, Problem, least_memory, solve_layout, with_graphs
+from .sets import module_sets
 
 NO_CHOICES = Choices()
 """A layout's pessimistic variant is bounded before any choice (`pessimistic_layout`)."""
@@ -115,6 +118,9 @@ class BranchAndBound:
         self._key_changes: dict[tuple, dict[str, Any] | None] = {}
         self._worse_keys: dict[tuple, tuple | None] = {}
         self._row_index: dict[bytes, int] = {}
+        self.factors: dict[tuple, float] = {}  # `Objective.row_factor` per layer-table key
+        self.order_factors: dict[int, float] = {}  # `Robust.order_factor` per row key
+        self._slow_s_per_byte: float | None = None  # `slow_host_pipeline`'s host link
         self.scale = objective.key_factor(pb.model, pb.cluster, space)
         rows = enum.rows
         self.cand = np.flatnonzero(fits)
@@ -142,6 +148,12 @@ class BranchAndBound:
         """The point threshold a row's bound must beat: the k-th key over the least
         key-to-point factor (inf until k plans are kept)."""
         return self.kth_key() / self.scale if self.full() else math.inf
+
+    def kth_of(self, idx: int) -> float:
+        """The point threshold the row's bound must beat: the k-th key over the row's own
+        least key-to-point factor (`Objective.row_factor`; inf until k plans are kept)."""
+        return self.kth_key() / self.objective.row_factor(self, idx) if self.full() else (
+            math.inf)
 
     def push(self, plan: Plan, idx: int) -> None:
         assert plan.estimate is not None
@@ -261,17 +273,50 @@ class BranchAndBound:
                 for tb in self._key_tables[j])
         return b
 
+    def slow_host_pipeline(self, idx: int) -> float:
+        """The least pipeline time of any choice the screen can decode for the row, at any
+        optimizer-offload fraction, with its host link as slow as the interval's low end
+        prices unvalidated offload (`uncertainty.slow_host`): the balanced split's stage
+        problem at the largest fraction (the most memory room: fractions change no item time
+        and only take optimizer bytes off the GPU), solved exactly (`ilp.solve_fixed`, whose
+        objective is the pipeline `estimate` prices). A row that must offload to fit then pays
+        for the copies the slow link exposes, where its point hides them. 0 for interleaved
+        layer kinds (priced as one average layer) or when nothing can be chosen; inf when
+        nothing fits at any fraction."""
+        layout, tr, key = self.setup(idx)
+        table = self.tables[key]
+        if table.placement() is None:
+            return 0.0
+        m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
+        if not m.options:
+            return 0.0
+        built = stage_problem(self.pb.model, self.pb.cluster, tr, layout, self.pb.cal, table, m,
+                              OPTIMIZER_OFFLOAD_GRID[-1])
+        if self._slow_s_per_byte is None:
+            self._slow_s_per_byte = 1.0 / (slow_host(self.pb.cluster).host_link_gb_s * 1e9)
+        P = replace(built.problem, host_s_per_byte=self._slow_s_per_byte)
+        skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
+        if skey not in self.sets:
+            self.sets[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
+        try:
+            return solve_fixed(P, self.sets[skey], balanced_layers(P)).objective_s
+        except InfeasibleStages:
+            return math.inf
+
     # ------------------------------------------------------------------ one row
     def solve_row(self, idx: int) -> tuple[str, Plan | None]:
         """Screen one row (balanced stages), keep its plan, and remember the outcome."""
-        if self.tight_bound(idx) >= self.kth():
+        kth = self.kth_of(idx)
+        if self.tight_bound(idx) >= kth:
             return self._outcome(idx, "time_bound", ("bound", None))
-        if self.objective.split_bound(self, idx) >= self.kth():
+        if self.objective.split_bound(self, idx) >= kth:
             return self._outcome(idx, "balanced_split_bound", ("bound", None))
+        if kth < math.inf and self.objective.offload_bound(self, idx) >= kth:
+            return self._outcome(idx, "robust_offload_bound", ("bound", None))
         layout, tr, key = self.setup(idx)
         m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
         got = solve_layout(self.pb, tr, layout, self.tables[key], m, key, self.sets,
-                           balanced=True, lb_pipe=self.lb[idx], cutoff=self.kth(),
+                           balanced=True, lb_pipe=self.lb[idx], cutoff=kth,
                            with_interval=self.objective.prices_intervals)
         self.screened += got.screened
         self.solved[idx] = (got.status, got.plan)

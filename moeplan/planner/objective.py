@@ -9,7 +9,9 @@ everything that differs between the two and never tests which one it has.
 Every bound the search prunes with is a bound on the point, and the interval's high end is
 never below the point, so pruning stays exact under either objective: the robust k-th key
 over the least ratio of key to point any regime of the search can have
-(`least_key_factor`) is a point threshold.
+(`least_key_factor`) is a point threshold, and over a row's own ratio (`Robust.row_factor`)
+a tighter one for that row. One bound is robust's alone (`Robust.offload_bound`): a row that
+must offload activations to fit is priced, at its interval's low end, on a slowed host link.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Objective:
         """The least key over point step time of any plan of the search."""
         return 1.0
 
+    def row_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """The least key over point step time of the row's plans: the search's least."""
+        return bb.scale
+
     def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
         """The layer tables that bound a row's key."""
         return [bb.tables[bb.setup(idx)[2]]]
@@ -58,6 +64,11 @@ class Objective:
         layout, _, key = bb.setup(idx)
         return bb.tables[key].balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp,
                                                   layout.vpp, layout.num_microbatches)
+
+    def offload_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """A bound on the key of every plan the screen can decode for the row, over the row's
+        key factor (0: none beyond the split's)."""
+        return 0.0
 
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """Whether the row provably ranks no better than a row already judged."""
@@ -86,6 +97,29 @@ class Robust(Objective):
     def key_factor(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
         return least_key_factor(model, cluster, space)
 
+    def row_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """The row's own least key-to-point ratio (`uncertainty.key_factor`: its regime's band
+        widened by its own distance from the fit evidence, doublings included, which the
+        search's least leaves out), once per layer-table key (which holds every field the
+        band reads). Shaved by 1e-9, so that rounding between this product and the interval's
+        quotient never prunes a row whose key ties the k-th; never below the search's least."""
+        layout, tr, key = bb.setup(idx)
+        if key not in bb.factors:
+            f = U.key_factor(bb.pb.model, bb.pb.cluster, tr, layout)
+            bb.factors[key] = max(bb.scale, f * (1 - 1e-9))
+        return bb.factors[key]
+
+    def order_factor(self, bb: BranchAndBound, idx: int) -> float:
+        """`row_factor` where the row's groups sit in the fabric of the narrower band
+        (`uncertainty.least_key_factor_of`), once per row key: what a row's heap order reads,
+        before its layout is built."""
+        j = bb.key_of[idx]
+        if j not in bb.order_factors:
+            layout, tr, _ = bb.setup(idx)
+            f = U.least_key_factor_of(bb.pb.model, bb.pb.cluster, tr, layout)
+            bb.order_factors[j] = max(bb.scale, f * (1 - 1e-9))
+        return bb.order_factors[j]
+
     def tables(self, bb: BranchAndBound, idx: int) -> list[LayerTable]:
         """Its own table and, when no fit row backs its overlap or dispatcher, its pessimistic
         variant's, since that variant prices its key."""
@@ -99,10 +133,15 @@ class Robust(Objective):
         row can reach. The balanced split tracks what screening finds far better than the even
         spread, so the rows that set the k-th best are screened first and the k-th best
         tightens early. The order decides only which plans outside the top k get priced
-        (`best_validated` is the best of those when the top k has none)."""
-        if tight >= bb.kth():  # past the k-th best the order is moot
-            return tight
-        return max(tight, bb.steady_split_bound(idx))
+        (`best_validated` is the best of those when the top k has none).
+
+        Both are taken up by the row's key factor over the search's least (`order_factor`),
+        so the heap holds bounds on keys over the least factor and stops where no row's key
+        can reach the k-th key, not only where no row's point can."""
+        r = self.order_factor(bb, idx) / bb.scale
+        if tight * r >= bb.kth():  # past the k-th best the order is moot
+            return tight * r
+        return max(tight, bb.steady_split_bound(idx)) * r
 
     def split_bound(self, bb: BranchAndBound, idx: int) -> float:
         """The larger of its own and its pessimistic variant's balanced split, which the
@@ -114,6 +153,19 @@ class Robust(Objective):
         layout = bb.setup(idx)[0]
         return max(b, worse.balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp, layout.vpp,
                                                 layout.num_microbatches))
+
+    def offload_bound(self, bb: BranchAndBound, idx: int) -> float:
+        """The row's least pipeline with its host link slowed (`slow_host_pipeline`), when no
+        fit row backs activation offload: a plan that offloads activations is then priced, at
+        its interval's low end, on the slow link (its key is at least that pipeline times the
+        row's key factor), and a plan that offloads none has no copies, so the slow link
+        leaves its pipeline as its point prices it. Only for a row whose layout effects are
+        validated (no pessimistic variant): a variant prices the low end on another layout.
+        Under memory pressure the point hides the copies the slow link exposes, so rows whose
+        point wins on offload drop out without a screen."""
+        if U.validated("activation_offload") or bb.pessimistic(idx) is not None:
+            return 0.0
+        return bb.slow_host_pipeline(idx)
 
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """A row whose unvalidated overlap or dispatcher the interval's low end takes away is
