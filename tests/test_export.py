@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 from collections.abc import Sequence
 
@@ -29,30 +28,10 @@ from moeplan.planner.export import (
 from moeplan.specs.stage_layout import parse_stage_layout
 
 from .conftest import REPO
+from .megatron_core_config import CUSTOM_TYPES
 
 
 # ------------------------------------------------------------------ Megatron's parsing rules
-def _eval_pattern(x: str) -> list[int]:
-    """arguments.py::_eval_pattern: only digits and `,[]()+*`, then a Python list expression."""
-    if re.search(r"[^,\d\[\]\(\)\+\*]", x):
-        raise argparse.ArgumentTypeError(f"invalid pattern {x!r}")
-    return eval(x)  # noqa: S307 (the same evaluation Megatron performs)
-
-
-def _freq_type(x: str) -> int | list[int]:
-    """arguments.py::moe_freq_type."""
-    return _eval_pattern(x) if "[" in x else int(x)
-
-
-def _tuple_type(x: str) -> tuple[int, ...]:
-    """arguments.py::tuple_type."""
-    return tuple(int(i) for i in x.strip("()").split(","))
-
-
-_CUSTOM_TYPES = {"--moe-layer-freq": _freq_type, "--window-attn-skip-freq": _freq_type,
-                 "--window-size": _tuple_type}
-
-
 def megatron_parser() -> argparse.ArgumentParser:
     """argparse with exactly the table's flags, arities, types and choices (allow_abbrev off,
     as in Megatron's parse_args)."""
@@ -61,7 +40,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         if f.nargs == 0:
             p.add_argument(name, action="store_true")
             continue
-        kw: dict = {"type": _CUSTOM_TYPES.get(name, f.type or str)}
+        kw: dict = {"type": CUSTOM_TYPES.get(name, f.type or str)}
         if f.choices:
             kw["choices"] = list(f.choices)
         if f.nargs == "+":

@@ -177,15 +177,18 @@ def test_module_sets_cost_each_subset_like_the_reference():
 
 
 def brute_force(P: StageProblem) -> float:
-    """Every layer split over ranks × every option subset per rank."""
+    """Every layer split over ranks × every option subset per rank (one subset shared by every
+    rank where the problem says so, `P.uniform`)."""
     splits = [c for c in itertools.product(range(P.free_layers + 1), repeat=P.pp)
               if sum(c) == P.free_layers]
     subsets = [list(c) for n in range(len(P.options) + 1)
                for c in itertools.combinations(P.options, n)
                if not any(f.hit(set(c)) for f in P.forbidden)]
+    combos = ([[c] * P.pp for c in subsets] if P.uniform
+              else list(itertools.product(subsets, repeat=P.pp)))
     best = float("inf")
     for layers in splits:
-        for combo in itertools.product(subsets, repeat=P.pp):
+        for combo in combos:
             step, mem = evaluate(P, layers, combo)
             if all(mm <= bb + 1e-9 for mm, bb in zip(mem, P.budget_bytes, strict=True)):
                 best = min(best, step)
@@ -359,22 +362,6 @@ def test_rank_separable_solution_with_layers_fixed_equals_the_milp_and_brute_for
     assert fast.layers == split
 
 
-def brute_force_uniform(P: StageProblem) -> float:
-    """Every layer split × one option subset shared by every rank."""
-    splits = [c for c in itertools.product(range(P.free_layers + 1), repeat=P.pp)
-              if sum(c) == P.free_layers]
-    subsets = [list(c) for n in range(len(P.options) + 1)
-               for c in itertools.combinations(P.options, n)
-               if not any(f.hit(set(c)) for f in P.forbidden)]
-    best = float("inf")
-    for layers in splits:
-        for c in subsets:
-            step, mem = evaluate(P, layers, [c] * P.pp)
-            if all(mm <= bb + 1e-9 for mm, bb in zip(mem, P.budget_bytes, strict=True)):
-                best = min(best, step)
-    return best
-
-
 REQUIRES = as_combo(((OFF_FC1,), (MOE_ACT,)))  # offload expert_fc1 only with moe_act recomputed
 
 
@@ -398,7 +385,7 @@ def test_one_set_for_every_rank_equals_brute_force(items, L, pp, vpp, with_fixed
                 options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
     P = dataclasses.replace(P, uniform=True,
                             forbidden=P.forbidden + ((REQUIRES,) if requires else ()))
-    ref = brute_force_uniform(P)
+    ref = brute_force(P)
     if ref == float("inf"):
         with pytest.raises(InfeasibleStages):
             solve(P)

@@ -481,12 +481,17 @@ def least_low_end(model: ModelSpec, cluster: ClusterSpec, precision: str, fabric
     layout shares (the model, its family, the GPU and precision's rows) and by no doubling,
     since doublings only widen (`widen`). What a search may bound robust keys by."""
     p = profile or default_profile()
-    keys = regime_names(model, cluster, precision, fabric)
-    q_lo, q_hi, _, _ = p.bounds(keys)
     near = Distance(model.name, model.name in p.seen_models,
                     model_family(model.name) in p.seen_families, {},
                     p.gpu_precision_rows.get(f"{cluster.gpu}/{precision}", 0))
-    return widen(q_lo, q_hi, keys, near, p)[0]
+    return _low_end(model, cluster, precision, fabric, near, p)
+
+
+def _low_end(model: ModelSpec, cluster: ClusterSpec, precision: str, fabric: str,
+             far: Distance, p: IntervalProfile) -> float:
+    """The regime's log band's low end, widened by `far` (as `estimate` prices it)."""
+    keys = regime_names(model, cluster, precision, fabric)
+    return widen(*p.bounds(keys)[:2], keys, far, p)[0]
 
 
 def key_factor(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
@@ -515,9 +520,8 @@ def _key_factor(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         return math.exp(-min(measured[0], 0.0))
     p = profile or default_profile()
     far = distance(model, cluster, training, layout, p)
-    return min(math.exp(-min(widen(*p.bounds(keys)[:2], keys, far, p)[0], 0.0))
-               for keys in (regime_names(model, cluster, training.precision, fab)
-                            for fab in fabrics))
+    return min(math.exp(-min(_low_end(model, cluster, training.precision, fab, far, p), 0.0))
+               for fab in fabrics)
 
 
 def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,
