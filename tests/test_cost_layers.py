@@ -1,5 +1,7 @@
 """Per-layer costs: activation bytes by hand, recompute/offload semantics, planner options."""
 
+import math
+
 import pytest
 
 from moeplan.cost_models import calibration_for, dense_layer, make_context, moe_layer
@@ -122,3 +124,60 @@ def test_context_parallel_adds_per_step_corrections():
                for share, keys in cp_kernel_lengths(s, 2))
     merge = membound_time(2 * 8 * N * a * d, c.cluster.hbm_tb_s, c.cal)
     assert dense_layer(c).recompute_fwd_s["core_attn"] == pytest.approx(core + merge)
+
+
+def _without_host(ctx):
+    """The context with no host time per launch: device time only."""
+    from dataclasses import replace
+
+    from moeplan.cost_models import make_context
+
+    return make_context(ctx.model, ctx.cluster, ctx.training, ctx.layout,
+                        replace(ctx.cal, launch_us={}))
+
+
+def test_yarn_with_a_cos_sin_factor_runs_rope_unfused_and_prices_its_traffic():
+    # gpt-oss-120b: yarn s = 32 without mscale/mscale_all_dim, cos/sin × (0.1·ln 32 + 1);
+    # Megatron Core then applies RoPE with PyTorch kernels: 20 more bytes per q/k element
+    # forward, 14 backward, and 23 more launches forward
+    from moeplan.cost_models.compute import membound_time
+    from moeplan.cost_models.host import UNFUSED_ROPE_FWD, layer_launches, unfused_rope
+
+    c = _without_host(ctx_for("gpt-oss-120b", Layout(dp=8, ep=8)))
+    m = c.model
+    assert m.rope_scaling.yarn_attention_factor() == pytest.approx(0.1 * math.log(32) + 1)
+    plain = m.model_copy(update={"rope_scaling": None})
+    # DeepSeek-V3's yarn sets mscale = mscale_all_dim = 1: factor 1, TE's fused kernel
+    ds = m.model_copy(update={"rope_scaling": m.rope_scaling.model_copy(
+        update={"mscale": 1.0, "mscale_all_dim": 1.0})})
+    assert unfused_rope(m) and not unfused_rope(plain) and not unfused_rope(ds)
+    base = _without_host(make_context(plain, c.cluster, c.training, c.layout, c.cal))
+    elems = 4096 * (m.num_attention_heads + m.kv_heads) * m.head_dim_
+    hbm = c.cluster.hbm_tb_s
+    full, ref = dense_layer(c), dense_layer(base)
+    assert full.fwd_s - ref.fwd_s == pytest.approx(membound_time(20 * elems, hbm, c.cal))
+    assert full.bwd_s - ref.bwd_s == pytest.approx(membound_time(14 * elems, hbm, c.cal))
+    n, n0 = (layer_launches(x, c.layout, "bf16", "dense") for x in (m, plain))
+    assert n.pre - n0.pre == UNFUSED_ROPE_FWD and n.bwd > n0.bwd
+
+
+def test_expert_output_biases_price_megatrons_eager_weighted_bias_path():
+    # gpt-oss experts carry biases; Megatron Core adds the fc2 bias times each copy's fp32
+    # routing probability expert by expert: 28 bytes per routed element forward, 36 backward,
+    # 2 launches per local expert (+2) forward and 5 (+1) backward
+    from moeplan.cost_models.compute import membound_time
+    from moeplan.cost_models.host import layer_launches
+
+    L = Layout(dp=8, ep=8)
+    c = _without_host(ctx_for("gpt-oss-120b", L))
+    m = c.model
+    nob = m.model_copy(update={"mlp_bias": False})
+    base = _without_host(make_context(nob, c.cluster, c.training, L, c.cal))
+    n = 4096 * m.moe_top_k * m.hidden_size
+    hbm = c.cluster.hbm_tb_s
+    lc, ref = moe_layer(c), moe_layer(base)
+    assert lc.fwd_s - ref.fwd_s == pytest.approx(membound_time(28 * n, hbm, c.cal))
+    assert lc.bwd_s - ref.bwd_s == pytest.approx(membound_time(36 * n, hbm, c.cal))
+    local = m.num_experts // L.ep
+    a, b = (layer_launches(x, L, "bf16", "moe") for x in (m, nob))
+    assert (a.post - b.post, a.bwd - b.bwd) == (2 * local + 2, 5 * local + 1)

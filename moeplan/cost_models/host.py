@@ -64,6 +64,24 @@ BWD_FACTOR = 2.0     # each non-GEMM forward kernel has about two backward kerne
 # aux-loss pieces) and the permutation (argsort, index_select, scatter-add, the probabilities'
 # multiply) as separate kernels
 UNFUSED_MOE = 12
+# RoPE outside TE's fused kernel (`unfused_rope`), per call on q and on k: cos and sin of the
+# angles, each scaled and cast (6), t·cos, rotate-half (neg, cat), ·sin, add, the concat with
+# the pass-through dims (6): 24 forward kernels in place of one; 5 per call backward
+UNFUSED_ROPE_FWD, UNFUSED_ROPE_BWD = 23, 10
+# experts' output bias weighted by the routing probability in Megatron Core's eager path
+# (TEGroupedMLP._apply_bias): per local expert bias·prob and the add forward, then one concat
+# and one cast; backward the cast, the two products and the two reductions per expert
+EXPERT_BIAS_FWD, EXPERT_BIAS_BWD = 2, 5
+
+
+def unfused_rope(model: ModelSpec) -> bool:
+    """Whether Megatron Core applies RoPE with separate PyTorch kernels: yarn with a cos/sin
+    factor other than 1 (gpt-oss's get_mscale(32) = 1.347), which Transformer Engine's fused
+    RoPE does not take (`rope_utils.apply_rotary_pos_emb`: "mscale ... is not supported by TE's
+    fused RoPE. Using unfused implementation."). MLA's decoupled RoPE is not priced here."""
+    r = model.rope_scaling
+    return (model.attention != "mla" and r is not None and r.kind == "yarn"
+            and abs(r.yarn_attention_factor() - 1.0) > 1e-9)
 
 
 def host_kind(cluster: ClusterSpec) -> str:
@@ -85,6 +103,8 @@ class Launches:
 def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
     """(forward launches, of which GEMMs) of the attention block."""
     n, gemms = (ATTN_MLA, 5) if model.attention == "mla" else (ATTN_GQA, 2)
+    if unfused_rope(model):
+        n += UNFUSED_ROPE_FWD
     if layout.tp > 1:
         n += TP_COLLECTIVES
     if layout.cp > 1:
@@ -103,21 +123,25 @@ def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
         return Launches(LOSS, 0.0, BWD_FACTOR * LOSS)
     q = 1 if precision != "bf16" else 0
     attn, attn_gemms = attention_launches(model, layout)
+    # the unfused RoPE's backward is counted as it runs, not as BWD_FACTOR per forward kernel
+    rope_b = (UNFUSED_ROPE_BWD - BWD_FACTOR * UNFUSED_ROPE_FWD) if unfused_rope(model) else 0.0
     if kind != "moe":
         tp = TP_COLLECTIVES if layout.tp > 1 else 0
         gemms = attn_gemms + 2
         fwd = attn + DENSE_MLP + tp + q * gemms
-        bwd = BWD_FACTOR * (attn + DENSE_MLP + tp - gemms) + 2 * gemms + q * gemms
+        bwd = BWD_FACTOR * (attn + DENSE_MLP + tp - gemms) + 2 * gemms + q * gemms + rope_b
         return Launches(fwd, 0.0, bwd)
     local = max(1, (model.num_experts or 1) // layout.ep)
     unfused = 0 if fused_moe else UNFUSED_MOE
     shared = SHARED_EXPERT if model.num_shared_experts else 0
     grouped_ops = 2 + (2 if shared else 0)             # fc1 and fc2 (and the shared ones)
     pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
-    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops + unfused / 2
+    bias_f, bias_b = ((EXPERT_BIAS_FWD * local + 2, EXPERT_BIAS_BWD * local + 1)
+                      if model.mlp_bias else (0, 0))
+    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops + unfused / 2 + bias_f
     gemms = attn_gemms + 1 + 2 * local + (2 if shared else 0)
     non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local + unfused
-    bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops)
+    bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops) + rope_b + bias_b
     return Launches(pre, post, bwd, 1)
 
 

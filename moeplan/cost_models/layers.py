@@ -29,7 +29,7 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
-from .host import SYNC_GAP_LAUNCHES, floor_excess, host_kind, layer_launches
+from .host import SYNC_GAP_LAUNCHES, floor_excess, host_kind, layer_launches, unfused_rope
 from .overlap import overlap_cost
 
 BF16 = 2
@@ -347,6 +347,31 @@ def _unfused_attention(ctx: Context, queries: float, keys: float, heads: float, 
     return gemm + _mem(ctx, (4 + drop) * n), 2 * gemm + _mem(ctx, (6 + drop) * n), n
 
 
+def _unfused_rope(ctx: Context, elems: float) -> tuple[float, float]:
+    """(forward s, backward s) RoPE adds over the fused kernel's one read and write (priced
+    with the QKV elementwise traffic) when it runs unfused (`host.unfused_rope`) on `elems`
+    query and key elements: t·cos, the rotate-half's negation and concat, ·sin, the add and
+    the concat with the pass-through dims read 6.5 and write 5.5 bf16 copies forward (24 bytes
+    an element, 20 more than fused); autograd's products, negation and sum of the two paths
+    about 18 backward (14 more)."""
+    if not unfused_rope(ctx.model):
+        return 0.0, 0.0
+    return _mem(ctx, 20 * elems), _mem(ctx, 14 * elems)
+
+
+def _expert_bias(ctx: Context, copies: float) -> tuple[float, float]:
+    """(forward s, backward s) of the experts' output bias weighted by each copy's routing
+    probability in Megatron Core's eager path (`TEGroupedMLP._apply_bias`, the default without
+    `moe_single_grouped_bias`): per local expert t + b·p in fp32 (the probabilities are fp32),
+    concatenated, cast back to bf16: 28 bytes per routed element forward (b·p written 4; t, b·p
+    read 6, sum written 4; concat 8; cast 6); backward the cast (6), the add's bf16 gradient
+    (6), and the products and row sums giving b's and p's gradients (12 each): 36."""
+    if not ctx.model.mlp_bias:
+        return 0.0, 0.0
+    n = copies * ctx.model.hidden_size
+    return _mem(ctx, 28 * n), _mem(ctx, 36 * n)
+
+
 @_per_context
 def attention_block(ctx: Context, sliding: bool) -> _Attn:
     """Input norm + attention (GQA or MLA) + output projection, SP/TP/CP sharded."""
@@ -391,9 +416,10 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
         core_f, core_b = core_f + f_, core_b + b_
     norm = _norm_add(ctx)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))
+    rope_f, rope_b = _unfused_rope(ctx, N * (a + kv_heads) / t * d_qk)
     gemm_f = down + up + proj
-    fwd = norm + gemm_f + core_f + elementwise
-    bwd = 2 * (norm + gemm_f + elementwise) + core_b
+    fwd = norm + gemm_f + core_f + elementwise + rope_f
+    bwd = 2 * (norm + gemm_f + elementwise) + core_b + rope_b
     # TP with sequence parallelism: all-gather before QKV, reduce-scatter after the projection,
     # the reverse in backward (Korthikanti et al. 2022 §4.2.2)
     tp = 4 * _tp_ring(ctx, N * h * BF16) if t > 1 else 0.0
@@ -531,9 +557,10 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     if m.num_shared_experts:
         shared_g, shared_act, sh_fc1, sh_out = _ffn(ctx, N, m.shared_expert_ffn_hidden_size or 0, t)
     norm2 = _mem(ctx, 10 * Nsp * h)
+    bias_f, bias_b = _expert_bias(ctx, R)
     moe_f = router + perm + g_e + act_e
-    fwd = at.fwd + norm2 + moe_f + shared_g + shared_act
-    bwd = at.bwd + 2 * (norm2 + moe_f + shared_g + shared_act)
+    fwd = at.fwd + norm2 + moe_f + shared_g + shared_act + bias_f
+    bwd = at.bwd + 2 * (norm2 + moe_f + shared_g + shared_act) + bias_b
     # EP: dispatch + combine forward, the same backward, at the busiest rank (imbalance)
     a2a = _dispatch_time(ctx, Nsp * h * BF16 * imbalance)
     etp = C.ring_time(R * h * BF16, ctx.etp_place, ctx.cluster, ctx.cal) if L.etp > 1 else 0.0
@@ -550,7 +577,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     # Without overlap, dispatch feeds the experts and combine feeds the next layer: all of it is
     # on the critical path. A micro-batch with no partner (warm-up, cool-down) exposes all of
     # it: `edge_exposed_s`.
-    mlp_f = norm2 + moe_f + shared_g + shared_act
+    mlp_f = norm2 + moe_f + shared_g + shared_act + bias_f
     eta, sm = ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch)
     ep_exp = (sum(overlap_cost(ep / 4, beside, eta, sm)
                   for beside in (2 * mlp_f, mlp_f, at.bwd, at.fwd))
@@ -567,7 +594,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
         ActTensor("shared_act_out", BF16 * sh_out, frozenset({"shared_experts"}), None),
     )
     rec = {"core_attn": at.core_fwd, "layernorm": at.norm_fwd + norm2, "moe_act": act_e,
-           "moe": moe_f + ep_exp / 2, "full": fwd + exp_f}
+           "moe": moe_f + bias_f + ep_exp / 2, "full": fwd + exp_f}
     if m.num_shared_experts:
         rec["shared_experts"] = shared_g + shared_act
     if m.attention == "mla":

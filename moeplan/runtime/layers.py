@@ -181,19 +181,12 @@ class Linear(nn.Module):
         return self.backend.linear(x, self.weight, self.bias if bias else None)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def _yarn(inv_base: torch.Tensor, dim: int, theta: float, r) -> tuple[torch.Tensor, float]:
     """YaRN (Peng et al. 2023, §3.2–3.4), as transformers' `_compute_yarn_parameters`: pairs
     rotating fewer than beta_slow times over the original context are interpolated (÷ factor),
     those rotating more than beta_fast times kept, a linear ramp in between; cos/sin × mscale."""
     factor, L0 = r.yarn_factor(), r.original_max_position_embeddings
-    af = r.attention_factor
-    if af is None:
-        af = (_yarn_mscale(factor, r.mscale) / _yarn_mscale(factor, r.mscale_all_dim)
-              if r.mscale and r.mscale_all_dim else _yarn_mscale(factor))
+    af = r.yarn_attention_factor()
 
     def corr_dim(rotations: float) -> float:
         return dim * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))

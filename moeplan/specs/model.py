@@ -80,6 +80,22 @@ class RopeScaling(BaseModel):
         return self.factor or (self.max_position_embeddings  # type: ignore[operator]
                                / self.original_max_position_embeddings)
 
+    def yarn_attention_factor(self) -> float:
+        """yarn's constant factor on cos/sin (transformers' `attention_factor`, Megatron's
+        "concentration factor"): given, or get_mscale(s, mscale) / get_mscale(s, mscale_all_dim)
+        when both scales are set (DeepSeek-V3: 1), else get_mscale(s) = 0.1·ln s + 1 (gpt-oss:
+        1.347 at s = 32)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        s = self.yarn_factor()
+
+        def get_mscale(m: float = 1.0) -> float:
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.mscale) / get_mscale(self.mscale_all_dim)
+        return get_mscale()
+
 
 class ModelSpec(BaseModel):
     """A decoder-only transformer, dense or Mixture-of-Experts, GQA or MLA attention."""
