@@ -306,7 +306,7 @@ def interval_section() -> list[str]:
                 f"{100 * (math.exp(fam['q_lo']) - 1):+.0f}% / "
                 f"{100 * (math.exp(fam['q_hi']) - 1):+.0f}% over {fam['rows']} rows."]
     if d.get("model_bands"):
-        out += ["", "Per-model bands (held-out rows of a fit that saw the model's others): " +
+        out += ["", "Bands of models missed as a whole (their held-out rows, of a fit that saw the model's others; a model the fit explains has none, its rows being in its regime's band): " +
                 "; ".join(f"{m} {100 * (math.exp(v['q_lo']) - 1):+.0f}% / "
                           f"{100 * (math.exp(v['q_hi']) - 1):+.0f}% ({v['rows']})"
                           for m, v in d["model_bands"].items()) + "."]

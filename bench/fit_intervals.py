@@ -15,8 +15,11 @@ The honest samples of the model's error are the cross-validated predictions of
 - every row, predicted by a refit without its model (leave-one-model-out): the error on a
   model the fit never saw, per regime (`unseen`), and pooled over the rows whose family had no
   other model in the fit (`family_unseen`);
-- per model, the conformal band of its own held-out rows (`model_bands`, at least MODEL_ROWS):
-  a model the fit misses as a whole keeps its rows in the fit, and its interval covers it.
+- per model the fit misses as a whole (`models`), the conformal band of its own held-out rows
+  (`model_bands`, at least MODEL_ROWS): it keeps its rows in the fit, its rows stay out of the
+  regime bands, and this band covers it. A model the fit explains has no band of its own: its
+  held-out rows are already in its regime's band, and taking the wider of two bands measured
+  on the same rows would count their spread twice.
 
 An estimate's interval starts from its regime's band and widens by its distance from the fit
 evidence (`uncertainty.widen`): a model or family no fit row has, a GPU and precision with
@@ -78,10 +81,11 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                                    "rows": len(rows)}
 
 
-def model_bands(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def model_bands(rows: list[dict[str, Any]], off: set[str]) -> dict[str, dict[str, Any]]:
+    """The held-out band of each model in `off` (missed as a whole) with MODEL_ROWS rows."""
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        if r["family"] != "gpt":  # GPTs at their own dimensions are not one model
+        if r["model"] in off and r["family"] != "gpt":  # GPTs at their own dimensions vary
             by[r["model"]].append(r)
     return {m: b for m, rs in sorted(by.items()) if len(rs) >= MODEL_ROWS
             and (b := pooled(rs)) is not None}
@@ -209,7 +213,7 @@ def distance_parts(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
         counts[r["gpu_precision"]] += 1
     return {"regimes": bands([r for r in held if r["model"] not in off]), "unseen": bands(lomo),
             "family_unseen": pooled([r for r in lomo if r["family"] in lone]),
-            "model_bands": model_bands(held),
+            "model_bands": model_bands(held, set(off)),
             "seen_models": sorted({r["model"] for r in lomo if r["family"] != "gpt"}),
             "seen_families": sorted({r["family"] for r in lomo if r["family"] != "gpt"}),
             "ranges": dimension_ranges(lomo), "per_doubling": per_doubling,

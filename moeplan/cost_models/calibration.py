@@ -74,10 +74,11 @@ class Calibration:
     # no published row documents graphs, so this is a prior, not a fit (Megatron-LM's guide:
     # graphs "increase memory usage")
     cuda_graph_gb: float = 2.0
-    # share of the attention microbenchmark's throughput (attn_fwd_eff/attn_bwd_eff, measured
-    # on cuDNN kernels alone) that a training step's attention realises, per architecture:
-    # the step also runs TE's layout changes, RoPE and softmax-statistics traffic around the
-    # kernel and, under CP, one kernel per ring step; fitted on the fit rows, ≤ 1 (missing: 1)
+    # share of today's attention microbenchmark (attn_fwd_eff/attn_bwd_eff, cuDNN kernels
+    # alone) that the attention of an older software stack realised, per architecture: the
+    # kernels and Transformer Engine's context-parallel path of 2024 and before
+    # (TrainingSpec.software_stack other than 'current'); fitted on the rows of those stacks
+    # only, ≤ 1 (missing: 1). The current stack runs the measured kernels as measured.
     attn_realised: dict[str, float] = field(default_factory=dict)
     # host time per eager kernel launch (Python module code, PyTorch dispatcher,
     # cudaLaunchKernel), microseconds, per host CPU ("x86", "grace"; cost_models.host): the

@@ -156,17 +156,21 @@ def attention_length_ceiling(arch: str) -> tuple[float, float]:
 
 def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str,
                    head_dim: float | None = None, kv_len: float | None = None,
-                   windowed: bool = False) -> tuple[float, float]:
+                   windowed: bool = False, current_kernels: bool = True
+                   ) -> tuple[float, float]:
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
     (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
     scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given and
     by `attention_length_factors` when the keys per kernel call are (a window's when
-    `windowed`), and by the share of the
-    microbenchmark a training step realises (`Calibration.attn_realised`). `flops_fwd` is the
-    work the kernel does (see `attended_keys`), not the model count."""
+    `windowed`). The measured rates are today's cuDNN kernels, which a step on the current
+    stack runs as measured; an older stack (`current_kernels` False: Megatron Core and
+    Transformer Engine of 2024 and before) ran older kernels, at the share of today's rate the
+    published runs of those stacks realised (`Calibration.attn_realised`, fitted on them only).
+    `flops_fwd` is the work the kernel does (see `attended_keys`), not the model count."""
     f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
     lf, lb = attention_length_factors(kv_len, arch, windowed) if kv_len else (1.0, 1.0)
-    f *= min(1.0, cal.attn_realised.get(arch, 1.0))
+    if not current_kernels:
+        f *= min(1.0, cal.attn_realised.get(arch, 1.0))
     fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f * lf)
     bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f * lb)
     return fwd, bwd

@@ -529,8 +529,9 @@ def widen(q_lo: float, q_hi: float, keys: Sequence[str], far: Distance,
     """The log band (q_lo, q_hi) widened by the distance from the fit evidence, with the
     reasons: a model no fit row has takes the band of models left out of the fit (of families
     left out, when its family has no fit row either); so does a GPU and precision with fewer
-    than FEW_ROWS fit rows; a model whose own rows the fit misses takes the band of its rows
-    held out; each doubling of a dimension beyond the fit rows' range widens both ends by
+    than FEW_ROWS fit rows; a model the fit misses as a whole takes the band of its rows held
+    out (only such a model has one: the others' held-out rows are in their regime's band);
+    each doubling of a dimension beyond the fit rows' range widens both ends by
     `per_doubling`. Never narrower than the band it starts from."""
     p, why = profile, []
     bands: list[tuple[float, float]] = []

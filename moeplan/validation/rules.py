@@ -71,6 +71,17 @@ MEGATRON_2022_SOURCES = ("Korthikanti et al. 2022",)
 # optimizations MegaScale adds (§3.2) — so the baseline loses efficiency as DP grows (53% MFU
 # at 256 GPUs, 41% at 12,288, Table 2).
 MEGATRON_2023_SOURCES = ("MegaScale (ByteDance, NSDI 2024)",)
+# Megatron Core before 0.13 (2024 to mid-2025): before the fused MoE router
+# (`--moe-router-fusion`, Megatron Core 0.13) and the cuDNN attention kernels of the late-2025
+# recipes. The NeMo 24.07 tables, the NeMo 2.0 tables of the 25.02 and 25.04 containers, the
+# long-sequence doc (NeMo 24.x and 25.0x containers), the Megatron-LM READMEs of Megatron Core
+# r0.8–0.9 and the Parallel Folding paper's runs (Megatron Core of early 2025, arXiv
+# 2504.14960) all predate them; NeMo 25.07 (Megatron Core 0.13) and Megatron-Bridge do not.
+MCORE_2024_SOURCES = ("NVIDIA NeMo performance summary (NeMo 24",
+                      "NVIDIA NeMo 2.0 performance summary (NeMo 25.02)",
+                      "NVIDIA NeMo 2.0 performance summary (NeMo 25.04)",
+                      "NVIDIA NeMo long-sequence", "MoE Parallel Folding",
+                      "Megatron-LM MoE README", "Megatron-LM README")
 
 
 def training_settings(row: dict[str, str]) -> dict[str, Any]:
@@ -84,6 +95,8 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
         out["software_stack"] = "megatron-2022"
     elif src.startswith(MEGATRON_2023_SOURCES):
         out["software_stack"] = "megatron-2023"
+    elif src.startswith(MCORE_2024_SOURCES):
+        out["software_stack"] = "mcore-2024"
     if src.startswith(BF16_GRAD_REDUCE_SOURCES):
         out["grad_reduce_dtype"] = "bf16"
     if src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8":
