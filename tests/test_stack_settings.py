@@ -398,3 +398,31 @@ def test_the_stack_is_a_command_line_setting(capsys):
     assert '"software_stack": "mcore-2024"' not in capsys.readouterr().err
     assert main([*args, "--stack", "2019"]) == 2
     assert "software_stack" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("notes, settings", [
+    ("DeepEP dispatcher; EP A2A overlap; CUDA graphs",
+     {"dispatcher": "flex", "ep_overlap": True, "cuda_graphs": True}),
+    ("w/o EP overlap, alltoall dispatcher", {"dispatcher": "alltoall", "ep_overlap": False}),
+    ("no CUDA graphs; HybridEP", {"dispatcher": "flex", "cuda_graphs": False}),
+    ("CUDA graphs disabled", {"cuda_graphs": False}),
+    ("DP/TP/PP/CP overlap enabled", {"tp_comm_overlap": True}),
+    ("1F1B A2A overlap (--overlap-moe-expert-parallel-comm)", {"ep_overlap": True}),
+    ("MoE benchmarks force-balance tokens across experts, dropless", {}),
+])
+def test_a_rows_own_text_documents_its_dispatcher_overlaps_and_graphs(notes, settings):
+    from moeplan.validation.rules import documented_settings
+
+    assert documented_settings({"other_notes": notes}) == settings
+
+
+def test_a_row_that_documents_deepep_and_graphs_is_cased_with_them():
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    row = next(r for r in read_rows() if r["id"] == "R0601")  # Mixtral, MoE README, H100
+    plain = case_of({**row, "other_notes": "dropless"}, presets)
+    told = case_of({**row, "other_notes": "dropless; DeepEP dispatcher; CUDA graphs"}, presets)
+    assert (plain.layout.dispatcher, plain.layout.cuda_graphs) == ("alltoall", False)
+    assert (told.layout.dispatcher, told.layout.cuda_graphs) == ("flex", True)
+    assert told.assumed["dispatcher"] == "flex"  # recorded with the case's assumptions

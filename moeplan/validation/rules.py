@@ -8,6 +8,7 @@ Each rule here names the documentation it follows; `cases.case_of` applies them,
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..specs.model import ModelSpec
@@ -110,3 +111,42 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
     if tp > 1 and src.startswith(TP_OVERLAP_SOURCES):
         return {"tp_comm_overlap": True}
     return {}
+
+
+# Settings a row's own text documents (its notes and source detail), in the words sources use:
+# the DeepEP / HybridEP dispatchers (Megatron's `flex` token dispatcher), Megatron's all-to-all
+# and all-gather dispatchers, EP communication overlap (`--overlap-moe-expert-parallel-comm`,
+# Megatron-Bridge's `moe_a2a_overlap`, "EP/A2A overlap"), TP communication overlap
+# ("TP overlap", "DP/TP/PP/CP overlap enabled") and CUDA graphs. A phrase preceded in its clause
+# by a negation ("no", "w/o", "without", "not", "disabled"), or followed by "disabled"
+# or "off", documents the setting off.
+NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
+    (r"deep-?ep|hybrid-?ep|flex (?:token )?dispatcher", "dispatcher", "flex"),
+    (r"all-?to-?all (?:token )?dispatcher", "dispatcher", "alltoall"),
+    (r"all-?gather (?:token )?dispatcher", "dispatcher", "allgather"),
+    (r"(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
+     r"overlap|overlap-moe-expert-parallel-comm|moe_a2a_overlap", "ep_overlap", True),
+    (r"\btp(?:/[a-z]{2})*(?: comm(?:unication)?)? overlap|(?:[a-z]{2}/)+tp(?:/[a-z]{2})* "
+     r"overlap|tp_comm_overlap", "tp_comm_overlap", True),
+    (r"cuda[- ]?graphs?", "cuda_graphs", True),
+)
+NEGATION = re.compile(r"(?:\bno|w/o|without|\bnot|disabled?)\s+(?:\S+\s+){0,2}$")
+
+
+def documented_settings(row: dict[str, str]) -> dict[str, Any]:
+    """Layout settings the row's own notes and source detail name (NOTE_SETTINGS): what a
+    source documents about its run is read, not assumed."""
+    text = f"{row.get('other_notes') or ''}; {row.get('source_detail') or ''}".lower()
+    out: dict[str, Any] = {}
+    for pattern, key, value in NOTE_SETTINGS:
+        for m in re.finditer(pattern, text):
+            clause = re.split(r"[,;|.()]", text[max(0, m.start() - 30):m.start()])[-1]
+            after = re.split(r"[,;|.()]", text[m.end():m.end() + 20])[0]
+            negated = (NEGATION.search(clause) is not None
+                       or re.match(r"\s*(?:(?:is|are|was|were)\s+)?(?:disabled|off\b|not\b)",
+                                   after) is not None)
+            if negated and isinstance(value, bool):
+                out.setdefault(key, False)
+            elif not negated:
+                out.setdefault(key, value)
+    return out
