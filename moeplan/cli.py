@@ -313,8 +313,10 @@ def estimate(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     grad_reduce: GradReduceOpt = "fp32",
     stack: Annotated[str, typer.Option("--stack", help="Software stack the estimate assumes: "
-                     "current (fused MoE router and permutation, fused sink attention, DP "
-                     "communication overlapped), mcore-2024 (without those fusions), "
+                     "current (fused MoE router and permutation, fused sink attention, "
+                     "attention at today's kernel rates, DP communication overlapped), "
+                     "mcore-2024 (Megatron Core before 0.13: without those fusions, older "
+                     "attention kernels), "
                      "megatron-2023 (also without DP overlap), megatron-2022 (also unfused "
                      "attention) or megatron-2021 (also no sequence parallelism).")
                      ] = "current",
