@@ -54,9 +54,12 @@ def tuple_type(x: str) -> tuple[int, ...]:
 CUSTOM_TYPES = {"--moe-layer-freq": freq_type, "--window-attn-skip-freq": freq_type,
                 "--window-size": tuple_type}
 DESTS = {"--disable-bias-linear": "add_bias_linear", "--no-rope-fusion": "apply_rope_fusion",
-         "--fp8-format": "fp8", "--fp4-format": "fp4", "--norm-epsilon": "layernorm_epsilon"}
-STORE_FALSE = {"--disable-bias-linear", "--no-rope-fusion"}
-DEFAULTS = {"add_bias_linear": True, "apply_rope_fusion": True}  # Megatron's argparse defaults
+         "--fp8-format": "fp8", "--fp4-format": "fp4", "--norm-epsilon": "layernorm_epsilon",
+         "--no-yarn-correction-range-round-to-int": "yarn_correction_range_round_to_int"}
+STORE_FALSE = {"--disable-bias-linear", "--no-rope-fusion",
+               "--no-yarn-correction-range-round-to-int"}
+DEFAULTS = {"add_bias_linear": True, "apply_rope_fusion": True,  # Megatron's argparse defaults
+            "yarn_correction_range_round_to_int": None}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -255,6 +255,21 @@ def test_gpt_oss_sliding_window_sinks_and_biases():
     assert ns.kv_channels == 64
     assert (ns.moe_token_dispatcher_type, ns.moe_flex_dispatcher_backend) == ("flex", "deepep")
     assert any("router" in w for w in warnings)  # learned router bias has no Megatron flag
+    # YaRN, factor 32 over 4,096 positions, no rounding; mscale 1 / mscale_all_dim 0 make
+    # Megatron's cos/sin factor get_mscale(32), as transformers derives it
+    assert ns.position_embedding_type == "yarn"
+    assert (ns.rotary_scaling_factor, ns.yarn_original_max_position_embeddings) == (32.0, 4096)
+    assert (ns.yarn_beta_fast, ns.yarn_beta_slow, ns.mscale, ns.mscale_all_dim) == (
+        32.0, 1.0, 1.0, 0.0)
+    assert ns.yarn_correction_range_round_to_int is False
+    assert not any("not exported" in w for w in warnings)
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+    )
+
+    assert _yarn_get_concentration_factor(ns.rotary_scaling_factor, ns.mscale, ns.mscale_all_dim
+                                          ) == pytest.approx(
+        plan.model.rope_scaling.yarn_attention_factor())
 
 
 def test_qwen2_qkv_bias_shared_gate_and_unnormalised_softmax():

@@ -105,8 +105,21 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--norm-epsilon": MegatronFlag(1, float, None, _A + "_add_network_size_args; "
                                    + _TC + "layernorm_epsilon argparse_meta"),
     "--position-embedding-type": MegatronFlag(
-        1, str, ("learned_absolute", "rope", "mrope", "relative", "none"),
+        1, str, ("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
         _A + "_add_network_size_args"),
+    # YaRN on GQA models (argument_utils.py::_apply_yarn_config_from_args maps these onto
+    # TransformerConfig.yarn_*); the scaling factor and the two scales sit with the MLA flags
+    "--rotary-scaling-factor": MegatronFlag(1, float, None, _A + "_add_mla_args"),
+    "--mscale": MegatronFlag(1, float, None, _A + "_add_mla_args"),
+    "--mscale-all-dim": MegatronFlag(1, float, None, _A + "_add_mla_args"),
+    "--yarn-original-max-position-embeddings": MegatronFlag(1, int, None,
+                                                            _A + "_add_network_size_args"),
+    "--yarn-beta-fast": MegatronFlag(1, float, None, _A + "_add_network_size_args"),
+    "--yarn-beta-slow": MegatronFlag(1, float, None, _A + "_add_network_size_args"),
+    "--yarn-correction-range-round-to-int": MegatronFlag(0, None, None,
+                                                         _A + "_add_network_size_args"),
+    "--no-yarn-correction-range-round-to-int": MegatronFlag(
+        0, None, None, _A + "_add_network_size_args (dest yarn_correction_range_round_to_int)"),
     "--rotary-base": MegatronFlag(1, int, None, _A + "_add_network_size_args (type=int)"),
     "--max-position-embeddings": MegatronFlag(1, int, None, _A + "_add_network_size_args"),
     "--untie-embeddings-and-output-weights": MegatronFlag(0, None, None,
@@ -327,6 +340,26 @@ def _vocab_divisor(vocab: int, tp: int) -> int | None:
 
 
 # ------------------------------------------------------------------------------- sections
+def _yarn_args(a: _Args, r: Any, warn: list[str]) -> None:
+    """YaRN on a GQA model as Megatron-LM takes it (`--position-embedding-type yarn`, the
+    yarn_* settings of argument_utils.py::_apply_yarn_config_from_args). Megatron's cos/sin
+    factor is get_mscale(s, mscale) / get_mscale(s, mscale_all_dim): the spec's two scales when
+    it sets both, else 1 and 0, which give get_mscale(s) as transformers does."""
+    a.add("--position-embedding-type", "yarn")
+    a.add("--rotary-scaling-factor", _num(r.yarn_factor()))
+    a.add("--yarn-original-max-position-embeddings", r.original_max_position_embeddings)
+    a.add("--yarn-beta-fast", _num(r.beta_fast))
+    a.add("--yarn-beta-slow", _num(r.beta_slow))
+    both = bool(r.mscale and r.mscale_all_dim)
+    a.add("--mscale", _num(r.mscale if both else 1.0))
+    a.add("--mscale-all-dim", _num(r.mscale_all_dim if both else 0.0))
+    a.add("--yarn-correction-range-round-to-int" if r.truncate
+          else "--no-yarn-correction-range-round-to-int")
+    if r.attention_factor is not None:
+        warn.append(f"yarn attention_factor {r.attention_factor:g} has no Megatron flag; "
+                    "Megatron derives the factor from --mscale and --mscale-all-dim.")
+
+
 def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     m, L, t = plan.model, plan.layout, plan.training
     a.add("--num-layers", m.num_layers)
@@ -374,10 +407,14 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     a.add("--normalization", "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm")
     a.add("--norm-epsilon", _num(m.norm_eps))
     if m.position_embedding == "rope":
-        a.add("--position-embedding-type", "rope")
-        if m.rope_scaling is not None:
-            warn.append(f"RoPE {m.rope_scaling.kind} scaling is not exported; add Megatron's "
-                        "flags for it by hand (--use-rope-scaling for llama3).")
+        r = m.rope_scaling
+        if r is not None and r.kind == "yarn" and m.attention != "mla":
+            _yarn_args(a, r, warn)
+        else:
+            a.add("--position-embedding-type", "rope")
+            if r is not None:
+                warn.append(f"RoPE {r.kind} scaling is not exported; add Megatron's flags for "
+                            "it by hand (--use-rope-scaling for llama3).")
         theta = round(m.rope_theta)
         if theta != m.rope_theta:
             warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
