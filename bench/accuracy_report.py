@@ -271,6 +271,19 @@ def table5_section() -> list[str]:
     return out
 
 
+SHIPPED: list[dict[str, Any]] = []  # the shipped profile's predictions of the scored rows
+
+
+def shipped_width() -> float:
+    """Median (high − low)/point of the shipped intervals over the scored rows."""
+    w = sorted((r["predicted_interval_tokens_per_s_per_gpu"][1]
+                - r["predicted_interval_tokens_per_s_per_gpu"][0])
+               / r["predicted_tokens_per_s_per_gpu"] for r in SHIPPED
+               if r.get("predicted_interval_tokens_per_s_per_gpu"))
+    n = len(w)
+    return float("nan") if not n else (w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2)
+
+
 def interval_section() -> list[str]:
     d = prof_doc()
     cv, lomo = d["cross_validated"], d["leave_one_model_out"]
@@ -281,7 +294,9 @@ def interval_section() -> list[str]:
            "`interval.widened_by`): a model no fit row has takes the leave-one-model-out band,",
            "a family no fit row has the band of families left out, a GPU and precision with",
            f"fewer than {U.FEW_ROWS} fit rows the leave-one-model-out band, a model whose rows",
-           "the fit misses its own held-out band, and each doubling of micro-batch, tokens per",
+           "the fit misses as a whole its own held-out band (only such a model has one: the",
+           "others' held-out rows are in their regime's band), and each doubling of micro-batch,",
+           "tokens per",
            f"expert or sequence beyond the fit rows' range widens both ends by "
            f"{d.get('per_doubling', 0):g} (the least value covering 80% of the "
            f"{d.get('per_doubling_rows', 0)} leave-one-model-out rows beyond their fold's range). "
@@ -293,6 +308,13 @@ def interval_section() -> list[str]:
            f"- Leave one model out, each model's band from the other models only: coverage "
            f"**{100 * lomo['coverage']:.1f}%**, median width {100 * lomo['median_width']:.1f}%, "
            f"{lomo['rows']} rows (per family in the table above).",
+           *([f"- Leave one release out, each release's bands from the other releases' rows "
+              f"(the nearest to runs of a release nobody fitted): coverage "
+              f"**{100 * rel['coverage']:.1f}%**, median width "
+              f"{100 * rel['median_width']:.1f}%, {rel['rows']} rows."]
+             if (rel := d.get("leave_one_release_out")) else []),
+           "- Shipped intervals on the scored rows (in-sample: the fit saw these rows): median "
+           f"width {100 * shipped_width():.1f}%.",
            f"- Memory margin: {d['memory']['evidence']}.", "",
            "| regime | held-out band | model-unseen band |", "|---|---|---|"]
     for k in sorted(set(d["regimes"]) | set(d.get("unseen", {}))):
@@ -521,6 +543,7 @@ def main() -> None:
     quick = json.loads(quick_path.read_text()) if quick_path.is_file() else None
     res = validate_rows(raw)
     shipped = [r for r in res["rows"] if r["published_tokens_per_s_per_gpu"]]
+    SHIPPED[:] = shipped
     cal = json.loads((Path(U.__file__).parent / "calibration.json").read_text())
     about = cal.get("_about", "")
     figures = {"rows": (re.search(r"\((\d+) rows", about) or [None, "?"])[1],

@@ -27,8 +27,9 @@ few rows, a micro-batch, tokens per expert or sequence beyond the fit rows' rang
 (`per_doubling` per doubling: the least value, at least PER_DOUBLING_FLOOR, that covers 80 % of
 the leave-one-model-out rows lying beyond their fold's range, models missed as a whole aside).
 Coverage is measured on rows none of whose bounds used them:
-cross-conformal over K folds of the configuration split, and per family under
-leave-one-model-out, each model's band built from the other models' rows only. Evidence for the
+cross-conformal over K folds of the configuration split, per family under leave-one-model-out,
+each model's band built from the other models' rows only, and under leave-one-release-out,
+each release's bands from the other releases' rows. Evidence for the
 named assumptions comes from the rows the fit saw; the memory margin from the DeepSeek-V3
 anatomy (worst part's relative error). Deterministic.
 """
@@ -257,6 +258,34 @@ def lomo_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]], per_do
                           for k, v in sorted(hits.items())}}
 
 
+def release_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
+                     rel: list[dict[str, Any]], per_doubling: float,
+                     off: set[str] = frozenset()) -> dict[str, Any]:
+    """Coverage under leave-one-release-out, the nearest thing to runs of a release nobody
+    fitted: each release's rows, predicted by a refit without that release, get the interval a
+    profile built from the other releases' rows would give them (the model seen when another
+    release has its rows)."""
+    release = {r["id"]: r["group"] for r in rel}
+    hits: dict[str, list[bool]] = defaultdict(list)
+    widths: list[float] = []
+    for g in sorted({r["group"] for r in rel}):
+        others = [r for r in lomo if release.get(r["id"]) != g]
+        prof = U.profile_from_dict(profile_doc(
+            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+            **distance_parts([r for r in held if release.get(r["id"]) != g], others,
+                             per_doubling, off)))
+        seen = {r["model"] for r in others}
+        for r in (r for r in rel if r["group"] == g):
+            iv = cv_interval(r, prof, model_seen=r["model"] in seen)
+            hits[r["family"]].append(covered(r, iv))
+            widths.append(width(r, iv))
+    allh = [h for v in hits.values() for h in v]
+    return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
+            "median_width": round(median(widths), 4),
+            "by_family": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
+                          for k, v in sorted(hits.items())}}
+
+
 PER_DOUBLING_FLOOR = 0.05
 """The least widening per doubling beyond the fit rows' range, whatever the rows measure: a
 size no fit row has is territory no row has checked."""
@@ -343,6 +372,7 @@ def main() -> None:
     shipped = {r["id"]: r for r in validate_rows(raw)["rows"]}
     held = enrich(cv["config"]["rows"], shipped, cases)
     lomo = enrich(cv["model"]["rows"], shipped, cases)
+    rel = enrich(cv["release"]["rows"], shipped, cases)
     # 3. the distance bands, the widening per doubling, and coverage on unseen rows
     models = model_evidence(held)
     per_doubling, far_rows = fit_per_doubling(held, lomo, set(models))
@@ -351,13 +381,16 @@ def main() -> None:
         models=models, **distance_parts(held, lomo, per_doubling, set(models)),
         per_doubling_rows=far_rows,
         cross_validated=config_coverage(held, lomo, by_id, per_doubling, set(models)),
-        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, set(models)))
+        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, set(models)),
+        leave_one_release_out=release_coverage(held, lomo, rel, per_doubling, set(models)))
     write_json(out, indent=1, data=doc)
     U.default_profile.cache_clear()
-    lc, cc = doc["leave_one_model_out"], doc["cross_validated"]
+    lc, cc, rc = doc["leave_one_model_out"], doc["cross_validated"], doc["leave_one_release_out"]
     print(f"configuration split: coverage {cc['coverage']:.1%}, median width "
           f"{cc['median_width']:.1%} ({cc['rows']} rows); leave-one-model-out: coverage "
           f"{lc['coverage']:.1%}, median width {lc['median_width']:.1%} ({lc['rows']} rows); "
+          f"leave-one-release-out: coverage {rc['coverage']:.1%}, median width "
+          f"{rc['median_width']:.1%} ({rc['rows']} rows); "
           f"per doubling beyond the fit range {per_doubling} ({far_rows} rows); memory error "
           f"{err:.1%}; models off as a whole: {', '.join(doc['models']) or 'none'}; wrote {out}",
           file=sys.stderr)

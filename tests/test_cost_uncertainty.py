@@ -223,3 +223,11 @@ def test_an_interval_added_to_a_priced_point_equals_the_estimate_priced_whole():
         point = estimate(m, c, tr, lay, ch, with_interval=False)
         assert point.interval is None
         assert estimate(m, c, tr, lay, ch, point=point) == estimate(m, c, tr, lay, ch)
+
+
+def test_only_a_model_missed_as_a_whole_carries_its_own_band():
+    """A model the fit explains has its held-out rows in its regime's band already; a band of
+    its own as well would count the same rows' spread twice (the wider of two bands)."""
+    prof = U.default_profile()
+    assert set(prof.model_bands) <= set(prof.models)
+    assert "gpt-oss-120b" in prof.model_bands
