@@ -402,9 +402,10 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         f"What is still missing: leave one model out, BF16 {pct(mape(bf16))} "
         f"(mean {pct(bias(bf16), True)}, {len(bf16)} rows) and MXFP8 {pct(mape(mx))} "
         f"(mean {pct(bias(mx), True)}, {len(mx)} rows; before the bias and RoPE terms: BF16",
-        "55.2%, MXFP8 30.2%). The BF16 rows of one GPU scatter by release (B200: 8,047 to 13,722",
-        "tokens/s/GPU across the 25.11–26.04 tables at one layout), which no setting the tables",
-        "print explains. The other NVIDIA stack comes close: on 64 H100, NeMo Automodel (FSDP2,",
+        "55.2%, MXFP8 30.2%). The BF16 rows of one GPU scatter by release (B200 at EP8, MBS 4:",
+        "8,213 tokens/s/GPU in the 25.11 table, 13,045–13,722 in the 26.02.01–26.04 tables),",
+        "more than their printed batch sizes explain. The other NVIDIA stack comes close: on 64",
+        "H100, NeMo Automodel (FSDP2,",
         f"TE + DeepEP + FlexAttention; R0587) publishes {a_pub:,.0f} tokens/s/GPU at GBS 512, MBS 2,",
         f"and moeplan prices that batch layout at EP8 {auto.tokens_per_s_per_gpu:,.0f} "
         f"({100 * (auto.tokens_per_s_per_gpu / a_pub - 1):+.0f}%, not scored: FSDP2, EP blank);",
