@@ -65,9 +65,9 @@ def test_too_few_runs_leave_the_published_interval():
 
 
 def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
-    """gpt-oss-120b's published runs measure 0.58–0.76× of moeplan's prediction on every GPU
-    (docs/ACCURACY.md); its estimates say so with the measured range, the other models' do
-    not, and the evidence is recomputed from fit rows by the interval fit."""
+    """gpt-oss-120b's held-out published runs measure a median of about 0.8× of moeplan's
+    prediction (docs/ACCURACY.md); its estimates say so with the measured range, the other
+    models' do not, and the evidence is recomputed from fit rows by the interval fit."""
     import importlib.util
     from pathlib import Path
 
@@ -81,7 +81,7 @@ def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
     c, tr = load_cluster("gb200-nvl72", 64), TrainingSpec(seq_len=4096, global_batch_size=256)
     got = estimate(oss, c, tr, Layout.build(64, 256, ep=64, mbs=4), with_interval=False)
     rows, med, low, high = U.default_profile().models["gpt-oss-120b"]
-    assert rows >= 5 and high < 1 / 1.2 < 1
+    assert rows >= 5 and low <= med < 1 / 1.2 and high < 1
     assert any("gpt-oss-120b ran slower" in w and f"{low:.2f}-{high:.2f}x" in w
                for w in got.warnings)
     plain = estimate(llama, c, tr, Layout.build(64, 256, tp=4, pp=2), with_interval=False)
