@@ -360,6 +360,38 @@ def _yarn_args(a: _Args, r: Any, warn: list[str]) -> None:
                     "Megatron derives the factor from --mscale and --mscale-all-dim.")
 
 
+def _position_args(a: _Args, m: Any, seq_len: int, warn: list[str]) -> None:
+    """Positions: RoPE (yarn on GQA models as `_yarn_args` exports it, other scalings named in a
+    warning) or a learned table, and --max-position-embeddings (the context the model was built
+    for, never below the sequence)."""
+    t_seq = seq_len
+    if m.position_embedding == "rope":
+        r = m.rope_scaling
+        if r is not None and r.kind == "yarn" and m.attention != "mla":
+            _yarn_args(a, r, warn)
+        else:
+            a.add("--position-embedding-type", "rope")
+            if r is not None:
+                warn.append(f"RoPE {r.kind} scaling is not exported; add Megatron's flags for "
+                            "it by hand (--use-rope-scaling for llama3).")
+        theta = round(m.rope_theta)
+        if theta != m.rope_theta:
+            warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
+                        f"--rotary-base takes an int; exported {theta}.")
+        a.add("--rotary-base", theta)
+        # the context the model was built for (HF max_position_embeddings), never below seq
+        max_pos = max(m.max_position_embeddings or 0, t_seq)
+    else:
+        a.add("--position-embedding-type", "learned_absolute")
+        table = m.max_position_embeddings or t_seq
+        if t_seq > table:
+            warn.append(f"seq_len {t_seq} exceeds the learned position table ({table}); "
+                        f"Megatron needs --max-position-embeddings ≥ --seq-length, so the table "
+                        f"was enlarged to {t_seq} rows.")
+        max_pos = max(table, t_seq)
+    a.add("--max-position-embeddings", max_pos)
+
+
 def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     m, L, t = plan.model, plan.layout, plan.training
     a.add("--num-layers", m.num_layers)
@@ -406,31 +438,7 @@ def _model_args(a: _Args, plan: Plan, warn: list[str]) -> None:
                     "exported as a plain GELU MLP.")
     a.add("--normalization", "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm")
     a.add("--norm-epsilon", _num(m.norm_eps))
-    if m.position_embedding == "rope":
-        r = m.rope_scaling
-        if r is not None and r.kind == "yarn" and m.attention != "mla":
-            _yarn_args(a, r, warn)
-        else:
-            a.add("--position-embedding-type", "rope")
-            if r is not None:
-                warn.append(f"RoPE {r.kind} scaling is not exported; add Megatron's flags for "
-                            "it by hand (--use-rope-scaling for llama3).")
-        theta = round(m.rope_theta)
-        if theta != m.rope_theta:
-            warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
-                        f"--rotary-base takes an int; exported {theta}.")
-        a.add("--rotary-base", theta)
-        # the context the model was built for (HF max_position_embeddings), never below seq
-        max_pos = max(m.max_position_embeddings or 0, t.seq_len)
-    else:
-        a.add("--position-embedding-type", "learned_absolute")
-        table = m.max_position_embeddings or t.seq_len
-        if t.seq_len > table:
-            warn.append(f"seq_len {t.seq_len} exceeds the learned position table ({table}); "
-                        f"Megatron needs --max-position-embeddings ≥ --seq-length, so the table "
-                        f"was enlarged to {t.seq_len} rows.")
-        max_pos = max(table, t.seq_len)
-    a.add("--max-position-embeddings", max_pos)
+    _position_args(a, m, t.seq_len, warn)
     if not m.tie_embeddings:
         a.add("--untie-embeddings-and-output-weights")
     _bias_args(a, m, warn)
