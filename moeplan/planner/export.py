@@ -360,11 +360,10 @@ def _yarn_args(a: _Args, r: Any, warn: list[str]) -> None:
                     "Megatron derives the factor from --mscale and --mscale-all-dim.")
 
 
-def _position_args(a: _Args, m: Any, seq_len: int, warn: list[str]) -> None:
+def _position_args(a: _Args, m: ModelSpec, seq_len: int, warn: list[str]) -> None:
     """Positions: RoPE (yarn on GQA models as `_yarn_args` exports it, other scalings named in a
     warning) or a learned table, and --max-position-embeddings (the context the model was built
     for, never below the sequence)."""
-    t_seq = seq_len
     if m.position_embedding == "rope":
         r = m.rope_scaling
         if r is not None and r.kind == "yarn" and m.attention != "mla":
@@ -380,15 +379,15 @@ def _position_args(a: _Args, m: Any, seq_len: int, warn: list[str]) -> None:
                         f"--rotary-base takes an int; exported {theta}.")
         a.add("--rotary-base", theta)
         # the context the model was built for (HF max_position_embeddings), never below seq
-        max_pos = max(m.max_position_embeddings or 0, t_seq)
+        max_pos = max(m.max_position_embeddings or 0, seq_len)
     else:
         a.add("--position-embedding-type", "learned_absolute")
-        table = m.max_position_embeddings or t_seq
-        if t_seq > table:
-            warn.append(f"seq_len {t_seq} exceeds the learned position table ({table}); "
+        table = m.max_position_embeddings or seq_len
+        if seq_len > table:
+            warn.append(f"seq_len {seq_len} exceeds the learned position table ({table}); "
                         f"Megatron needs --max-position-embeddings ≥ --seq-length, so the table "
-                        f"was enlarged to {t_seq} rows.")
-        max_pos = max(table, t_seq)
+                        f"was enlarged to {seq_len} rows.")
+        max_pos = max(table, seq_len)
     a.add("--max-position-embeddings", max_pos)
 
 
