@@ -409,6 +409,7 @@ def test_the_stack_is_a_command_line_setting(capsys):
     ("DP/TP/PP/CP overlap enabled", {"tp_comm_overlap": True}),
     ("1F1B A2A overlap (--overlap-moe-expert-parallel-comm)", {"ep_overlap": True}),
     ("MoE benchmarks force-balance tokens across experts, dropless", {}),
+    ("pipeline step overlap with the optimizer", {}),  # "ep" inside a word is not EP
 ])
 def test_a_rows_own_text_documents_its_dispatcher_overlaps_and_graphs(notes, settings):
     from moeplan.validation.rules import documented_settings

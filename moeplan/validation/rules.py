@@ -124,7 +124,7 @@ NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     (r"deep-?ep|hybrid-?ep|flex (?:token )?dispatcher", "dispatcher", "flex"),
     (r"all-?to-?all (?:token )?dispatcher", "dispatcher", "alltoall"),
     (r"all-?gather (?:token )?dispatcher", "dispatcher", "allgather"),
-    (r"(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
+    (r"\b(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
      r"overlap|overlap-moe-expert-parallel-comm|moe_a2a_overlap", "ep_overlap", True),
     (r"\btp(?:/[a-z]{2})*(?: comm(?:unication)?)? overlap|(?:[a-z]{2}/)+tp(?:/[a-z]{2})* "
      r"overlap|tp_comm_overlap", "tp_comm_overlap", True),
