@@ -460,9 +460,7 @@ CHANGES = """## What changed
   MoE's GEMMs). The current stack now runs the measured kernels as measured; the share is a
   property of the `mcore-2024` stack (Megatron Core before 0.13), fitted on the rows of the
   sources that ran it (NeMo 24.07, NeMo 2.0 25.02/25.04, the long-sequence doc, Parallel
-  Folding, the Megatron-LM READMEs): Hopper {realised_h}, Blackwell {realised_b}. The fit's
-  objective barely moves (0.1083 with a free share for every row, {objective} with it tied to
-  the stack).
+  Folding, the Megatron-LM READMEs): Hopper {realised_h}, Blackwell {realised_b}.
 - **A row's own words are read.** Notes naming DeepEP/HybridEP (the flex dispatcher), the
   all-to-all or all-gather dispatcher, EP or TP communication overlap, or CUDA graphs, negated
   or not, set those layout fields (`validation/rules.documented_settings`) over any recipe
