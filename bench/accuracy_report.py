@@ -207,7 +207,7 @@ def scale_section(cv_rows: list[dict[str, Any]]) -> list[str]:
 
     def pick(pred) -> list[str]:
         return sorted((i for i in ids if pred(RAW[i])),
-                      key=lambda i: (int(RAW[i]["seq_len"]), int(RAW[i]["num_gpus"])))
+                      key=lambda i: (int(RAW[i]["seq_len"]), int(RAW[i]["num_gpus"]), i))
 
     longseq = pick(lambda r: r["source"].startswith("NVIDIA NeMo long-sequence")
                    and r["model_preset"] == "" and "LLAMA2-7B" in r["model"])
