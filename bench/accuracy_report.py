@@ -367,6 +367,9 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
     b_pub = [float(RAW[i]["tokens_per_s_per_gpu"]) for i in ("R0096", "R0142", "R0186", "R0223")
              if i in RAW]
     a_pub = float(RAW["R0587"]["tokens_per_s_per_gpu"]) if "R0587" in RAW else float("nan")
+    b200 = sorted((r["id"] for r in bf16 if r["gpu"] == "B200" and RAW[r["id"]]["ep"] == "8"
+                   and RAW[r["id"]]["micro_batch"] == "4"),
+                  key=lambda i: float(RAW[i]["tokens_per_s_per_gpu"]))
     (cur, _), (old, old_fits) = price("current"), price("mcore-2024")
     band = prof_doc().get("model_bands", {}).get("gpt-oss-120b")
     cover = prof_doc().get("leave_one_model_out", {}).get("by_family", {}).get("gpt-oss", {})
@@ -401,10 +404,13 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"What is still missing: leave one model out, BF16 {pct(mape(bf16))} "
         f"(mean {pct(bias(bf16), True)}, {len(bf16)} rows) and MXFP8 {pct(mape(mx))} "
-        f"(mean {pct(bias(mx), True)}, {len(mx)} rows; before the bias and RoPE terms: BF16",
-        "55.2%, MXFP8 30.2%). The BF16 rows of one GPU scatter by release (B200 at EP8, MBS 4:",
-        "8,213 tokens/s/GPU in the 25.11 table, 13,045–13,722 in the 26.02.01–26.04 tables),",
-        "more than their printed batch sizes explain. The other NVIDIA stack comes close: on 64",
+        f"(mean {pct(bias(mx), True)}, {len(mx)} rows; the previous revision's report, commit",
+        "8c089b8, before the bias and RoPE terms: BF16 55.2%, MXFP8 30.2%). The BF16 rows of one",
+        "GPU scatter by release (B200 at EP8, MBS 4: " + ", ".join(
+            f"{float(RAW[i]['tokens_per_s_per_gpu']):,.0f} in {i}, release "
+            + "{}.{:02d}".format(*release_of(RAW[i])) for i in b200)
+        + " tokens/s/GPU), more than their printed batch sizes explain. The other NVIDIA stack",
+        "comes close: on 64",
         "H100, NeMo Automodel (FSDP2,",
         f"TE + DeepEP + FlexAttention; R0587) publishes {a_pub:,.0f} tokens/s/GPU at GBS 512, MBS 2,",
         f"and moeplan prices that batch layout at EP8 {auto.tokens_per_s_per_gpu:,.0f} "
@@ -454,7 +460,8 @@ CHANGES = """## What changed
   counted from the code, no fitted constant (section gpt-oss-120b below). The gpt-oss preset
   now carries its yarn scaling.
 - **Attention at the rate today's kernels run.** The previous fit scaled every attention
-  kernel down to a fitted share of its cuDNN microbenchmark (Hopper 0.55, Blackwell 0.75): a
+  kernel down to a fitted share of its cuDNN microbenchmark (the previous calibration.json:
+  Hopper 0.55, Blackwell 0.75): a
   constant that stood in for older software, and it made long-context predictions fall where
   measured throughput rises (attention at long sequence runs faster than a fine-grained
   MoE's GEMMs). The current stack now runs the measured kernels as measured; the share is a

@@ -221,6 +221,24 @@ def distance_parts(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
             "gpu_precision_rows": dict(sorted(counts.items()))}
 
 
+def fold_profile(held: list[dict[str, Any]], lomo: list[dict[str, Any]], per_doubling: float,
+                 off: set[str] = frozenset()) -> U.IntervalProfile:
+    """The interval profile a fold's rows alone would give (no memory margin, no assumption
+    evidence): what each coverage measure builds for the rows it holds out."""
+    return U.profile_from_dict(profile_doc(
+        memory={"rel_error": 0.0, "evidence": ""}, evidence={},
+        **distance_parts(held, lomo, per_doubling, off)))
+
+
+def coverage_summary(hits: dict[str, list[bool]], widths: list[float]) -> dict[str, Any]:
+    """Coverage and median width over every held-out row, and coverage per family."""
+    allh = [h for v in hits.values() for h in v]
+    return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
+            "median_width": round(median(widths), 4),
+            "by_family": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
+                          for k, v in sorted(hits.items())}}
+
+
 def cv_interval(r: dict[str, Any], prof: U.IntervalProfile, model_seen: bool) -> list[float]:
     """A row's interval under a fold's profile, built exactly as `estimate` builds it
     (`uncertainty.widen` on the regime's band)."""
@@ -243,19 +261,13 @@ def lomo_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]], per_do
     widths: list[float] = []
     for model in sorted({r["model"] for r in lomo}):
         others = [r for r in lomo if r["model"] != model]
-        prof = U.profile_from_dict(profile_doc(
-            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
-            **distance_parts([r for r in held if r["model"] != model], others, per_doubling,
-                             off)))
+        prof = fold_profile([r for r in held if r["model"] != model], others, per_doubling,
+                            off)
         for r in (r for r in lomo if r["model"] == model):
             iv = cv_interval(r, prof, model_seen=False)
             hits[r["family"]].append(covered(r, iv))
             widths.append(width(r, iv))
-    allh = [h for v in hits.values() for h in v]
-    return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
-            "median_width": round(median(widths), 4),
-            "by_family": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
-                          for k, v in sorted(hits.items())}}
+    return coverage_summary(hits, widths)
 
 
 def release_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
@@ -270,20 +282,14 @@ def release_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
     widths: list[float] = []
     for g in sorted({r["group"] for r in rel}):
         others = [r for r in lomo if release.get(r["id"]) != g]
-        prof = U.profile_from_dict(profile_doc(
-            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
-            **distance_parts([r for r in held if release.get(r["id"]) != g], others,
-                             per_doubling, off)))
+        prof = fold_profile([r for r in held if release.get(r["id"]) != g], others,
+                            per_doubling, off)
         seen = {r["model"] for r in others}
         for r in (r for r in rel if r["group"] == g):
             iv = cv_interval(r, prof, model_seen=r["model"] in seen)
             hits[r["family"]].append(covered(r, iv))
             widths.append(width(r, iv))
-    allh = [h for v in hits.values() for h in v]
-    return {"rows": len(allh), "coverage": round(sum(allh) / len(allh), 4),
-            "median_width": round(median(widths), 4),
-            "by_family": {k: {"rows": len(v), "coverage": round(sum(v) / len(v), 4)}
-                          for k, v in sorted(hits.items())}}
+    return coverage_summary(hits, widths)
 
 
 PER_DOUBLING_FLOOR = 0.05
@@ -300,9 +306,7 @@ def fit_per_doubling(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
     folds = {}
     for model in sorted({r["model"] for r in lomo}):
         others = [r for r in lomo if r["model"] != model]
-        folds[model] = U.profile_from_dict(profile_doc(
-            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
-            **distance_parts([r for r in held if r["model"] != model], others, 0.0, off)))
+        folds[model] = fold_profile([r for r in held if r["model"] != model], others, 0.0, off)
     far = [r for r in lomo if r["model"] not in off
            and doublings(r["dims"], {d: list(v) for d, v in folds[r["model"]].ranges.items()}) > 0]
     if len(far) < U.MIN_ROWS:
@@ -326,10 +330,7 @@ def config_coverage(held: list[dict[str, Any]], lomo: list[dict[str, Any]],
     fold = {r["id"]: zlib.crc32(config_key(by_id[r["id"]]).encode()) % K_FOLDS for r in held}
     hits, widths, by_regime = [], [], defaultdict(list)
     for k in range(K_FOLDS):
-        prof = U.profile_from_dict(profile_doc(
-            memory={"rel_error": 0.0, "evidence": ""}, evidence={},
-            **distance_parts([r for r in held if fold[r["id"]] != k], lomo, per_doubling,
-                             off)))
+        prof = fold_profile([r for r in held if fold[r["id"]] != k], lomo, per_doubling, off)
         for r in held:
             if fold[r["id"]] == k:
                 iv = cv_interval(r, prof, model_seen=True)

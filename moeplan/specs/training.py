@@ -152,6 +152,12 @@ class TrainingSpec(BaseModel):
         return self.software_stack != "megatron-2021"
 
     @property
+    def current_attention_kernels(self) -> bool:
+        """Attention at today's measured cuDNN rate (software_stack 'current'); older stacks at
+        the share their published runs realised (`Calibration.attn_realised`)."""
+        return self.software_stack == "current"
+
+    @property
     def fused_sink_attention(self) -> bool:
         """Sink attention in cuDNN's fused kernel (software_stack 'current')."""
         return self.software_stack == "current"
