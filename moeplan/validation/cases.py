@@ -34,6 +34,9 @@ from .rules import documented_settings, recipe_settings, stack_settings, trainin
 FSDP_PAT = re.compile(r"megatron-fsdp|fsdp2|fsdp only|zero-3|method=fsdp|fsdp degree", re.I)
 FSDP_SIZE = re.compile(r"FSDP=(\d+)")
 FINETUNE_PAT = re.compile(r"task=(sft|lora)", re.I)
+# a row whose layout its source tuned ("optimal config per method", a config "fixed to the
+# Table 3 optimum"): a size it leaves unpublished is the one that tuning found
+TUNED_PAT = re.compile(r"optimal config|\boptimum\b", re.I)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,13 @@ class RunCase:
     assumed: dict[str, Any] = field(default_factory=dict)  # unprinted settings from the recipe
     choices: Choices = field(default_factory=Choices)  # recompute as the row publishes it
     cluster: ClusterSpec | None = None  # the cluster at the row's GPU count, loaded once
+    # the other layouts the row may have run (`tuned_vpp`): a tuned row that leaves its virtual
+    # pipeline size unpublished ran the fastest of these and `layout`, whichever profile prices it
+    alternatives: tuple[Layout, ...] = ()
+
+    def layouts(self) -> tuple[Layout, ...]:
+        """The published layout first, then the alternatives."""
+        return (self.layout, *self.alternatives)
 
 
 def config_key(row: dict[str, str]) -> str:
@@ -217,12 +227,49 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
         why = "; ".join(f"[{r}] {w}" for r, w in v)
     if layout is None:
         return f"layout as published breaks a rule: {why}"
+    alternatives = tuned_vpp(row, model, training, layout, gpus, choices, cluster)
+    if alternatives:
+        assumed = {**assumed, "vpp": "unpublished in a tuned layout: the fastest of "
+                   + ", ".join(str(v.vpp) for v in (layout, *alternatives))}
     return RunCase(str(row.get("id") or "?"), model, cp_, training, layout, tokens, tflops,
                    number(row, "memory_gb"),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
                    {**assumed, **numerics, **assumed_cluster, **_recipe_note(bridge, choices)},
-                   choices, cluster)
+                   choices, cluster, alternatives)
+
+
+DERIVED = {"world_size", "edp", "sequence_parallel"}  # Layout's computed fields
+
+
+def tuned_vpp(row: dict[str, str], model: ModelSpec, training: TrainingSpec, layout: Layout,
+              gpus: int, choices: Choices, cluster: ClusterSpec) -> tuple[Layout, ...]:
+    """The interleaved layouts a tuned row may have run: where the row's source says it tuned
+    the layout (TUNED_PAT) and prints no virtual pipeline size for a pipeline of two or more
+    stages, every other size Megatron accepts (a divisor of the layers per stage; Megatron Core's
+    MoE guide: "Enable Virtual Pipeline Parallelism to reduce pipeline bubbles when PP ≥ 2").
+
+    The row ran the fastest of them, and which is fastest depends on the profile pricing it, so
+    each prediction takes the fastest under its own profile (`scoring.priced_layout`): a
+    cross-validation fold never picks a size with a profile that saw the row. Empty otherwise.
+    """
+    from ..specs import layout_violations
+
+    if (size(row, "vpp") is not None or layout.pp < 2
+            or not TUNED_PAT.search(row.get("other_notes", "") or "")):
+        return ()
+    per_stage = model.num_layers // layout.pp
+    out = []
+    for v in range(2, per_stage + 1):
+        if per_stage % v:
+            continue
+        try:
+            alt = Layout.model_validate({**layout.model_dump(exclude=DERIVED), "vpp": v})
+        except (LayoutError, MoeplanError, ValueError):
+            continue
+        if not layout_violations(model, training, alt, gpus, choices, cluster):
+            out.append(alt)
+    return tuple(out)
 
 
 def _recipe_note(bridge: Recipe | None, choices: Choices) -> dict[str, Any]:

@@ -57,12 +57,32 @@ def cluster_of(case: RunCase) -> ClusterSpec:
     return case.cluster or load_cluster(case.cluster_name, case.layout.world_size)
 
 
+def priced_layout(case: RunCase, calibration: dict[str, Any] | None = None) -> Layout:
+    """The layout a case is priced at: its published one, or, where the row left a size its
+    source tuned unpublished (`RunCase.alternatives`), the fastest under `calibration`."""
+    if not case.alternatives:
+        return case.layout
+    from ..cost_models.estimate import estimate
+
+    cluster, best, speed = cluster_of(case), case.layout, 0.0
+    for lay in case.layouts():
+        try:
+            t = estimate(case.model, cluster, case.training, lay, case.choices,
+                         calibration=calibration, with_interval=False).tokens_per_s_per_gpu
+        except MoeplanError:
+            continue
+        if t > speed:
+            best, speed = lay, t
+    return best
+
+
 def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predict one case: the row dict `moeplan validate` prints (plus split and group)."""
     from ..cost_models.estimate import estimate
 
     cluster = cluster_of(case)
-    est = estimate(case.model, cluster, case.training, case.layout, case.choices,
+    layout = priced_layout(case, calibration)
+    est = estimate(case.model, cluster, case.training, layout, case.choices,
                    calibration=calibration)
     fpt_ours = case.model.flops_per_token(case.training.seq_len)
     fpt_conv = flops_per_token_in(case.model, case.training.seq_len, case.convention)
@@ -76,8 +96,8 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         "predicted_tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
         "predicted_interval_tokens_per_s_per_gpu": list(iv.tokens_per_s_per_gpu) if iv else None,
         "pessimistic_tokens_per_s_per_gpu": iv.pessimistic_tokens_per_s_per_gpu if iv else None,
-        "regimes": U.regime_keys(case.model, cluster, case.training.precision, case.layout),
-        "assumption_keys": U.assumption_keys(case.model, cluster, case.training, case.layout,
+        "regimes": U.regime_keys(case.model, cluster, case.training.precision, layout),
+        "assumption_keys": U.assumption_keys(case.model, cluster, case.training, layout,
                                              case.choices),
         "published_tokens_per_s_per_gpu": pub_tokens,
         "predicted_tflops_per_gpu": pred_tflops_conv,
@@ -92,6 +112,7 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         "precision": case.training.precision,
         "flops_convention": case.convention,
         "assumed": case.assumed,
+        "vpp": layout.vpp,
     }
 
 
