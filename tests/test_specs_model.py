@@ -138,3 +138,13 @@ def test_impossible_values_are_rejected_naming_the_field(bad, field):
     with pytest.raises(ValidationError) as e:
         ModelSpec(**{**BASE, **bad})
     assert field in str(e.value)
+
+
+def test_fine_grained_mixtral_keeps_the_weights_and_activates_one_wide_experts_worth():
+    """Mixtral-8x22B-G8T8 splits each expert's FFN 8 ways: the same total parameters (router
+    aside), and top-8 of the thin experts run one original expert's width where Mixtral's top-2
+    runs two."""
+    wide, thin = load_model("mixtral-8x22b"), load_model("mixtral-8x22b-g8t8")
+    assert thin.total_params() == pytest.approx(wide.total_params(), rel=1e-3)
+    one_expert = 3 * wide.hidden_size * wide.moe_ffn_hidden_size * wide.num_layers
+    assert wide.active_params() - thin.active_params() == pytest.approx(one_expert, rel=2e-3)

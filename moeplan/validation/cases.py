@@ -88,6 +88,7 @@ MODEL_NAME_PRESETS = {
     "Nemotron-15B": "nemotron4-15b", "Nemotron-340B": "nemotron4-340b",
     "Nemotron-4 340B (96 layers, hidden 18432, 96 heads, 8 KV heads, squared-ReLU)":
         "nemotron4-340b",
+    "Mixtral-8x22B-G8T8": "mixtral-8x22b-g8t8",  # its notes: 64 experts, top-8
 }
 
 
