@@ -487,7 +487,9 @@ CHANGES = """## What changed
   tuned the layout, so such a row is now priced at the fastest size Megatron accepts (a
   divisor of the layers per stage) under the profile pricing it: each cross-validation fold
   picks with its own refit (`validation.cases.tuned_vpp`, `scoring.priced_layout`). Rows
-  that print their VPP, and rows that do not say they were tuned, are priced as published.
+  that print their VPP, and rows that do not say they were tuned, are priced as published:
+  the data's README reads a missing VPP cell as no interleaving, and this revision departs
+  from that reading only where the row's own notes say its layout was tuned.
   This is the strong-scaling miss: at a fixed batch the micro-batches per pipeline shrink with
   the GPUs, and an uninterleaved schedule's bubble, (p − 1)/m, grows to 3/8 for
   Qwen2-57B-A14B at 1,024 GPUs (priced 25% slow; now +1%; section Layouts and scale).

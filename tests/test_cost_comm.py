@@ -95,3 +95,20 @@ def test_p2p_by_hand():
     assert p2p_time(1e9, True, c, cal) == pytest.approx(
         5e-6 + 1e9 / (c.scaleout_gb_s * cal.scaleout_eff * 1e9))
     assert p2p_time(0, True, c, cal) == 0.0
+
+
+def test_a_ring_across_nodes_with_k_ranks_per_node_crosses_them_through_k_nics():
+    """NCCL runs a multi-node reduce-scatter as several rings, each crossing every node boundary
+    once through a different GPU's NIC: eight ranks per node move their data over eight NICs
+    (8× one rank per node's bandwidth, latency aside), and never faster than the NVLink hops
+    the other seven shares take."""
+    c, cal = load_cluster("h100", gpus=64), default_calibration()
+    S = 8e9
+    one = ring_time(S, GroupPlacement(8, 1, 8), c, cal)          # one rank in each of 8 nodes
+    eight = ring_time(S, GroupPlacement(64, 8, 8), c, cal)        # eight ranks in each
+    alpha1, alpha8 = 7 * c.scaleout_latency_us * 1e-6, 63 * c.scaleout_latency_us * 1e-6
+    so = c.scaleout_gb_s * cal.scaleout_eff * 1e9
+    assert one - alpha1 == pytest.approx(7 / 8 * S / so)
+    nvlink_bound = 63 / 64 * S * 7 / 8 / (c.nvlink_gb_s * cal.nvlink_eff * 1e9)
+    assert eight - alpha8 == pytest.approx(max(63 / 64 * S / 8 / so, nvlink_bound))
+    assert eight < one / 4

@@ -9,7 +9,8 @@ A group whose ranks share one NVLink domain talks over NVLink, otherwise its tra
 domains crosses the scale-out NICs.
 
 Collective times, ring algorithms (Thakur et al. 2005; NCCL's documented bus-bandwidth model):
-all-gather / reduce-scatter of S bytes total over n ranks: (n−1)·α + (n−1)/n·S/B;
+all-gather / reduce-scatter of S bytes total over n ranks: (n−1)·α + (n−1)/n·S/B, a group
+spanning NVLink domains with k ranks in each crossing them through k NICs at once (`ring_time`);
 all-reduce: twice that; all-to-all where each rank holds S bytes for all peers: each rank sends
 (n−1)/n·S, the share bound for other domains at scale-out bandwidth; point-to-point: α + S/B.
 """
@@ -73,15 +74,27 @@ def _placement(sizes: tuple[int, int, int, int, int, int, str], axis: str, domai
 
 def ring_time(total_bytes: float, p: GroupPlacement, cluster: ClusterSpec, cal: Calibration
               ) -> float:
-    """All-gather or reduce-scatter of `total_bytes` (the gathered size) over the group."""
+    """All-gather or reduce-scatter of `total_bytes` (the gathered size) over the group.
+
+    Each rank moves (n−1)/n·S. Inside one NVLink domain all of it goes over NVLink. A group
+    spanning domains with k members in each runs k rings at once (NCCL's channels), each
+    carrying S/k, each crossing every domain boundary once through a different member's NIC:
+    a rank sends its share of one ring over its NIC, (n−1)/n·S/k, and the other k − 1 shares
+    over NVLink, and both links run at once. So k members of a domain reduce over k NICs
+    (NCCL's multi-node bus bandwidth: the node's NICs together, not one GPU's); a group with one
+    member per domain (k = 1) sends everything over its one NIC.
+    """
     n = p.size
     if n <= 1 or total_bytes <= 0:
         return 0.0
+    share = (n - 1) / n * total_bytes
+    nv = cluster.nvlink_gb_s * cal.nvlink_eff * 1e9
     if p.inside_nvlink:
-        bw, alpha = cluster.nvlink_gb_s * cal.nvlink_eff, cluster.nvlink_latency_us
-    else:
-        bw, alpha = cluster.scaleout_gb_s * cal.scaleout_eff, cluster.scaleout_latency_us
-    return (n - 1) * alpha * 1e-6 + (n - 1) / n * total_bytes / (bw * 1e9)
+        return (n - 1) * cluster.nvlink_latency_us * 1e-6 + share / nv
+    k = max(1, p.per_domain)
+    so = cluster.scaleout_gb_s * cal.scaleout_eff * 1e9
+    return (n - 1) * cluster.scaleout_latency_us * 1e-6 + max(share / k / so,
+                                                              share * (k - 1) / k / nv)
 
 
 def all_reduce_time(total_bytes: float, p: GroupPlacement, cluster: ClusterSpec,
