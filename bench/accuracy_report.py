@@ -493,6 +493,15 @@ CHANGES = """## What changed
   This is the strong-scaling miss: at a fixed batch the micro-batches per pipeline shrink with
   the GPUs, and an uninterleaved schedule's bubble, (p − 1)/m, grows to 3/8 for
   Qwen2-57B-A14B at 1,024 GPUs (priced 25% slow; now +1%; section Layouts and scale).
+- **Rings across nodes use every NIC they span.** A data-parallel reduce-scatter or
+  all-gather whose group has k ranks in each NVLink domain runs as k rings at once (NCCL's
+  channels), each crossing every domain boundary once through a different rank's NIC: the
+  domain's k NICs carry it together, and the other k − 1 shares go over NVLink at the same
+  time (`comm.ring_time`). The previous revision sent every rank's whole share through its one
+  NIC, 8× too slow for TP1 data parallelism across HGX nodes: Nemotron-4 15B on 64 B200
+  (R0329, DP64, two micro-batches to hide it behind) was priced 37% slow, GPT-3 20B on 64 H100
+  (R0295) 28% slow. A group with one rank per domain (DP beside TP8, most EDP groups) is
+  priced as before.
 - **A fine-grained MoE the data already held.** Mixtral-8x22B-G8T8 (64 experts of 2,048, top-8,
   as its rows' notes state) is a preset now, and its seven Megatron rows on H100 are scored:
   Parallel Folding's MCore layout (EP8 × ETP2 across two nodes) against its folded one (TP4,
