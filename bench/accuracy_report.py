@@ -492,7 +492,7 @@ CHANGES = """## What changed
   from that reading only where the row's own notes say its layout was tuned.
   This is the strong-scaling miss: at a fixed batch the micro-batches per pipeline shrink with
   the GPUs, and an uninterleaved schedule's bubble, (p − 1)/m, grows to 3/8 for
-  Qwen2-57B-A14B at 1,024 GPUs (priced 25% slow; now +1%; section Layouts and scale).
+  Qwen2-57B-A14B at 1,024 GPUs (priced 25% slow; now 3% slow; section Layouts and scale).
 - **Rings across nodes use every NIC they span.** A data-parallel reduce-scatter or
   all-gather whose group has k ranks in each NVLink domain runs as k rings at once (NCCL's
   channels), each crossing every domain boundary once through a different rank's NIC: the
