@@ -505,7 +505,7 @@ CHANGES = """## What changed
 - **A fine-grained MoE the data already held.** Mixtral-8x22B-G8T8 (64 experts of 2,048, top-8,
   as its rows' notes state) is a preset now, and its seven Megatron rows on H100 are scored:
   Parallel Folding's MCore layout (EP8 × ETP2 across two nodes) against its folded one (TP4,
-  EP8 × ETP1 inside a node), measured 1.6× apart and priced 1.5× apart.
+  EP8 × ETP1 inside a node), measured 1.59× apart at 256 GPUs and priced 1.45× apart.
 - **The yardstick** is unchanged: leave one model out is the headline (`moeplan/validation/
   crossval.py` refits the calibration without every row of a model and predicts them), leave
   one release out the closest to runs of a release nobody fitted; `bench/cross_validate.py`

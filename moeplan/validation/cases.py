@@ -240,9 +240,6 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
                    choices, cluster, alternatives)
 
 
-DERIVED = {"world_size", "edp", "sequence_parallel"}  # Layout's computed fields
-
-
 def tuned_vpp(row: dict[str, str], model: ModelSpec, training: TrainingSpec, layout: Layout,
               gpus: int, choices: Choices, cluster: ClusterSpec) -> tuple[Layout, ...]:
     """The interleaved layouts a tuned row may have run: where the row's source says it tuned
@@ -265,7 +262,8 @@ def tuned_vpp(row: dict[str, str], model: ModelSpec, training: TrainingSpec, lay
         if per_stage % v:
             continue
         try:
-            alt = Layout.model_validate({**layout.model_dump(exclude=DERIVED), "vpp": v})
+            alt = Layout.model_validate({**layout.model_dump(exclude=set(
+                Layout.model_computed_fields)), "vpp": v})
         except (LayoutError, MoeplanError, ValueError):
             continue
         if not layout_violations(model, training, alt, gpus, choices, cluster):

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cost_models.calibration import Calibration
-from ..errors import MoeplanError
 from .cases import RunCase, config_key
-from .scoring import cluster_of, published_tokens, release_group
+from .scoring import cluster_of, fastest, published_tokens, release_group
 
 # The starting profile: measured or physically motivated priors for every constant. The fit
 # starts here (never from the shipped file, so re-running it reproduces the shipped profile) and
@@ -147,17 +146,7 @@ def touches(key: str, case: RunCase) -> bool:
 def point(case: RunCase, over: dict[str, Any]) -> float | None:
     """Predicted tokens/s/GPU of a case under the profile `over` (None where the layout cannot
     be priced), without an interval: what the fit needs and no more."""
-    from ..cost_models.estimate import estimate
-
-    best = None
-    for layout in case.layouts():  # a tuned row ran the fastest (`scoring.priced_layout`)
-        try:
-            t = estimate(case.model, cluster_of(case), case.training, layout, case.choices,
-                         calibration=over, with_interval=False).tokens_per_s_per_gpu
-        except MoeplanError:
-            continue
-        best = t if best is None else max(best, t)
-    return best
+    return fastest(case, over)[1]  # a tuned row ran the fastest of its layouts
 
 
 def scored(cases: Sequence[RunCase]) -> list[RunCase]:

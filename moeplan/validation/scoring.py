@@ -57,23 +57,29 @@ def cluster_of(case: RunCase) -> ClusterSpec:
     return case.cluster or load_cluster(case.cluster_name, case.layout.world_size)
 
 
-def priced_layout(case: RunCase, calibration: dict[str, Any] | None = None) -> Layout:
-    """The layout a case is priced at: its published one, or, where the row left a size its
-    source tuned unpublished (`RunCase.alternatives`), the fastest under `calibration`."""
-    if not case.alternatives:
-        return case.layout
+def fastest(case: RunCase, calibration: dict[str, Any] | None = None
+            ) -> tuple[Layout, float | None]:
+    """The fastest of a case's layouts (`RunCase.layouts`) under `calibration` and its
+    tokens/s/GPU without an interval (None where no layout can be priced): a row that left a
+    size its source tuned unpublished ran the fastest one."""
     from ..cost_models.estimate import estimate
 
-    cluster, best, speed = cluster_of(case), case.layout, 0.0
+    cluster, best, speed = cluster_of(case), case.layout, None
     for lay in case.layouts():
         try:
             t = estimate(case.model, cluster, case.training, lay, case.choices,
                          calibration=calibration, with_interval=False).tokens_per_s_per_gpu
         except MoeplanError:
             continue
-        if t > speed:
+        if speed is None or t > speed:
             best, speed = lay, t
-    return best
+    return best, speed
+
+
+def priced_layout(case: RunCase, calibration: dict[str, Any] | None = None) -> Layout:
+    """The layout a case is priced at: its published one, or the fastest of its alternatives
+    (`fastest`)."""
+    return fastest(case, calibration)[0] if case.alternatives else case.layout
 
 
 def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
