@@ -30,9 +30,9 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit 5cbd4b5), for "What changed", as its own ACCURACY.md
+# Figures of the previous revision (commit 667db1e), for "What changed", as its own ACCURACY.md
 # reported them (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 10.9, "model": 12.0, "release": 12.0, "table5": 3.6}
+PREVIOUS = {"config": 9.8, "model": 10.8, "release": 11.3, "table5": 3.9}
 
 
 def generation(gpu: str) -> str:
@@ -480,38 +480,40 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **A tuned layout's unpublished size is the tuned one.** Parallel Folding (arXiv 2504.14960)
-  reports each method's tuned optimum ("optimal config per method", strong scaling "fixed to
-  the Table 3 optimum") and prints no virtual pipeline size; the previous revision read such
-  rows as uninterleaved. Megatron Core's MoE guide enables VPP whenever PP ≥ 2, and the paper
-  tuned the layout, so such a row is now priced at the fastest size Megatron accepts (a
-  divisor of the layers per stage) under the profile pricing it: each cross-validation fold
-  picks with its own refit (`validation.cases.tuned_vpp`, `scoring.priced_layout`). Rows
-  that print their VPP, and rows that do not say they were tuned, are priced as published:
-  the data's README reads a missing VPP cell as no interleaving, and this revision departs
-  from that reading only where the row's own notes say its layout was tuned.
-  This is the strong-scaling miss: at a fixed batch the micro-batches per pipeline shrink with
-  the GPUs, and an uninterleaved schedule's bubble, (p − 1)/m, grows to 3/8 for
-  Qwen2-57B-A14B at 1,024 GPUs (priced 25% slow; now 3% slow; section Layouts and scale).
-- **Rings across nodes use every NIC they span.** A data-parallel reduce-scatter or
-  all-gather whose group has k ranks in each NVLink domain runs as k rings at once (NCCL's
-  channels), each crossing every domain boundary once through a different rank's NIC: the
-  domain's k NICs carry it together, and the other k − 1 shares go over NVLink at the same
-  time (`comm.ring_time`). The previous revision sent every rank's whole share through its one
-  NIC, 8× too slow for TP1 data parallelism across HGX nodes: Nemotron-4 15B on 64 B200
-  (R0329, DP64, two micro-batches to hide it behind) was priced 37% slow, GPT-3 20B on 64 H100
-  (R0295) 28% slow. A group with one rank per domain (DP beside TP8, most EDP groups) is
-  priced as before.
-- **A fine-grained MoE the data already held.** Mixtral-8x22B-G8T8 (64 experts of 2,048, top-8,
-  as its rows' notes state) is a preset now, and its seven Megatron rows on H100 are scored:
-  Parallel Folding's MCore layout (EP8 × ETP2 across two nodes) against its folded one (TP4,
-  EP8 × ETP1 inside a node), measured 1.59× apart at 256 GPUs and priced 1.45× apart.
-- **The yardstick** is unchanged: leave one model out is the headline (`moeplan/validation/
-  crossval.py` refits the calibration without every row of a model and predicts them), leave
-  one release out the closest to runs of a release nobody fitted; `bench/cross_validate.py`
-  runs every fold with the shipped profile's own procedure, `moeplan validate --cv
-  model|release` with a quick refit. The shipped profile is fitted on every scored row ({rows}
-  rows, objective {objective}; previous revision 228 rows, 0.1085).
+- **Quantizing a grouped GEMM's operand costs a kernel per expert.** Transformer Engine's
+  `split_quantize`, which quantizes the input of a `GroupedLinear` (the experts' fc1 and fc2)
+  and each output gradient, has a fused multi-tensor kernel only for delayed scaling and NVFP4
+  (`extensions/cast.cpp::multi_tensor_quantize_impl`: "Currently only have fused kernel for
+  FP8 delayed scaling"); every other recipe quantizes the operand expert by expert, and current
+  scaling (FP8-CS) does it in three kernels per tensor: amax, scale from amax, cast
+  (`Float8CurrentScalingQuantizer::quantize_impl`). The previous revision counted one kernel per
+  grouped operand (`host.quantize_launches`). Qwen3-30B-A3B with FP8-CS on 16 H100 launches
+  363 kernels per layer at EP8 (16 experts per rank) and 219 at EP16, where it counted 167 and
+  119: its rows were priced 1.5–2.0× fast and sit within 6% in the shipped profile; measured
+  per layer, the EP8 rows take 16 ms whether a micro-batch holds 4,096 or 8,192 tokens, the
+  mark of a host-bound layer.
+- **Token dropping padded to capacity has static shapes.** Megatron-Bridge's token-drop runs
+  (the `variant=tokendrop` rows of its 25.09 tables) apply `apply_moe_token_drop`: a capacity
+  factor of 1 and every expert's input padded to capacity. Padded, the MoE layer has no routing
+  sync and Megatron's CUDA graphs capture it whole ("moe cuda graph is only supported with
+  drop-padding MoE"); those runs graphed whole layers where their performance matrix says so.
+  `TrainingSpec.moe_pad_expert_input_to_capacity` (`--pad-to-capacity`, exported as
+  `--moe-pad-expert-input-to-capacity`, graph scope `attn moe`) prices it; a capacity factor
+  without padding keeps the sync, and its export now leaves out the `moe_preprocess` graph scope
+  Megatron Core refuses beside it.
+- **The 26.06 MXFP8 MoE recipes' CUDA graphs** are priced (per layer, as moeplan exports them),
+  beside their EP overlap and HybridEP dispatcher.
+- **The fit may not let one host stand in for another's graphs.** A Grace host takes longer per
+  kernel launch than an x86 one (arXiv 2504.11750: GH200 stays CPU-bound up to 4× larger batches
+  than PCIe H100 hosts), so the fit now keeps the Grace launch time at or above the x86 one
+  (`fit.ORDERED`): unconstrained, it had lowered Grace's to 20 µs to absorb the whole-iteration
+  graphs of the 26.06 MXFP8 recipes, which moeplan does not model (known gaps). Launch time:
+  x86 {launch_x86} µs, Grace {launch_grace} µs.
+- **The yardstick** is unchanged: leave one model out is the headline, leave one release out the
+  closest to runs of a release nobody fitted, the configuration split secondary
+  (`bench/cross_validate.py`, full refit per fold; `moeplan validate --cv model|release`, quick
+  refit). The shipped profile is fitted on every scored row ({rows} rows, objective
+  {objective}; previous revision 235 rows, 0.0988).
 """.splitlines()
 
 
@@ -553,8 +555,14 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
   without DP overlap (its strong-scaling rows above, +2% at 256 GPUs to +14% at 12,288);
   moeplan prices no straggler or scale-dependent collective effect beyond the α–β rings.
 - The host floor's kernel counts are read from Megatron Core's and Transformer Engine's module
-  structure, not traced; the launch time per host CPU is fitted (bounded 2–40 µs) because no
-  `moeplan calibrate` run on a GPU host has measured it yet.
+  structure, not traced; the launch time per host CPU is fitted (bounded 2–40 µs, Grace at or
+  above x86) because no `moeplan calibrate` run on a GPU host has measured it yet.
+- Megatron-Bridge's MXFP8 MoE recipes from 26.06 capture the whole iteration in one CUDA graph
+  (`cuda_graph_impl="full_iteration"`, with HybridEP's rank capacity and the paged stash keeping
+  the MoE shapes static) and run the fused CuTe-DSL grouped MLP (one kernel for every expert's
+  GEMM, activation and quantisation). moeplan exports and prices neither: per-layer graphs and
+  a launch per expert, so a small-expert model on those recipes is priced slow (Qwen3-30B-A3B on
+  8 GB200, MBS 4, EP8: 13–16% in the shipped profile).
 """.splitlines()
 
 

@@ -124,6 +124,8 @@ def search(
     progress: object = None,
     objective: str = "robust",
     grad_reduce_dtype: str = "fp32",
+    moe_capacity_factor: float | None = None,
+    moe_pad_expert_input_to_capacity: bool = False,
 ):
     """The best plans for a model on a cluster (SPEC §4 `moeplan search`); see
     `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
@@ -137,7 +139,10 @@ def search(
     if training is None:
         training = load_training(seq_len=seq, global_batch_size=gbs or default_gbs(seq),
                                  precision="bf16" if precision == "auto" else precision,
-                                 grad_reduce_dtype=grad_reduce_dtype)
+                                 grad_reduce_dtype=grad_reduce_dtype,
+                                 moe_capacity_factor=moe_capacity_factor,
+                                 moe_pad_expert_input_to_capacity=(
+                                     moe_pad_expert_input_to_capacity or None))
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
                    time_limit_s=time_limit_s, imbalance=imbalance, objective=objective,
                    progress=progress)  # type: ignore[arg-type]

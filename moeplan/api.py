@@ -120,6 +120,8 @@ def plan_from_options(
     grad_reduce_dtype: str = "fp32",
     target: str = "megatron",
     software_stack: str = "current",
+    moe_capacity_factor: float | None = None,
+    moe_pad_expert_input_to_capacity: bool = False,
 ) -> Plan:
     """A Plan (no estimate yet) from command-line style values; dp and micro-batches derived."""
     missing = [f for f, v in (("--gbs", gbs),) if v is None]
@@ -130,7 +132,9 @@ def plan_from_options(
         raise SpecError(f"moeplan estimate needs {', '.join(missing)} (or a PLAN.json).")
     m = load_model(model)
     t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision,
-                      grad_reduce_dtype=grad_reduce_dtype, software_stack=software_stack)
+                      grad_reduce_dtype=grad_reduce_dtype, software_stack=software_stack,
+                      moe_capacity_factor=moe_capacity_factor,
+                      moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity or None)
     try:
         layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
     except ValidationError as err:

@@ -113,6 +113,14 @@ PrecisionOpt = Annotated[str | None, typer.Option("--precision", help=PRECISION_
 CalibrationOpt = Annotated[str | None, typer.Option(
     "--calibration", help="Overlay measured efficiency constants (moeplan calibrate -o).")]
 GradReduceOpt = Annotated[str, typer.Option("--grad-reduce", help=GRAD_REDUCE_HELP)]
+CapacityOpt = Annotated[float | None, typer.Option(
+    "--capacity-factor", help="Token dropping: each expert takes at most this multiple of the "
+    "even share of routed tokens (Megatron --moe-expert-capacity-factor); default dropless.")]
+PadOpt = Annotated[bool, typer.Option(
+    "--pad-to-capacity", help="Pad each expert's input to its capacity (Megatron "
+    "--moe-pad-expert-input-to-capacity, as Megatron-Bridge's token-drop recipes run): static "
+    "shapes, no routing sync, and CUDA graphs capture the whole MoE layer; needs "
+    "--capacity-factor and the alltoall dispatcher.")]
 ReportOpt = Annotated[str | None, typer.Option("--report", help=REPORT_HELP)]
 
 
@@ -312,6 +320,8 @@ def estimate(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
     grad_reduce: GradReduceOpt = "fp32",
+    capacity_factor: CapacityOpt = None,
+    pad_to_capacity: PadOpt = False,
     stack: Annotated[str, typer.Option("--stack", help="Software stack the estimate assumes: "
                      "current (fused MoE router and permutation, fused sink attention, "
                      "attention at today's kernel rates, DP communication overlapped), "
@@ -343,7 +353,7 @@ def estimate(
     from .api import estimate as api_estimate
     from .api import plan_from_options, with_calibration
 
-    require_finite(imbalance=imbalance)
+    require_finite(imbalance=imbalance, capacity_factor=capacity_factor)
     if output:
         check_writable(output)
     if routing_histogram and imbalance != 1.0:
@@ -363,7 +373,8 @@ def estimate(
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
                                  target=target or "megatron",
-                                 software_stack=stack)
+                                 software_stack=stack, moe_capacity_factor=capacity_factor,
+                                 moe_pad_expert_input_to_capacity=pad_to_capacity)
     if target is not None:
         check_target(target)
         plan = plan.model_copy(update={"target": target})
@@ -564,13 +575,15 @@ def search(
                          "when its unvalidated effects disappoint; expected: rank by the point "
                          "estimate.")] = "robust",
     grad_reduce: GradReduceOpt = "fp32",
+    capacity_factor: CapacityOpt = None,
+    pad_to_capacity: PadOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
     _check_report(report)
     from . import search as api_search
 
-    require_finite(time_limit=time_limit, imbalance=imbalance)
+    require_finite(time_limit=time_limit, imbalance=imbalance, capacity_factor=capacity_factor)
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
@@ -584,7 +597,9 @@ def search(
         res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
                          top_k=top, target=target, time_limit_s=time_limit,
                          imbalance=imbalance, calibration=calibration, progress=progress,
-                         objective=objective, grad_reduce_dtype=grad_reduce)
+                         objective=objective, grad_reduce_dtype=grad_reduce,
+                         moe_capacity_factor=capacity_factor,
+                         moe_pad_expert_input_to_capacity=pad_to_capacity)
         bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:

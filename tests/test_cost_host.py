@@ -1,6 +1,7 @@
 """The host floor (cost_models.host): a layer takes max(host, device), never their sum; CUDA
 graphs launch their captured part as one graph; an MoE layer pays its routing sync and launches
-a GEMM per local expert; quantizing recipes launch a kernel per operand."""
+a GEMM per local expert; quantizing recipes launch their kernels per operand and per expert;
+an MoE layer padded to capacity has static shapes."""
 
 import pytest
 
@@ -18,11 +19,12 @@ QWEN = load_model("qwen3-30b-a3b")
 H100 = load_cluster("h100", gpus=16)
 
 
-def _layer(model, launch_us, precision="bf16", **axes):
+def _layer(model, launch_us, precision="bf16", training=None, **axes):
     """A layer's cost with the host time per launch set to `launch_us` on every host."""
     cal = default_calibration().with_overrides({"launch_us": {"x86": launch_us,
                                                               "grace": launch_us}})
-    tr = TrainingSpec(seq_len=4096, global_batch_size=64, precision=precision)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=64, precision=precision,
+                      **(training or {}))
     ctx = make_context(model, H100, tr, Layout.build(16, 64, **axes), cal)
     return (moe_layer if model.is_moe else dense_layer)(ctx)
 
@@ -61,14 +63,45 @@ def test_an_moe_layer_pays_its_routing_sync_and_launches_its_experts_even_under_
     assert n.bwd > wide.bwd
 
 
-def test_quantizing_recipes_launch_a_kernel_per_operand():
+def test_quantizing_recipes_launch_their_kernels_per_operand_and_per_expert():
     lay = Layout.build(16, 64, tp=8)
-    bf16, fp8 = (layer_launches(LLAMA, lay, p, "dense") for p in ("bf16", "mxfp8"))
+    bf16, fp8, cs = (layer_launches(LLAMA, lay, p, "dense")
+                     for p in ("bf16", "mxfp8", "fp8-tensorwise"))
     gemms = 2 + 2  # QKV, proj; fc1, fc2
     assert fp8.pre - bf16.pre == gemms and fp8.bwd - bf16.bwd == gemms
-    moe16, moe8 = (layer_launches(QWEN, Layout.build(16, 64, ep=8), p, "moe")
-                   for p in ("bf16", "mxfp8"))
-    assert moe8.post - moe16.post == 2  # fc1 and fc2 quantize their inputs, one kernel each
+    # current scaling: amax, scale from amax and cast, three kernels per tensor
+    assert cs.pre - bf16.pre == 3 * gemms and cs.bwd - bf16.bwd == 3 * gemms
+    # a grouped GEMM's operand is quantized expert by expert (TE's split_quantize), except by
+    # delayed scaling's and NVFP4's fused multi-tensor kernels
+    ep8 = Layout.build(16, 64, ep=8)
+    local = QWEN.num_experts // 8
+    moe = {p: layer_launches(QWEN, ep8, p, "moe")
+           for p in ("bf16", "mxfp8", "fp8-tensorwise", "fp8-delayed", "nvfp4")}
+    assert moe["mxfp8"].post - moe["bf16"].post == 2 * local          # fc1, fc2 inputs
+    assert moe["fp8-tensorwise"].post - moe["bf16"].post == 3 * 2 * local
+    assert moe["fp8-delayed"].post - moe["bf16"].post == 2
+    assert moe["nvfp4"].post - moe["bf16"].post == 2
+    # so a current-scaling layer at EP 8 launches far more than at EP 16 (8 local experts)
+    ep16 = layer_launches(QWEN, Layout.build(16, 64, ep=16), "fp8-tensorwise", "moe")
+    assert moe["fp8-tensorwise"].post - ep16.post == (2 + 3 * 2) * (local - local // 2)
+
+
+def test_an_moe_layer_padded_to_capacity_has_no_sync_and_graphs_capture_all_of_it():
+    t = 1000e-6
+    pad = {"moe_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    dropless = _layer(QWEN, 1000.0, ep=8)
+    padded = _layer(QWEN, 1000.0, training=pad, ep=8)
+    n = layer_launches(QWEN, Layout.build(16, 64, ep=8), "bf16", "moe")
+    # one stretch the host launches without waiting: no restart gap after a sync
+    assert padded.fwd_s + padded.exposed_fwd_s == pytest.approx((n.pre + n.post) * t)
+    assert dropless.fwd_s - padded.fwd_s == pytest.approx(SYNC_GAP_LAUNCHES * t)
+    # CUDA graphs capture the padded layer whole (Megatron's `moe` graph scope)
+    device = _layer(QWEN, 0.0, training=pad, ep=8)
+    graphed = _layer(QWEN, 1000.0, training=pad, ep=8, cuda_graphs=True)
+    assert graphed.fwd_s == device.fwd_s and graphed.bwd_s == device.bwd_s
+    # a capacity factor without padding keeps dynamic shapes: the sync stays
+    capped = _layer(QWEN, 1000.0, training={"moe_capacity_factor": 1.0}, ep=8)
+    assert capped.fwd_s == pytest.approx(dropless.fwd_s)
 
 
 def test_the_launch_time_is_the_host_cpus():

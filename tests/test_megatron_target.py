@@ -118,6 +118,8 @@ def _broken(name: str) -> Plan:
                                                choices=Choices(recompute=["moe_act"])),
         "cuda_graphs_recompute": lambda: _plan(qwen, 16, ep=8, cuda_graphs=True,
                                                choices=Choices(recompute=["moe"])),
+        "pad_to_capacity_dispatcher": lambda: _token_drop(_plan(qwen, 16, ep=8,
+                                                                dispatcher="flex")),
         "expert_bias_needs_sigmoid": lambda: _plan(
             load_model(mixtral).model_copy(update={"router_expert_bias": True}), 16, ep=8),
         "top1_softmax_needs_pre_softmax": lambda: _plan(
@@ -133,11 +135,19 @@ def _broken(name: str) -> Plan:
     }[name]()
 
 
+def _token_drop(plan: Plan, pad: bool = True) -> Plan:
+    """The plan with Megatron-Bridge's token dropping: capacity factor 1, padded or not."""
+    t = plan.training.model_copy(update={"moe_capacity_factor": 1.0,
+                                         "moe_pad_expert_input_to_capacity": pad})
+    return plan.model_copy(update={"training": TrainingSpec.model_validate(t.model_dump())})
+
+
 GOOD_LAYOUT, BAD_LAYOUT = "Et*15|t*15|t*15|t*16mL", "Et*15|t*15|t*15|t*15mL"  # 61 and 60 layers
 # the check's wording in megatron-core, for the rules an older megatron-core may not have yet
 SINCE = {"moe_recompute_excludes_moe_offload": "while recomputing the entire MoE layer",
          "fp8_delayed_recompute": "Delayed scaling does not support moe_act",
-         "ep_overlap_mtp": "MTP"}
+         "ep_overlap_mtp": "MTP",
+         "pad_to_capacity_dispatcher": "does not support moe_pad_expert_input_to_capacity"}
 CORE_RULES = [r.name for r in rules_for("megatron")
               if r.where.startswith(("megatron/core/transformer/transformer_config",
                                      "megatron/core/transformer/pipeline_parallel_layer_layout"))
@@ -214,6 +224,36 @@ def test_each_validate_args_rule_fires_on_a_plan_that_breaks_it(name):
     assert name in v and v[name]
     with pytest.raises(LayoutError, match=name):
         export(plan)
+
+
+def _graph_modules(argv: list[str]) -> list[str]:
+    i = argv.index("--cuda-graph-modules") + 1
+    out = []
+    while i < len(argv) and not argv[i].startswith("--"):
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def test_token_drop_exports_its_padding_and_the_graph_scopes_megatron_core_accepts():
+    """Padded to capacity, the MoE layer is graphed whole (`moe`); with a capacity factor and
+    no padding the alltoall preprocess holds a device-to-host copy, so its scope stays out:
+    the scope the dropless export uses is what megatron-core refuses there."""
+    qwen = "qwen3-30b-a3b"
+    padded = filled(to_megatron_args(_token_drop(_plan(qwen, 16, ep=8, cuda_graphs=True)))[0])
+    assert "--moe-pad-expert-input-to-capacity" in padded
+    assert _graph_modules(padded) == ["attn", "moe"]
+    transformer_config(padded)
+    capped = filled(to_megatron_args(_token_drop(_plan(qwen, 16, ep=8, cuda_graphs=True),
+                                                 pad=False))[0])
+    assert "--moe-pad-expert-input-to-capacity" not in capped
+    assert _graph_modules(capped) == ["attn", "moe_router"]
+    transformer_config(capped)
+    i = capped.index("--cuda-graph-modules")
+    with pytest.raises(AssertionError, match="moe_preprocess"):
+        transformer_config(capped[:i + 3] + ["moe_preprocess"] + capped[i + 3:])
+    dropless = filled(to_megatron_args(_plan(qwen, 16, ep=8, cuda_graphs=True))[0])
+    assert _graph_modules(dropless) == ["attn", "moe_router", "moe_preprocess"]
 
 
 def test_world_size_rule_compares_the_layout_with_the_cluster():

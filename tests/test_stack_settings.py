@@ -427,3 +427,32 @@ def test_a_row_that_documents_deepep_and_graphs_is_cased_with_them():
     assert (plain.layout.dispatcher, plain.layout.cuda_graphs) == ("alltoall", False)
     assert (told.layout.dispatcher, told.layout.cuda_graphs) == ("flex", True)
     assert told.assumed["dispatcher"] == "flex"  # recorded with the case's assumptions
+
+
+def test_bridge_token_drop_rows_are_cased_padded_to_capacity_with_their_matrix_graphs():
+    """Megatron-Bridge's 25.09 token-drop runs (`apply_moe_token_drop`: capacity factor 1,
+    inputs padded, alltoall) are priced so, with CUDA graphs where its performance matrix ran
+    them; the same sizes without the variant note stay dropless."""
+    from moeplan.specs import list_presets
+
+    presets = list_presets()
+    rows = {r["id"]: r for r in read_rows()}
+    b200, h100 = case_of(rows["R0284"], presets), case_of(rows["R0292"], presets)  # qwen3-30b
+    for case in (b200, h100):
+        t = case.training
+        assert t.moe_capacity_factor == 1.0 and t.static_moe_shapes
+        assert case.layout.dispatcher == "alltoall"
+    assert b200.layout.cuda_graphs and not h100.layout.cuda_graphs
+    plain = case_of({**rows["R0284"], "other_notes": "dropless"}, presets)
+    assert plain.training.moe_capacity_factor is None and not plain.training.static_moe_shapes
+
+
+def test_padding_to_capacity_is_refused_by_the_runtime_and_named():
+    t = TrainingSpec(seq_len=4096, global_batch_size=64, moe_capacity_factor=1.0,
+                     moe_pad_expert_input_to_capacity=True)
+    plan = Plan(model=load_model("qwen3-30b-a3b"), cluster=load_cluster("h100", gpus=16),
+                training=t, layout=Layout.build(16, 64, ep=8))
+    refused = features_not_executed(plan)
+    assert len(refused) == 1 and "moe_pad_expert_input_to_capacity: false" in refused[0]
+    with pytest.raises(ValueError, match="moe_capacity_factor"):
+        TrainingSpec(global_batch_size=64, moe_pad_expert_input_to_capacity=True)

@@ -86,3 +86,20 @@ def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(rows, tm
     nums = [f"{v['mape']:.1%}" for v in doc["by_family"].values()]
     nums += [f"{v['bias']:+.1%}" for v in doc["by_family"].values()] + [f"{doc['mape']:.1%}"]
     assert_fits_and_whole(render_in_pty(args, 80), 80, nums)
+
+
+def test_the_fit_keeps_the_grace_launch_time_at_or_above_the_x86_one():
+    """Physics the fit may not trade away (`fit.ORDERED`): a move of either launch time that
+    would put Grace below x86 drags the other along."""
+    from moeplan.validation.fit import ORDERED, get_key, keep_order, set_key
+
+    assert ("launch_us.x86", "launch_us.grace") in ORDERED
+    over = {"launch_us": {"x86": 20.0, "grace": 30.0}}
+    set_key(over, "launch_us.grace", 10.0)
+    assert keep_order(over, "launch_us.grace")
+    assert get_key(over, "launch_us.x86") == 10.0
+    set_key(over, "launch_us.x86", 25.0)
+    assert keep_order(over, "launch_us.x86") and get_key(over, "launch_us.grace") == 25.0
+    set_key(over, "launch_us.grace", 35.0)
+    assert not keep_order(over, "launch_us.grace")
+    assert (get_key(over, "launch_us.x86"), get_key(over, "launch_us.grace")) == (25.0, 35.0)

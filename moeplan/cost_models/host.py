@@ -14,9 +14,11 @@ Three things move the floor (Megatron Core MoE report, arXiv 2603.07685, §4.3.6
   Engine launch them with their fused kernels on (fused RoPE, cuDNN attention, fused bias-SwiGLU,
   `--moe-router-fusion`, `--moe-permute-fusion`). A grouped expert GEMM of Transformer Engine's
   `GroupedLinear` launches one GEMM per local expert (forward; data and weight gradient in
-  backward), so the count grows with the experts a rank holds. FP8 and MXFP8 recipes quantize
-  each activation operand before its GEMM and each output gradient before the backward GEMMs
-  (one kernel per operand; a grouped operand in one multi-tensor kernel, `split_quantize`).
+  backward), so the count grows with the experts a rank holds. FP8, MXFP8 and NVFP4 recipes
+  quantize each activation operand before its GEMM and each output gradient before the backward
+  GEMMs (`quantize_launches`): current scaling in three kernels per tensor (amax, scale, cast),
+  the others in one; a grouped operand (`GroupedLinear`, `tex.split_quantize`) expert by
+  expert, except delayed scaling's and NVFP4's fused multi-tensor kernels.
 - Host syncs of dropless routing. The all-to-all split sizes and the grouped GEMM's
   `m_splits` are host values computed from the router's device histogram, so each MoE
   layer's forward waits for the device once (Megatron's `cuda_sync_point`,
@@ -112,16 +114,31 @@ def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
     return n, gemms
 
 
+def quantize_launches(precision: str) -> tuple[int, bool]:
+    """(kernels per quantized tensor, whether a grouped operand is quantized in one kernel) of a
+    precision recipe, as Transformer Engine runs them (`csrc/quantizer.cpp`, `extensions/
+    cast.cpp`). Current scaling (`Float8CurrentScalingQuantizer::quantize_impl`) launches an
+    amax kernel, a scale-from-amax kernel and the cast; delayed, blockwise, MXFP8 and NVFP4
+    one kernel per tensor. `split_quantize`, which quantizes a grouped GEMM's operand, has a
+    fused multi-tensor kernel for delayed scaling (`nvte_multi_cast_transpose`) and for NVFP4
+    only; every other recipe quantizes it expert by expert (`multi_tensor_quantize_impl`:
+    "Currently only have fused kernel for FP8 delayed scaling")."""
+    if precision == "bf16":
+        return 0, True
+    return (3 if precision == "fp8-tensorwise" else 1), precision in ("fp8-delayed", "nvfp4")
+
+
 def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
                    fused_moe: bool = True) -> Launches:
     """Launches of one decoder layer (`kind` "dense" or "moe") or of the loss head ("loss").
 
     Backward: BWD_FACTOR kernels per forward non-GEMM kernel, a data- and a weight-gradient
-    GEMM per forward GEMM. A quantizing recipe adds one kernel per GEMM input forward and per
-    output gradient backward (a grouped operand counts once)."""
+    GEMM per forward GEMM. A quantizing recipe quantizes each GEMM input forward and each
+    output gradient backward (`quantize_launches`: its kernels per tensor, a grouped operand
+    once per local expert unless the recipe fuses it)."""
     if kind == "loss":
         return Launches(LOSS, 0.0, BWD_FACTOR * LOSS)
-    q = 1 if precision != "bf16" else 0
+    q, fused_group = quantize_launches(precision)
     attn, attn_gemms = attention_launches(model, layout)
     # the unfused RoPE's backward is counted as it runs, not as BWD_FACTOR per forward kernel
     rope_b = (UNFUSED_ROPE_BWD - BWD_FACTOR * UNFUSED_ROPE_FWD) if unfused_rope(model) else 0.0
@@ -134,7 +151,8 @@ def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
     local = max(1, (model.num_experts or 1) // layout.ep)
     unfused = 0 if fused_moe else UNFUSED_MOE
     shared = SHARED_EXPERT if model.num_shared_experts else 0
-    grouped_ops = 2 + (2 if shared else 0)             # fc1 and fc2 (and the shared ones)
+    # fc1 and fc2 inputs of the grouped GEMMs (tensors quantized), and the shared experts' two
+    grouped_ops = 2 * (1 if fused_group else local) + (2 if shared else 0)
     pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
     bias_f, bias_b = ((EXPERT_BIAS_FWD * local + 2, EXPERT_BIAS_BWD * local + 1)
                       if model.mlp_bias else (0, 0))

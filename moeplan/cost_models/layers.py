@@ -187,8 +187,13 @@ dispatch, grouped GEMMs, activation, combine and unpermute that dropless routing
 dynamic-shaped). Embedding and loss are never captured."""
 
 
-def graphed_share(kind: str, cuda_graphs: bool) -> float:
-    return GRAPHED_SHARE.get(kind, 0.0) if cuda_graphs else 0.0
+def graphed_share(kind: str, cuda_graphs: bool, static_moe: bool = False) -> float:
+    """`GRAPHED_SHARE` of a layer kind; an MoE layer padded to capacity
+    (`TrainingSpec.static_moe_shapes`) has no dynamic shape left and is captured whole, as
+    a dense layer is (Megatron's `moe` graph scope)."""
+    if not cuda_graphs:
+        return 0.0
+    return 1.0 if kind == "moe" and static_moe else GRAPHED_SHARE.get(kind, 0.0)
 
 
 def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> LayerCost:
@@ -199,7 +204,7 @@ def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> La
     capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
         kind = str(fields["kind"])
-        share = graphed_share(kind, ctx.layout.cuda_graphs)
+        share = graphed_share(kind, ctx.layout.cuda_graphs, ctx.training.static_moe_shapes)
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
         up_f, up_b = host_floor(ctx, kind, fields["fwd_s"] + fields.get("exposed_fwd_s", 0.0),
                                 fields["bwd_s"] + fields.get("exposed_bwd_s", 0.0),
@@ -215,7 +220,9 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     exposed communication (`cost_models.host`): each stretch the host launches without waiting
     takes max(host, device). An MoE layer's forward splits at its routing sync into the
     attention and router part (`pre_device_s`) and the rest, and pays the restart gap; CUDA
-    graphs launch a dense layer, and an MoE layer's part before the sync, as one graph."""
+    graphs launch a dense layer, and an MoE layer's part before the sync, as one graph. An MoE
+    layer padded to capacity (`TrainingSpec.static_moe_shapes`) has no sync and is captured
+    whole, like a dense layer."""
     if kind not in ("dense", "moe", "loss"):
         return 0.0, 0.0
     t = ctx.cal.launch_s(host_kind(ctx.cluster))
@@ -224,10 +231,13 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind,
                        ctx.training.fused_moe_kernels)
     graphs = ctx.layout.cuda_graphs and kind != "loss"
-    if kind != "moe":
+    static = kind == "moe" and ctx.training.static_moe_shapes
+    if kind != "moe" or static:
         if graphs:  # the whole layer is one graph each way
             return 0.0, 0.0
-        return floor_excess(n.pre * t, fwd_device_s), floor_excess(n.bwd * t, bwd_device_s)
+        # padded to capacity, an MoE layer has no sync: the host runs ahead through it
+        return (floor_excess((n.pre + n.post) * t, fwd_device_s),
+                floor_excess(n.bwd * t, bwd_device_s))
     pre_d = min(pre_device_s if pre_device_s is not None else 0.0, fwd_device_s)
     pre_h = t if graphs else n.pre * t
     captured = n.pre / (n.pre + n.post) if graphs else 0.0

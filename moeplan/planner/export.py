@@ -38,8 +38,10 @@ from ..limits import MAX_TRAIN_ITERS, excerpt
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
+    Layout,
     ModelSpec,
     Plan,
+    TrainingSpec,
     load_plan,
 )
 from ..specs.rules import (
@@ -151,6 +153,8 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         _A + "_add_moe_args"),
     "--moe-aux-loss-coeff": MegatronFlag("+", float, None, _A + "_add_moe_args"),
     "--moe-expert-capacity-factor": MegatronFlag(1, float, None, _A + "_add_moe_args"),
+    "--moe-pad-expert-input-to-capacity": MegatronFlag(
+        0, None, None, _TC + "moe_pad_expert_input_to_capacity"),
     "--moe-grouped-gemm": MegatronFlag(0, None, None, _A + "_add_moe_args"),
     "--moe-permute-fusion": MegatronFlag(0, None, None, _A + "_add_moe_args"),
     "--moe-token-dispatcher-type": MegatronFlag(1, str, ("allgather", "alltoall", "flex"),
@@ -512,6 +516,8 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     capacity = getattr(t, "moe_capacity_factor", None)
     if capacity is not None:  # None: dropless, Megatron's default too
         a.add("--moe-expert-capacity-factor", _num(capacity))
+    if t.static_moe_shapes:
+        a.add("--moe-pad-expert-input-to-capacity")
     a.add("--moe-grouped-gemm")
     a.add("--moe-permute-fusion")
     a.add("--moe-token-dispatcher-type", L.dispatcher)
@@ -519,6 +525,23 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--moe-flex-dispatcher-backend", "deepep")
     if L.ep_overlap:
         a.add("--overlap-moe-expert-parallel-comm")
+
+
+def graph_modules(model: ModelSpec, training: TrainingSpec, layout: Layout
+                  ) -> tuple[str, ...]:
+    """`--cuda-graph-modules` of a plan with CUDA graphs: the parts whose shapes are static
+    (TransformerConfig's graph-scope checks). A dense model captures attention and MLP; an MoE
+    layer padded to capacity, all of it (`moe`); a dropless one, the attention and router, and
+    the preprocess only when it holds no device-to-host copy (not under the alltoall
+    dispatcher with a capacity factor: "moe_preprocess cuda graph is not supported when there
+    are DtoH copies and synchronizations in the preprocess step")."""
+    if not model.is_moe:
+        return ("attn", "mlp")
+    if training.static_moe_shapes:
+        return ("attn", "moe")
+    if layout.dispatcher == "alltoall" and training.moe_capacity_factor is not None:
+        return ("attn", "moe_router")
+    return ("attn", "moe_router", "moe_preprocess")
 
 
 def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
@@ -532,10 +555,9 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--sequence-parallel")
     if L.tp_comm_overlap:
         a.add("--tp-comm-overlap")
-    if L.cuda_graphs:  # the static-shape parts: cost_models.layers.GRAPHED_SHARE
+    if L.cuda_graphs:  # the static-shape parts: cost_models.layers.graphed_share
         a.add("--cuda-graph-impl", "transformer_engine")
-        a.add("--cuda-graph-modules", *(("attn", "moe_router", "moe_preprocess") if m.is_moe
-                                        else ("attn", "mlp")))
+        a.add("--cuda-graph-modules", *graph_modules(m, plan.training, L))
     if L.distributed_optimizer:
         a.add("--use-distributed-optimizer")
     if L.order == "tp-cp-ep-pp-dp":

@@ -318,6 +318,17 @@ def _ovl_disp(f: Facts) -> bool:
     return not f.layout.ep_overlap or f.layout.dispatcher != "allgather"
 
 
+@rule("pad_to_capacity_dispatcher", _TC + " (moe_pad_expert_input_to_capacity: the flex "
+      "dispatcher's DeepEP backend refuses it; only the alltoall dispatcher pads)",
+      lambda f: (f"padding expert inputs to capacity needs the alltoall dispatcher, not "
+                 f"{f.layout.dispatcher}: set dispatcher alltoall or "
+                 "moe_pad_expert_input_to_capacity false"),
+      targets=MEGATRON, axes=("dispatcher",))
+def _pad_disp(f: Facts) -> bool:
+    return (not f.model.is_moe or not f.training.moe_pad_expert_input_to_capacity
+            or f.layout.dispatcher == "alltoall")
+
+
 @rule("ep_overlap_mtp", _TC + " (MTP supports at most one layer with "
       "overlap_moe_expert_parallel_comm)",
       lambda f: (f"EP overlap takes at most one MTP layer; the model has {f.model.mtp_layers}: "
@@ -420,6 +431,16 @@ def _model_features(f: Facts) -> bool:
       "(`moeplan export PLAN --format megatron` writes --fp8-param-gather)", targets=MOEPLAN)
 def _fp8_gather_run(f: Facts) -> bool:
     return not f.training.fp8_param_gather
+
+
+@rule("pad_to_capacity_executed", _RUNTIME + " (the runtime drops the copies over an expert's "
+      "capacity but keeps its shapes dynamic)", lambda f: "padding expert inputs to capacity "
+      "is not executed by `moeplan run` (it computes the same loss without padding, but not as "
+      "priced): set `moe_pad_expert_input_to_capacity: false` in the plan's training, or run "
+      "it with Megatron (`moeplan export PLAN --format megatron` writes "
+      "--moe-pad-expert-input-to-capacity)", targets=MOEPLAN)
+def _pad_run(f: Facts) -> bool:
+    return not f.training.moe_pad_expert_input_to_capacity
 
 
 # ---------------------------------------------------------------------------- module options

@@ -107,6 +107,12 @@ class TrainingSpec(BaseModel):
         None, gt=0, description="Expert capacity as a multiple of the even share T·k/E; copies "
         "over capacity are dropped (Megatron --moe-expert-capacity-factor). None: dropless."
     )
+    moe_pad_expert_input_to_capacity: bool = Field(
+        False, description="Pad each expert's input to its capacity (Megatron "
+        "--moe-pad-expert-input-to-capacity; Megatron-Bridge's token-drop recipes set it with a "
+        "capacity factor of 1): every shape is static, so the MoE layer needs no host sync and "
+        "CUDA graphs capture all of it; needs moe_capacity_factor and the alltoall dispatcher."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:
@@ -125,10 +131,20 @@ class TrainingSpec(BaseModel):
                 raise ValueError(f"lr_wsd_decay_iters: {self.lr_wsd_decay_iters} is longer than "
                                  f"the {decay - self.lr_warmup_iters} iterations between warm-up "
                                  f"and lr_decay_iters ({decay}); shorten it")
+        if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity: padding to capacity needs a "
+                             "capacity; set moe_capacity_factor (e.g. 1.0) or turn padding off")
         if self.fp8_param_gather and not self.precision.startswith(("fp8", "mxfp8")):
             raise ValueError(f"fp8_param_gather: needs an FP8 precision recipe, not "
                              f"{self.precision}; set fp8_param_gather false or pick fp8-*/mxfp8")
         return self
+
+    @property
+    def static_moe_shapes(self) -> bool:
+        """Token dropping padded to capacity: the MoE layer's shapes are fixed, so Megatron
+        neither waits for the routing histogram on the host nor keeps the layer out of CUDA
+        graphs ("moe cuda graph is only supported with drop-padding MoE")."""
+        return self.moe_capacity_factor is not None and self.moe_pad_expert_input_to_capacity
 
     @property
     def fused_moe_kernels(self) -> bool:

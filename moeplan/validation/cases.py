@@ -29,7 +29,13 @@ from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
 from .recipes import Recipe, contradicts, recipe_for
 from .rows import number, release_of, size
-from .rules import documented_settings, recipe_settings, stack_settings, training_settings
+from .rules import (
+    documented_settings,
+    recipe_settings,
+    stack_settings,
+    token_drop_settings,
+    training_settings,
+)
 
 FSDP_PAT = re.compile(r"megatron-fsdp|fsdp2|fsdp only|zero-3|method=fsdp|fsdp degree", re.I)
 FSDP_SIZE = re.compile(r"FSDP=(\d+)")
@@ -203,7 +209,8 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     # speak, and is silent where the row's sizes contradict the table's recipe for that release
     rule = {} if contradicts(*where) else recipe_settings(row, model, prec, cluster.architecture)
     # and what the row's own text documents wins over both
-    recipe = {**(bridge.settings if bridge else {}), **rule, **documented_settings(row)}
+    recipe = {**(bridge.settings if bridge else {}), **rule,
+              **token_drop_settings(row, mp, prec), **documented_settings(row)}
     choices = published_recompute(row)
     if bridge and bridge.recompute and not choices.recompute:
         choices = Choices(recompute=list(bridge.recompute))

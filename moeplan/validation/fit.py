@@ -97,6 +97,29 @@ GRID: list[tuple[str, list[float]]] = [
     ("attn_realised.blackwell", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]),
 ]
 TIED = {"lowp_gain.fp8-tensorwise": ["lowp_gain.fp8-delayed", "lowp_gain.fp8-blockwise"]}
+ORDERED = [("launch_us.x86", "launch_us.grace")]
+"""Pairs (a, b) the fit keeps a ≤ b, physics it may not trade away: a Grace host takes longer
+per kernel launch than an x86 one (Vellaisamy et al. 2025, arXiv 2504.11750: GH200 stays
+CPU-bound up to 4× larger batches than PCIe H100 hosts, the Grace CPU's launch and queuing time
+the cause), so no fit may let the Grace launch time stand in for work a recipe's CUDA graphs
+removed."""
+
+
+def keep_order(over: dict[str, Any], key: str) -> bool:
+    """After `key` moved: drag the other member of each ORDERED pair along to its value where
+    the pair fell out of order (a joint move, so the descent never sticks at the bound).
+    True when another constant moved too."""
+    v = get_key(over, key)
+    dragged = False
+    for a, b in ORDERED:
+        other = b if key == a else a if key == b else None
+        if other is None or v is None:
+            continue
+        w = get_key(over, other)
+        if w is not None and (v > w if key == a else v < w):
+            set_key(over, other, v)
+            dragged = True
+    return dragged
 
 RANK_WEIGHT = 1.0
 """Weight of the layout-ranking term (`rank_penalty`) against the mean |log error|."""
@@ -241,7 +264,7 @@ def fit(cases: Sequence[RunCase], sweeps: int = 12, polish: bool = True,
                     continue
                 trial = _copy(over)
                 set_key(trial, key, v)
-                tp = trial_preds(trial, key)
+                tp = trial_preds(trial, None if keep_order(trial, key) else key)
                 s = score(tp, cases)
                 if s < best - 1e-9:
                     best, over, cur, preds = s, trial, v, tp
@@ -254,6 +277,7 @@ def fit(cases: Sequence[RunCase], sweeps: int = 12, polish: bool = True,
                     for delta in (-0.05, 0.05):
                         trial = _copy(over)
                         set_key(trial, key, v)
+                        keep_order(trial, key)
                         trial = shifted(trial, delta)
                         tp = trial_preds(trial, None)
                         s = score(tp, cases)

@@ -16,9 +16,13 @@ from .rows import cell, release_of
 
 # Megatron-Bridge's MXFP8 MoE recipes for Blackwell turn on the fused CuTe-DSL grouped MLP
 # (GroupGEMM + SwiGLU + quantisation; Megatron-Bridge issue #2885, "delayed to 26.06", enabled
-# in 26.06) together with EP communication overlap (`moe_a2a_overlap`) and the HybridEP flex
-# dispatcher (scripts/performance/configs/*/_workload_base_configs.py, the `FP8_MX` variants).
-# The published rows print neither setting, so rows of those releases are priced with them.
+# in 26.06) together with EP communication overlap (`moe_a2a_overlap`), the HybridEP flex
+# dispatcher and CUDA graphs (scripts/performance/configs/*/_workload_base_configs.py, the
+# `FP8_MX` variants; `perf_recipes/*/common.py::_enable_*_full_iteration_mxfp8`). The published
+# rows print none of them, so rows of those releases are priced with the overlap, the
+# dispatcher and per-layer graphs. Their graphs capture the whole iteration and the fused MLP
+# launches one kernel for every expert; moeplan exports and prices neither, so its host floor
+# keeps per-expert launches those runs did not make (docs/ACCURACY.md, known gaps).
 OVERLAP_RECIPE_FROM = (26, 6)
 
 # NVIDIA's NeMo and Megatron-Bridge performance recipes turn on TP communication overlap (TE
@@ -54,7 +58,7 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
     if ("Megatron-Bridge" in (row.get("source", "") or "") and rel is not None
             and rel >= OVERLAP_RECIPE_FROM and precision == "mxfp8" and model.num_experts
             and architecture == "blackwell"):
-        return {"ep_overlap": True, "dispatcher": "flex"}
+        return {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True}
     return {}
 
 
@@ -85,11 +89,51 @@ MCORE_2024_SOURCES = ("NVIDIA NeMo performance summary (NeMo 24",
                       "Megatron-LM MoE README", "Megatron-LM README")
 
 
+# Megatron-Bridge's token-drop runs (the `variant=tokendrop` rows of its 25.09 tables) apply
+# `megatron.bridge.training.utils.moe_token_drop.apply_moe_token_drop` with its defaults: a
+# capacity factor of 1 and every expert's input padded to capacity, which needs the alltoall
+# dispatcher (the function asserts it). Their CUDA graphs are the 25.09 performance matrix's
+# `cuda_graphs` (scripts/performance/configs/{qwen3,deepseek}/*_llm_pretrain.yaml at
+# Megatron-Bridge cac49dcd7, "Malay/qwen3 2509"): Megatron Core's local graphs of whole layers,
+# which a padded MoE layer allows. Keyed by (model preset, GPU), a precision set where the
+# matrix splits by it.
+TOKEN_DROP_SOURCE = "NVIDIA Megatron-Bridge performance summary"
+TOKEN_DROP_GRAPHS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("qwen3-30b-a3b", "GB200"): ("bf16", "fp8-tensorwise", "mxfp8"),
+    ("qwen3-30b-a3b", "B200"): ("bf16", "fp8-tensorwise", "mxfp8"),
+    ("qwen3-30b-a3b", "H100-SXM"): (),
+    ("qwen3-235b-a22b", "GB200"): ("bf16", "fp8-tensorwise", "mxfp8"),
+    ("qwen3-235b-a22b", "B200"): (),
+    ("qwen3-235b-a22b", "H100-SXM"): (),
+    ("deepseek-v3", "GB200"): (),
+    ("deepseek-v3", "B200"): ("fp8-tensorwise", "mxfp8"),
+}
+
+
+def token_drop(row: dict[str, str]) -> bool:
+    """Whether a row is one of Megatron-Bridge's token-drop runs."""
+    return ((row.get("source", "") or "").startswith(TOKEN_DROP_SOURCE)
+            and "variant=tokendrop" in (row.get("other_notes", "") or "").lower())
+
+
+def token_drop_settings(row: dict[str, str], model_preset: str, precision: str
+                        ) -> dict[str, Any]:
+    """The layout settings of a token-drop run (`TOKEN_DROP_GRAPHS`): the alltoall dispatcher,
+    and CUDA graphs where its performance matrix ran them; empty for any other row."""
+    if not token_drop(row):
+        return {}
+    graphed = TOKEN_DROP_GRAPHS.get((model_preset, (row.get("gpu") or "").strip()), ())
+    return {"dispatcher": "alltoall", "cuda_graphs": precision in graphed}
+
+
 def training_settings(row: dict[str, str]) -> dict[str, Any]:
     """Training numerics and stack the row's source documents for its recipe family but does
-    not print (bf16 gradient reduction, FP8 parameter all-gather, the Megatron generation)."""
+    not print (bf16 gradient reduction, FP8 parameter all-gather, the Megatron generation,
+    token dropping padded to capacity)."""
     src = row.get("source", "") or ""
     out: dict[str, Any] = {}
+    if token_drop(row):
+        out.update(moe_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     if src.startswith(MEGATRON_2021_SOURCES):
         out["software_stack"] = "megatron-2021"
     elif src.startswith(MEGATRON_2022_SOURCES):
