@@ -25,10 +25,11 @@ Three things move the floor (Megatron Core MoE report, arXiv 2603.07685, §4.3.6
   "before_ep_alltoall"): the host stops running ahead, and the layer's forward becomes two
   segments, each its own max of host and device time, plus the restart gap (the device idles
   until the host's next launch reaches it, ≈ 2 launches). Backward reuses the saved splits.
-  Token dropping with padding to capacity has static shapes and no sync, but the TrainingSpec's
-  capacity factor does not say whether a run pads, so the sync is always priced.
-- CUDA graphs: a captured region launches as one graph (the whole dense layer; the attention
-  block and router of an MoE layer, the part before its sync: `layers.host_floor`).
+  Token dropping padded to capacity (`TrainingSpec.static_moe_shapes`) has static shapes and
+  no sync; a capacity factor without padding keeps it.
+- CUDA graphs: a captured region launches as one graph (the whole dense layer, and the whole
+  MoE layer padded to capacity; of a dropless MoE layer, the attention block and router, the
+  part before its sync: `layers.host_floor`).
 
 The per-launch host time is `Calibration.launch_us`, per host CPU (x86 beside PCIe GPUs, Grace
 beside NVL72 GPUs over NVLink-C2C), fitted within physical bounds or measured by
