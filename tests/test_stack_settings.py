@@ -456,3 +456,21 @@ def test_padding_to_capacity_is_refused_by_the_runtime_and_named():
     assert len(refused) == 1 and "moe_pad_expert_input_to_capacity: false" in refused[0]
     with pytest.raises(ValueError, match="moe_capacity_factor"):
         TrainingSpec(global_batch_size=64, moe_pad_expert_input_to_capacity=True)
+
+
+def test_a_capacity_caps_the_busiest_rank_and_padding_computes_the_whole_capacity():
+    """Dropping cuts the busiest expert at its capacity (faster than the imbalance it would
+    carry); padding makes every expert compute its whole capacity, however routing spread."""
+    model, cluster = load_model("qwen3-30b-a3b"), load_cluster("b200", gpus=8)
+    lay = Layout.build(8, 512, ep=8, mbs=8)  # device-bound: the routed work shows
+
+    def speed(cf, pad, imbalance):
+        t = TrainingSpec(seq_len=4096, global_batch_size=512, precision="mxfp8",
+                         moe_capacity_factor=cf, moe_pad_expert_input_to_capacity=pad)
+        return estimate(model, cluster, t, lay, Choices(), imbalance=imbalance,
+                        with_interval=False).tokens_per_s_per_gpu
+
+    assert speed(1.1, False, 1.3) > speed(None, False, 1.3)
+    assert speed(1.1, False, 1.0) == speed(None, False, 1.0)
+    assert speed(1.1, True, 1.0) == speed(1.1, True, 1.3) < speed(None, False, 1.0)
+    assert speed(1.5, True, 1.0) < speed(1.1, True, 1.0)

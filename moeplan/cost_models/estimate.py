@@ -60,14 +60,35 @@ def imbalance_from_histogram(tokens_per_expert: Sequence[float], ep: int) -> flo
     return max(sums) / mean if mean > 0 else 1.0
 
 
+def routed_load(training: TrainingSpec | None, imbalance: float) -> float:
+    """Token copies the busiest EP rank computes over the even share, once a capacity applies:
+    padded to capacity every expert computes exactly its capacity (the capacity factor, however
+    the router spread the tokens); dropping without padding cuts the busiest expert at it. A
+    capacity below the even share is priced at the even share, the work the search's lower
+    bound (`lower_bound`: every routed token) counts, so the bound stays a bound."""
+    cf = training.moe_capacity_factor if training is not None else None
+    if cf is None:
+        return imbalance
+    cf = max(cf, 1.0)
+    return cf if training.moe_pad_expert_input_to_capacity else min(imbalance, cf)
+
+
 def layer_imbalances(model: ModelSpec, ep: int, imbalance: float,
-                     histogram: dict[str, Any] | None) -> list[float]:
-    """Imbalance per decoder layer: from a routing histogram when given, else `imbalance`.
+                     histogram: dict[str, Any] | None,
+                     training: TrainingSpec | None = None) -> list[float]:
+    """Imbalance per decoder layer: from a routing histogram when given, else `imbalance`,
+    then capped or padded by the training's capacity (`routed_load`).
 
     Histogram entries name a decoder layer index; when those are not MoE layers (a histogram
     counted over MoE layers only), entries are matched to MoE layers in order. Layers the
     histogram does not cover get the mean of those it does.
     """
+    return [routed_load(training, x)
+            for x in _histogram_imbalances(model, ep, imbalance, histogram)]
+
+
+def _histogram_imbalances(model: ModelSpec, ep: int, imbalance: float,
+                          histogram: dict[str, Any] | None) -> list[float]:
     moe = model.moe_layers()
     out = [imbalance] * model.num_layers
     if not histogram:
@@ -126,7 +147,8 @@ def layer_table_costs(ctx: Context, imbalance: float = 1.0,
     """`layer_costs` at the layout's `layer_imbalances`: the per-layer table of one context,
     which a search builds once per key of the fields the layer costs read and shares across
     dp, pp and vpp."""
-    imbs = layer_imbalances(ctx.model, ctx.layout.ep, imbalance, routing_histogram)
+    imbs = layer_imbalances(ctx.model, ctx.layout.ep, imbalance, routing_histogram,
+                            ctx.training)
     return layer_costs(ctx, imbs)
 
 
@@ -254,7 +276,7 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                 ) -> StageTerms:
     """The `StageTerms` of one layout. `table`: its (costs, keys) from `layer_table_costs` when
     the caller already holds them (a search shares one table across dp, pp and vpp)."""
-    imbs = layer_imbalances(model, layout.ep, imbalance, routing_histogram)
+    imbs = layer_imbalances(model, layout.ep, imbalance, routing_histogram, training)
     if table is None:
         table = layer_costs(make_context(model, cluster, training, layout, cal), imbs)
     costs, keys = table
