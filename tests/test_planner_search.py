@@ -537,3 +537,21 @@ def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_dec
             offloaded += any(got.plan.choices.offload)
         above_split += bound > 1.02 * bb.objective.split_bound(bb, idx)
     assert checked >= 10 and above_split and offloaded
+
+
+def test_an_infeasible_search_suggests_only_gpu_counts_its_own_target_can_run():
+    """The nearby GPU counts an infeasible search offers are checked against the searched
+    target's rules: a training the runtime does not execute has no nearby count for
+    `--target moeplan`, while the Megatron target searches it."""
+    from moeplan import TrainingSpec
+    from moeplan.planner.search import search
+
+    model, cluster = load_model("qwen3-30b-a3b"), load_cluster("b200", gpus=8)
+    t = TrainingSpec(seq_len=4096, global_batch_size=512, moe_capacity_factor=1.0,
+                     moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(InfeasibleError) as e:
+        search(model, cluster, t, 8, top_k=1, target="moeplan")
+    assert "capacity" in str(e.value)  # the runtime's rule, named
+    assert "that have valid layouts" not in str(e.value)
+    best = search(model, cluster, t, 8, top_k=1, target="megatron").plans[0]
+    assert best.layout.dispatcher == "alltoall"

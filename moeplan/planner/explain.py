@@ -231,29 +231,30 @@ NEAREST_SCAN_S = 1.5  # seconds spent looking for nearby GPU counts and batches 
 
 
 def _has_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
-                 space: SearchSpace) -> bool:
+                 space: SearchSpace, target: str) -> bool:
     from .enumerate import enumerate_layouts
 
-    return len(enumerate_layouts(model, cluster.with_gpus(world), training, world, space).rows
-               ) > 0
+    return len(enumerate_layouts(model, cluster.with_gpus(world), training, world, space,
+                                 target).rows) > 0
 
 
 def nearest_working(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
-                    space: SearchSpace, budget_s: float = NEAREST_SCAN_S
-                    ) -> tuple[int | None, int | None, int | None]:
+                    space: SearchSpace, budget_s: float = NEAREST_SCAN_S,
+                    target: str = "megatron") -> tuple[int | None, int | None, int | None]:
     """(fewer GPUs, more GPUs, another global batch at `world` GPUs): the nearest values that
-    have a valid layout, found by enumerating each count (the rules are checked, not guessed),
-    within `budget_s`; None where none was found in range or in time."""
+    have a valid layout for the target executor, found by enumerating each count (the rules
+    are checked, not guessed), within `budget_s`; None where none was found in range or in
+    time."""
     deadline = time.monotonic() + budget_s
     below = above = gbs = None
     for k in range(1, world):
         if time.monotonic() > deadline or (below and above):
             break
         if below is None and world - k >= max(1, world // 2) and _has_layouts(
-                model, cluster, training, world - k, space):
+                model, cluster, training, world - k, space, target):
             below = world - k
         if above is None and world + k <= min(limits.MAX_GPUS, 2 * world) and _has_layouts(
-                model, cluster, training, world + k, space):
+                model, cluster, training, world + k, space, target):
             above = world + k
     g0 = training.global_batch_size
     for k in range(1, g0):
@@ -262,18 +263,18 @@ def nearest_working(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         for g in (g0 - k, g0 + k):
             if gbs is None and 0 < g <= limits.MAX_GLOBAL_BATCH and _has_layouts(
                     model, cluster, training.model_copy(update={"global_batch_size": g}),
-                    world, space):
+                    world, space, target):
                 gbs = g
     return below, above, gbs
 
 
 def no_valid_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, world: int,
-                    space: SearchSpace, pruned: Counter[str]) -> str:
+                    space: SearchSpace, pruned: Counter[str], target: str = "megatron") -> str:
     """Exit 3's paragraph when no layout of `world` GPUs passes the rules: the rules that
     removed the candidates, in words, and the nearest GPU counts (and batch) that work."""
     rules = "; ".join(f"{rule_words(r, model, training, cluster)} ({n:,} candidate "
                       f"split{'s' if n != 1 else ''})" for r, n in pruned.most_common(4))
-    below, above, gbs = nearest_working(model, cluster, training, world, space)
+    below, above, gbs = nearest_working(model, cluster, training, world, space, target=target)
     counts = [f"{n:,}" for n in (below, above) if n is not None]
     near = (f"GPU counts near {world:,} that have valid layouts: {' and '.join(counts)} "
             f"(--gpus {counts[0].replace(',', '')})" if counts

@@ -90,7 +90,8 @@ class SearchCache:
         """A small id for everything outside the layout key that layer costs depend on."""
         text = "\n".join((model.model_dump_json(),
                           cluster.model_copy(update={"num_gpus": None}).model_dump_json(),
-                          str(training.seq_len), repr(imbalance)))
+                          training.model_dump_json(exclude={"global_batch_size"}),
+                          repr(imbalance)))
         return self.sigs.setdefault(text, len(self.sigs))
 
 
@@ -146,7 +147,8 @@ def search(
     enum = enumerate_layouts(model, cluster, training, world, space, target)
     pruned: Counter[str] = Counter(enum.pruned)
     if not len(enum.rows):
-        raise InfeasibleError(no_valid_layout(model, cluster, training, world, space, pruned))
+        raise InfeasibleError(no_valid_layout(model, cluster, training, world, space, pruned,
+                                              target))
     pb = Problem(model, cluster, training, calibration_for(cluster.calibration), target)
     t_lb, mem_lb = row_bounds(pb, enum)
     fits = mem_lb <= static_activation_budget_bytes(cluster, pb.cal, pb.cal.workspace_gb * GB)
