@@ -121,6 +121,7 @@ def keep_order(over: dict[str, Any], key: str) -> bool:
             dragged = True
     return dragged
 
+
 RANK_WEIGHT = 1.0
 """Weight of the layout-ranking term (`rank_penalty`) against the mean |log error|."""
 

@@ -21,7 +21,7 @@ from .rows import cell, release_of
 # `FP8_MX` variants; `perf_recipes/*/common.py::_enable_*_full_iteration_mxfp8`). The published
 # rows print none of them, so rows of those releases are priced with the overlap, the
 # dispatcher and per-layer graphs. Their graphs capture the whole iteration and the fused MLP
-# launches one kernel for every expert; moeplan exports and prices neither, so its host floor
+# launches one kernel for all the experts; moeplan exports and prices neither, so its host floor
 # keeps per-expert launches those runs did not make (docs/ACCURACY.md, known gaps).
 OVERLAP_RECIPE_FROM = (26, 6)
 
