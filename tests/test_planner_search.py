@@ -539,19 +539,40 @@ def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_dec
     assert checked >= 10 and above_split and offloaded
 
 
-def test_an_infeasible_search_suggests_only_gpu_counts_its_own_target_can_run():
-    """The nearby GPU counts an infeasible search offers are checked against the searched
-    target's rules: a training the runtime does not execute has no nearby count for
-    `--target moeplan`, while the Megatron target searches it."""
+def test_nearby_gpu_counts_are_checked_against_the_searched_targets_rules():
+    """The GPU counts an infeasible search offers are enumerated under its own target's rules:
+    a training the runtime does not execute has none for `moeplan`, while Megatron's rules
+    find some."""
     from moeplan import TrainingSpec
+    from moeplan.planner.explain import nearest_working
+    from moeplan.planner.search import search_space
+
+    model, cluster = load_model("qwen3-30b-a3b"), load_cluster("b200", gpus=8)
+    t = TrainingSpec(seq_len=4096, global_batch_size=512, moe_capacity_factor=1.0,
+                     moe_pad_expert_input_to_capacity=True)
+    near = {target: nearest_working(model, cluster, t, 8, search_space(cluster, "bf16", target),
+                                    target=target) for target in ("moeplan", "megatron")}
+    assert near["moeplan"] == (None, None, None)
+    assert near["megatron"][0] is not None
+
+
+def test_a_search_for_a_target_that_refuses_the_model_or_training_exits_2_with_the_fix():
+    """No layout can keep a rule that reads no layout axis: the search says so before
+    enumerating (exit 2, the rule's fix and the other target), not as an infeasible search."""
+    from moeplan import TrainingSpec
+    from moeplan.errors import SpecError
     from moeplan.planner.search import search
 
     model, cluster = load_model("qwen3-30b-a3b"), load_cluster("b200", gpus=8)
     t = TrainingSpec(seq_len=4096, global_batch_size=512, moe_capacity_factor=1.0,
                      moe_pad_expert_input_to_capacity=True)
-    with pytest.raises(InfeasibleError) as e:
+    with pytest.raises(SpecError) as e:
         search(model, cluster, t, 8, top_k=1, target="moeplan")
-    assert "capacity" in str(e.value)  # the runtime's rule, named
-    assert "that have valid layouts" not in str(e.value)
+    assert "moe_pad_expert_input_to_capacity: false" in str(e.value)
+    assert "--target megatron" in str(e.value)
     best = search(model, cluster, t, 8, top_k=1, target="megatron").plans[0]
     assert best.layout.dispatcher == "alltoall"
+    with pytest.raises(SpecError, match="attention sinks"):
+        search(load_model("gpt-oss-120b"), load_cluster("b200", gpus=64),
+               TrainingSpec(seq_len=4096, global_batch_size=512), 64, top_k=1,
+               target="moeplan")

@@ -21,7 +21,7 @@ from ..cost_models.memory import GB
 from ..cost_models.uncertainty import static_activation_budget_bytes
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
-from ..specs.rules import TARGETS, check_target
+from ..specs.rules import TARGETS, Facts, check_target, rules_for
 from .branch import BranchAndBound, row_bounds
 from .enumerate import SearchSpace, enumerate_layouts
 from .explain import explain_plans, no_valid_layout, nothing_fits
@@ -95,6 +95,23 @@ class SearchCache:
         return self.sigs.setdefault(text, len(self.sigs))
 
 
+def refuse_specs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 target: str) -> None:
+    """Exit 2 before any enumeration when the target refuses the model or the training itself
+    (a rule that reads no layout axis, e.g. a model feature `moeplan run` does not build): no
+    layout could keep it, so this is the spec's error with its fix, not an infeasible search
+    (exit 3) offering GPU counts that would fail the same way."""
+    facts = Facts(model, training, None, None, cluster)
+    broken = [r.why(facts) for r in rules_for(target)
+              if not r.axes and not r.needs - {"cluster"} and r.applies(facts, target)
+              and not r.ok(facts)]
+    if broken:
+        other = (" Search with --target megatron to plan it for Megatron-LM."
+                 if target == "moeplan" else "")
+        raise SpecError(f"the {target} target cannot run this model and training, whatever "
+                        f"the layout: {'; '.join(broken)}.{other}")
+
+
 def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpace:
     """The axes a target can run: `megatron` is everything Megatron Core runs; `moeplan` is what
     `moeplan run` executes (no TP comm overlap or CUDA graphs; the rest is the rules table's)."""
@@ -143,6 +160,7 @@ def search(
     if not world:
         raise SpecError("search needs a GPU count: pass --gpus N or set num_gpus in the cluster.")
     cluster = cluster.with_gpus(world)
+    refuse_specs(model, cluster, training, target)
     space = space or search_space(cluster, precision or training.precision, target)
     enum = enumerate_layouts(model, cluster, training, world, space, target)
     pruned: Counter[str] = Counter(enum.pruned)
