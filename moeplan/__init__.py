@@ -141,8 +141,7 @@ def search(
                                  precision="bf16" if precision == "auto" else precision,
                                  grad_reduce_dtype=grad_reduce_dtype,
                                  moe_capacity_factor=moe_capacity_factor,
-                                 moe_pad_expert_input_to_capacity=(
-                                     moe_pad_expert_input_to_capacity or None))
+                                 moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
                    time_limit_s=time_limit_s, imbalance=imbalance, objective=objective,
                    progress=progress)  # type: ignore[arg-type]

@@ -134,7 +134,7 @@ def plan_from_options(
     t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision,
                       grad_reduce_dtype=grad_reduce_dtype, software_stack=software_stack,
                       moe_capacity_factor=moe_capacity_factor,
-                      moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity or None)
+                      moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     try:
         layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
     except ValidationError as err:

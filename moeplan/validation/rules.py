@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from ..specs.model import ModelSpec
+from .recipes import SOURCE as BRIDGE_SOURCE
 from .rows import cell, release_of
 
 # Megatron-Bridge's MXFP8 MoE recipes for Blackwell turn on the fused CuTe-DSL grouped MLP
@@ -97,7 +98,6 @@ MCORE_2024_SOURCES = ("NVIDIA NeMo performance summary (NeMo 24",
 # Megatron-Bridge cac49dcd7, "Malay/qwen3 2509"): Megatron Core's local graphs of whole layers,
 # which a padded MoE layer allows. Keyed by (model preset, GPU), a precision set where the
 # matrix splits by it.
-TOKEN_DROP_SOURCE = "NVIDIA Megatron-Bridge performance summary"
 TOKEN_DROP_GRAPHS: dict[tuple[str, str], tuple[str, ...]] = {
     ("qwen3-30b-a3b", "GB200"): ("bf16", "fp8-tensorwise", "mxfp8"),
     ("qwen3-30b-a3b", "B200"): ("bf16", "fp8-tensorwise", "mxfp8"),
@@ -112,7 +112,7 @@ TOKEN_DROP_GRAPHS: dict[tuple[str, str], tuple[str, ...]] = {
 
 def token_drop(row: dict[str, str]) -> bool:
     """Whether a row is one of Megatron-Bridge's token-drop runs."""
-    return ((row.get("source", "") or "").startswith(TOKEN_DROP_SOURCE)
+    return ((row.get("source", "") or "").startswith(BRIDGE_SOURCE)
             and "variant=tokendrop" in (row.get("other_notes", "") or "").lower())
 
 
