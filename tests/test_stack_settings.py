@@ -381,6 +381,27 @@ def test_stacks_before_2024_wait_for_the_whole_backward_to_reduce_gradients():
     assert new.dp_exposed_s < old.dp_exposed_s
 
 
+@pytest.mark.parametrize(("stack", "fusions", "overlap"), [
+    ("current", True, True), ("mcore-2024", False, True), ("megatron-2023", False, False)])
+def test_the_export_runs_the_stack_the_plan_was_priced_on(stack, fusions, overlap):
+    """Megatron turns on neither the MoE router and permutation fusions nor the data-parallel
+    overlap by default; a plan priced with them exports them, one priced without them does not,
+    so the exported job is the one priced."""
+    from moeplan.planner.export import to_megatron_args
+
+    tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+    plan = Plan(model=load_model("mixtral-8x7b"), cluster=H100, training=tr, choices=Choices(),
+                layout=Layout.build(64, 256, tp=2, ep=8))  # dp 32, distributed optimizer
+    argv = to_megatron_args(plan)[0]
+    assert ("--moe-router-fusion" in argv) == fusions == ("--moe-permute-fusion" in argv)
+    assert ("--overlap-grad-reduce" in argv) == overlap == ("--overlap-param-gather" in argv)
+    assert plan.training.fused_moe_kernels == fusions
+    assert plan.training.dp_comm_overlap == overlap
+    one_replica = plan.model_copy(update={"layout": Layout.build(16, 256, tp=2, pp=8, ep=2)})
+    assert one_replica.layout.dp == 1 and one_replica.layout.edp == 1
+    assert "--overlap-grad-reduce" not in to_megatron_args(one_replica)[0]
+
+
 def test_published_rows_are_priced_on_the_stack_their_source_ran():
     stack = {c.row["source"].split(" (")[0].split(" et al")[0]: c.training.software_stack
              for _, c in published_cases()}

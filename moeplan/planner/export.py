@@ -157,6 +157,7 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         0, None, None, _TC + "moe_pad_expert_input_to_capacity"),
     "--moe-grouped-gemm": MegatronFlag(0, None, None, _A + "_add_moe_args"),
     "--moe-permute-fusion": MegatronFlag(0, None, None, _A + "_add_moe_args"),
+    "--moe-router-fusion": MegatronFlag(0, None, None, _TC + "moe_router_fusion"),
     "--moe-token-dispatcher-type": MegatronFlag(1, str, ("allgather", "alltoall", "flex"),
                                                 _A + "_add_moe_args"),
     "--moe-flex-dispatcher-backend": MegatronFlag(
@@ -182,6 +183,8 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"),
         _A + "_add_inference_args (--cuda-graph-scope is its deprecated, hidden alias)"),
     "--use-distributed-optimizer": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
+    "--overlap-grad-reduce": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
+    "--overlap-param-gather": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     "--use-tp-pp-dp-mapping": MegatronFlag(0, None, None, _A + "_add_distributed_args"),
     # ---- batch
     "--seq-length": MegatronFlag(1, int, None, _A + "_add_data_args"),
@@ -519,7 +522,9 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     if t.static_moe_shapes:
         a.add("--moe-pad-expert-input-to-capacity")
     a.add("--moe-grouped-gemm")
-    a.add("--moe-permute-fusion")
+    if t.fused_moe_kernels:  # priced fused (software_stack 'current'); Megatron's default is off
+        a.add("--moe-router-fusion")
+        a.add("--moe-permute-fusion")
     a.add("--moe-token-dispatcher-type", L.dispatcher)
     if L.dispatcher == "flex":
         a.add("--moe-flex-dispatcher-backend", "deepep")
@@ -560,6 +565,12 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--cuda-graph-modules", *graph_modules(m, plan.training, L))
     if L.distributed_optimizer:
         a.add("--use-distributed-optimizer")
+    if plan.training.dp_comm_overlap and (L.dp * L.cp > 1 or L.edp > 1):
+        # priced overlapped (cost_models.estimate: DP reduce-scatter behind the backward, the
+        # parameter all-gather behind the forward); Megatron overlaps neither by default
+        a.add("--overlap-grad-reduce")
+        if L.distributed_optimizer:  # arguments.py: --overlap-param-gather needs both
+            a.add("--overlap-param-gather")
     if L.order == "tp-cp-ep-pp-dp":
         a.add("--use-tp-pp-dp-mapping")
     layout = pipeline_layout_value(plan)
