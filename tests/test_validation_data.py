@@ -59,3 +59,51 @@ def test_a_row_that_prints_its_virtual_pipeline_size_or_tuned_nothing_has_no_alt
     cases = _cases({"R0194", "R0526"})
     assert cases["R0194"].alternatives == () and cases["R0194"].layout.vpp == 4
     assert cases["R0526"].alternatives == ()
+
+
+def _external(name):
+    from pathlib import Path
+
+    return read_rows(Path(__file__).parent.parent / "bench" / "data" / name)
+
+
+def test_a_rows_documented_modules_offloads_layout_and_numerics_are_priced_as_written():
+    """What a run's recipe documents is read, not assumed: the selective modules in Megatron's
+    words, the offloaded modules, the --pipeline-model-parallel-layout, the FP8 parameter
+    gather and the bf16 Adam moments (Megatron-LM's DeepSeek-V3 GB200 recipe)."""
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of
+
+    row = next(r for r in _external("megatron_lm_moe_recipes.csv") if r["id"] == "MLR02")
+    case = case_of(row, list_presets())
+    assert case.choices.for_rank(0) == (["mla_up_proj"], ["expert_fc1"])
+    assert case.choices.stage_layout == "Et*4|(tttt|)*14tmL"
+    assert case.training.fp8_param_gather and case.training.optimizer_moments_dtype == "bf16"
+    assert (case.layout.dispatcher, case.layout.ep_overlap, case.layout.cuda_graphs) == (
+        "flex", True, True)
+    plain = case_of({**row, "recompute": "selective", "other_notes": ""}, list_presets())
+    assert plain.choices.for_rank(0) == (["core_attn"], []) and plain.choices.stage_layout is None
+    assert not plain.training.fp8_param_gather
+
+
+def test_megatron_lms_own_recipes_no_fit_saw_are_priced_within_20_percent():
+    """Megatron-LM's MoE recipes (examples/moe_recipes) and its DeepSeek-V3 GB200 optimisation
+    steps are in no fit: each is priced with the settings its recipe documents, the recipes
+    within 20% MAPE, and the last optimisation step, which runs the stack every estimate
+    assumes, within 10%; a router-only graph scope prices no attention graphs."""
+    from moeplan.validation import validate_rows
+
+    for name, bound in (("megatron_lm_moe_recipes.csv", 0.20), ("deepseek_v3_gb200_steps.csv",
+                                                                 None)):
+        out = validate_rows(_external(name))
+        assert not out["skipped"]
+        err = {r["id"]: r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"]
+               - 1 for r in out["rows"]}
+        assumed = {r["id"]: r["assumed"] for r in out["rows"]}
+        if bound is not None:
+            assert len(err) == 14 and sum(map(abs, err.values())) / len(err) <= bound
+            assert assumed["MLR04"]["cuda_graphs"] is False
+        else:
+            assert len(err) == 13 and abs(err["DSG12"]) <= 0.10
+            assert assumed["DSG00"]["dispatcher"] == "alltoall"
+            assert assumed["DSG05"]["cuda_graphs"] and not assumed["DSG04"]["cuda_graphs"]

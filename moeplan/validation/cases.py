@@ -24,7 +24,15 @@ from typing import Any
 
 from ..cost_models.uncertainty import model_family
 from ..errors import LayoutError, MoeplanError
-from ..specs import Choices, Layout, TrainingSpec, load_cluster, load_model
+from ..specs import (
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    Choices,
+    Layout,
+    TrainingSpec,
+    load_cluster,
+    load_model,
+)
 from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
 from .recipes import Recipe, contradicts, recipe_for
@@ -135,15 +143,31 @@ def described_gpt(row: dict[str, str]) -> ModelSpec | None:
                      norm_eps=1e-5)
 
 
+STAGE_LAYOUT_PAT = re.compile(r"\blayout ([Etm|L()*0-9,]*\|[Etm|L()*0-9,]*)")
+OFFLOAD_PAT = re.compile(r"activation offload: ([a-z0-9_ ]+)")
+
+
 def published_recompute(row: dict[str, str]) -> Choices:
-    """The recompute a row publishes: full recomputation (Megatron's `--recompute-granularity
-    full`), or selective (Megatron's default selective module, core attention)."""
+    """The recompute, activation offload and stage layout a row documents: full recomputation
+    (Megatron's `--recompute-granularity full`); the selective modules it names in Megatron's
+    words (`selective: mla_up_proj mlp`), or selective alone (Megatron's default module, core
+    attention); the modules its notes offload (`activation offload: expert_fc1`); the
+    `--pipeline-model-parallel-layout` its notes print (`layout Et*4|(tttt|)*14tmL`)."""
     text = (row.get("recompute") or "").lower()
+    notes = row.get("other_notes") or ""
+    picked: dict[str, Any] = {}
     if "full" in text:
-        return Choices(recompute=["full"])
-    if "selective" in text:
-        return Choices(recompute=["core_attn"])
-    return Choices()
+        picked["recompute"] = ["full"]
+    elif "selective" in text:
+        named = [m for m in RECOMPUTE_MODULES if m != "full" and re.search(rf"\b{m}\b", text)]
+        picked["recompute"] = named or ["core_attn"]
+    off = OFFLOAD_PAT.search(notes.lower())
+    if off:
+        picked["offload"] = [m for m in OFFLOAD_MODULES if m in off.group(1).split()]
+    layout = STAGE_LAYOUT_PAT.search(notes)
+    if layout:
+        picked["stage_layout"] = layout.group(1)
+    return Choices(**picked)
 
 
 def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str:

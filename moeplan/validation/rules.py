@@ -146,6 +146,12 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
         out["grad_reduce_dtype"] = "bf16"
     if src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8":
         out["fp8_param_gather"] = True
+    # and what the row's own notes document, in TrainingSpec's terms
+    notes = (row.get("other_notes") or "").lower()
+    if "fp8 parameter gather" in notes:
+        out["fp8_param_gather"] = True
+    if "bf16 adam moments" in notes:
+        out["optimizer_moments_dtype"] = "bf16"
     return out
 
 

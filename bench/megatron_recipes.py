@@ -1,0 +1,94 @@
+"""Runs no fit saw: Megatron-LM's own MoE recipes and its DeepSeek-V3 GB200 optimisation steps.
+
+Two sets of published measurements that neither `shared/data` nor any fit contains, priced
+with the settings each run documents (the dispatcher, EP overlap, CUDA graphs, recomputed and
+offloaded modules, stage layout, FP8 parameter gather, bf16 Adam moments, read from its row
+by `moeplan.validation`, as for every published row):
+
+- `bench/data/megatron_lm_moe_recipes.csv`: the Recipe Index of Megatron-LM's
+  `examples/moe_recipes/README.md` (commit 8a2ac1fdc7): fourteen DeepSeek-V3, Qwen3-235B-A22B
+  and Qwen3-30B-A3B recipes on H100, B200, B300, GB200 and GB300 with their median
+  TFLOP/s/GPU, each row's settings read from its recipe YAML. Three run full-iteration CUDA
+  graphs with the paged stash, which moeplan neither exports nor prices (per-layer graphs
+  instead); their partial-graph twins show what that is worth.
+- `bench/data/deepseek_v3_gb200_steps.csv`: the thirteen steps of Megatron-LM's "Optimizing
+  DeepSeek-V3 Training Performance on NVIDIA GB200 NVL72" (commit eb0783b6d3), one layout from
+  494 to 970 TFLOPS/GPU. A step that changes a setting moeplan names (dispatcher, recompute,
+  CUDA graphs) is priced with it; the others (kernel fusions, CPU-side work) are inside the
+  `current` software stack every estimate assumes, so their predictions do not move.
+
+Published TFLOPS are converted to tokens/s/GPU with the model's FLOPs per token in Megatron's
+convention (causal attention halved), as `moeplan validate` does for every TFLOPS-only row.
+
+    python bench/megatron_recipes.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moeplan.validation import read_rows, validate_rows
+
+DATA = Path(__file__).parent / "data"
+RECIPES = DATA / "megatron_lm_moe_recipes.csv"
+STEPS = DATA / "deepseek_v3_gb200_steps.csv"
+
+
+def priced(path: Path) -> list[dict[str, object]]:
+    """Per run: id, what it is, published and predicted tokens/s/GPU, the signed error."""
+    rows = {r["id"]: r for r in read_rows(path)}
+    out = validate_rows(list(rows.values()))
+    if out["skipped"]:
+        raise SystemExit(f"{path.name}: runs that cannot be priced: {out['skipped']}")
+    res = []
+    for r in out["rows"]:
+        row = rows[r["id"]]
+        detail = row["source_detail"]
+        what = (detail.split("step ", 1)[1] if "; step " in detail
+                else detail.split("recipe examples/moe_recipes/", 1)[1].split(";")[0])
+        pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
+        res.append({"id": r["id"], "run": what, "published_tflops": float(row["tflops_per_gpu"]),
+                    "published": pub, "predicted": pred, "error": pred / pub - 1})
+    return res
+
+
+def mape(rows: list[dict[str, object]]) -> float:
+    return 100 * sum(abs(float(r["error"])) for r in rows) / len(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args(argv)
+    recipes, steps = priced(RECIPES), priced(STEPS)
+    first, last = steps[0], steps[-1]
+    summary = {
+        "recipes_mape_percent": mape(recipes),
+        "recipes_mean_error_percent": 100 * sum(float(r["error"]) for r in recipes) / len(recipes),
+        "steps_measured_gain": float(last["published"]) / float(first["published"]),
+        "steps_predicted_gain": float(last["predicted"]) / float(first["predicted"]),
+        "steps_last_error_percent": 100 * float(last["error"]),
+    }
+    if args.json:
+        print(json.dumps({"recipes": recipes, "steps": steps, **summary}, indent=1))
+        return 0
+    for title, rows in (("Megatron-LM MoE recipes", recipes),
+                        ("DeepSeek-V3 on 256 GB200, optimisation steps", steps)):
+        print(title)
+        print(f"{'id':<6} {'published':>10} {'predicted':>10} {'error':>8}  run")
+        for r in rows:
+            print(f"{r['id']:<6} {r['published']:>10.0f} {r['predicted']:>10.0f} "
+                  f"{100 * float(r['error']):>+7.1f}%  {r['run']}")
+        print()
+    print(f"recipes: MAPE {summary['recipes_mape_percent']:.1f}%, mean error "
+          f"{summary['recipes_mean_error_percent']:+.1f}% over {len(recipes)} runs (tokens/s/GPU)")
+    print(f"steps: measured {summary['steps_measured_gain']:.2f}x from first to last, predicted "
+          f"{summary['steps_predicted_gain']:.2f}x; last step {summary['steps_last_error_percent']:+.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
