@@ -56,9 +56,11 @@ START: dict[str, Any] = {
     # TE userbuffers overlap of TP comm (only rows whose recipe documents it use it)
     "tp_overlap_hidden": 0.7,
     "ep_overlap_hidden": 0.93,  # Megatron Core MoE report: merged fwd/bwd hid ≈ 93 %
-    # share of the GPU's SMs communication kernels hold while overlapping (DeepEP: 24 of 132
-    # SMs on H100; HybridEP on Blackwell fewer of 148)
-    "comm_sm_fraction": {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.0},
+    # share of the GPU's compute that communication kernels take while they overlap it; at
+    # least the SMs the dispatcher reserves (Megatron Core: DeepEP's default 20 SMs, of 132 on
+    # H100 and 148 on Blackwell; HybridEP 32 in Megatron-LM's MoE recipes), more where they also
+    # contend for memory bandwidth: the fit moves it only upward (GRID)
+    "comm_sm_fraction": {"ampere": 0.15, "hopper": 0.15, "blackwell": 0.135},
     "host_mem_eff": 0.7,
     "pp_boundary_s": 0.0008,
     "step_overhead_s": 0.05,
@@ -85,8 +87,8 @@ GRID: list[tuple[str, list[float]]] = [
     ("gemm_half_dim_arch.ampere", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
     ("gemm_half_dim_arch.hopper", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
     ("gemm_half_dim_arch.blackwell", [64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0]),
-    ("comm_sm_fraction.blackwell", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]),
-    ("comm_sm_fraction.hopper", [0.0, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5]),
+    ("comm_sm_fraction.blackwell", [0.135, 0.2, 0.25, 0.3]),
+    ("comm_sm_fraction.hopper", [0.15, 0.2, 0.3, 0.4, 0.5]),
     ("pp_boundary_s", [0.0, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.2e-3]),
     ("a2a_nvlink_eff", [0.4, 0.55, 0.7, 0.85, 1.0]),
     ("a2a_scaleout_eff", [0.5, 0.7, 0.9, 1.0]),
