@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from moeplan.fsio import atomic_write_text
+
 MODELS: dict[str, dict[str, Any]] = {
     "moe-s": dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                   head_dim=32, ffn_hidden_size=256, vocab_size=1024, num_experts=8, moe_top_k=2,
@@ -85,7 +87,7 @@ def main() -> None:
             sh(["calibrate", "--quick", "--nproc", str(world), "-o", str(local)])
             result["calibrate_wall_s"][world] = time.perf_counter() - t0
     for name, spec in MODELS.items():
-        (out / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
+        atomic_write_text(out / f"{name}.yaml", yaml.safe_dump({"name": name, **spec}))
     rows = []
     for name, model, world, seq, gbs, axes, split in PLANS:
         plan, run = out / "plans" / f"{name}.json", out / "runs" / split / name
@@ -111,7 +113,7 @@ def main() -> None:
         row["refit_s"] = after[row["run"]]["after_s"]
     result.update(rows=rows, fitted=refit["fitted"],
                   load_average_end=os.getloadavg()[0])
-    (out / "loop.json").write_text(json.dumps(result, indent=2))
+    atomic_write_text(out / "loop.json", json.dumps(result, indent=2))
 
     def err(p: float, m: float) -> str:
         return f"{p / m - 1:+.0%}"

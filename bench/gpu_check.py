@@ -25,6 +25,7 @@ from pathlib import Path
 
 import moeplan
 from moeplan import Layout, ModelSpec, Plan, TrainingSpec, load_cluster, load_model
+from moeplan.fsio import atomic_write_text
 
 PRECISIONS = ("bf16", "fp8-tensorwise")
 
@@ -49,7 +50,7 @@ def make_plan(precision: str, seq: int, gbs: int) -> Plan:
 def run(plan: Plan, steps: int, out: Path, timeout_s: float) -> tuple[dict, str]:
     """`moeplan run` the plan in bf16 weights → (summary.json, the kernels line of the log)."""
     path = out / f"{plan.training.precision}.json"
-    path.write_text(plan.model_dump_json())
+    atomic_write_text(path, plan.model_dump_json())
     run_dir = out / plan.training.precision
     r = subprocess.run([sys.executable, "-m", "moeplan", "run", str(path), "--steps", str(steps),
                         "--out", str(run_dir), "--dtype", "bf16"],
@@ -72,7 +73,7 @@ def checkpoint_roundtrip(out: Path, timeout_s: float, steps: int = 6) -> str:
     `steps` from the checkpoint; the resumed losses must follow the straight ones."""
     plan = make_plan("bf16", 1024, 4)
     path = out / "ckpt_plan.json"
-    path.write_text(plan.model_dump_json())
+    atomic_write_text(path, plan.model_dump_json())
 
     def run_to(n: int, run_dir: Path, ckpt: Path, resume: bool) -> None:
         cmd = [sys.executable, "-m", "moeplan", "run", str(path), "--steps", str(n), "--out",
@@ -113,7 +114,7 @@ def ep_overlap_check(out: Path, timeout_s: float, steps: int = 4) -> str:
         plan = Plan(model=model, cluster=load_cluster("h200", gpus=world), training=training,
                     layout=Layout.build(world, 8, **axes))
         path = out / f"{name}.json"
-        path.write_text(plan.model_dump_json())
+        atomic_write_text(path, plan.model_dump_json())
         r = subprocess.run([sys.executable, "-m", "moeplan", "run", str(path), "--steps",
                             str(steps), "--out", str(out / name), "--dtype", "fp32", "--seed",
                             "3"], capture_output=True, text=True, timeout=timeout_s)

@@ -50,8 +50,10 @@ def priced(path: Path) -> list[dict[str, object]]:
         what = (detail.split("step ", 1)[1] if "; step " in detail
                 else detail.split("recipe examples/moe_recipes/", 1)[1].split(";")[0])
         pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
+        lo, hi = r["predicted_interval_tokens_per_s_per_gpu"]
         res.append({"id": r["id"], "run": what, "published_tflops": float(row["tflops_per_gpu"]),
-                    "published": pub, "predicted": pred, "error": pred / pub - 1})
+                    "published": pub, "predicted": pred, "error": pred / pub - 1,
+                    "in_interval": lo <= pub <= hi, "interval_width": (hi - lo) / pred})
     return res
 
 
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_measured_gain": float(last["published"]) / float(first["published"]),
         "steps_predicted_gain": float(last["predicted"]) / float(first["predicted"]),
         "steps_last_error_percent": 100 * float(last["error"]),
+        "recipes_interval_coverage": sum(bool(r["in_interval"]) for r in recipes) / len(recipes),
     }
     if args.json:
         print(json.dumps({"recipes": recipes, "steps": steps, **summary}, indent=1))
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * float(r['error']):>+7.1f}%  {r['run']}")
         print()
     print(f"recipes: MAPE {summary['recipes_mape_percent']:.1f}%, mean error "
-          f"{summary['recipes_mean_error_percent']:+.1f}% over {len(recipes)} runs (tokens/s/GPU)")
+          f"{summary['recipes_mean_error_percent']:+.1f}% over {len(recipes)} runs (tokens/s/GPU); "
+          f"80% interval coverage {100 * summary['recipes_interval_coverage']:.0f}%")
     print(f"steps: measured {summary['steps_measured_gain']:.2f}x from first to last, predicted "
           f"{summary['steps_predicted_gain']:.2f}x; last step {summary['steps_last_error_percent']:+.1f}%")
     return 0

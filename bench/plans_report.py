@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import time
-from pathlib import Path
 
 from moeplan import load_cluster
 from moeplan.cost_models.calibration import calibration_for
+from moeplan.fsio import atomic_write_text
 from moeplan.planner.explain import describe
 from moeplan.planner.problem import OPTIONS, layer_table, menu
 from moeplan.planner.screen import Problem, solve_layout
@@ -114,7 +114,7 @@ def main() -> None:
             out.append(row_of("best on validated effects only", v, theirs))
         out += ["", *explain(robust, expected, theirs, pub), ""]
     out += CAUTION
-    Path(args.out).write_text("\n".join(out) + "\n")
+    atomic_write_text(args.out, "\n".join(out) + "\n")
     print(f"wrote {args.out}")
 
 

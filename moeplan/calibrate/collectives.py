@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..fsio import atomic_write_text
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -109,8 +111,8 @@ def _worker(rank: int, n: int, store_dir: str, sizes: list[int], min_s: float, u
                          _time_collective(fn, device, min_s)])
         out[kind] = rows
     if rank == 0:
-        Path(store_dir, "timings.json").write_text(json.dumps({"collectives": out,
-                                                               "kernels": measured}))
+        atomic_write_text(Path(store_dir, "timings.json"),
+                          json.dumps({"collectives": out, "kernels": measured}))
     dist.barrier()
     dist.destroy_process_group()
 
