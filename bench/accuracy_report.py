@@ -618,7 +618,7 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
   the MoE shapes static) and run the fused CuTe-DSL grouped MLP (one kernel for every expert's
   GEMM, activation and quantisation). moeplan exports and prices neither: per-layer graphs and
   a launch per expert, so a small-expert model on those recipes is priced slow (Qwen3-30B-A3B on
-  8 GB200, MBS 4, EP8: 13–16% in the shipped profile).
+  8 GB200, MBS 4, EP8: 15–17% in the shipped profile).
 - Runs no fit saw (Megatron-LM's recipes, above) are priced fast on average: partial-graph
   recipes of Qwen3 on NVL72 by 22–29% where their full-graph twins are within 8% (the host cost
   of the uncaptured expert part is underpriced), and Qwen3-235B-A22B at TP 2 by 30–47%. The
