@@ -93,17 +93,17 @@ def test_megatron_lms_own_recipes_no_fit_saw_are_priced_within_20_percent():
     assumes, within 10%; a router-only graph scope prices no attention graphs."""
     from moeplan.validation import validate_rows
 
-    for name, bound in (("megatron_lm_moe_recipes.csv", 0.20), ("deepseek_v3_gb200_steps.csv",
-                                                                 None)):
+    def priced(name):
         out = validate_rows(_external(name))
         assert not out["skipped"]
-        err = {r["id"]: r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"]
-               - 1 for r in out["rows"]}
-        assumed = {r["id"]: r["assumed"] for r in out["rows"]}
-        if bound is not None:
-            assert len(err) == 14 and sum(map(abs, err.values())) / len(err) <= bound
-            assert assumed["MLR04"]["cuda_graphs"] is False
-        else:
-            assert len(err) == 13 and abs(err["DSG12"]) <= 0.10
-            assert assumed["DSG00"]["dispatcher"] == "alltoall"
-            assert assumed["DSG05"]["cuda_graphs"] and not assumed["DSG04"]["cuda_graphs"]
+        return ({r["id"]: r["predicted_tokens_per_s_per_gpu"]
+                 / r["published_tokens_per_s_per_gpu"] - 1 for r in out["rows"]},
+                {r["id"]: r["assumed"] for r in out["rows"]})
+
+    err, assumed = priced("megatron_lm_moe_recipes.csv")
+    assert len(err) == 14 and sum(map(abs, err.values())) / len(err) <= 0.20
+    assert assumed["MLR04"]["cuda_graphs"] is False
+    err, assumed = priced("deepseek_v3_gb200_steps.csv")
+    assert len(err) == 13 and abs(err["DSG12"]) <= 0.10
+    assert assumed["DSG00"]["dispatcher"] == "alltoall"
+    assert assumed["DSG05"]["cuda_graphs"] and not assumed["DSG04"]["cuda_graphs"]

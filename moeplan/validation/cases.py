@@ -235,10 +235,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     # and what the row's own text documents wins over both
     recipe = {**(bridge.settings if bridge else {}), **rule,
               **token_drop_settings(row, mp, prec), **documented_settings(row)}
-    try:
-        choices = published_recompute(row)
-    except ValueError as err:  # pydantic's: a documented module set or stage layout it refuses
-        return f"documented recompute, offload or stage layout invalid: {err}"
+    choices = published_recompute(row)
     if bridge and bridge.recompute and not choices.recompute:
         choices = Choices(recompute=list(bridge.recompute))
     # a documented setting the published layout cannot take (Megatron's EP overlap needs
