@@ -31,9 +31,9 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit 33f93cd), for "What changed", as its own ACCURACY.md
+# Figures of the previous revision (commit b047395), for "What changed", as its own ACCURACY.md
 # reported them (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 10.0, "model": 9.6, "release": 10.2, "table5": 3.9}
+PREVIOUS = {"config": 10.2, "model": 9.7, "release": 10.5, "table5": 3.9}
 
 
 def generation(gpu: str) -> str:
@@ -307,8 +307,9 @@ def unseen_figures(recipes: list[dict[str, Any]], steps: list[dict[str, Any]]) -
     """The figures the runs-no-fit-saw text quotes, computed from those runs: error ranges of
     the recipe classes it names, how much slower each partial-graph twin measured than its
     full-graph recipe, and what the setting-changing optimisation steps gained."""
-    err = {str(r["id"]): 100 * float(r["error"]) for r in recipes}
+    err = {str(r["id"]): 100 * float(r["error"]) for r in recipes + steps}
     pub = {str(r["id"]): float(r["published"]) for r in recipes + steps}
+    pred = {str(r["id"]): float(r["predicted"]) for r in steps}
 
     def span(values: list[float]) -> str:
         lo, hi = min(values), max(values)
@@ -327,6 +328,10 @@ def unseen_figures(recipes: list[dict[str, Any]], steps: list[dict[str, Any]]) -
         "tp1_partial": f"{abs(err['MLR08']):.0f}%",
         "graphs_step": gain("DSG05", "DSG04"),
         "cpu_steps": f"{gain('DSG07', 'DSG06')}, {gain('DSG11', 'DSG10')}",
+        "hybridep_measured": gain("DSG10", "DSG09"),
+        "hybridep_predicted": f"{100 * (pred['DSG10'] / pred['DSG09'] - 1):+.1f}%",
+        "deepep_steps": span([err[f"DSG{i:02d}"] for i in range(3, 10)]),
+        "early_steps": span([err[f"DSG{i:02d}"] for i in range(0, 3)]),
     }
 
 
@@ -383,15 +388,18 @@ def unseen_section() -> list[str]:
                    f"{tflops(r, 'predicted'):,.1f} | {100 * float(r['error']):+.1f}% |")
     gain = float(steps[-1]["published"]) / float(steps[0]["published"])
     pgain = float(steps[-1]["predicted"]) / float(steps[0]["predicted"])
-    out += ["", f"Measured {gain:.2f}× from the first step to the last, predicted {pgain:.2f}×: "
-            "the last step, the stack moeplan assumes, is priced within "
-            f"{abs(100 * float(steps[-1]['error'])):.0f}%, and the earlier ones are not. The "
-            "guide names CPU overhead (host-bound layers) as the baseline's main problem; "
-            "moeplan's host floor does not bind on this layout at the fitted launch time, so "
-            f"neither the CUDA graphs (measured {f['graphs_step']}) nor the CPU-side work "
-            f"({f['cpu_steps']}) "
-            "moves the prediction. A user on an older stack can say so with `--stack` (the MoE "
-            "fusions, attention kernels, DP overlap) and with a measured launch time "
+    out += ["", f"Measured {gain:.2f}× from the first step to the last, predicted {pgain:.2f}×. "
+            "Steps 3–9 ran DeepEP across the NVL72's trays (a case Megatron Core supports only "
+            "with HybridEP), where the guide measured it at 400 GB/s dispatch and 190 GB/s "
+            "combine (§2.2.1); priced as that backend (`layout.flex_backend`), they are "
+            f"{f['deepep_steps']} fast, and the switch to HybridEP (step 10) is priced "
+            f"{f['hybridep_predicted']} against {f['hybridep_measured']} measured. Steps 0–2 "
+            f"stay {f['early_steps']} fast: the guide names CPU overhead (host-bound layers) as "
+            "the baseline's main problem, and moeplan's host floor does not bind on this layout "
+            "at the fitted launch time, so neither the CUDA graphs (measured "
+            f"{f['graphs_step']}) nor the CPU-side work ({f['cpu_steps']}) moves the "
+            "prediction. A user on an older stack can say so with `--stack` (the MoE fusions, "
+            "attention kernels, DP overlap), `--flex-backend deepep` and a measured launch time "
             "(`moeplan calibrate`, `--calibration`), not yet with each of these steps."]
     return out
 
@@ -574,30 +582,21 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **Runs no fit saw, priced as their recipes ran** (their own section below): Megatron-LM's own MoE recipes
-  (`examples/moe_recipes`, fourteen DeepSeek-V3, Qwen3-235B-A22B and Qwen3-30B-A3B runs on
-  H100, B200, B300, GB200 and GB300) and the thirteen published optimisation steps of one
-  DeepSeek-V3 layout on 256 GB200. Neither set is in `shared/data` or in any fit; each run is
-  priced with what its recipe documents, now read from a row's own text: the selective
-  recompute modules in Megatron's words, the offloaded modules, the
-  `--pipeline-model-parallel-layout`, the FP8 parameter gather and bf16 Adam moments.
-- **Overlapped communication is never free.** The share of the GPU a communication kernel takes
-  while it hides behind compute (`comm_sm_fraction`) is now at least the SMs the dispatcher
-  reserves: DeepEP's default 20 SMs (Megatron Core's `moe_deepep_num_sms`), 20 of 132 on H100
-  and of 148 on Blackwell, HybridEP 32 in Megatron-LM's recipes. The fit may raise it (memory
-  and L2 contention) but no longer lower it: it had set Blackwell's to 0, every hidden byte
-  free. Now Hopper {sm_hopper}, Blackwell {sm_blackwell}.
-- **The export runs the stack the plan was priced on** (docs/EXPORT.md). The default `current`
-  stack prices the fused MoE router and permutation and the data-parallel reduce-scatter and
-  parameter all-gather overlapped with compute; Megatron turns none of them on by default, and
-  the export wrote only `--moe-permute-fusion`. It now writes `--moe-router-fusion`,
-  `--overlap-grad-reduce` and `--overlap-param-gather` where the plan's stack has them, and
-  leaves them out of a plan priced on an older stack.
+- **The flex dispatcher's backend is a plan setting** (`layout.flex_backend`, `--flex-backend`,
+  exported as `--moe-flex-dispatcher-backend` with HybridEP's topology environment;
+  docs/EXPORT.md). `hybridep`, the default and the search's, is priced as before. `deepep`
+  inside a multi-node NVLink domain runs at the 400 GB/s dispatch and 190 GB/s combine NVIDIA
+  measured (DeepSeek-V3 GB200 guide, §2.2.1), a token sent once per destination rank: the
+  guide's DeepEP steps are now priced {deepep_steps} fast (were 18–69%), and its switch to
+  HybridEP {hybridep_predicted} against {hybridep_measured} measured. No shared row runs DeepEP
+  inside an NVL72, so the fit and every cross-validated figure below are unchanged. The export
+  used to write `deepep` for every flex plan, a backend Megatron Core does not support across
+  an NVL72's trays.
 - **The yardstick** is unchanged: leave one model out is the headline, leave one release out the
   closest to runs of a release nobody fitted, the configuration split secondary
   (`bench/cross_validate.py`, full refit per fold; `moeplan validate --cv model|release`, quick
   refit). The shipped profile is fitted on every scored row ({rows} rows, objective
-  {objective}; previous revision 235 rows, 0.0942). Launch time: x86 {launch_x86} µs,
+  {objective}; previous revision 235 rows, 0.0957). Launch time: x86 {launch_x86} µs,
   Grace {launch_grace} µs.
 """.splitlines()
 
@@ -705,6 +704,8 @@ def main() -> None:
                "sm_blackwell": f"{cal['comm_sm_fraction'].get('blackwell', 0):g}",
                "realised_h": f"{cal.get('attn_realised', {}).get('hopper', 1.0):g}",
                "realised_b": f"{cal.get('attn_realised', {}).get('blackwell', 1.0):g}"}
+    from megatron_recipes import RECIPES, STEPS, priced
+    figures.update(unseen_figures(priced(RECIPES), priced(STEPS)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]

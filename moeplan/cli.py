@@ -313,6 +313,9 @@ def estimate(
     precision: PrecisionOpt = None,
     dispatcher: Annotated[str, typer.Option("--dispatcher", help="alltoall, allgather, flex.")
                           ] = "alltoall",
+    flex_backend: Annotated[str, typer.Option(
+        "--flex-backend", help="The flex dispatcher's library: hybridep, or deepep (about half "
+        "the bandwidth across a multi-node NVLink domain).")] = "hybridep",
     ep_overlap: Annotated[bool, typer.Option("--ep-overlap", help="Merged fwd/bwd EP overlap.")
                           ] = False,
     tp_comm_overlap: Annotated[bool, typer.Option(
@@ -367,7 +370,7 @@ def estimate(
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
-                "dispatcher": dispatcher, "ep_overlap": ep_overlap,
+                "dispatcher": dispatcher, "flex_backend": flex_backend, "ep_overlap": ep_overlap,
                 "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,

@@ -112,3 +112,27 @@ def test_a_ring_across_nodes_with_k_ranks_per_node_crosses_them_through_k_nics()
     nvlink_bound = 63 / 64 * S * 7 / 8 / (c.nvlink_gb_s * cal.nvlink_eff * 1e9)
     assert eight - alpha8 == pytest.approx(max(63 / 64 * S / 8 / so, nvlink_bound))
     assert eight < one / 4
+
+
+@pytest.mark.parametrize("experts, k, ep, groups, per_token", [
+    (256, 8, 32, None, None), (256, 8, 32, 8, 4), (128, 8, 16, None, None), (64, 6, 64, None, None),
+    (8, 2, 8, None, None)])
+def test_ranks_a_token_reaches_match_sampling_its_experts(experts, k, ep, groups, per_token):
+    """DeepEP and HybridEP send a token once per destination rank: the expected count of ranks
+    holding at least one of k distinct experts, drawn among those its group limit allows."""
+    import random
+
+    from moeplan.cost_models.comm import ranks_hit
+
+    rng = random.Random(0)
+    per_rank, trials, total = experts // ep, 20000, 0
+    for _ in range(trials):
+        if groups:
+            size = experts // groups
+            chosen = rng.sample(range(groups), per_token)
+            pool = [g * size + i for g in chosen for i in range(size)]
+        else:
+            pool = list(range(experts))
+        total += len({e // per_rank for e in rng.sample(pool, k)})
+    assert ranks_hit(experts, k, ep, groups, per_token) == pytest.approx(total / trials, rel=0.02)
+    assert ranks_hit(experts, k, 1) == 1.0

@@ -182,3 +182,39 @@ def test_expert_output_biases_price_megatrons_eager_weighted_bias_path():
     local = m.num_experts // L.ep
     a, b = (layer_launches(x, L, "bf16", "moe") for x in (m, nob))
     assert (a.post - b.post, a.bwd - b.bwd) == (2 * local + 2, 5 * local + 1)
+
+
+def test_deepep_inside_an_nvl72_runs_at_its_measured_bandwidth_and_hybridep_at_nvlinks():
+    """DeepEP across the trays of an NVL72 reaches 400 GB/s dispatch and 190 GB/s combine
+    (NVIDIA's DeepSeek-V3 GB200 guide); HybridEP and NCCL's all-to-all run at the NVLink model.
+    Two of each transfer per layer: a dispatch's backward is a combine and vice versa."""
+    from moeplan.cost_models import comm as C
+
+    lay = dict(dp=32, pp=8, ep=32, vpp=4, num_microbatches=64)
+    hybrid = moe_layer(ctx_for("deepseek-v3", Layout(dispatcher="flex", **lay), cluster="gb200-nvl72"))
+    a2a = moe_layer(ctx_for("deepseek-v3", Layout(**lay), cluster="gb200-nvl72"))
+    deep_ctx = ctx_for("deepseek-v3", Layout(dispatcher="flex", flex_backend="deepep", **lay),
+                       cluster="gb200-nvl72")
+    deep = moe_layer(deep_ctx)
+    assert hybrid.ep_s == pytest.approx(a2a.ep_s)
+    m = deep_ctx.model
+    token_bytes = deep_ctx.n_sp * m.hidden_size * 2
+    hits = C.ranks_hit(m.num_experts, m.moe_top_k, 32, m.router_num_groups,
+                       m.router_groups_per_token)
+    by_hand = 2 * hits * token_bytes * (1 / 400e9 + 1 / 190e9)
+    assert deep.ep_s == pytest.approx(by_hand, rel=0.01)
+    assert deep.ep_s > 1.5 * hybrid.ep_s
+    # on an HGX node (one 8-GPU NVLink domain per node) DeepEP's intranode kernels are NVLink's
+    hgx = dict(dp=8, ep=8)
+    assert moe_layer(ctx_for("deepseek-v3", Layout(dispatcher="flex", flex_backend="deepep",
+                                                   **hgx))).ep_s == pytest.approx(
+        moe_layer(ctx_for("deepseek-v3", Layout(dispatcher="flex", **hgx))).ep_s)
+
+
+def test_deepep_exposes_its_slower_combine_without_ep_overlap():
+    lay = dict(dp=32, pp=8, ep=32, vpp=4, num_microbatches=64, dispatcher="flex")
+    hybrid = moe_layer(ctx_for("deepseek-v3", Layout(**lay), cluster="gb200-nvl72"))
+    deep = moe_layer(ctx_for("deepseek-v3", Layout(flex_backend="deepep", **lay),
+                             cluster="gb200-nvl72"))
+    assert deep.exposed_s(1.0) - hybrid.exposed_s(1.0) == pytest.approx(
+        deep.ep_s - hybrid.ep_s, rel=1e-6)

@@ -253,7 +253,7 @@ def test_gpt_oss_sliding_window_sinks_and_biases():
     assert ns.window_attn_skip_freq == [1, 0] * 18  # sliding first, alternating
     assert "--disable-bias-linear" not in f  # every linear has a bias
     assert ns.kv_channels == 64
-    assert (ns.moe_token_dispatcher_type, ns.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert (ns.moe_token_dispatcher_type, ns.moe_flex_dispatcher_backend) == ("flex", "hybridep")
     assert any("router" in w for w in warnings)  # learned router bias has no Megatron flag
     # YaRN, factor 32 over 4,096 positions, no rounding; mscale 1 / mscale_all_dim 0 make
     # Megatron's cos/sin factor get_mscale(32), as transformers derives it

@@ -118,8 +118,8 @@ def _broken(name: str) -> Plan:
                                                choices=Choices(recompute=["moe_act"])),
         "cuda_graphs_recompute": lambda: _plan(qwen, 16, ep=8, cuda_graphs=True,
                                                choices=Choices(recompute=["moe"])),
-        "pad_to_capacity_dispatcher": lambda: _token_drop(_plan(qwen, 16, ep=8,
-                                                                dispatcher="flex")),
+        "pad_to_capacity_dispatcher": lambda: _token_drop(_plan(
+            qwen, 16, ep=8, dispatcher="flex", flex_backend="deepep")),
         "expert_bias_needs_sigmoid": lambda: _plan(
             load_model(mixtral).model_copy(update={"router_expert_bias": True}), 16, ep=8),
         "top1_softmax_needs_pre_softmax": lambda: _plan(
@@ -301,6 +301,39 @@ def test_activation_offload_exports_te_offload_v1_and_mla_exports_no_rope_fusion
     assert "--no-rope-fusion" not in doc["args"]
     mla = _plan("deepseek-v3", 256, gbs=256, pp=4, ep=64)
     assert "--no-rope-fusion" in export(mla)["args"]
+
+
+def test_the_flex_dispatcher_exports_the_backend_it_was_priced_on_with_hybrideps_topology():
+    """HybridEP (the default backend, the one Megatron Core runs across multi-node NVLink)
+    takes its topology from the environment, as Megatron-Bridge's launches set it: the EP ranks
+    per NVLink domain, the domain's size, and MNNVL on an NVL72; DeepEP takes none."""
+    def on(cluster: str, gpus: int, **axes) -> Plan:
+        plan = _plan("deepseek-v3", gpus, gbs=gpus, pp=8, **axes)
+        return plan.model_copy(update={"cluster": load_cluster(cluster, gpus=gpus)})
+
+    nvl = on("gb200-nvl72", 256, ep=32, dispatcher="flex")
+    assert megatron_env(nvl) == {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "32",
+                                 "NVLINK_DOMAIN_SIZE": "72", "USE_MNNVL": "1"}
+    args = filled(to_megatron_args(nvl)[0])
+    assert args[args.index("--moe-flex-dispatcher-backend") + 1] == "hybridep"
+    transformer_config(args)
+    assert "export USE_MNNVL=1" in export(nvl)["launch"]
+    hgx = on("h100", 256, ep=32, dispatcher="flex")  # four 8-GPU nodes per EP group
+    assert megatron_env(hgx)["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+    assert megatron_env(hgx)["USE_MNNVL"] == "0"
+    deep = on("h100", 256, ep=32, dispatcher="flex", flex_backend="deepep")
+    assert "USE_MNNVL" not in megatron_env(deep)
+    args = filled(to_megatron_args(deep)[0])
+    assert args[args.index("--moe-flex-dispatcher-backend") + 1] == "deepep"
+    transformer_config(args)
+    assert "NVLINK_DOMAIN_SIZE" not in megatron_env(on("h100", 256, ep=32))  # alltoall
+
+
+def test_hybridep_pads_to_capacity_where_deepep_refuses_as_megatron_core_checks():
+    padded = _token_drop(_plan("qwen3-30b-a3b", 16, ep=8, dispatcher="flex"))
+    assert layout_violations(padded.model, padded.training, padded.layout, 16, padded.choices,
+                             padded.cluster, "megatron") == []
+    transformer_config(filled(to_megatron_args(padded)[0]))
 
 
 def test_the_launch_is_a_torchrun_of_pretrain_gpt_with_the_cadence_flags():

@@ -423,9 +423,10 @@ def test_the_stack_is_a_command_line_setting(capsys):
 
 @pytest.mark.parametrize("notes, settings", [
     ("DeepEP dispatcher; EP A2A overlap; CUDA graphs",
-     {"dispatcher": "flex", "ep_overlap": True, "cuda_graphs": True}),
+     {"dispatcher": "flex", "flex_backend": "deepep", "ep_overlap": True, "cuda_graphs": True}),
     ("w/o EP overlap, alltoall dispatcher", {"dispatcher": "alltoall", "ep_overlap": False}),
-    ("no CUDA graphs; HybridEP", {"dispatcher": "flex", "cuda_graphs": False}),
+    ("no CUDA graphs; HybridEP", {"dispatcher": "flex", "flex_backend": "hybridep",
+                                  "cuda_graphs": False}),
     ("CUDA graphs disabled", {"cuda_graphs": False}),
     ("DP/TP/PP/CP overlap enabled", {"tp_comm_overlap": True}),
     ("1F1B A2A overlap (--overlap-moe-expert-parallel-comm)", {"ep_overlap": True}),

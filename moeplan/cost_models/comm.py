@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 from ..specs.cluster import ClusterSpec
-from ..specs.grid import RankGrid
+from ..specs.grid import RankGrid, domain_span
 from ..specs.layout import Layout
 from .calibration import Calibration
 
@@ -50,26 +49,7 @@ class GroupPlacement:
 
 def placement(layout: Layout, axis: str, cluster: ClusterSpec) -> GroupPlacement:
     """The worst-placed group of an axis (the slowest group sets the step)."""
-    L = layout
-    return _placement((L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.order), axis,
-                      cluster.usable_domain(L.world_size))
-
-
-@lru_cache(maxsize=8192)
-def _placement(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
-               ) -> GroupPlacement:
-    # a search asks for the same few thousand placements tens of thousands of times
-    tp, cp, dp, pp, ep, etp, order = sizes
-    offsets, bases = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
-                              order=order).group_parts(axis)
-    n = len(offsets)
-    if n == 1:
-        return GroupPlacement(1, 1, 1)
-    # rank r sits in domain r // domain; every group is its first rank (a base, offsets start
-    # at 0) + the offsets, so its span depends only on that base modulo the domain
-    firsts = {b % domain for b in bases}
-    domains = max(len({(b + r) // domain for r in offsets}) for b in firsts)
-    return GroupPlacement(n, max(1, n // domains), domains)
+    return GroupPlacement(*domain_span(layout, axis, cluster.usable_domain(layout.world_size)))
 
 
 def ring_time(total_bytes: float, p: GroupPlacement, cluster: ClusterSpec, cal: Calibration
@@ -120,6 +100,53 @@ def all_to_all_time(bytes_per_rank: float, p: GroupPlacement, cluster: ClusterSp
     t_so = remote / (cluster.scaleout_gb_s * cal.a2a_scaleout_eff * 1e9) if remote else 0.0
     alpha = cluster.nvlink_latency_us if p.inside_nvlink else cluster.scaleout_latency_us
     return max(t_nv, t_so) + alpha * 1e-6 * (1 + math.log2(n))
+
+
+DEEPEP_MNNVL_GB_S = (400.0, 190.0)
+"""(dispatch, combine) algorithm bandwidth per GPU of DeepEP inside a multi-node NVLink domain
+(its ranks on more than one node of an NVL72): EP32 on GB200 with 24 SMs through the community
+support of DeepEP PR 218, "a large gap from the unidirectional bandwidth of 900 GB/s" (NVIDIA,
+Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, §2.2.1; Megatron Core: "only
+hybridep supports the MNNVL case"). DeepEP's own tests count the bytes each rank receives: one
+copy per token and destination rank (`ranks_hit`)."""
+
+
+def ranks_hit(num_experts: int, top_k: int, ep: int, groups: int | None = None,
+              groups_per_token: int | None = None) -> float:
+    """Expected number of EP ranks one token's top-k experts fall on: k distinct experts drawn
+    evenly from those its routing allows (group-limited routing: `groups_per_token` of
+    `groups` equal expert groups), each rank holding num_experts / ep of them. DeepEP and
+    HybridEP send a token once per destination rank, however many of its experts that rank
+    holds."""
+    if ep <= 1:
+        return 1.0
+    per_rank = max(1, num_experts // ep)
+    allowed = num_experts
+    if groups and groups_per_token:
+        allowed = max(top_k, num_experts * groups_per_token // groups)
+    ranks = max(1.0, min(ep, allowed / per_rank))
+    if allowed - per_rank < top_k:
+        return ranks
+    miss = 1.0  # P(a given allowed rank gets none of the k experts), without replacement
+    for i in range(top_k):
+        miss *= (allowed - per_rank - i) / (allowed - i)
+    return ranks * (1.0 - miss)
+
+
+def multi_node_nvlink(p: GroupPlacement, cluster: ClusterSpec) -> bool:
+    """Whether a group's ranks inside one NVLink domain sit on more than one node (the trays
+    of an NVL72): the multi-node NVLink case, which DeepEP's intranode kernels do not cover."""
+    return cluster.nvlink_domain_gpus > cluster.gpus_per_node and p.per_domain > cluster.gpus_per_node
+
+
+def deepep_mnnvl_times(token_bytes: float, hits: float, p: GroupPlacement,
+                       cluster: ClusterSpec) -> tuple[float, float]:
+    """(dispatch, combine) seconds of DeepEP over the part of an EP group inside one multi-node
+    NVLink domain, at its measured algorithm bandwidth (`DEEPEP_MNNVL_GB_S`): `hits` copies of
+    a rank's `token_bytes`, the domain's share of them."""
+    share = hits * token_bytes * p.per_domain / p.size
+    alpha = cluster.nvlink_latency_us * 1e-6 * (1 + math.log2(max(2, p.per_domain)))
+    return tuple(share / (bw * 1e9) + alpha for bw in DEEPEP_MNNVL_GB_S)  # type: ignore[return-value]
 
 
 def p2p_time(nbytes: float, cross_domain: bool, cluster: ClusterSpec, cal: Calibration) -> float:

@@ -513,23 +513,36 @@ def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
                   dense_params=at.params + m.dense_mlp_params() / t + m.hidden_size)
 
 
-def _dispatch_time(ctx: Context, token_bytes: float) -> float:
-    """One dispatch (or combine) of a rank's tokens of `token_bytes` total over EP."""
+def _dispatch_time(ctx: Context, token_bytes: float) -> tuple[float, float]:
+    """(dispatch, combine) seconds of a rank's tokens of `token_bytes` total over EP. The
+    backward of a dispatch is a combine and the backward of a combine a dispatch, so a layer's
+    four transfers are two of each; only DeepEP inside a multi-node NVLink domain times them
+    differently."""
     m, p, L = ctx.model, ctx.ep_place, ctx.layout
     k = m.moe_top_k
     if L.dispatcher == "allgather":
-        return C.ring_time(p.size * token_bytes, p, ctx.cluster, ctx.cal)
-    if L.dispatcher == "flex" and not p.inside_nvlink:
-        d = p.domains
-        distinct = d * (1 - (1 - 1 / d) ** k)          # E[domains hit by k random experts]
-        if m.router_groups_per_token:
-            distinct = min(distinct, m.router_groups_per_token)
-        remote = distinct * (d - 1) / d                 # copies that cross the scale-out NICs
-        t_so = remote * token_bytes / (ctx.cluster.scaleout_gb_s * ctx.cal.a2a_scaleout_eff * 1e9)
-        local = C.all_to_all_time(k * token_bytes, C.GroupPlacement(p.per_domain, p.per_domain, 1),
-                                  ctx.cluster, ctx.cal)
-        return max(t_so + ctx.cluster.scaleout_latency_us * 1e-6, local)
-    return C.all_to_all_time(k * token_bytes, p, ctx.cluster, ctx.cal)
+        t = C.ring_time(p.size * token_bytes, p, ctx.cluster, ctx.cal)
+        return t, t
+    local = C.GroupPlacement(p.per_domain, p.per_domain, 1)
+    if L.dispatcher == "flex" and L.flex_backend == "deepep" and C.multi_node_nvlink(
+            p, ctx.cluster):
+        hits = C.ranks_hit(m.num_experts or 1, k, p.size, m.router_num_groups,
+                           m.router_groups_per_token)
+        nv = C.deepep_mnnvl_times(token_bytes, hits, p, ctx.cluster)
+    else:
+        t = C.all_to_all_time(k * token_bytes, local if L.dispatcher == "flex" else p,
+                              ctx.cluster, ctx.cal)
+        nv = (t, t)
+    if L.dispatcher != "flex" or p.inside_nvlink:
+        return nv
+    d = p.domains
+    distinct = d * (1 - (1 - 1 / d) ** k)          # E[domains hit by k random experts]
+    if m.router_groups_per_token:
+        distinct = min(distinct, m.router_groups_per_token)
+    remote = distinct * (d - 1) / d                 # copies that cross the scale-out NICs
+    t_so = (remote * token_bytes / (ctx.cluster.scaleout_gb_s * ctx.cal.a2a_scaleout_eff * 1e9)
+            + ctx.cluster.scaleout_latency_us * 1e-6)
+    return max(t_so, nv[0]), max(t_so, nv[1])
 
 
 @_per_context
@@ -573,9 +586,11 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     fwd = at.fwd + norm2 + moe_f + shared_g + shared_act + bias_f
     bwd = at.bwd + 2 * (norm2 + moe_f + shared_g + shared_act) + bias_b
     # EP: dispatch + combine forward, the same backward, at the busiest rank (imbalance)
-    a2a = _dispatch_time(ctx, Nsp * h * BF16 * imbalance)
+    dispatch, combine = _dispatch_time(ctx, Nsp * h * BF16 * imbalance)
     etp = C.ring_time(R * h * BF16, ctx.etp_place, ctx.cluster, ctx.cal) if L.etp > 1 else 0.0
-    ep = 4 * (a2a + etp)
+    # forward dispatch and combine, then their backwards: a combine and a dispatch
+    transfers = (dispatch + etp, combine + etp, combine + etp, dispatch + etp)
+    ep = sum(transfers)
     tp = at.tp + (4 * _tp_ring(ctx, N * h * BF16) if t > 1 and m.num_shared_experts else 0.0)
     tp_f, tp_b = _tp_exposed(ctx, tp, at.gemm_fwd + g_e + shared_g)
     # EP overlap (Megatron Core's merged 1F1B, `--overlap-moe-expert-parallel-comm`): the
@@ -590,8 +605,11 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     # it: `edge_exposed_s`.
     mlp_f = norm2 + moe_f + shared_g + shared_act + bias_f
     eta, sm = ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch)
-    ep_exp = (sum(overlap_cost(ep / 4, beside, eta, sm)
-                  for beside in (2 * mlp_f, mlp_f, at.bwd, at.fwd))
+    # transfers: forward dispatch, backward dispatch (a combine), forward combine, backward
+    # combine (a dispatch)
+    ep_exp = (sum(overlap_cost(x, beside, eta, sm)
+                  for x, beside in zip(transfers, (2 * mlp_f, mlp_f, at.bwd, at.fwd),
+                                       strict=True))
               if L.ep_overlap else ep)
     exp_f = tp_f + at.cp_exposed_fwd + ep_exp / 2
     exp_b = tp_b + at.cp_exposed_bwd + ep_exp / 2

@@ -526,8 +526,8 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--moe-router-fusion")
         a.add("--moe-permute-fusion")
     a.add("--moe-token-dispatcher-type", L.dispatcher)
-    if L.dispatcher == "flex":
-        a.add("--moe-flex-dispatcher-backend", "deepep")
+    if L.dispatcher == "flex":  # the backend the plan was priced on
+        a.add("--moe-flex-dispatcher-backend", L.flex_backend)
     if L.ep_overlap:
         a.add("--overlap-moe-expert-parallel-comm")
 
@@ -797,7 +797,8 @@ def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
 
 def megatron_env(plan: Plan) -> dict[str, str]:
     """The environment `pretrain_gpt.py` asserts for this plan (rules.REQUIREMENTS)."""
-    return {r.name: str(r.value) for r in requirements(_facts(plan), "env")}
+    f = _facts(plan)
+    return {r.name: r.value_for(f) for r in requirements(f, "env")}
 
 
 def megatron_launch_argv(plan: Plan, args: Sequence[str], nnodes: int | None = None,
@@ -814,8 +815,9 @@ def megatron_launch(plan: Plan, args: Sequence[str], comments: Sequence[str] = (
     """A complete launch script: the comments, `export NAME=value` lines for the environment
     the plan needs (each with its reason), then the torchrun line with the flags."""
     lines = ["#!/bin/bash", *(f"# {_comment(c)}" for c in comments), "set -euo pipefail"]
-    for r in requirements(_facts(plan), "env"):
-        lines.append(f"export {r.name}={quote(str(r.value))}  # {_comment(r.why)}")
+    f = _facts(plan)
+    for r in requirements(f, "env"):
+        lines.append(f"export {r.name}={quote(r.value_for(f))}  # {_comment(r.why)}")
     argv = megatron_launch_argv(plan, args, nnodes, nproc_per_node)
     at = argv.index("pretrain_gpt.py")
     body = format_lines(argv[1:at]) + ["pretrain_gpt.py"] + format_lines(argv[at + 1:])

@@ -14,7 +14,7 @@ grid of the project: the cost models place groups on NVLink domains with it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 # Groups `moeplan groups` prints (SPEC §4) and the extra ones the runtime builds.
 ATTENTION_AXES: dict[str, str] = {
@@ -176,3 +176,28 @@ class RankGrid:
     def coord(self, axis: str, rank: int) -> int:
         """`rank`'s index inside its `axis` group (its tp rank, ep rank, ...)."""
         return self.group_of(axis, rank).index(rank)
+
+
+def domain_span(layout: object, axis: str, domain: int) -> tuple[int, int, int]:
+    """(group size, ranks per NVLink domain, domains spanned) of the worst-placed group of
+    `axis` when rank r sits in domain r // `domain`: the slowest group sets the step, and a
+    launch sizes per-domain buffers (HybridEP's ranks per NVLink domain) by it."""
+    sizes = tuple(getattr(layout, k) for k in ("tp", "cp", "dp", "pp", "ep", "etp", "order"))
+    return _span(sizes, axis, domain)  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=8192)
+def _span(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
+          ) -> tuple[int, int, int]:
+    # a search asks for the same few thousand placements tens of thousands of times
+    tp, cp, dp, pp, ep, etp, order = sizes
+    offsets, bases = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
+                              order=order).group_parts(axis)
+    n = len(offsets)
+    if n == 1:
+        return 1, 1, 1
+    # every group is its first rank (a base, offsets start at 0) + the offsets, so its span
+    # depends only on that base modulo the domain
+    firsts = {b % domain for b in bases}
+    domains = max(len({(b + r) // domain for r in offsets}) for b in firsts)
+    return n, max(1, n // domains), domains

@@ -19,6 +19,7 @@ from .training import TrainingSpec
 
 Order = Literal["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]
 Dispatcher = Literal["alltoall", "allgather", "flex"]
+FlexBackend = Literal["hybridep", "deepep"]
 RecomputeModule = Literal[
     "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "full"
 ]
@@ -49,6 +50,12 @@ class Layout(BaseModel):
     num_microbatches: int = Field(1, gt=0, description="Micro-batches per step per DP replica.")
     order: Order = Field("tp-cp-ep-dp-pp", description="Rank order, fastest-varying first.")
     dispatcher: Dispatcher = Field("alltoall", description="MoE token dispatcher.")
+    flex_backend: FlexBackend = Field(
+        "hybridep", description="The communication library the flex dispatcher runs (Megatron "
+        "--moe-flex-dispatcher-backend): 'hybridep' (NVIDIA's, the backend Megatron Core "
+        "supports across multi-node NVLink such as NVL72, and the one NVIDIA's recipes run) "
+        "or 'deepep' (DeepSeek's; across a multi-node NVLink domain only through a community "
+        "patch, at about half HybridEP's bandwidth). Read only with dispatcher 'flex'.")
     distributed_optimizer: bool = Field(True, description="Shard optimizer states over DP.")
     ep_overlap: bool = Field(False, description="Hide EP all-to-all by merged fwd/bwd (Megatron).")
     tp_comm_overlap: bool = Field(
@@ -133,8 +140,9 @@ class Layout(BaseModel):
     def key(self) -> tuple:
         """A hashable tuple, for caches and deterministic ordering."""
         return (self.tp, self.cp, self.dp, self.pp, self.vpp, self.ep, self.etp, self.mbs,
-                self.num_microbatches, self.order, self.dispatcher, self.distributed_optimizer,
-                self.ep_overlap, self.tp_comm_overlap, self.cuda_graphs)
+                self.num_microbatches, self.order, self.dispatcher, self.flex_backend,
+                self.distributed_optimizer, self.ep_overlap, self.tp_comm_overlap,
+                self.cuda_graphs)
 
 
 class Choices(BaseModel):

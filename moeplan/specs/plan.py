@@ -189,7 +189,8 @@ class Plan(BaseModel):
         """Every choice beyond the parallel degrees, one token each, in the one vocabulary the
         tables, explanations, exports and README share:
 
-        `alltoall|allgather|flex` (MoE token dispatcher), `ep-overlap`, `tp-comm-overlap`,
+        `alltoall|allgather|flex` (MoE token dispatcher; `flex=deepep` when the flex dispatcher
+        runs DeepEP instead of its HybridEP default), `ep-overlap`, `tp-comm-overlap`,
         `cuda-graphs`, `dist-opt|no-dist-opt`
         (optimizer states sharded over data parallel or replicated),
         `recompute=core_attn,moe_act` (per pipeline rank when they differ:
@@ -198,7 +199,9 @@ class Plan(BaseModel):
         (an explicit or uneven pipeline stage layout, Megatron's syntax).
         """
         L, c = self.layout, self.choices
-        tokens = [L.dispatcher] if self.model.is_moe else []
+        disp = ("flex=deepep" if L.dispatcher == "flex" and L.flex_backend == "deepep"
+                else L.dispatcher)
+        tokens = [disp] if self.model.is_moe else []
         for flag, word in (("ep_overlap", "ep-overlap"), ("tp_comm_overlap", "tp-comm-overlap")):
             if getattr(L, flag, False) or getattr(c, flag, False):
                 tokens.append(word)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .grid import domain_span
+
 MEGATRON_LM_COMMIT = "d98e8a6"
 MEGATRON_CORE_VERSION = "0.20.0"
 TARGETS = ("megatron", "moeplan")
@@ -319,14 +321,23 @@ def _ovl_disp(f: Facts) -> bool:
 
 
 @rule("pad_to_capacity_dispatcher", _TC + " (moe_pad_expert_input_to_capacity: the flex "
-      "dispatcher's DeepEP backend refuses it; only the alltoall dispatcher pads)",
-      lambda f: (f"padding expert inputs to capacity needs the alltoall dispatcher, not "
-                 f"{f.layout.dispatcher}: set dispatcher alltoall or "
+      "dispatcher's deepep backend refuses it; the alltoall dispatcher and the hybridep backend "
+      "pad)",
+      lambda f: (f"padding expert inputs to capacity needs the alltoall dispatcher or the flex "
+                 f"dispatcher's hybridep backend, not {_dispatch_name(f.layout)}: set "
+                 "flex_backend hybridep, dispatcher alltoall, or "
                  "moe_pad_expert_input_to_capacity false"),
       targets=MEGATRON, axes=("dispatcher",))
 def _pad_disp(f: Facts) -> bool:
+    L = f.layout
     return (not f.model.is_moe or not f.training.moe_pad_expert_input_to_capacity
-            or f.layout.dispatcher == "alltoall")
+            or L.dispatcher == "alltoall"
+            or (L.dispatcher == "flex" and L.flex_backend == "hybridep"))
+
+
+def _dispatch_name(layout: Any) -> str:
+    return (f"flex with {layout.flex_backend}" if layout.dispatcher == "flex"
+            else layout.dispatcher)
 
 
 @rule("ep_overlap_mtp", _TC + " (MTP supports at most one layer with "
@@ -655,10 +666,15 @@ class Requirement:
 
     kind: str  # "env" or "flag"
     name: str
-    value: str | None
+    value: str | None  # the value, or what it is when `value_of` computes it from the plan
     source: str
     why: str
     when: Callable[[Facts, tuple[int, ...]], bool]
+    value_of: Callable[[Facts], str] | None = None
+
+    def value_for(self, f: Facts) -> str:
+        """The value this plan's launch sets."""
+        return self.value_of(f) if self.value_of is not None else str(self.value)
 
 
 def _pre_blackwell(f: Facts) -> bool:
@@ -667,6 +683,28 @@ def _pre_blackwell(f: Facts) -> bool:
 
 def _offloads(f: Facts) -> bool:
     return f.choices is not None and any(o for o in f.choices.offload)
+
+
+def _hybridep(f: Facts) -> bool:
+    L = f.layout
+    return (f.cluster is not None and L.ep > 1 and L.dispatcher == "flex"
+            and L.flex_backend == "hybridep")
+
+
+def _ep_ranks_per_domain(f: Facts) -> str:
+    """The EP group's ranks inside one NVLink domain (its worst-placed group's), on the
+    domains the job fills (`ClusterSpec.usable_domain`)."""
+    world = f.layout.world_size
+    return str(domain_span(f.layout, "ep", f.cluster.usable_domain(world))[1])
+
+
+def _mnnvl(f: Facts) -> str:
+    c = f.cluster
+    return "1" if c.nvlink_domain_gpus > c.gpus_per_node else "0"
+
+
+_BRIDGE_TOPOLOGY = ("Megatron-Bridge scripts/performance/utils/utils.py::"
+                    "apply_target_topology_environment (HybridEP's topology")
 
 
 REQUIREMENTS: list[Requirement] = [
@@ -679,6 +717,17 @@ REQUIREMENTS: list[Requirement] = [
                 "offloading with Transformer Engine ≥ 2.10)", "TE's v1 offload path moves "
                 "activations only, never weights",
                 lambda f, te: _offloads(f) and te >= (2, 10)),
+    Requirement("env", "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "EP ranks per NVLink domain",
+                _BRIDGE_TOPOLOGY + ", with the flex dispatcher's hybridep backend)",
+                "HybridEP sizes its NVLink (TMA) and RDMA halves by the EP ranks that share "
+                "one NVLink domain", lambda f, te: _hybridep(f), _ep_ranks_per_domain),
+    Requirement("env", "NVLINK_DOMAIN_SIZE", "GPUs per NVLink domain", _BRIDGE_TOPOLOGY +
+                ", with the flex dispatcher's hybridep backend)", "the NVLink domain HybridEP "
+                "lays its ranks out in", lambda f, te: _hybridep(f),
+                lambda f: str(f.cluster.nvlink_domain_gpus)),
+    Requirement("env", "USE_MNNVL", "1 on multi-node NVLink (NVL72), else 0", _BRIDGE_TOPOLOGY +
+                ", with the flex dispatcher's hybridep backend)", "HybridEP reaches the other "
+                "trays of an NVL72 over multi-node NVLink", lambda f, te: _hybridep(f), _mnnvl),
     Requirement("flag", "--no-rope-fusion", None, _MLA + " (apply_rope_fusion for MLA only "
                 "works with YaRN RoPE)", "the plan's MLA uses plain RoPE (--rope-type rope)",
                 lambda f, te: f.model.attention == "mla"),

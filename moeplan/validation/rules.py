@@ -164,7 +164,8 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
 
 
 # Settings a row's own text documents (its notes and source detail), in the words sources use:
-# the DeepEP / HybridEP dispatchers (Megatron's `flex` token dispatcher), Megatron's all-to-all
+# the DeepEP / HybridEP dispatchers (Megatron's `flex` token dispatcher and its backend; a row
+# naming neither runs the HybridEP default NVIDIA's recipes set), Megatron's all-to-all
 # and all-gather dispatchers, EP communication overlap (`--overlap-moe-expert-parallel-comm`,
 # Megatron-Bridge's `moe_a2a_overlap`, "EP/A2A overlap"), TP communication overlap
 # ("TP overlap", "DP/TP/PP/CP overlap enabled") and CUDA graphs. A phrase preceded in its clause
@@ -172,6 +173,8 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
 # or "off", documents the setting off.
 NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     (r"deep-?ep|hybrid-?ep|flex (?:token )?dispatcher", "dispatcher", "flex"),
+    (r"deep-?ep", "flex_backend", "deepep"),
+    (r"hybrid-?ep", "flex_backend", "hybridep"),
     (r"all-?to-?all (?:token )?dispatcher", "dispatcher", "alltoall"),
     (r"all-?gather (?:token )?dispatcher", "dispatcher", "allgather"),
     (r"\b(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
