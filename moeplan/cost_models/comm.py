@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..specs.cluster import ClusterSpec
-from ..specs.grid import RankGrid, domain_span
+from ..specs.grid import RankGrid, span
 from ..specs.layout import Layout
 from .calibration import Calibration
 
@@ -49,7 +50,16 @@ class GroupPlacement:
 
 def placement(layout: Layout, axis: str, cluster: ClusterSpec) -> GroupPlacement:
     """The worst-placed group of an axis (the slowest group sets the step)."""
-    return GroupPlacement(*domain_span(layout, axis, cluster.usable_domain(layout.world_size)))
+    L = layout
+    return _placement((L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.order), axis,
+                      cluster.usable_domain(L.world_size))
+
+
+@lru_cache(maxsize=8192)
+def _placement(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
+               ) -> GroupPlacement:
+    # a search asks for the same few thousand placements tens of thousands of times
+    return GroupPlacement(*span(sizes, axis, domain))
 
 
 def ring_time(total_bytes: float, p: GroupPlacement, cluster: ClusterSpec, cal: Calibration

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any
 
 # Groups `moeplan groups` prints (SPEC §4) and the extra ones the runtime builds.
 ATTENTION_AXES: dict[str, str] = {
@@ -182,14 +183,14 @@ def domain_span(layout: object, axis: str, domain: int) -> tuple[int, int, int]:
     """(group size, ranks per NVLink domain, domains spanned) of the worst-placed group of
     `axis` when rank r sits in domain r // `domain`: the slowest group sets the step, and a
     launch sizes per-domain buffers (HybridEP's ranks per NVLink domain) by it."""
-    sizes = tuple(getattr(layout, k) for k in ("tp", "cp", "dp", "pp", "ep", "etp", "order"))
-    return _span(sizes, axis, domain)  # type: ignore[arg-type]
+    L: Any = layout
+    return span((L.tp, L.cp, L.dp, L.pp, L.ep, L.etp, L.order), axis, domain)
 
 
 @lru_cache(maxsize=8192)
-def _span(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
-          ) -> tuple[int, int, int]:
-    # a search asks for the same few thousand placements tens of thousands of times
+def span(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
+         ) -> tuple[int, int, int]:
+    """`domain_span` of the sizes (tp, cp, dp, pp, ep, etp, order)."""
     tp, cp, dp, pp, ep, etp, order = sizes
     offsets, bases = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
                               order=order).group_parts(axis)
