@@ -1189,7 +1189,7 @@ def checkpoint_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Every step: usable or not (the rule --resume and export use), its model and layout."""
-    from .runtime.checkpoint import list_checkpoints
+    from .runtime.storage import list_checkpoints  # JSON only: no torch to start
 
     rows = list_checkpoints(ckpt_dir)
 

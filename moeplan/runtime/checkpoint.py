@@ -31,8 +31,9 @@ only the first stage writes it, and both read it.
 
 The files are written into a temporary directory that `storage.publish` seals (manifest last,
 fsync, rename, `latest`); `load` reads only a step that `storage.verify` accepted.
-`read_checkpoint` loads a step whole into one process (`moeplan checkpoint list` and
-`checkpoint export --to hf`, which writes it with `hf_io.write_hf`).
+`read_checkpoint` loads a step whole into one process (`moeplan checkpoint export --to hf`, which
+writes it with `hf_io.write_hf`); `moeplan checkpoint list` reads only the JSON of each step
+(`storage.list_checkpoints`), so it starts without torch.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,20 +59,17 @@ from .layers import shard_info
 from .storage import (
     CKPT_FORMAT,
     INDEX,
-    MANIFEST,
     META,
     PLAN,
     SMALL_JSON_BYTES,
     Verified,
+    checkpoint_directory,
     complete_steps,
     held_steps,
-    newest_claimed,
     publish,
     rank_file,
     read_json,
     step_dir,
-    step_of,
-    survey,
     verify,
     verify_step,
     write_atomic,
@@ -583,45 +580,6 @@ def read_checkpoint(path: Path):
         if name.endswith("expert_bias") and b is not None:
             state[name] = b.detach()
     return plan, state
-
-
-def checkpoint_directory(ckpt_dir: str | Path, command: str) -> Path:
-    """`ckpt_dir` as `checkpoint list|export` take it: the --ckpt-dir of a run, not one of its
-    step directories (which is refused saying what to give instead)."""
-    d = Path(ckpt_dir)
-    step = step_of(d.name)
-    if step is not None or (d / MANIFEST).exists():
-        parent = d.parent if str(d.parent) else Path(".")
-        example = (f"`moeplan checkpoint export {parent} --step {step} --to hf -o OUT`"
-                   if command == "export" else f"`moeplan checkpoint list {parent}`")
-        raise SpecError(f"{ckpt_dir} is one step of a checkpoint directory, not the directory: "
-                        f"give the directory{' and the step' if command == 'export' else ''}, "
-                        f"{example}.")
-    if not d.is_dir():
-        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
-    return d
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
-    """Every step directory of `ckpt_dir` with the one verdict `--resume` and `checkpoint
-    export` use (`storage.survey`): its state ("usable", "damaged", "older format", "not a
-    checkpoint") and what is wrong, the model and the layout in the plan vocabulary
-    (`Plan.summary()`); `newest` marks the step `--resume` and export take by default."""
-    from ..specs import load_plan
-
-    d = checkpoint_directory(ckpt_dir, "list")
-    newest = newest_claimed(d)
-    rows = []
-    for st in survey(d):
-        row: dict[str, Any] = {"step": st.step, "path": str(st.path), "state": st.state,
-                               "usable": st.usable, "verified": st.usable,
-                               "problem": st.problem, "newest": st.step == newest,
-                               "model": "?", "layout": "?"}
-        if st.usable:
-            plan = load_plan(st.path / PLAN)
-            row.update(model=plan.model.name, layout=plan.summary())
-        rows.append(row)
-    return rows
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, step: int | None = None,

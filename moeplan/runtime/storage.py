@@ -33,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import limits
 from ..errors import SpecError
@@ -650,6 +651,45 @@ def newest_claimed(ckpt_dir: str | Path) -> int | None:
     that claims to be a checkpoint (usable or not), or None."""
     held = held_steps(ckpt_dir)
     return held[-1] if held else None
+
+
+def checkpoint_directory(ckpt_dir: str | Path, command: str) -> Path:
+    """`ckpt_dir` as `checkpoint list|export` take it: the --ckpt-dir of a run, not one of its
+    step directories (which is refused saying what to give instead)."""
+    d = Path(ckpt_dir)
+    step = step_of(d.name)
+    if step is not None or (d / MANIFEST).exists():
+        parent = d.parent if str(d.parent) else Path(".")
+        example = (f"`moeplan checkpoint export {parent} --step {step} --to hf -o OUT`"
+                   if command == "export" else f"`moeplan checkpoint list {parent}`")
+        raise SpecError(f"{ckpt_dir} is one step of a checkpoint directory, not the directory: "
+                        f"give the directory{' and the step' if command == 'export' else ''}, "
+                        f"{example}.")
+    if not d.is_dir():
+        raise SpecError(f"{ckpt_dir}: not a directory; pass a --ckpt-dir of `moeplan run`.")
+    return d
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[dict[str, Any]]:
+    """Every step directory of `ckpt_dir` with the one verdict `--resume` and `checkpoint
+    export` use (`storage.survey`): its state ("usable", "damaged", "older format", "not a
+    checkpoint") and what is wrong, the model and the layout in the plan vocabulary
+    (`Plan.summary()`); `newest` marks the step `--resume` and export take by default."""
+    from ..specs import load_plan
+
+    d = checkpoint_directory(ckpt_dir, "list")
+    newest = newest_claimed(d)
+    rows = []
+    for st in survey(d):
+        row: dict[str, Any] = {"step": st.step, "path": str(st.path), "state": st.state,
+                               "usable": st.usable, "verified": st.usable,
+                               "problem": st.problem, "newest": st.step == newest,
+                               "model": "?", "layout": "?"}
+        if st.usable:
+            plan = load_plan(st.path / PLAN)
+            row.update(model=plan.model.name, layout=plan.summary())
+        rows.append(row)
+    return rows
 
 
 def newest_usable_before(ckpt_dir: str | Path, step: int) -> int | None:
