@@ -936,7 +936,11 @@ def require_torch(command: str) -> None:
     the launcher itself runs no torch (its workers do), and importing it costs seconds."""
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a half-imported torch
+        found = False
+    if not found:
         raise TorchMissing(command)
 
 
