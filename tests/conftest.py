@@ -3,6 +3,7 @@ runner of the spawned-world worker scripts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,20 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     """Run `moeplan ARGS` as a user would (a fresh process), capturing both streams."""
     return subprocess.run([sys.executable, "-m", "moeplan", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+_TORCH_FREE = ("import json, sys\n"
+               "from moeplan.cli import main\n"
+               "code = main(json.loads(sys.argv[1]))\n"
+               "assert 'torch' not in sys.modules, 'this command imported torch'\n"
+               "sys.exit(code)\n")
+
+
+def run_cli_without_torch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`run_cli`, failing (exit 1, an AssertionError on stderr) if the command imported torch
+    into its own process: the planner's commands and the launcher need none of it."""
+    return subprocess.run([sys.executable, "-c", _TORCH_FREE, json.dumps(list(args))],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_world(script: str, arg: Path) -> None:
