@@ -31,7 +31,7 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit b047395), for "What changed", as its own ACCURACY.md
+# Figures of the previous revision (commit 1e91421), for "What changed", as its own ACCURACY.md
 # reported them (the same harness: bench/cross_validate.py, full refit per fold).
 PREVIOUS = {"config": 10.2, "model": 9.7, "release": 10.5, "table5": 3.9}
 
@@ -364,12 +364,12 @@ def unseen_section() -> list[str]:
             f"{sum(bool(r['in_interval']) for r in recipes)} of them (median width "
             f"{100 * sorted(float(r['interval_width']) for r in recipes)[len(recipes) // 2]:.0f}% "
             "of the point). Where they miss:", "",
-            "- The three full-iteration CUDA graph recipes (MLR07, MLR09, MLR14) are within "
-            f"{f['full']}; their partial-graph twins (MLR08, MLR13), which moeplan prices "
-            f"identically, measured {f['twins_slower']} slower. moeplan's host floor prices the "
-            "uncaptured expert part as eager "
-            "launches hidden behind device work; these runs say the host costs more there than "
-            "its kernel count at the fitted launch time.",
+            "- The three full-iteration CUDA graph recipes (MLR07, MLR09, MLR14), priced with "
+            f"the whole-step graph, are within {f['full']}; their partial-graph twins (MLR08, "
+            f"MLR13) measured {f['twins_slower']} slower, where moeplan prices them 1–2% "
+            "slower. moeplan's host floor prices the uncaptured expert part as eager launches "
+            "hidden behind device work; these runs say the host costs more there than its "
+            "kernel count at the fitted launch time.",
             f"- Qwen3-235B-A22B with TP 2 (MLR04–MLR06: H100, B200, B300) is priced "
             f"{f['tp2']} fast, the Qwen3-235B TP 1 recipes on NVL72 within {f['tp1_full']} (full "
             f"graphs) and {f['tp1_partial']} (partial). "
@@ -582,16 +582,19 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **The flex dispatcher's backend is a plan setting** (`layout.flex_backend`, `--flex-backend`,
-  exported as `--moe-flex-dispatcher-backend` with HybridEP's topology environment;
-  docs/EXPORT.md). `hybridep`, the default and the search's, is priced as before. `deepep`
-  inside a multi-node NVLink domain runs at the 400 GB/s dispatch and 190 GB/s combine NVIDIA
-  measured (DeepSeek-V3 GB200 guide, §2.2.1), a token sent once per destination rank: the
-  guide's DeepEP steps are now priced {deepep_steps} fast (were 18–69%), and its switch to
-  HybridEP {hybridep_predicted} against {hybridep_measured} measured. No shared row runs DeepEP
-  inside an NVL72, so the fit and every cross-validated figure below are unchanged. The export
-  used to write `deepep` for every flex plan, a backend Megatron Core does not support across
-  an NVL72's trays.
+- **Full-iteration CUDA graphs are a plan setting** (`layout.cuda_graph_scope`
+  `full_iteration`, `--cuda-graph-scope full_iteration`; exported as `--cuda-graph-impl
+  full_iteration` with the static MoE buffers it needs, docs/EXPORT.md). The whole step is one
+  graph: no host launch and no routing sync inside it, so the host floor is gone, and the
+  experts' saved activations sit in the paged stash at its 1.10 buffer factor. Megatron-Bridge's
+  26.06 MXFP8 MoE recipes run it on GB200 and GB300 (Qwen3, DeepSeek-V3, gpt-oss-120b) and for
+  Qwen3-30B-A3B on B300 (the June 2026 recipe commits, `validation.rules`); their rows were
+  priced with per-layer graphs. Qwen3-30B-A3B on 8 GB200 at MBS 4, whose per-layer graphs left
+  a host-bound forward, is now {qwen30_now} in the shipped profile (was 15–17% slow); the
+  rows whose device time already hid the host move by 1–2%. Megatron-LM's own full-graph
+  recipes (MLR07, MLR09, MLR14) read the setting from their notes. The search does not offer
+  the scope yet (per-layer graphs, as before): it drops the tokens over HybridEP's per-rank
+  budget, a choice for the user to make.
 - **The yardstick** is unchanged: leave one model out is the headline, leave one release out the
   closest to runs of a release nobody fitted, the configuration split secondary
   (`bench/cross_validate.py`, full refit per fold; `moeplan validate --cv model|release`, quick
@@ -643,12 +646,11 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 - The host floor's kernel counts are read from Megatron Core's and Transformer Engine's module
   structure, not traced; the launch time per host CPU is fitted (bounded 2–40 µs, Grace at or
   above x86) because no `moeplan calibrate` run on a GPU host has measured it yet.
-- Megatron-Bridge's MXFP8 MoE recipes from 26.06 capture the whole iteration in one CUDA graph
-  (`cuda_graph_impl="full_iteration"`, with HybridEP's rank capacity and the paged stash keeping
-  the MoE shapes static) and run the fused CuTe-DSL grouped MLP (one kernel for every expert's
-  GEMM, activation and quantisation). moeplan exports and prices neither: per-layer graphs and
-  a launch per expert, so a small-expert model on those recipes is priced slow (Qwen3-30B-A3B on
-  8 GB200, MBS 4, EP8: {qwen30_slow} in the shipped profile).
+- Megatron-Bridge's MXFP8 MoE recipes from 26.06 also run the fused CuTe-DSL grouped MLP (one
+  kernel for every expert's GEMMs, activation and quantisation) and FP8 attention. moeplan
+  prices neither: the experts' activation and quantisation traffic is its unfused one and the
+  attention runs at the BF16 rate (Qwen3-30B-A3B on 8 GB200, MBS 4, EP8, with the whole-step
+  graph: {qwen30_now} in the shipped profile).
 - Runs no fit saw (Megatron-LM's recipes, above) are priced fast on average: partial-graph
   recipes of Qwen3 on NVL72 by {partial} where their full-graph twins are within {full} (the
   host cost of the uncaptured expert part is underpriced), and Qwen3-235B-A22B at TP 2 by
@@ -668,7 +670,7 @@ def gap_figures() -> dict[str, str]:
             for r in SHIPPED if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "GB200"
             and r["precision"] == "mxfp8" and (release_of(RAW[r["id"]]) or (0, 0)) >= (26, 6)]
     figures = unseen_figures(priced(RECIPES), priced(STEPS))
-    figures["qwen30_slow"] = (f"{min(slow):.0f}–{max(slow):.0f}%" if slow else "n/a")
+    figures["qwen30_now"] = (f"{-max(slow):+.0f} to {-min(slow):+.0f}%" if slow else "n/a")
     return figures
 
 
@@ -706,6 +708,7 @@ def main() -> None:
                "realised_b": f"{cal.get('attn_realised', {}).get('blackwell', 1.0):g}"}
     from megatron_recipes import RECIPES, STEPS, priced
     figures.update(unseen_figures(priced(RECIPES), priced(STEPS)))
+    figures["qwen30_now"] = gap_figures()["qwen30_now"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]

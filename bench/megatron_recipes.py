@@ -9,8 +9,8 @@ by `moeplan.validation`, as for every published row):
   `examples/moe_recipes/README.md` (commit 8a2ac1fdc7): fourteen DeepSeek-V3, Qwen3-235B-A22B
   and Qwen3-30B-A3B recipes on H100, B200, B300, GB200 and GB300 with their median
   TFLOP/s/GPU, each row's settings read from its recipe YAML. Three run full-iteration CUDA
-  graphs with the paged stash, which moeplan neither exports nor prices (per-layer graphs
-  instead); their partial-graph twins show what that is worth.
+  graphs with the paged stash (`Layout.cuda_graph_scope` "full_iteration"); their
+  partial-graph twins show what that is worth.
 - `bench/data/deepseek_v3_gb200_steps.csv`: the thirteen steps of Megatron-LM's "Optimizing
   DeepSeek-V3 Training Performance on NVIDIA GB200 NVL72" (commit eb0783b6d3), one layout from
   494 to 970 TFLOPS/GPU. A step that changes a setting moeplan names (dispatcher, recompute,

@@ -322,6 +322,10 @@ def estimate(
         "--tp-comm-overlap", help="TP comm overlapped with the GEMMs (TE userbuffers).")] = False,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="CUDA graphs over each layer's static-shape part.")] = False,
+    cuda_graph_scope: Annotated[str, typer.Option(
+        "--cuda-graph-scope", help="layer (each layer's static-shape part) or full_iteration "
+        "(the whole step as one graph; turns --cuda-graphs on; a dropless MoE takes HybridEP's "
+        "per-rank token budget and the paged stash).")] = "layer",
     grad_reduce: GradReduceOpt = "fp32",
     capacity_factor: CapacityOpt = None,
     pad_to_capacity: PadOpt = False,
@@ -371,7 +375,9 @@ def estimate(
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
                 "dispatcher": dispatcher, "flex_backend": flex_backend, "ep_overlap": ep_overlap,
-                "tp_comm_overlap": tp_comm_overlap, "cuda_graphs": cuda_graphs}
+                "tp_comm_overlap": tp_comm_overlap,
+                "cuda_graphs": cuda_graphs or cuda_graph_scope == "full_iteration",
+                "cuda_graph_scope": cuda_graph_scope}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,

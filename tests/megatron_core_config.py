@@ -11,7 +11,9 @@ permutation and RoPE kernels, which a CPU machine without TE lacks) and the GPU-
 `megatron.training.arguments.validate_args` (which is not on the package index; its rules are
 in moeplan's rules table, each with a test). The installed megatron-core may be older than the
 commit the export targets: fields it does not have yet are dropped, and the one renamed field
-(`cuda_graph_modules`, formerly `cuda_graph_scope`) is passed under the name it has.
+(`cuda_graph_modules`, formerly `cuda_graph_scope`) is passed under the name it has, with the
+whole-step graph (`--cuda-graph-impl full_iteration`, formerly the `local` implementation's
+`full_iteration` scope) as it was then spelled.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ def config_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     if args.cuda_graph_modules:  # the field's name in megatron-core before the rename
         key = "cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope"
         kw[key] = list(args.cuda_graph_modules)
+    if args.cuda_graph_impl == "full_iteration" and "cuda_graph_modules" not in names:
+        # before the rename, the whole-step graph was the local implementation's scope
+        kw["cuda_graph_impl"], kw["cuda_graph_scope"] = "local", ["full_iteration"]
     for key in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):  # as validate_args
         if isinstance(kw.get(key), list) and len(kw[key]) == 1:
             kw[key] = kw[key][0]

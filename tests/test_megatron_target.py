@@ -118,6 +118,9 @@ def _broken(name: str) -> Plan:
                                                choices=Choices(recompute=["moe_act"])),
         "cuda_graphs_recompute": lambda: _plan(qwen, 16, ep=8, cuda_graphs=True,
                                                choices=Choices(recompute=["moe"])),
+        "full_iteration_graphs_offload": lambda: _plan(
+            qwen, 16, ep=8, dispatcher="flex", cuda_graphs=True,
+            cuda_graph_scope="full_iteration", choices=Choices(offload=["expert_fc1"])),
         "pad_to_capacity_dispatcher": lambda: _token_drop(_plan(
             qwen, 16, ep=8, dispatcher="flex", flex_backend="deepep")),
         "expert_bias_needs_sigmoid": lambda: _plan(
@@ -147,7 +150,8 @@ GOOD_LAYOUT, BAD_LAYOUT = "Et*15|t*15|t*15|t*16mL", "Et*15|t*15|t*15|t*15mL"  # 
 SINCE = {"moe_recompute_excludes_moe_offload": "while recomputing the entire MoE layer",
          "fp8_delayed_recompute": "Delayed scaling does not support moe_act",
          "ep_overlap_mtp": "MTP",
-         "pad_to_capacity_dispatcher": "does not support moe_pad_expert_input_to_capacity"}
+         "pad_to_capacity_dispatcher": "does not support moe_pad_expert_input_to_capacity",
+         "full_iteration_graphs_offload": "fine_grained_offloading_max_inflight_offloads"}
 CORE_RULES = [r.name for r in rules_for("megatron")
               if r.where.startswith(("megatron/core/transformer/transformer_config",
                                      "megatron/core/transformer/pipeline_parallel_layer_layout"))
@@ -208,6 +212,10 @@ ARGS_RULES = {  # validate_args (megatron/training, not on the package index): e
         update={"training": TrainingSpec(seq_len=4096, global_batch_size=64,
                                          precision="fp8-tensorwise", fp8_param_gather=True)}),
     "tp_comm_overlap_needs_tp": lambda: _plan("llama3-8b", 8, tp_comm_overlap=True),
+    # token_dispatcher.py, not a config check: the alltoall dispatcher's host sync breaks the
+    # capture at run time
+    "full_iteration_graphs_moe_buffers": lambda: _plan(
+        "qwen3-30b-a3b", 16, ep=8, cuda_graphs=True, cuda_graph_scope="full_iteration"),
     "full_recompute_alone": lambda: _plan("llama3-8b", 8).model_copy(update={
         "choices": Choices.model_construct(recompute=[["full", "mlp"]], offload=[],
                                            optimizer_offload_fraction=0.0,

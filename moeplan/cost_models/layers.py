@@ -184,15 +184,20 @@ GRAPHED_SHARE = {"dense": 1.0, "moe": 0.5}
 layer): all of a dense layer's; of an MoE layer's, the attention block and the router (about
 half its kernels: norm, QKV, RoPE, attention, projection and the router against the permute,
 dispatch, grouped GEMMs, activation, combine and unpermute that dropless routing leaves
-dynamic-shaped). Embedding and loss are never captured."""
+dynamic-shaped). Embedding and loss are never captured by per-layer graphs; a full-iteration
+graph (`Layout.full_iteration_graphs`) captures every kernel of the forward-backward step."""
 
 
-def graphed_share(kind: str, cuda_graphs: bool, static_moe: bool = False) -> float:
+def graphed_share(kind: str, cuda_graphs: bool, static_moe: bool = False,
+                  full_iteration: bool = False) -> float:
     """`GRAPHED_SHARE` of a layer kind; an MoE layer padded to capacity
     (`TrainingSpec.static_moe_shapes`) has no dynamic shape left and is captured whole, as
-    a dense layer is (Megatron's `moe` graph scope)."""
+    a dense layer is (Megatron's `moe` graph scope); under a full-iteration graph every layer
+    is (Megatron --cuda-graph-impl full_iteration replays the step's kernels as one graph)."""
     if not cuda_graphs:
         return 0.0
+    if full_iteration:
+        return 1.0
     return 1.0 if kind == "moe" and static_moe else GRAPHED_SHARE.get(kind, 0.0)
 
 
@@ -204,7 +209,8 @@ def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> La
     capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
         kind = str(fields["kind"])
-        share = graphed_share(kind, ctx.layout.cuda_graphs, ctx.training.static_moe_shapes)
+        share = graphed_share(kind, ctx.layout.cuda_graphs, ctx.training.static_moe_shapes,
+                              ctx.layout.full_iteration_graphs)
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
         up_f, up_b = host_floor(ctx, kind, fields["fwd_s"] + fields.get("exposed_fwd_s", 0.0),
                                 fields["bwd_s"] + fields.get("exposed_bwd_s", 0.0),
@@ -222,8 +228,10 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     attention and router part (`pre_device_s`) and the rest, and pays the restart gap; CUDA
     graphs launch a dense layer, and an MoE layer's part before the sync, as one graph. An MoE
     layer padded to capacity (`TrainingSpec.static_moe_shapes`) has no sync and is captured
-    whole, like a dense layer."""
-    if kind not in ("dense", "moe", "loss"):
+    whole, like a dense layer. A full-iteration graph launches the whole step at once: no
+    per-kernel host work is left inside it, and its MoE layers have static buffers (HybridEP's
+    per-rank token budget), so no routing sync either."""
+    if kind not in ("dense", "moe", "loss") or ctx.layout.full_iteration_graphs:
         return 0.0, 0.0
     t = ctx.cal.launch_s(host_kind(ctx.cluster))
     if t <= 0.0:
@@ -545,6 +553,21 @@ def _dispatch_time(ctx: Context, token_bytes: float) -> tuple[float, float]:
     return max(t_so, nv[0]), max(t_so, nv[1])
 
 
+PAGED_STASH_BUFFER = 1.10
+"""Megatron Core's paged stash (`--moe-paged-stash`, what a full-iteration graph of a dropless
+MoE layer keeps the experts' activations in): one buffer sized at this factor of the average
+tokens the layers stash (`moe_paged_stash_buffer_size_factor_cuda`, default 1.10,
+transformer_config.py at d98e8a6)."""
+
+
+def paged_stash_factor(ctx: Context) -> float:
+    """How much more the experts' saved activations take than their tokens: the paged stash's
+    buffer factor under a full-iteration graph of a dropless MoE layer, else 1."""
+    if ctx.layout.full_iteration_graphs and not ctx.training.static_moe_shapes:
+        return PAGED_STASH_BUFFER
+    return 1.0
+
+
 @_per_context
 def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> LayerCost:
     """A decoder layer with an MoE block: router, dispatch (EP all-to-all, ETP all-gather),
@@ -613,12 +636,14 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
               if L.ep_overlap else ep)
     exp_f = tp_f + at.cp_exposed_fwd + ep_exp / 2
     exp_b = tp_b + at.cp_exposed_bwd + ep_exp / 2
+    stash = paged_stash_factor(ctx)
     tensors = at.tensors + (
         ActTensor("mlp_norm_out", BF16 * Nsp * h, frozenset({"layernorm"}), None),
         ActTensor("router_probs", 4 * 2 * Nsp * m.num_experts, frozenset({"moe"}), None),
-        ActTensor("expert_fc1_in", BF16 * R * h, frozenset({"moe"}), "expert_fc1"),
-        ActTensor("expert_fc1_out", BF16 * fc1_e, frozenset({"moe"}), None),
-        ActTensor("expert_act_out", BF16 * out_e, frozenset({"moe", "moe_act"}), "moe_act"),
+        ActTensor("expert_fc1_in", stash * BF16 * R * h, frozenset({"moe"}), "expert_fc1"),
+        ActTensor("expert_fc1_out", stash * BF16 * fc1_e, frozenset({"moe"}), None),
+        ActTensor("expert_act_out", stash * BF16 * out_e, frozenset({"moe", "moe_act"}),
+                  "moe_act"),
         ActTensor("shared_fc1_out", BF16 * sh_fc1, frozenset({"shared_experts"}), None),
         ActTensor("shared_act_out", BF16 * sh_out, frozenset({"shared_experts"}), None),
     )

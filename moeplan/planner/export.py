@@ -177,8 +177,15 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--expert-tensor-parallel-size": MegatronFlag(1, int, None, _A + "_add_moe_args"),
     "--sequence-parallel": MegatronFlag(0, None, None, _A + "_add_training_args"),
     "--tp-comm-overlap": MegatronFlag(0, None, None, _A + "_add_training_args"),
-    "--cuda-graph-impl": MegatronFlag(1, str, ("none", "local", "transformer_engine"),
-                                      _A + "_add_inference_args"),
+    "--cuda-graph-impl": MegatronFlag(1, str, ("none", "local", "transformer_engine",
+                                                "full_iteration"), _A + "_add_inference_args"),
+    "--no-check-for-nan-in-loss-and-grad": MegatronFlag(
+        0, None, None, _A + "_add_training_args (validate_args: required with "
+        "--cuda-graph-impl full_iteration)"),
+    "--moe-expert-rank-capacity-factor": MegatronFlag(
+        1, float, None, _TC + "moe_expert_rank_capacity_factor"),
+    "--moe-paged-stash": MegatronFlag(0, None, None, _TC + "moe_paged_stash"),
+    "--moe-use-grouped-tensor": MegatronFlag(0, None, None, _TC + "moe_use_grouped_tensor"),
     "--cuda-graph-modules": MegatronFlag(
         "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"),
         _A + "_add_inference_args (--cuda-graph-scope is its deprecated, hidden alias)"),
@@ -549,6 +556,30 @@ def graph_modules(model: ModelSpec, training: TrainingSpec, layout: Layout
     return ("attn", "moe_router", "moe_preprocess")
 
 
+RANK_CAPACITY_FACTOR = 1.5
+"""HybridEP's per-rank token budget under a full-iteration graph, in multiples of a rank's mean
+routed tokens: Megatron-Bridge's full-iteration MoE recipes set 1.5
+(`set_full_iter_cg_configs`, scripts/performance/configs/qwen/qwen3_llm_pretrain.py)."""
+
+
+def _full_iteration_args(a: _Args, plan: Plan, warn: list[str]) -> None:
+    """One CUDA graph over the whole forward-backward step (Megatron --cuda-graph-impl
+    full_iteration, which validate_args allows only without the NaN check). A dropless MoE
+    layer is capturable only with static buffers: HybridEP's per-rank token budget, the paged
+    stash for the experts' saved activations (it needs the budget) and the grouped GEMM's
+    CUDA-graph-safe GroupedTensor path, as Megatron-Bridge's full-iteration recipes set them."""
+    a.add("--cuda-graph-impl", "full_iteration")
+    a.add("--no-check-for-nan-in-loss-and-grad")
+    if plan.model.is_moe and not plan.training.static_moe_shapes:
+        a.add("--moe-expert-rank-capacity-factor", RANK_CAPACITY_FACTOR)
+        a.add("--moe-paged-stash")
+        a.add("--moe-use-grouped-tensor")
+        warn.append(f"the full-iteration CUDA graph keeps the MoE buffers static: HybridEP drops "
+                    f"the tokens routed to an EP rank beyond {RANK_CAPACITY_FACTOR:g}× its mean "
+                    "(--moe-expert-rank-capacity-factor), which a balanced router never "
+                    "reaches; raise the factor if the router is far from balanced")
+
+
 def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
     m, L = plan.model, plan.layout
     a.add("--tensor-model-parallel-size", L.tp)
@@ -560,7 +591,9 @@ def _parallel_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--sequence-parallel")
     if L.tp_comm_overlap:
         a.add("--tp-comm-overlap")
-    if L.cuda_graphs:  # the static-shape parts: cost_models.layers.graphed_share
+    if L.full_iteration_graphs:
+        _full_iteration_args(a, plan, warn)
+    elif L.cuda_graphs:  # the static-shape parts: cost_models.layers.graphed_share
         a.add("--cuda-graph-impl", "transformer_engine")
         a.add("--cuda-graph-modules", *graph_modules(m, plan.training, L))
     if L.distributed_optimizer:

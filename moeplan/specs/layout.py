@@ -20,6 +20,7 @@ from .training import TrainingSpec
 Order = Literal["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]
 Dispatcher = Literal["alltoall", "allgather", "flex"]
 FlexBackend = Literal["hybridep", "deepep"]
+CudaGraphScope = Literal["layer", "full_iteration"]
 RecomputeModule = Literal[
     "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "full"
 ]
@@ -65,6 +66,14 @@ class Layout(BaseModel):
         False, description="Capture each layer's static-shape parts (attention, dense MLP, MoE "
         "router and preprocess) in CUDA graphs (Megatron --cuda-graph-impl transformer_engine), "
         "removing their kernel-launch overhead for graph memory.")
+    cuda_graph_scope: CudaGraphScope = Field(
+        "layer", description="What the CUDA graphs capture (read only with cuda_graphs): "
+        "'layer', each layer's static-shape parts (Megatron --cuda-graph-impl "
+        "transformer_engine); 'full_iteration', the whole forward-backward step as one graph "
+        "(--cuda-graph-impl full_iteration), no host launch left in it. A dropless MoE layer "
+        "is capturable whole only with static buffers: HybridEP's per-rank token budget "
+        "(--moe-expert-rank-capacity-factor, tokens over it dropped) and the paged stash of "
+        "the experts' activations (--moe-paged-stash), which the export sets.")
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +127,12 @@ class Layout(BaseModel):
     def sequence_parallel(self) -> bool:
         return self.tp > 1
 
+    @property
+    def full_iteration_graphs(self) -> bool:
+        """The whole step is one CUDA graph (`cuda_graph_scope` 'full_iteration' with graphs
+        on): no host launch, no host sync inside it."""
+        return self.cuda_graphs and self.cuda_graph_scope == "full_iteration"
+
     @classmethod
     def build(cls, world: int, global_batch_size: int, **axes: object) -> Layout:
         """A layout for `world` GPUs with dp and the micro-batch count derived.
@@ -142,7 +157,7 @@ class Layout(BaseModel):
         return (self.tp, self.cp, self.dp, self.pp, self.vpp, self.ep, self.etp, self.mbs,
                 self.num_microbatches, self.order, self.dispatcher, self.flex_backend,
                 self.distributed_optimizer, self.ep_overlap, self.tp_comm_overlap,
-                self.cuda_graphs)
+                self.cuda_graphs, self.cuda_graph_scope)
 
 
 class Choices(BaseModel):

@@ -191,7 +191,8 @@ class Plan(BaseModel):
 
         `alltoall|allgather|flex` (MoE token dispatcher; `flex=deepep` when the flex dispatcher
         runs DeepEP instead of its HybridEP default), `ep-overlap`, `tp-comm-overlap`,
-        `cuda-graphs`, `dist-opt|no-dist-opt`
+        `cuda-graphs` (`cuda-graphs=full_iteration` when the whole step is one graph),
+        `dist-opt|no-dist-opt`
         (optimizer states sharded over data parallel or replicated),
         `recompute=core_attn,moe_act` (per pipeline rank when they differ:
         `recompute=core_attn|-|-|-`), `offload=expert_fc1`, `optimizer-offload=0.5` (fraction
@@ -206,6 +207,8 @@ class Plan(BaseModel):
             if getattr(L, flag, False) or getattr(c, flag, False):
                 tokens.append(word)
         graphs = getattr(L, "cuda_graphs", None) or getattr(c, "cuda_graphs", None)
+        if graphs is True and getattr(L, "full_iteration_graphs", False):
+            graphs = "full_iteration"
         if graphs:
             tokens.append("cuda-graphs" if graphs is True else f"cuda-graphs={graphs}")
         tokens.append("dist-opt" if L.distributed_optimizer else "no-dist-opt")

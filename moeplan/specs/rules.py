@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .grid import domain_span
+from .layout import OFFLOAD_MODULES as OFFLOAD_NAMES
 
 MEGATRON_LM_COMMIT = "d98e8a6"
 MEGATRON_CORE_VERSION = "0.20.0"
@@ -335,6 +336,29 @@ def _pad_disp(f: Facts) -> bool:
             or (L.dispatcher == "flex" and L.flex_backend == "hybridep"))
 
 
+def full_iteration(layout: Any) -> bool:
+    """Whether a (possibly partly bound) layout captures the whole step in one CUDA graph."""
+    return (bool(getattr(layout, "cuda_graphs", False))
+            and getattr(layout, "cuda_graph_scope", "layer") == "full_iteration")
+
+
+@rule("full_iteration_graphs_moe_buffers", "megatron/core/transformer/moe/token_dispatcher.py "
+      "(a dropless MoE layer is capturable in a full-iteration graph only with static shapes: "
+      "MoEAlltoAllTokenDispatcher copies its split sizes to the host at cuda_sync_point, and the "
+      "flex dispatcher sizes its receive buffer per step unless moe_expert_rank_capacity_factor "
+      "is set, which TransformerConfig allows only with the hybridep or ncclep backend)",
+      lambda f: (f"a full-iteration CUDA graph of a dropless MoE needs HybridEP's per-rank "
+                 f"token budget, not {_dispatch_name(f.layout)}: set dispatcher flex with "
+                 "flex_backend hybridep, pad the experts to capacity "
+                 "(moe_pad_expert_input_to_capacity), or capture per layer "
+                 "(cuda_graph_scope layer)"),
+      targets=MEGATRON, axes=("dispatcher", "cuda_graphs"))
+def _full_iter_moe(f: Facts) -> bool:
+    L = f.layout
+    return (not full_iteration(L) or not f.model.is_moe or f.training.static_moe_shapes
+            or (L.dispatcher == "flex" and L.flex_backend == "hybridep"))
+
+
 def _dispatch_name(layout: Any) -> str:
     return (f"flex with {layout.flex_backend}" if layout.dispatcher == "flex"
             else layout.dispatcher)
@@ -487,9 +511,18 @@ option_rule(
     "cuda_graphs_recompute", _TC + " (full recompute only with full-iteration CUDA graphs; no "
     "`moe` recompute with the moe_router graph scope of --cuda-graph-impl transformer_engine)",
     lambda f: ((Combo((rec("full"),)),) + ((Combo((rec("moe"),)),) if f.model.is_moe else ())
-               if f.layout.cuda_graphs else ()),
-    "CUDA graphs exclude full recompute (and `moe` recompute in MoE models); drop them or turn "
-    "cuda_graphs off", targets=MEGATRON, axes=("cuda_graphs",))
+               if f.layout.cuda_graphs and not full_iteration(f.layout) else ()),
+    "per-layer CUDA graphs exclude full recompute (and `moe` recompute in MoE models); drop "
+    "them, turn cuda_graphs off, or capture the full iteration (cuda_graph_scope "
+    "full_iteration)", targets=MEGATRON, axes=("cuda_graphs",))
+option_rule(
+    "full_iteration_graphs_offload", _TC + " (fine-grained activation offloading under "
+    "--cuda-graph-impl full_iteration needs fine_grained_offloading_max_inflight_offloads; "
+    "with moe_paged_stash no expert_fc1 or moe_act offload)",
+    lambda f: (tuple(Combo((off(m),)) for m in OFFLOAD_NAMES) if full_iteration(f.layout)
+               else ()),
+    "a full-iteration CUDA graph is exported without activation offloading; drop the offloads "
+    "or capture per layer (cuda_graph_scope layer)", targets=MEGATRON, axes=("cuda_graphs",))
 
 
 def _full_alone(f: Facts) -> tuple[Combo, ...]:

@@ -21,10 +21,26 @@ from .rows import cell, release_of
 # dispatcher and CUDA graphs (scripts/performance/configs/*/_workload_base_configs.py, the
 # `FP8_MX` variants; `perf_recipes/*/common.py::_enable_*_full_iteration_mxfp8`). The published
 # rows print none of them, so rows of those releases are priced with the overlap, the
-# dispatcher and per-layer graphs. Their graphs capture the whole iteration and the fused MLP
-# launches one kernel for all the experts; moeplan exports and prices neither, so its host floor
-# keeps per-expert launches those runs did not make (docs/ACCURACY.md, known gaps).
+# dispatcher and CUDA graphs: over the whole iteration where the recipe says so
+# (FULL_ITERATION_RECIPES), per layer otherwise. The fused MLP (one kernel for every expert's
+# GEMMs, activation and quantisation) is not priced: its memory traffic is moeplan's unfused
+# one (docs/ACCURACY.md, known gaps).
 OVERLAP_RECIPE_FROM = (26, 6)
+
+# Of those MXFP8 MoE recipes, the ones whose CUDA graph captures the whole iteration
+# (`cuda_graph_impl="full_iteration"`, `cuda_graph_scope=[]`, with HybridEP's rank capacity 1.5
+# and the paged stash: `set_full_iter_cg_configs`), by (model preset, GPU), as the June 2026
+# commits before the 26.06 release set them in
+# scripts/performance/configs/*/*_workload_base_configs.py: Qwen3 GB200/GB300 (both sizes) and
+# Qwen3-30B-A3B B300 (Megatron-Bridge 55443cbfb, #4211), DeepSeek-V3 GB200 (afb5dd47c, #4226)
+# and GB300 (8af195c0a, #3983), gpt-oss-120b GB200/GB300 (5f98743d5, #4173). The other MXFP8
+# MoE recipes of those releases keep per-layer graphs.
+FULL_ITERATION_RECIPES = frozenset({
+    ("qwen3-30b-a3b", "GB200"), ("qwen3-30b-a3b", "GB300"), ("qwen3-30b-a3b", "B300"),
+    ("qwen3-235b-a22b", "GB200"), ("qwen3-235b-a22b", "GB300"),
+    ("deepseek-v3", "GB200"), ("deepseek-v3", "GB300"),
+    ("gpt-oss-120b", "GB200"), ("gpt-oss-120b", "GB300"),
+})
 
 # NVIDIA's NeMo and Megatron-Bridge performance recipes turn on TP communication overlap (TE
 # userbuffers: `tp_comm_overlap=True` in the performance configs' CommOverlapConfig) whenever
@@ -59,7 +75,10 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
     if ("Megatron-Bridge" in (row.get("source", "") or "") and rel is not None
             and rel >= OVERLAP_RECIPE_FROM and precision == "mxfp8" and model.num_experts
             and architecture == "blackwell"):
-        return {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True}
+        out: dict[str, Any] = {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True}
+        if (row.get("model_preset", ""), (row.get("gpu") or "").strip()) in FULL_ITERATION_RECIPES:
+            out["cuda_graph_scope"] = "full_iteration"
+        return out
     return {}
 
 
@@ -168,7 +187,8 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
 # naming neither runs the HybridEP default NVIDIA's recipes set), Megatron's all-to-all
 # and all-gather dispatchers, EP communication overlap (`--overlap-moe-expert-parallel-comm`,
 # Megatron-Bridge's `moe_a2a_overlap`, "EP/A2A overlap"), TP communication overlap
-# ("TP overlap", "DP/TP/PP/CP overlap enabled") and CUDA graphs. A phrase preceded in its clause
+# ("TP overlap", "DP/TP/PP/CP overlap enabled"), CUDA graphs and the full-iteration scope of
+# them. A phrase preceded in its clause
 # by a negation ("no", "w/o", "without", "not", "disabled"), or followed by "disabled"
 # or "off", documents the setting off.
 NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
@@ -182,6 +202,7 @@ NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     (r"\btp(?:/[a-z]{2})*(?: comm(?:unication)?)? overlap|(?:[a-z]{2}/)+tp(?:/[a-z]{2})* "
      r"overlap|tp_comm_overlap", "tp_comm_overlap", True),
     (r"cuda[- ]?graphs?", "cuda_graphs", True),
+    (r"full[- ]iteration cuda[- ]?graphs?", "cuda_graph_scope", "full_iteration"),
 )
 NEGATION = re.compile(r"(?:\bno|w/o|without|\bnot|disabled?)\s+(?:\S+\s+){0,2}$")
 
