@@ -179,7 +179,8 @@ def _bridge_row(release: str, **over: str) -> dict[str, str]:
 
 
 def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overlap():
-    """The 26.06 MXFP8 MoE recipes overlap EP communication and capture CUDA graphs; earlier
+    """The 26.06 MXFP8 MoE recipes overlap EP communication and capture CUDA graphs (over the
+    whole iteration where the recipe does); earlier
     releases, BF16, dense models and layouts Megatron would refuse the overlap for keep
     moeplan's defaults."""
     from moeplan.specs import list_presets
@@ -201,8 +202,9 @@ def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overla
     seen, plain = predict_case(late), predict_case(early)
     assert seen["predicted_tokens_per_s_per_gpu"] > plain["predicted_tokens_per_s_per_gpu"]
     bf16_grads = {"grad_reduce_dtype": "bf16"}  # the same recipes' gradient reduction
+    # Qwen3-30B-A3B on GB200: the recipe captures the whole iteration (validation.rules)
     assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True,
-                               **bf16_grads}
+                               "cuda_graph_scope": "full_iteration", **bf16_grads}
     assert plain["assumed"] == bf16_grads
 
 

@@ -3,8 +3,6 @@ and the decisions a plan fixes (Layout, Choices), with the Plan and Estimate tha
 
 from .cluster import ClusterSpec
 from .layout import (
-    OFFLOAD_MODULES,
-    RECOMPUTE_MODULES,
     Choices,
     Layout,
     check_layout,
@@ -12,6 +10,7 @@ from .layout import (
 )
 from .loader import list_presets, load_cluster, load_model, load_plan, load_training
 from .model import ModelSpec
+from .modules import OFFLOAD_MODULES, RECOMPUTE_MODULES
 from .plan import (
     Assumption,
     Confidence,

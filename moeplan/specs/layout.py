@@ -15,20 +15,13 @@ from ..errors import LayoutError
 from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from .cluster import ClusterSpec
 from .model import ModelSpec
+from .modules import OffloadModule, RecomputeModule
 from .training import TrainingSpec
 
 Order = Literal["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]
 Dispatcher = Literal["alltoall", "allgather", "flex"]
 FlexBackend = Literal["hybridep", "deepep"]
 CudaGraphScope = Literal["layer", "full_iteration"]
-RecomputeModule = Literal[
-    "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "full"
-]
-OffloadModule = Literal[
-    "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"
-]
-RECOMPUTE_MODULES: tuple[str, ...] = RecomputeModule.__args__  # type: ignore[attr-defined]
-OFFLOAD_MODULES: tuple[str, ...] = OffloadModule.__args__  # type: ignore[attr-defined]
 
 
 class Layout(BaseModel):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .grid import domain_span
-from .layout import OFFLOAD_MODULES as OFFLOAD_NAMES
+from .modules import OFFLOAD_MODULES as OFFLOAD_NAMES
 
 MEGATRON_LM_COMMIT = "d98e8a6"
 MEGATRON_CORE_VERSION = "0.20.0"
