@@ -15,9 +15,10 @@ The honest samples of the model's error are the cross-validated predictions of
 - every row, predicted by a refit without its model (leave-one-model-out): the error on a
   model the fit never saw, per regime (`unseen`), and pooled over the rows whose family had no
   other model in the fit (`family_unseen`);
-- per model the fit misses as a whole (`models`), the conformal band of its own held-out rows
-  (`model_bands`, at least MODEL_ROWS): it keeps its rows in the fit, its rows stay out of the
-  regime bands, and this band covers it. A model the fit explains has no band of its own: its
+- per model the fit misses as a whole (`models`), or whose miss the shipped fit carries as a
+  measured residual (`Calibration.model_residual`, which centres its rows but leaves their
+  spread), the conformal band of its own held-out rows (`model_bands`, at least MODEL_ROWS):
+  it keeps its rows in the fit, its rows stay out of the regime bands, and this band covers it. A model the fit explains has no band of its own: its
   held-out rows are already in its regime's band, and taking the wider of two bands measured
   on the same rows would count their spread twice.
 
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from moeplan.cost_models import uncertainty as U
+from moeplan.cost_models.calibration import default_calibration
 from moeplan.fsio import write_json
 from moeplan.validation import anatomy_parts, config_key, read_rows, validate_rows
 from moeplan.validation.crossval import cases_of
@@ -357,7 +359,11 @@ def main() -> None:
     # 1. evidence from the rows the shipped profile saw, less the rows of a model the fit misses
     # as a whole (its own band carries its error; its miss says nothing of an effect other
     # models' rows rely on)
-    off = set(model_evidence(cv["config"]["rows"]))
+    # a model the shipped fit carries a measured residual for (Calibration.model_residual) was
+    # missed as a whole before it: its rows keep a band of their own, as an off model's do, so
+    # its spread (what the residual centres, not narrows) stays out of the regimes' bands
+    residual = {k.split("/")[0] for k in default_calibration().model_residual}
+    off = set(model_evidence(cv["config"]["rows"])) | residual
     first = validate_rows(raw)
     seen = [r for r in first["rows"] if r["published_tokens_per_s_per_gpu"]
             and r["model"] not in off]
@@ -380,14 +386,15 @@ def main() -> None:
     rel = enrich(cv["release"]["rows"], shipped, cases)
     # 3. the distance bands, the widening per doubling, and coverage on unseen rows
     models = model_evidence(held)
-    per_doubling, far_rows = fit_per_doubling(held, lomo, set(models))
+    own = set(models) | residual
+    per_doubling, far_rows = fit_per_doubling(held, lomo, own)
     doc = profile_doc(
         memory=memory, evidence=evidence, contradicted=contradicted,
-        models=models, **distance_parts(held, lomo, per_doubling, set(models)),
+        models=models, **distance_parts(held, lomo, per_doubling, own),
         per_doubling_rows=far_rows,
-        cross_validated=config_coverage(held, lomo, by_id, per_doubling, set(models)),
-        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, set(models)),
-        leave_one_release_out=release_coverage(held, lomo, rel, per_doubling, set(models)))
+        cross_validated=config_coverage(held, lomo, by_id, per_doubling, own),
+        leave_one_model_out=lomo_coverage(held, lomo, per_doubling, own),
+        leave_one_release_out=release_coverage(held, lomo, rel, per_doubling, own))
     write_json(out, indent=1, data=doc)
     U.default_profile.cache_clear()
     lc, cc, rc = doc["leave_one_model_out"], doc["cross_validated"], doc["leave_one_release_out"]

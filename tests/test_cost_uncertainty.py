@@ -65,9 +65,11 @@ def test_too_few_runs_leave_the_published_interval():
 
 
 def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
-    """gpt-oss-120b's held-out published runs measure a median of about 0.8× of moeplan's
-    prediction (docs/ACCURACY.md); its estimates say so with the measured range, the other
-    models' do not, and the evidence is recomputed from fit rows by the interval fit."""
+    """A model whose held-out published runs sit off as a whole (and that no measured residual
+    takes up: gpt-oss-120b's BF16 shortfall is one, tests/test_model_residual.py) is named in
+    its estimates with the measured range; a model the fit explains is not; the evidence is
+    recomputed from held-out rows by the interval fit."""
+    import dataclasses
     import importlib.util
     from pathlib import Path
 
@@ -78,12 +80,12 @@ def test_a_model_whose_fit_rows_are_off_as_a_whole_is_named_in_its_estimates():
     model_evidence = bench.model_evidence
 
     oss, llama = load_model("gpt-oss-120b"), load_model("llama3-70b")
+    prof = dataclasses.replace(U.default_profile(), models={"gpt-oss-120b": (9, 0.7, 0.6, 0.8)})
+    warning = U.model_warning(oss, prof)
+    assert warning is not None and "gpt-oss-120b ran slower" in warning
+    assert "0.60-0.80x" in warning and "9 fit rows" in warning
+    assert U.model_warning(llama, prof) is None
     c, tr = load_cluster("gb200-nvl72", 64), TrainingSpec(seq_len=4096, global_batch_size=256)
-    got = estimate(oss, c, tr, Layout.build(64, 256, ep=64, mbs=4), with_interval=False)
-    rows, med, low, high = U.default_profile().models["gpt-oss-120b"]
-    assert rows >= 5 and low <= med < 1 / 1.2 and high < 1
-    assert any("gpt-oss-120b ran slower" in w and f"{low:.2f}-{high:.2f}x" in w
-               for w in got.warnings)
     plain = estimate(llama, c, tr, Layout.build(64, 256, tp=4, pp=2), with_interval=False)
     assert not any("ran slower" in w or "ran faster" in w for w in plain.warnings)
 
@@ -228,6 +230,9 @@ def test_an_interval_added_to_a_priced_point_equals_the_estimate_priced_whole():
 def test_only_a_model_missed_as_a_whole_carries_its_own_band():
     """A model the fit explains has its held-out rows in its regime's band already; a band of
     its own as well would count the same rows' spread twice (the wider of two bands)."""
+    from moeplan.cost_models.calibration import default_calibration
+
     prof = U.default_profile()
-    assert set(prof.model_bands) <= set(prof.models)
-    assert "gpt-oss-120b" in prof.model_bands
+    residual = {k.split("/")[0] for k in default_calibration().model_residual}
+    assert set(prof.model_bands) <= set(prof.models) | residual
+    assert "gpt-oss-120b" in prof.model_bands  # carries a residual: its spread is its own

@@ -482,6 +482,17 @@ def _step_estimate(terms: StageTerms, ranks: Sequence[RankCost], choices: Choice
     extras = terms.rank_extras(crit, choices.optimizer_offload_fraction)
     pp_exposed, dp_exposed, opt_s = extras.pp_exposed_s, extras.dp_exposed_s, extras.optimizer_s
     step = pipe_s + pp_exposed + dp_exposed + opt_s + cal.step_overhead_s
+    # a model whose published runs ran slower as a whole than its kernels' work prices
+    # (Calibration.model_residual) carries the measured shortfall, named apart from the physics
+    residual = cal.residual_for(model.name, training.precision)
+    unmodelled = step * (1.0 / residual - 1.0)
+    step += unmodelled
+    if unmodelled > 0:
+        warnings.append(
+            f"published {training.precision} runs of {model.name} ran {residual:.2f}x the speed "
+            f"the cost models price for their work (the median of its fit rows, a software "
+            f"path they do not explain: docs/ACCURACY.md); this estimate carries the "
+            f"{unmodelled:.3g} s per step as unmodelled time")
 
     world = L.world_size
     tokens = training.global_batch_size * training.seq_len
@@ -499,12 +510,13 @@ def _step_estimate(terms: StageTerms, ranks: Sequence[RankCost], choices: Choice
     parts = {"compute": compute, "pipeline bubble": bubble, "recompute": per_mb["recompute_s"],
              "offload": per_mb["offload_s"], "ep communication": per_mb["ep_exposed_s"],
              "tp/cp communication": per_mb["exposed_comm_s"] - per_mb["ep_exposed_s"],
-             "dp communication": dp_exposed, "optimizer": opt_s}
+             "dp communication": dp_exposed, "optimizer": opt_s, "unmodelled": unmodelled}
     bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
     est = Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / world, tflops_per_gpu=tflops,
         mfu=tflops / cluster.bf16_tflops, memory=memory, time=time, bottleneck=bottleneck,
-        fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model))
+        fits=fits, warnings=warnings, confidence=_confidence(cal, cluster, training, model),
+        unmodelled_s=unmodelled)
     return est, extras
 
 

@@ -26,7 +26,7 @@ STEP_PARTS = (
     ("offload (exposed copies)", "#edc948"), ("pipeline bubble", "#bab0ac"),
     ("exposed TP/CP comm", "#e15759"), ("exposed EP comm", "#76b7b2"),
     ("exposed DP/PP comm", "#59a14f"), ("exposed comm (all classes)", "#e15759"),
-    ("fixed step overhead", "#9c755f"),
+    ("fixed step overhead", "#9c755f"), ("unmodelled (measured for this model)", "#d37295"),
 )
 MEMORY_PARTS = (("weights", "#4e79a7"), ("grads", "#f28e2b"), ("optimizer", "#59a14f"),
                 ("activations", "#e15759"), ("buffers", "#76b7b2"))
@@ -50,14 +50,14 @@ def step_parts(plan: Plan, b: Breakdown | None = None) -> dict[str, float]:
     """The step time as terms that add up to it (seconds; zero terms left out).
 
     step = compute (incl. the optimizer step) + recompute + offload + bubble + exposed comm
-    + the fixed per-step overhead (cost_models.estimate); the breakdown splits compute from the
+    + the fixed per-step overhead + a model's measured residual (cost_models.estimate); the breakdown splits compute from the
     optimizer step and the exposed communication by class: TP/CP inside the layers, EP, and
     DP (+ the pipeline's point-to-point sends, which the estimate sums with DP)."""
     est = plan.estimate
     assert est is not None
     t = est.time
     overhead = est.step_time_s - (t.compute_s + t.recompute_s + t.offload_s + t.pp_bubble_s
-                                  + t.exposed_comm_s)
+                                  + t.exposed_comm_s + est.unmodelled_s)
     parts = {"recompute": t.recompute_s, "offload (exposed copies)": t.offload_s,
              "pipeline bubble": t.pp_bubble_s}
     b = b if b is not None else breakdown(plan)
@@ -73,6 +73,7 @@ def step_parts(plan: Plan, b: Breakdown | None = None) -> dict[str, float]:
                  "exposed TP/CP comm": in_layers - ep, "exposed EP comm": ep,
                  "exposed DP/PP comm": t.exposed_comm_s - in_layers}
     parts["fixed step overhead"] = overhead
+    parts["unmodelled (measured for this model)"] = est.unmodelled_s
     order = [name for name, _ in STEP_PARTS]
     return {k: max(0.0, parts[k]) for k in order if k in parts and parts[k] > 1e-12}
 

@@ -6,8 +6,10 @@ effect disappointing (`uncertainty.pessimistic_layout`), so a plan wins only if 
 when its unproven terms fail. The branch and bound (`planner.branch`) asks its objective for
 everything that differs between the two and never tests which one it has.
 
-Every bound the search prunes with is a bound on the point, and the interval's high end is
-never below the point, so pruning stays exact under either objective: the robust k-th key
+Every bound the search prunes with is a bound on the point's physics, and the interval's high
+end is never below the point, so pruning stays exact under either objective. The point is the
+physics slowed by a model's measured residual (`residual_slowdown`), which every factor below
+carries: the robust k-th key
 over the least ratio of key to point any regime of the search can have
 (`least_key_factor`) is a point threshold, and over a row's own ratio (`Robust.row_factor`)
 a tighter one for that row. One bound is robust's alone (`Robust.offload_bound`): a row that
@@ -20,6 +22,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ..cost_models import uncertainty as U
+from ..cost_models.calibration import calibration_for
 from ..specs import ClusterSpec, ModelSpec, Plan
 from .enumerate import SearchSpace
 from .problem import LayerTable
@@ -43,8 +46,8 @@ class Objective:
         return plan.estimate.step_time_s
 
     def key_factor(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> float:
-        """The least key over point step time of any plan of the search."""
-        return 1.0
+        """The least key over the physics' step time of any plan of the search."""
+        return min(residual_slowdown(model, cluster, p) for p in space.precisions)
 
     def row_factor(self, bb: BranchAndBound, idx: int) -> float:
         """The least key over point step time of the row's plans: the search's least."""
@@ -105,7 +108,8 @@ class Robust(Objective):
         quotient never prunes a row whose key ties the k-th; never below the search's least."""
         layout, tr, key = bb.setup(idx)
         if key not in bb.factors:
-            f = U.key_factor(bb.pb.model, bb.pb.cluster, tr, layout)
+            f = (U.key_factor(bb.pb.model, bb.pb.cluster, tr, layout)
+                 * residual_slowdown(bb.pb.model, bb.pb.cluster, tr.precision))
             bb.factors[key] = max(bb.scale, f * (1 - 1e-9))
         return bb.factors[key]
 
@@ -116,7 +120,8 @@ class Robust(Objective):
         j = bb.key_of[idx]
         if j not in bb.order_factors:
             layout, tr, _ = bb.setup(idx)
-            f = U.least_key_factor_of(bb.pb.model, bb.pb.cluster, tr, layout)
+            f = (U.least_key_factor_of(bb.pb.model, bb.pb.cluster, tr, layout)
+                 * residual_slowdown(bb.pb.model, bb.pb.cluster, tr.precision))
             bb.order_factors[j] = max(bb.scale, f * (1 - 1e-9))
         return bb.order_factors[j]
 
@@ -205,9 +210,18 @@ def least_key_factor(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace)
     regime's, and is not widened, so it is the factor."""
     measured = U.measured_bounds(cluster)
     if measured is not None:
-        return math.exp(-min(measured[0], 0.0))
+        return math.exp(-min(measured[0], 0.0)) * min(
+            residual_slowdown(model, cluster, prec) for prec in space.precisions)
     return min(math.exp(-min(U.least_low_end(model, cluster, prec, fab), 0.0))
+               * residual_slowdown(model, cluster, prec)
                for prec in space.precisions for fab in ("nvlink", "scale-out"))
+
+
+def residual_slowdown(model: ModelSpec, cluster: ClusterSpec, precision: str) -> float:
+    """How much longer than its physics `estimate` prices every plan of the model at the
+    precision (1 / Calibration.residual_for, ≥ 1): the search's bounds price the physics
+    alone, so the factors that turn them into key thresholds carry it."""
+    return 1.0 / calibration_for(cluster.calibration).residual_for(model.name, precision)
 
 
 def validated_only(plan: Plan) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import estimate
 from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+from ..specs.plan import Estimate
 from ..specs.rules import Facts, violations
 from ..specs.stage_layout import layers_layout_text, parse_stage_layout, stage_layout_for
 from .ilp import (
@@ -64,6 +65,12 @@ class Solved:
     solved: int = 0
 
 
+def physics_s(est: Estimate) -> float:
+    """An estimate's step time less its model's measured residual (`Estimate.unmodelled_s`):
+    what the stage problem and the search's bounds price, and so what a cutoff is in."""
+    return est.step_time_s - est.unmodelled_s
+
+
 def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTable,
                  menu: Menu, key: tuple, sets_cache: dict, *, balanced: bool = False,
                  lb_pipe: float = 0.0, cutoff: float = math.inf,
@@ -86,7 +93,7 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     for f in grid:
         built = stage_problem(pb.model, pb.cluster, training, layout, pb.cal, table, menu, f)
         base_const = built.constant_s if base_const is None else base_const
-        limit = min(cutoff, best.estimate.step_time_s if best and best.estimate else math.inf)
+        limit = min(cutoff, physics_s(best.estimate) if best and best.estimate else math.inf)
         if lb_pipe + built.constant_s >= limit:  # the fraction's optimizer time alone loses
             skipped = True
             continue
@@ -124,7 +131,7 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
                                      P.chunk_layers(sol.layers))
             est = estimate(pb.model, pb.cluster, training, layout, choices, with_interval=False,
                            target=pb.target)
-            if est.fits and est.step_time_s < limit:
+            if est.fits and physics_s(est) < limit:
                 best = Plan(model=pb.model, cluster=pb.cluster, training=training,
                             layout=layout, choices=choices, estimate=est, target=pb.target)
         if f == 0.0 and not any(sol.options):

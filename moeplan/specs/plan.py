@@ -102,6 +102,10 @@ class Estimate(BaseModel):
     confidence: Confidence | None = None
     interval: Interval | None = None
     assumptions: list[Assumption] = Field(default_factory=list)
+    unmodelled_s: float = Field(
+        0.0, ge=0.0, description="Seconds of step_time_s the physics does not explain: the "
+        "model's measured residual at this precision (Calibration.model_residual), beside the "
+        "time terms rather than among them.")
 
 
 PLAN_FORMAT = 2
