@@ -436,6 +436,8 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
     for k, v in est.time.model_dump().items():
         if v:
             rows.append((f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s"))
+    if est.unmodelled_s:
+        rows.append(("  unmodelled (measured)", f"{est.unmodelled_s:.3f} s"))
     rows.append(("  headroom / margin", f"{mem.headroom_gb:.1f} / {mem.margin_gb:.1f} GB "
                  "(fits when headroom ≥ margin)"))
     rows.append(("bottleneck", est.bottleneck))

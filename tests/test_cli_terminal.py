@@ -150,6 +150,20 @@ def test_estimate_fits_and_shows_every_number_whole(estimate_doc, columns):
     assert_fits_and_whole(render_in_pty(ESTIMATE, columns), columns, nums)
 
 
+def test_an_estimate_carrying_a_measured_residual_shows_it_as_a_term_and_a_warning():
+    """gpt-oss-120b in BF16 carries its measured residual (tests/test_model_residual.py): the
+    80-column screen shows the unmodelled seconds beside the other terms, whole, and the
+    warning that names them."""
+    args = ("estimate", "--model", "gpt-oss-120b", "--cluster", "gb200-nvl72", "--gpus", "64",
+            "--gbs", "1280", "--ep", "64", "--mbs", "4")
+    e = json_of(args)
+    assert e["unmodelled_s"] > 0
+    screen = render_in_pty(args, 80)
+    assert_fits_and_whole(screen, 80, [f"{e['step_time_s']:.3f}", f"{e['unmodelled_s']:.3f}"])
+    assert "unmodelled (measured)" in screen
+    assert "unmodelled time" in " ".join(screen.split())
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_whatif_fits_and_shows_every_number_whole(whatif_doc, columns):
     nums = []
