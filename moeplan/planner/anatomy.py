@@ -50,9 +50,10 @@ def step_parts(plan: Plan, b: Breakdown | None = None) -> dict[str, float]:
     """The step time as terms that add up to it (seconds; zero terms left out).
 
     step = compute (incl. the optimizer step) + recompute + offload + bubble + exposed comm
-    + the fixed per-step overhead + a model's measured residual (cost_models.estimate); the breakdown splits compute from the
-    optimizer step and the exposed communication by class: TP/CP inside the layers, EP, and
-    DP (+ the pipeline's point-to-point sends, which the estimate sums with DP)."""
+    + the fixed per-step overhead + a model's measured residual (cost_models.estimate); the
+    breakdown splits compute from the optimizer step and the exposed communication by class:
+    TP/CP inside the layers, EP, and DP (+ the pipeline's point-to-point sends, which the
+    estimate sums with DP)."""
     est = plan.estimate
     assert est is not None
     t = est.time
