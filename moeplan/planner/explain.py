@@ -39,6 +39,8 @@ def _why(best: Plan, other: Plan) -> str:
     gain = b.step_time_s / a.step_time_s - 1
     step_delta = b.step_time_s - a.step_time_s
     diffs = [(name, getattr(b.time, k) - getattr(a.time, k)) for k, name in TIME_PARTS.items()]
+    # a model's measured residual scales with the step, so it is part of any gap between plans
+    diffs.append(("unmodelled time", b.unmodelled_s - a.unmodelled_s))
     moved = sorted((d for d in diffs if abs(d[1]) >= 5e-4 * b.step_time_s),
                    key=lambda d: -abs(d[1]))[:3]
     parts = [f"{name} {abs(d):.3g} s {'shorter' if d > 0 else 'longer'}" for name, d in moved]
