@@ -108,6 +108,8 @@ def predict_case(case: RunCase, calibration: dict[str, Any] | None = None) -> di
         "published_tokens_per_s_per_gpu": pub_tokens,
         "predicted_tflops_per_gpu": pred_tflops_conv,
         "published_tflops_per_gpu": case.published_tflops,
+        # seconds per step the physics does not explain (Calibration.model_residual)
+        "unmodelled_s": est.unmodelled_s,
         "predicted_memory_gb": est.memory.peak_gb,
         "published_memory_gb": case.published_memory,
         "tokens_derived_from_tflops": derived,
