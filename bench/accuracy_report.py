@@ -644,12 +644,12 @@ CHANGES = """## What changed
 
 - **A model the physics misses as a whole carries its measured slowdown** (`calibration.json`
   `model_residual`, `Calibration.residual_for`). After the constants are fitted, a model and
-  precision whose fit rows are off as a whole and slower (at least 5 rows, their median
-  published/priced ratio 1.2x or more below) gets that median as a residual: its estimates
-  add step·(1/residual − 1) as `unmodelled_s`, named in the step anatomy and in a
-  warning, instead of a point that sits outside its own interval. Only gpt-oss-120b in BF16
-  qualifies ({oss_residual} over its BF16 fit rows); its MXFP8 rows (4) are too few, and no
-  other model is off as a whole. The residual is measured from a fold's fit rows only (a
+  precision whose fit rows are off as a whole and slower (at least {model_rows} rows, their
+  median published/priced ratio {model_ratio}x or more below) gets that median as a residual:
+  its estimates add step·(1/residual − 1) as `unmodelled_s`, named in the step anatomy and in
+  a warning, instead of a point that sits outside its own interval. The shipped fit carries
+  one for {residual_keys}: gpt-oss-120b in BF16 at {oss_residual}; its MXFP8 rows
+  ({oss_mx_rows}) are too few. The residual is measured from a fold's fit rows only (a
   fold's profile replaces the shipped one's, never merges with it), so leave one model out
   has none for the model it predicts: the headline prices the physics alone and is unchanged.
   Leave one release out and the configuration split do see the model's other rows: gpt-oss-120b
@@ -782,6 +782,10 @@ def main() -> None:
     oss = [r for r in loro if r["model"] == "gpt-oss-120b"]
     hgx = [r for r in oss if generation(r["gpu"]).startswith("Blackwell HGX")]
     figures.update(
+        model_rows=U.MODEL_ROWS, model_ratio=f"{U.MODEL_RATIO:g}",
+        residual_keys=", ".join(f"`{k}`" for k in cal.get("model_residual", {})) or "none",
+        oss_mx_rows=sum(r["model"] == "gpt-oss-120b" and r["precision"] == "mxfp8"
+                        for r in lomo),
         oss_residual=f"{residual:.2f}x" if residual else "none",
         oss_loro_before=f"{PREVIOUS['oss_release']:.1f}% (Blackwell HGX mean "
                         f"+{PREVIOUS['oss_hgx_release']:.1f}%)",

@@ -362,7 +362,7 @@ def main() -> None:
     # a model the shipped fit carries a measured residual for (Calibration.model_residual) was
     # missed as a whole before it: its rows keep a band of their own, as an off model's do, so
     # its spread (what the residual centres, not narrows) stays out of the regimes' bands
-    residual = {k.split("/")[0] for k in default_calibration().model_residual}
+    residual = default_calibration().residual_models()
     off = set(model_evidence(cv["config"]["rows"])) | residual
     first = validate_rows(raw)
     seen = [r for r in first["rows"] if r["published_tokens_per_s_per_gpu"]

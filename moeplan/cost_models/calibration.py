@@ -102,7 +102,11 @@ class Calibration:
         physics prices too slowly is a physics error to fix, and a residual may not price a
         run faster than the hardware work the model counts (nor break the search's bounds,
         which are priced without it)."""
-        return min(1.0, self.model_residual.get(f"{model}/{precision}", 1.0))
+        return min(1.0, self.model_residual.get(residual_key(model, precision), 1.0))
+
+    def residual_models(self) -> set[str]:
+        """The models some precision of which carries a measured residual."""
+        return {k.split("/", 1)[0] for k in self.model_residual}
 
     def launch_s(self, host: str) -> float:
         """Host seconds per kernel launch on a host CPU kind (0: no floor priced)."""
@@ -132,6 +136,11 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def residual_key(model: str, precision: str) -> str:
+    """The key of Calibration.model_residual for a model preset at a precision."""
+    return f"{model}/{precision}"
 
 
 REPLACED = frozenset({"model_residual"})

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost_models.calibration import Calibration
+from ..cost_models.calibration import Calibration, residual_key
 from ..cost_models.uncertainty import off_as_a_whole
 from .cases import RunCase, config_key
 from .scoring import cluster_of, fastest, published_tokens, release_group
@@ -73,8 +73,6 @@ START: dict[str, Any] = {
     "frag_frac": 0.05, "workspace_gb": 1.5, "reserve_gb": 2.0,
     # share of those microbenchmark attention efficiencies a training step realises
     "attn_realised": {"hopper": 1.0, "blackwell": 1.0},
-    # measured after the constants, never during their descent (`model_residuals`)
-    "model_residual": {},
     "calibrated": [],
 }
 
@@ -240,7 +238,8 @@ def fit(cases: Sequence[RunCase], sweeps: int = 12, polish: bool = True,
     scored `cases`; `polish` adds the joint moves with every GPU's efficiency shifted."""
     cases = scored(cases)
     over = _copy(start or START)
-    # the constants are fitted to the physics alone: no residual (a start profile's included)
+    # the constants are fitted to the physics alone: no residual during their descent (a start
+    # profile's included); `model_residuals` measures it after
     over["model_residual"] = {}
     gpus = sorted({cluster_of(c).gpu for c in cases})
     grid = [(f"gemm_eff_max.{g}", EFF_GRID) for g in gpus] + GRID
@@ -317,7 +316,8 @@ def model_residuals(cases: Sequence[RunCase], preds: Sequence[float | None]
     for c, q in zip(cases, preds, strict=True):
         pub = published_tokens(c)[0]
         if pub and q:
-            ratios.setdefault(f"{c.model.name}/{c.training.precision}", []).append(pub / q)
+            ratios.setdefault(residual_key(c.model.name, c.training.precision), []).append(
+                pub / q)
     out = {}
     for key, rs in sorted(ratios.items()):
         med = sorted(rs)[len(rs) // 2]
