@@ -33,10 +33,12 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit 0e22056), for "What changed", as its own ACCURACY.md
-# reported them (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 9.8, "model": 9.6, "release": 10.2, "table5": 3.9,
-            "oss_release": 31.9, "oss_hgx_release": 47.4}
+# Figures of the previous revision (commit 727885d), for "What changed", as its own ACCURACY.md
+# and bench/data/crossval.json reported them (the same harness: bench/cross_validate.py, full
+# refit per fold).
+PREVIOUS = {"config": 7.8, "model": 9.6, "release": 8.0, "table5": 3.9, "objective": 0.0934,
+            "qwen3_model": 9.1, "r0091_model": -22.9, "recipes": 16.6,
+            "a2a_scaleout_eff": 0.9, "sm_hopper": 0.5, "fp8_gain": 0.8}
 
 
 def generation(gpu: str) -> str:
@@ -373,6 +375,8 @@ def unseen_figures(recipes: list[dict[str, Any]], steps: list[dict[str, Any]]) -
                               for p, q in (("MLR08", "MLR07"), ("MLR13", "MLR14"))]),
         "partial": span([err["MLR08"], err["MLR13"]]),
         "tp2": span([err[i] for i in ("MLR04", "MLR05", "MLR06")]),
+        "mlr04_pub": f"{pub['MLR04']:,.0f}",
+        "r0265_pub": f"{float(RAW['R0265']['tokens_per_s_per_gpu']):,.0f}",
         "tp1_full": f"{max(abs(err[i]) for i in ('MLR07', 'MLR09')):.0f}%",
         "tp1_partial": f"{abs(err['MLR08']):.0f}%",
         "graphs_step": gain("DSG05", "DSG04"),
@@ -416,13 +420,21 @@ def unseen_section() -> list[str]:
             f"the whole-step graph, are within {f['full']}; their partial-graph twins (MLR08, "
             f"MLR13) measured {f['twins_slower']} slower, where moeplan prices them "
             f"{f['twins_priced']} slower. moeplan's host floor prices the uncaptured expert "
-            "part as eager launches hidden behind device work; these runs say the host costs "
-            "more there than its kernel count at the fitted launch time.",
+            "part as eager launches after the routing sync, run as a flow shop: here each "
+            "starts behind a dispatch long enough to give the host its lead back, so the "
+            "launches hide behind device work; these runs say the host costs more there than "
+            "its kernel count at the fitted launch time.",
+
             f"- Qwen3-235B-A22B with TP 2 (MLR04–MLR06: H100, B200, B300) is priced "
             f"{f['tp2']} fast, the Qwen3-235B TP 1 recipes on NVL72 within {f['tp1_full']} (full "
             f"graphs) and {f['tp1_partial']} (partial). "
             "Megatron-LM warns that on Hopper TP and EP overlap want different "
-            "CUDA_DEVICE_MAX_CONNECTIONS; the Blackwell runs miss too, so that is not all of it.",
+            "CUDA_DEVICE_MAX_CONNECTIONS; the Blackwell runs miss too, so that is not all of it. "
+            "All three cross HGX nodes with the flex dispatcher, priced at one copy per remote "
+            "node; on H100 the BF16 recipe with HybridEP (MLR04) measured "
+            f"{f['mlr04_pub']} tokens/s/GPU, below Megatron-Bridge's FP8 run of the same "
+            f"layout and batch with the all-to-all dispatcher (R0265, {f['r0265_pub']}), "
+            "so HybridEP's inter-node path there did not deliver the traffic it saves.",
             "", "Megatron-LM's DeepSeek-V3 GB200 guide (commit eb0783b6d3) publishes thirteen "
             "optimisation steps of one layout (TP1 PP8 VPP4 EP32, MBS 1, GBS 2048, MXFP8, no "
             "MTP). A step that changes a setting moeplan names is priced with it (the "
@@ -606,7 +618,10 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         "which no",
         "published row documents further. The fit keeps its rows; the shipped profile carries "
         "the BF16 shortfall as a measured residual"
-        + (f" ({residual:.2f}x, `model_residual`, What changed)" if residual else "")
+        + (f" ({residual:.2f}x, `model_residual`: a model and precision whose fit rows are "
+           f"off as a whole and slower, at least {U.MODEL_ROWS} rows with their median "
+           f"published/priced ratio {U.MODEL_RATIO:g}x or more below, carry that median)"
+           if residual else "")
         + (", and its interval its own held-out band"
            f" ({100 * (math.exp(band['q_lo']) - 1):+.0f}% to "
            f"{100 * (math.exp(band['q_hi']) - 1):+.0f}%)" if band else "")
@@ -642,27 +657,37 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **A model the physics misses as a whole carries its measured slowdown** (`calibration.json`
-  `model_residual`, `Calibration.residual_for`). After the constants are fitted, a model and
-  precision whose fit rows are off as a whole and slower (at least {model_rows} rows, their
-  median published/priced ratio {model_ratio}x or more below) gets that median as a residual:
-  its estimates add step·(1/residual − 1) as `unmodelled_s`, named in the step anatomy and in
-  a warning, instead of a point that sits outside its own interval. The shipped fit carries
-  one for {residual_keys}: gpt-oss-120b in BF16 at {oss_residual}; its MXFP8 rows
-  ({oss_mx_rows}) are too few. The residual is measured from a fold's fit rows only (a
-  fold's profile replaces the shipped one's, never merges with it), so leave one model out
-  has none for the model it predicts: the headline prices the physics alone and is unchanged.
-  Leave one release out and the configuration split do see the model's other rows: gpt-oss-120b
-  under leave one release out {oss_loro_before} → {oss_loro_now} MAPE. A residual never
-  speeds a model up (a faster model is a physics error to find), and the search's bounds
-  price the physics while its thresholds carry the residual, so it finds the same plans,
-  screening the same rows (`tests/test_model_residual.py`).
-- **The yardstick** is unchanged: leave one model out is the headline, leave one release out the
-  closest to runs of a release nobody fitted, the configuration split secondary
-  (`bench/cross_validate.py`, full refit per fold; `moeplan validate --cv model|release`, quick
-  refit). The shipped profile is fitted on every scored row ({rows} rows, objective
-  {objective}; previous revision 235 rows, 0.0934; the objective prices the physics, before
-  the residual). Launch time: x86 {launch_x86} µs, Grace {launch_grace} µs.
+- **Group-limited routing reaches the nodes it can reach** (`comm.ranks_hit`, the flex
+  dispatcher's scale-out copies in `layers._dispatch_time`). DeepEP and HybridEP send a token
+  once per remote node; how many nodes its experts fall on was the count of k random draws,
+  capped at the groups a token may route to. That cap is wrong both ways: a node holding two
+  of DeepSeek-V3's eight expert groups (EP 32 over four 8-GPU nodes) is reached by
+  {dsv3_ep32_new} nodes per token, not {dsv3_ep32_old}, and a group split over two nodes
+  (EP 128 over 16) by {dsv3_ep128_new}, not {dsv3_ep128_old}. The count now follows the groups
+  a node holds (hypergeometric over the token's groups, then its k experts among them), the
+  same function as the ranks a token reaches, and is checked against sampling the routing
+  (`tests/test_cost_comm.py`). DeepSeek-V3 on 256 B200 with HybridEP and EP overlap (R0091),
+  leave one model out: {r0091_before} → {r0091_now}.
+- **After its routing sync the host has no lead** (`host.after_sync_s`). The sync of dropless
+  routing empties the device's queue, so the forward after it runs as a two-stage flow shop,
+  block by block (`host.AFTER_SYNC`: dispatch, the fc1 operand's quantize kernels per local
+  expert, the fc1 GEMMs, activation, fc2's quantize kernels and GEMMs, combine): each kernel
+  starts when the host has launched it and the device is free. A run of short kernels after a
+  short dispatch (intra-node EP, micro-batch 1, a quantize kernel per expert) starves the
+  device for its launches even when the layer's host total is below its device time, which a
+  max(host, device) over the stretch does not see; a long dispatch first gives the host its
+  lead back. Matched kernel by kernel against a direct simulation (`tests/test_cost_host.py`).
+  Qwen3 family (Qwen3-30B-A3B, Qwen3-235B-A22B) under leave one model out:
+  {qwen3_before} → {qwen3_now}.
+- Refitted together (`calibration.json`, {rows} rows, objective {objective}; previous
+  revision 235 rows, {objective_before}), the constants moved within their physical grids:
+  scale-out all-to-all efficiency {a2a_so}, Hopper's SM share of overlapped communication
+  {sm_hopper_change}, the FP8 recipes' GEMM gain (delayed, current and blockwise scaling)
+  {fp8_gain}; launch time x86 {launch_x86} µs, Grace {launch_grace} µs. The yardstick is
+  unchanged: leave one model out is the headline, leave one release out the closest to runs
+  of a release nobody fitted, the configuration split secondary (`bench/cross_validate.py`,
+  full refit per fold; `moeplan validate --cv model|release`, quick refit). Megatron-LM's
+  recipes, which no fit saw: {recipes_before} → {recipes_now} MAPE.
 """.splitlines()
 
 
@@ -724,6 +749,41 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 """.splitlines()
 
 
+def change_figures(cal: dict[str, Any], lomo: list[dict[str, Any]]) -> dict[str, str]:
+    """The figures "What changed" quotes, computed: DeepSeek-V3's nodes per token under the
+    previous count (k random draws capped at the groups per token) and the current one, and the
+    leave-one-model-out errors the changes moved, against the previous revision's."""
+    from megatron_recipes import RECIPES, priced
+    from megatron_recipes import mape as ext_mape
+
+    from moeplan import load_model
+    from moeplan.cost_models.comm import ranks_hit
+
+    m = load_model("deepseek-v3")
+    e, k, g, gpt = m.num_experts, m.moe_top_k, m.router_num_groups, m.router_groups_per_token
+
+    def old(d: int) -> float:
+        return min(d * (1 - (1 - 1 / d) ** k), gpt)
+
+    by_id = {r["id"]: r for r in lomo}
+    qwen = [r for r in lomo if r["family"] == "qwen3"]
+    return {
+        "dsv3_ep32_new": f"{ranks_hit(e, k, 4, g, gpt):.2f}", "dsv3_ep32_old": f"{old(4):.2f}",
+        "dsv3_ep128_new": f"{ranks_hit(e, k, 16, g, gpt):.2f}",
+        "dsv3_ep128_old": f"{old(16):.2f}",
+        "r0091_before": f"{PREVIOUS['r0091_model']:+.1f}%",
+        "r0091_now": pct(by_id["R0091"]["error"], True) if "R0091" in by_id else "n/a",
+        "qwen3_before": f"{PREVIOUS['qwen3_model']:.1f}%", "qwen3_now": pct(mape(qwen)),
+        "objective_before": f"{PREVIOUS['objective']}",
+        "a2a_so": f"{PREVIOUS['a2a_scaleout_eff']:g} → {cal['a2a_scaleout_eff']:g}",
+        "sm_hopper_change": f"{PREVIOUS['sm_hopper']:g} → "
+                            f"{cal['comm_sm_fraction'].get('hopper', 0):g}",
+        "fp8_gain": f"{PREVIOUS['fp8_gain']:g} → {cal['lowp_gain'].get('fp8-tensorwise', 0):g}",
+        "recipes_before": f"{PREVIOUS['recipes']:.1f}%",
+        "recipes_now": f"{ext_mape(priced(RECIPES)):.1f}%",
+    }
+
+
 def gap_figures() -> dict[str, str]:
     """The figures Known gaps quotes, computed: the runs-no-fit-saw ranges, and how slow the
     shipped profile prices Qwen3-30B-A3B's 8-GB200 MXFP8 rows of the full-iteration-graph
@@ -778,18 +838,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]
-    residual = cal.get("model_residual", {}).get("gpt-oss-120b/bf16")
-    oss = [r for r in loro if r["model"] == "gpt-oss-120b"]
-    hgx = [r for r in oss if generation(r["gpu"]).startswith("Blackwell HGX")]
-    figures.update(
-        model_rows=U.MODEL_ROWS, model_ratio=f"{U.MODEL_RATIO:g}",
-        residual_keys=", ".join(f"`{k}`" for k in cal.get("model_residual", {})) or "none",
-        oss_mx_rows=sum(r["model"] == "gpt-oss-120b" and r["precision"] == "mxfp8"
-                        for r in lomo),
-        oss_residual=f"{residual:.2f}x" if residual else "none",
-        oss_loro_before=f"{PREVIOUS['oss_release']:.1f}% (Blackwell HGX mean "
-                        f"+{PREVIOUS['oss_hgx_release']:.1f}%)",
-        oss_loro_now=f"{pct(mape(oss))} (Blackwell HGX mean {pct(bias(hgx), True)})")
+    figures.update(change_figures(cal, lomo))
     lines = [
         "# Accuracy of the cost models", "",
         "Predicted against published tokens/s/GPU for every row of the shipped published runs",

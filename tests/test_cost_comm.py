@@ -116,10 +116,13 @@ def test_a_ring_across_nodes_with_k_ranks_per_node_crosses_them_through_k_nics()
 
 @pytest.mark.parametrize("experts, k, ep, groups, per_token", [
     (256, 8, 32, None, None), (256, 8, 32, 8, 4), (128, 8, 16, None, None), (64, 6, 64, None, None),
-    (8, 2, 8, None, None)])
+    (8, 2, 8, None, None), (256, 8, 4, 8, 4), (256, 8, 2, 8, 4), (256, 8, 16, 8, 4),
+    (128, 8, 4, None, None)])
 def test_ranks_a_token_reaches_match_sampling_its_experts(experts, k, ep, groups, per_token):
-    """DeepEP and HybridEP send a token once per destination rank: the expected count of ranks
-    holding at least one of k distinct experts, drawn among those its group limit allows."""
+    """DeepEP and HybridEP send a token once per destination rank, and once per remote node:
+    the expected count of ranks (or nodes, `ep` their number) holding at least one of k distinct
+    experts, drawn among those its group limit allows; a rank or node may hold several whole
+    groups (DeepSeek-V3 at EP 32 over four nodes: two per node)."""
     import random
 
     from moeplan.cost_models.comm import ranks_hit

@@ -8,7 +8,9 @@ import pytest
 from moeplan import Layout, TrainingSpec, load_cluster, load_model
 from moeplan.cost_models.calibration import default_calibration
 from moeplan.cost_models.host import (
+    AFTER_SYNC,
     SYNC_GAP_LAUNCHES,
+    after_sync_s,
     host_kind,
     layer_launches,
 )
@@ -112,3 +114,54 @@ def test_the_launch_time_is_the_host_cpus():
     # the fitted times stay within physical bounds (NVIDIA's Nsight guide: ≈ 20 µs per
     # PyTorch kernel round trip on a V100-era host, 4–6 µs of it the CUDA launch)
     assert all(2.0 <= us <= 40.0 for us in cal.launch_us.values())
+
+
+def _kernel_by_kernel(blocks, t):
+    """The flow shop kernel by kernel: the host launches one kernel every t after the restart
+    gap; the device starts each when it is launched and the one before it has finished."""
+    host, end = (SYNC_GAP_LAUNCHES - 1) * t, 0.0
+    for n, d in blocks:
+        if n == 0:
+            end += d
+        for _ in range(int(n)):
+            host += t
+            end = max(end, host) + d / n
+    return end
+
+
+def test_after_the_routing_sync_a_run_of_short_kernels_starves_the_device():
+    """The sync empties the queue, so the host has no lead: the time after it is a flow shop
+    (host.after_sync_s), matching a kernel-by-kernel simulation, and a run of quantize kernels
+    per expert after a short dispatch costs its launches even though the host's total is below
+    the device's: max(host, device) over the stretch would not see it."""
+    import random
+
+    t = 40e-6
+    rng = random.Random(1)
+    for _ in range(200):
+        blocks = tuple((rng.choice([0, 1, 2, 4, 8, 32]), rng.uniform(0, 2e-3)) for _ in range(7))
+        assert after_sync_s(blocks, t) == pytest.approx(_kernel_by_kernel(blocks, t), rel=1e-12,
+                                                        abs=1e-15)
+    starved = ((1, 10e-6), (8, 8e-6), (8, 2.4e-3))       # dispatch, 8 quantizes, 8 GEMMs
+    launches = sum(n for n, _ in starved)
+    device = sum(d for _, d in starved)
+    assert launches * t < device                          # the host is faster in total
+    assert after_sync_s(starved, t) > device + SYNC_GAP_LAUNCHES * t + 8 * t - 8 * 1e-6
+    # a long dispatch first gives the host its lead back: device time plus the restart gap
+    led = ((1, 1e-3), (8, 8e-6), (8, 2.4e-3))
+    assert after_sync_s(led, t) == pytest.approx(sum(d for _, d in led) + SYNC_GAP_LAUNCHES * t)
+
+
+def test_an_moe_layer_prices_its_after_sync_blocks_as_a_flow_shop():
+    """Qwen3-30B-A3B at EP 8 inside one H100 node, micro-batch 1: the NVLink dispatch is too
+    short to give the host its lead back, so the fc1 and fc2 GEMMs, one per local expert, wait
+    on their launches. The forward pays more than max(host, device) over the stretch after
+    the sync plus the restart gap."""
+    t = 40e-6
+    eager, device = _layer(QWEN, 40.0, ep=8), _layer(QWEN, 0.0, ep=8)
+    n = layer_launches(QWEN, Layout.build(16, 64, ep=8), "bf16", "moe")
+    assert len(n.after_sync) == len(AFTER_SYNC) and sum(n.after_sync) == n.post
+    whole = device.fwd_s + device.exposed_fwd_s
+    assert (n.pre + n.post) * t < whole                  # the host is faster over the forward
+    extra = eager.fwd_s - device.fwd_s
+    assert extra > SYNC_GAP_LAUNCHES * t + 0.1 * whole

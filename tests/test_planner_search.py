@@ -118,10 +118,10 @@ def test_robust_ties_on_the_low_end_go_to_the_faster_expected_plan():
     """Layouts that differ only in unvalidated effects (flex dispatcher, EP overlap) share their
     pessimistic price and so their interval's low end; among them the robust search must put
     the faster point first, whatever the rounding of tokens/s × step. Mixtral-8x7B on 64 H100
-    has such ties among its top five (EP overlap inside the node, which no fit row validates)."""
+    has such ties among its top eight (EP overlap inside the node, which no fit row validates)."""
     model, cluster = load_model("mixtral-8x7b"), load_cluster("h100")
     tr = TrainingSpec(seq_len=4096, global_batch_size=1024)
-    plans = search(model, cluster, tr, 64, top_k=5).plans
+    plans = search(model, cluster, tr, 64, top_k=8).plans
     keys = [(p.estimate.interval.step_time_s[1], p.estimate.step_time_s) for p in plans]
     ties = [(a, b) for a, b in itertools.pairwise(keys) if b[0] - a[0] <= 1e-9 * a[0]]
     assert ties  # the case this test is about is present

@@ -123,24 +123,36 @@ copy per token and destination rank (`ranks_hit`)."""
 
 def ranks_hit(num_experts: int, top_k: int, ep: int, groups: int | None = None,
               groups_per_token: int | None = None) -> float:
-    """Expected number of EP ranks one token's top-k experts fall on: k distinct experts drawn
-    evenly from those its routing allows (group-limited routing: `groups_per_token` of
-    `groups` equal expert groups), each rank holding num_experts / ep of them. DeepEP and
-    HybridEP send a token once per destination rank, however many of its experts that rank
-    holds."""
+    """Expected number of EP ranks (or NVLink domains: pass their count as `ep`) one token's
+    top-k experts fall on: k distinct experts drawn evenly from those its routing allows
+    (group-limited routing: `groups_per_token` of `groups` equal expert groups, chosen evenly),
+    each rank holding num_experts / ep contiguous experts. DeepEP and HybridEP send a token once
+    per destination rank, and once per remote domain over the scale-out NICs, however many of
+    its experts that rank or domain holds.
+
+    A rank holds either part of one group or several whole groups (DeepSeek-V3's 8 groups of 32
+    experts: EP 32 over four 8-GPU nodes puts two groups in each node), so the number of the
+    token's groups on one rank is hypergeometric, and the rank is hit unless none of the k
+    experts lands among its allowed experts."""
     if ep <= 1:
         return 1.0
     per_rank = max(1, num_experts // ep)
-    allowed = num_experts
-    if groups and groups_per_token:
-        allowed = max(top_k, num_experts * groups_per_token // groups)
-    ranks = max(1.0, min(ep, allowed / per_rank))
-    if allowed - per_rank < top_k:
-        return ranks
-    miss = 1.0  # P(a given allowed rank gets none of the k experts), without replacement
-    for i in range(top_k):
-        miss *= (allowed - per_rank - i) / (allowed - i)
-    return ranks * (1.0 - miss)
+    if not (groups and groups_per_token and groups_per_token < groups):
+        groups, groups_per_token = 1, 1
+    size = num_experts // groups
+    pool = groups_per_token * size                   # the experts this token may choose
+    if per_rank <= size:                             # a rank holds part of one group
+        spread = ((1, groups_per_token / groups),)  # (groups on the rank, probability)
+        held = per_rank
+    else:                                            # a rank holds several whole groups
+        g = per_rank // size
+        spread = tuple((j, math.comb(g, j) * math.comb(groups - g, groups_per_token - j)
+                        / math.comb(groups, groups_per_token))
+                       for j in range(1, min(g, groups_per_token) + 1))
+        held = size
+    none = math.comb(pool, top_k)
+    hit = sum(pr * (1.0 - math.comb(pool - j * held, top_k) / none) for j, pr in spread)
+    return min(ep, num_experts / per_rank) * hit
 
 
 def multi_node_nvlink(p: GroupPlacement, cluster: ClusterSpec) -> bool:

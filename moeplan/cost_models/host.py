@@ -23,8 +23,11 @@ Three things move the floor (Megatron Core MoE report, arXiv 2603.07685, §4.3.6
   `m_splits` are host values computed from the router's device histogram, so each MoE
   layer's forward waits for the device once (Megatron's `cuda_sync_point`,
   "before_ep_alltoall"): the host stops running ahead, and the layer's forward becomes two
-  segments, each its own max of host and device time, plus the restart gap (the device idles
-  until the host's next launch reaches it, ≈ 2 launches). Backward reuses the saved splits.
+  segments. The first is its own max of host and device time; the second starts with an empty
+  queue, after the restart gap (the device idles until the host's next launch reaches it,
+  ≈ 2 launches), and runs as a flow shop (`after_sync_s`): with no lead left, each run of short
+  kernels (a quantize kernel per local expert) starves the device for its launches. Backward
+  reuses the saved splits.
   Token dropping padded to capacity (`TrainingSpec.static_moe_shapes`) has static shapes and
   no sync; a capacity factor without padding keeps it.
 - CUDA graphs: a captured region launches as one graph (the whole dense layer, and the whole
@@ -95,12 +98,45 @@ def host_kind(cluster: ClusterSpec) -> str:
 @dataclass(frozen=True)
 class Launches:
     """Kernel launches of one layer per micro-batch: forward before the MoE sync (`pre`) and
-    after it (`post`; zero for a layer without one), backward, and the host syncs."""
+    after it (`post`; zero for a layer without one), backward, and the host syncs. An MoE
+    layer's `after_sync` splits `post` into the blocks it launches in order (`AFTER_SYNC`)."""
 
     pre: float
     post: float
     bwd: float
     syncs: int = 0
+    after_sync: tuple[float, ...] = ()
+
+
+AFTER_SYNC = ("dispatch", "fc1 quantize", "fc1", "activation", "fc2 quantize", "fc2", "combine")
+"""The launch blocks of a dropless MoE layer's forward after its routing sync, in launch order:
+the routing counts, permute, all-to-all and chunk sort; the fc1 operand's quantize kernels (per
+local expert unless the recipe fuses them); the fc1 GEMMs, one per local expert; the fused
+activation (and the experts' biases); the fc2 operand's quantize kernels and GEMMs; then the
+chunk unsort, all-to-all, unpermute, residual add and the shared experts."""
+
+
+def after_sync_s(blocks: tuple[tuple[float, float], ...], launch_s: float) -> float:
+    """Seconds from a host sync until the device finishes `blocks`, each (launches, device
+    seconds) spread evenly over its kernels, in launch order.
+
+    The sync empties the device's queue and the host's lead with it, so from there the two run
+    as a two-stage flow shop: kernel i starts when the host has launched it and the device has
+    finished kernel i − 1. The host restarts after the restart gap (`SYNC_GAP_LAUNCHES`); a run
+    of n kernels of device time k each, launched every `launch_s`, then ends at the latest of
+    the device's own pace, the host's first launch plus the run's device time, and the host's
+    last launch plus one kernel. So a block of short kernels (a quantize kernel per expert)
+    starves the device for its launches even when the layer's total host time is below its
+    device time, which max(host, device) over the whole stretch cannot see."""
+    host = (SYNC_GAP_LAUNCHES - 1.0) * launch_s
+    end = 0.0
+    for n, d in blocks:
+        if n <= 0:
+            end += d
+            continue
+        end = max(end + d, host + launch_s + d, host + n * launch_s + d / n)
+        host += n * launch_s
+    return end
 
 
 def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
@@ -157,11 +193,16 @@ def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
     pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
     bias_f, bias_b = ((EXPERT_BIAS_FWD * local + 2, EXPERT_BIAS_BWD * local + 1)
                       if model.mlp_bias else (0, 0))
-    post = MOE_FIXED - 3 + 2 * local + shared + q * grouped_ops + unfused / 2 + bias_f
+    quant = q * (1 if fused_group else local)          # one grouped operand's quantize kernels
+    # MOE_FIXED less the three before the sync: top-k's second kernel, the counts (3), permute,
+    # all-to-all, chunk sort; the activation; chunk unsort, all-to-all, unpermute, add
+    after = (7 + unfused / 2, quant, local, 1 + bias_f, quant, local,
+             4 + shared + (2 * q if shared else 0))
+    post = sum(after)
     gemms = attn_gemms + 1 + 2 * local + (2 if shared else 0)
     non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local + unfused
     bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops) + rope_b + bias_b
-    return Launches(pre, post, bwd, 1)
+    return Launches(pre, post, bwd, 1, after)
 
 
 def floor_excess(host_s: float, device_s: float) -> float:

@@ -29,7 +29,14 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
-from .host import SYNC_GAP_LAUNCHES, floor_excess, host_kind, layer_launches, unfused_rope
+from .host import (
+    SYNC_GAP_LAUNCHES,
+    after_sync_s,
+    floor_excess,
+    host_kind,
+    layer_launches,
+    unfused_rope,
+)
 from .overlap import overlap_cost
 
 BF16 = 2
@@ -201,10 +208,12 @@ def graphed_share(kind: str, cuda_graphs: bool, static_moe: bool = False,
     return 1.0 if kind == "moe" and static_moe else GRAPHED_SHARE.get(kind, 0.0)
 
 
-def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> LayerCost:
+def _layer(ctx: Context, pre_device_s: float | None = None,
+           after_sync: tuple[float, ...] = (), **fields: Any) -> LayerCost:
     """A LayerCost, built by keyword, carrying the cluster's host-link bandwidth (for offload
     option times), its forward and backward times raised to the host floor (`host_floor`;
-    `pre_device_s`: an MoE layer's forward device time before its routing sync) and any fixed
+    `pre_device_s`: an MoE layer's forward device time before its routing sync, `after_sync`
+    the device seconds of its blocks after it, `host.AFTER_SYNC`) and any fixed
     per-layer overhead a calibration measured (`layer_overhead_s`), less the share CUDA graphs
     capture (an MTP module launches like the layer it wraps)."""
     if "launch_s" not in fields:
@@ -214,18 +223,21 @@ def _layer(ctx: Context, pre_device_s: float | None = None, **fields: Any) -> La
         fields["launch_s"] = ctx.cal.layer_overhead_s * (1.0 - share)
         up_f, up_b = host_floor(ctx, kind, fields["fwd_s"] + fields.get("exposed_fwd_s", 0.0),
                                 fields["bwd_s"] + fields.get("exposed_bwd_s", 0.0),
-                                pre_device_s)
+                                pre_device_s, after_sync)
         fields["fwd_s"] += up_f
         fields["bwd_s"] += up_b
     return LayerCost(**fields, host_link_gb_s=ctx.cluster.host_link_gb_s)
 
 
 def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float,
-               pre_device_s: float | None = None) -> tuple[float, float]:
+               pre_device_s: float | None = None, after_sync: tuple[float, ...] = ()
+               ) -> tuple[float, float]:
     """(forward, backward) seconds the host adds to a layer over its device time, compute plus
     exposed communication (`cost_models.host`): each stretch the host launches without waiting
     takes max(host, device). An MoE layer's forward splits at its routing sync into the
-    attention and router part (`pre_device_s`) and the rest, and pays the restart gap; CUDA
+    attention and router part (`pre_device_s`) and the rest, which starts from an empty queue
+    after the restart gap and runs as a flow shop over its blocks (`after_sync`, their device
+    seconds; `host.after_sync_s`), never below max(host, device) of the whole rest; CUDA
     graphs launch a dense layer, and an MoE layer's part before the sync, as one graph. An MoE
     layer padded to capacity (`TrainingSpec.static_moe_shapes`) has no sync and is captured
     whole, like a dense layer. A full-iteration graph launches the whole step at once: no
@@ -249,9 +261,15 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     pre_d = min(pre_device_s if pre_device_s is not None else 0.0, fwd_device_s)
     pre_h = t if graphs else n.pre * t
     captured = n.pre / (n.pre + n.post) if graphs else 0.0
-    fwd = (floor_excess(pre_h, pre_d) + floor_excess(n.post * t, fwd_device_s - pre_d)
-           + n.syncs * SYNC_GAP_LAUNCHES * t)
-    return fwd, floor_excess(n.bwd * (1.0 - captured) * t, bwd_device_s)
+    post_d = fwd_device_s - pre_d
+    if len(after_sync) == len(n.after_sync):
+        blocks = tuple(zip(n.after_sync, after_sync, strict=True))
+        post = max(after_sync_s(blocks, t) - sum(after_sync),
+                   floor_excess(n.post * t, post_d) + SYNC_GAP_LAUNCHES * t)
+    else:
+        post = floor_excess(n.post * t, post_d) + n.syncs * SYNC_GAP_LAUNCHES * t
+    return (floor_excess(pre_h, pre_d) + post,
+            floor_excess(n.bwd * (1.0 - captured) * t, bwd_device_s))
 
 
 def _tp_exposed(ctx: Context, tp_s: float, gemm_fwd_s: float) -> tuple[float, float]:
@@ -544,9 +562,9 @@ def _dispatch_time(ctx: Context, token_bytes: float) -> tuple[float, float]:
     if L.dispatcher != "flex" or p.inside_nvlink:
         return nv
     d = p.domains
-    distinct = d * (1 - (1 - 1 / d) ** k)          # E[domains hit by k random experts]
-    if m.router_groups_per_token:
-        distinct = min(distinct, m.router_groups_per_token)
+    # the domains a token's experts fall in (group-limited routing included), one of them its own
+    distinct = C.ranks_hit(m.num_experts or 1, k, d, m.router_num_groups,
+                           m.router_groups_per_token)
     remote = distinct * (d - 1) / d                 # copies that cross the scale-out NICs
     t_so = (remote * token_bytes / (ctx.cluster.scaleout_gb_s * ctx.cal.a2a_scaleout_eff * 1e9)
             + ctx.cluster.scaleout_latency_us * 1e-6)
@@ -630,10 +648,10 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     eta, sm = ctx.cal.ep_overlap_hidden, ctx.cal.sm_fraction(ctx.arch)
     # transfers: forward dispatch, backward dispatch (a combine), forward combine, backward
     # combine (a dispatch)
-    ep_exp = (sum(overlap_cost(x, beside, eta, sm)
-                  for x, beside in zip(transfers, (2 * mlp_f, mlp_f, at.bwd, at.fwd),
-                                       strict=True))
-              if L.ep_overlap else ep)
+    exposed = ([overlap_cost(x, beside, eta, sm)
+                for x, beside in zip(transfers, (2 * mlp_f, mlp_f, at.bwd, at.fwd), strict=True)]
+               if L.ep_overlap else list(transfers))
+    ep_exp = sum(exposed)
     exp_f = tp_f + at.cp_exposed_fwd + ep_exp / 2
     exp_b = tp_b + at.cp_exposed_bwd + ep_exp / 2
     stash = paged_stash_factor(ctx)
@@ -655,8 +673,16 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
         rec["mla_up_proj"] = at.up_fwd
     dense = at.params + m.router_params() + m.shared_expert_params() / t + h
     experts = m.num_experts * m.expert_params() / (L.ep * L.etp)
+    # the forward after the routing sync, block by block (host.AFTER_SYNC): the experts' GEMMs
+    # split by their FLOPs (fc1 is `mult` times fc2), the quantize kernels' traffic out of the
+    # activation's
+    mult = 2 if m.gated else 1
+    q1, q2 = _mem(ctx, _cast_bytes(ctx, R * h)), _mem(ctx, _cast_bytes(ctx, R * fe / L.etp))
+    after_sync = (perm / 2 + exposed[0], q1, g_e * mult / (mult + 1),
+                  max(0.0, act_e - q1 - q2) + bias_f, q2, g_e / (mult + 1),
+                  perm / 2 + exposed[2] + norm2 + shared_g + shared_act)
     return _layer(ctx, pre_device_s=at.fwd + norm2 + router + tp_f / 2 + at.cp_exposed_fwd,
-                  kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
+                  after_sync=after_sync, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
                   exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors, recompute_fwd_s=rec,
                   dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 
