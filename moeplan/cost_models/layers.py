@@ -261,13 +261,10 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     pre_d = min(pre_device_s if pre_device_s is not None else 0.0, fwd_device_s)
     pre_h = t if graphs else n.pre * t
     captured = n.pre / (n.pre + n.post) if graphs else 0.0
-    post_d = fwd_device_s - pre_d
-    if len(after_sync) == len(n.after_sync):
-        blocks = tuple(zip(n.after_sync, after_sync, strict=True))
-        post = max(after_sync_s(blocks, t) - sum(after_sync),
-                   floor_excess(n.post * t, post_d) + SYNC_GAP_LAUNCHES * t)
-    else:
-        post = floor_excess(n.post * t, post_d) + n.syncs * SYNC_GAP_LAUNCHES * t
+    # moe_layer always prices its after-sync blocks: a layer without them fails here, loudly
+    blocks = tuple(zip(n.after_sync, after_sync, strict=True))
+    post = max(after_sync_s(blocks, t) - sum(after_sync),
+               floor_excess(n.post * t, fwd_device_s - pre_d) + SYNC_GAP_LAUNCHES * t)
     return (floor_excess(pre_h, pre_d) + post,
             floor_excess(n.bwd * (1.0 - captured) * t, bwd_device_s))
 
@@ -682,7 +679,8 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
                   max(0.0, act_e - q1 - q2) + bias_f, q2, g_e / (mult + 1),
                   perm / 2 + exposed[2] + norm2 + shared_g + shared_act)
     return _layer(ctx, pre_device_s=at.fwd + norm2 + router + tp_f / 2 + at.cp_exposed_fwd,
-                  after_sync=after_sync, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp, ep_s=ep,
+                  after_sync=after_sync, kind="moe", fwd_s=fwd, bwd_s=bwd, tp_s=tp, cp_s=at.cp,
+                  ep_s=ep,
                   exposed_fwd_s=exp_f, exposed_bwd_s=exp_b, tensors=tensors, recompute_fwd_s=rec,
                   dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 
