@@ -441,9 +441,19 @@ def rank_costs(terms: StageTerms, stages: Sequence[Sequence[str]], choices: Choi
             items.append((key, terms.costs[key]))
         stage_items.append(items)
     ranks: list[RankCost] = []
+    # chunks of the same layers under the same choices cost the same: a deep interleaved
+    # pipeline (pp 4, vpp 8) has 32 chunks of two or three distinct kinds
+    priced: dict[tuple, ChunkCost] = {}
+
+    def chunk(items: list[tuple[str, LayerCost]], rc: list[str], off: list[str]) -> ChunkCost:
+        ck = (tuple(k for k, _ in items), tuple(rc), tuple(off))
+        if ck not in priced:
+            priced[ck] = terms.chunk(items, rc, off)
+        return priced[ck]
+
     for r in range(L.pp):
         rc, off = choices.recompute_for_stage(r), choices.offload_for_stage(r)
-        chunks = tuple(terms.chunk(stage_items[v * L.pp + r], rc, off) for v in range(L.vpp))
+        chunks = tuple(chunk(stage_items[v * L.pp + r], rc, off) for v in range(L.vpp))
         static = terms.static(sum(c.dense_params for c in chunks),
                               sum(c.expert_params for c in chunks),
                               choices.optimizer_offload_fraction)
