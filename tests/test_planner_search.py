@@ -527,16 +527,50 @@ def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_dec
         factor = bb.objective.row_factor(bb, idx)
         m = menu(bb.pb.model, tr, layout, bb.pb.target, bb.options)
         for f in OPTIMIZER_OFFLOAD_GRID if m.options else (0.0,):
-            got = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True,
-                               fractions=(f,))
-            if got.plan is None:
-                continue
-            e = got.plan.estimate
-            assert e.interval.step_time_s[1] >= bound * factor * (1 - 1e-12), (idx, f)
-            checked += 1
-            offloaded += any(got.plan.choices.offload)
+            # the choices made on the cluster's link and on the one the search makes them on
+            for host in {None, bb.objective.choice_host(bb, idx)}:
+                got = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {},
+                                   balanced=True, fractions=(f,), host_s_per_byte=host)
+                if got.plan is None:
+                    continue
+                e = got.plan.estimate
+                assert e.interval.step_time_s[1] >= bound * factor * (1 - 1e-12), (idx, f)
+                checked += 1
+                offloaded += any(got.plan.choices.offload)
         above_split += bound > 1.02 * bb.objective.split_bound(bb, idx)
     assert checked >= 10 and above_split and offloaded
+
+
+@pytest.mark.parametrize(("name", "cluster", "gpus", "gbs"), [
+    ("qwen3-235b-a22b", "h100", 256, 2048), ("mixtral-8x7b", "h100", 64, 1024)])
+def test_the_robust_screen_keeps_the_plan_with_the_better_key_of_either_link(
+        name, cluster, gpus, gbs):
+    # Without a fit row behind activation offload the robust key prices offload copies on a
+    # slowed host link, so a row's point-best choices (offload what the fast link hides) can
+    # carry a key twice their point. The screen then makes the choices on both links, at
+    # every fraction, and keeps the better key: never worse than the point-chosen plan's,
+    # much better where memory is tight.
+    import random
+
+    from moeplan.planner.problem import menu
+    from moeplan.planner.screen import solve_layout
+
+    bb = _robust_state(load_model(name), load_cluster(cluster),
+                       TrainingSpec(seq_len=4096, global_batch_size=gbs), gpus)
+    rows = [int(i) for i in bb.cand if bb.objective.choice_host(bb, int(i)) is not None]
+    ratios = []
+    for idx in random.Random(1).sample(rows, min(len(rows), 30)):
+        layout, tr, key = bb.setup(idx)
+        m = menu(bb.pb.model, tr, layout, bb.pb.target, bb.options)
+        point = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True)
+        robust = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True,
+                              host_s_per_byte=bb.objective.choice_host(bb, idx))
+        if point.plan is None:
+            continue
+        assert robust.plan is not None, idx
+        ratios.append(point.plan.estimate.interval.step_time_s[1]
+                      / robust.plan.estimate.interval.step_time_s[1])
+    assert len(ratios) >= 10 and min(ratios) >= 1 - 1e-9 and max(ratios) > 1.3, ratios
 
 
 def test_nearby_gpu_counts_are_checked_against_the_searched_targets_rules():

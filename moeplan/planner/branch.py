@@ -292,9 +292,7 @@ class BranchAndBound:
             return 0.0
         built = stage_problem(self.pb.model, self.pb.cluster, tr, layout, self.pb.cal, table, m,
                               OPTIMIZER_OFFLOAD_GRID[-1])
-        if self._slow_s_per_byte is None:
-            self._slow_s_per_byte = 1.0 / (slow_host(self.pb.cluster).host_link_gb_s * 1e9)
-        P = replace(built.problem, host_s_per_byte=self._slow_s_per_byte)
+        P = replace(built.problem, host_s_per_byte=self.slow_s_per_byte())
         skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
         if skey not in self.sets:
             self.sets[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
@@ -302,6 +300,13 @@ class BranchAndBound:
             return solve_fixed(P, self.sets[skey], balanced_layers(P)).objective_s
         except InfeasibleStages:
             return math.inf
+
+    def slow_s_per_byte(self) -> float:
+        """Seconds per byte of the host link the interval's low end prices unvalidated
+        offload on (`uncertainty.slow_host`)."""
+        if self._slow_s_per_byte is None:
+            self._slow_s_per_byte = 1.0 / (slow_host(self.pb.cluster).host_link_gb_s * 1e9)
+        return self._slow_s_per_byte
 
     # ------------------------------------------------------------------ one row
     def solve_row(self, idx: int) -> tuple[str, Plan | None]:
@@ -317,7 +322,8 @@ class BranchAndBound:
         m = menu(self.pb.model, tr, layout, self.pb.target, self.options)
         got = solve_layout(self.pb, tr, layout, self.tables[key], m, key, self.sets,
                            balanced=True, lb_pipe=self.lb[idx], cutoff=kth,
-                           with_interval=self.objective.prices_intervals)
+                           with_interval=self.objective.prices_intervals,
+                           host_s_per_byte=self.objective.choice_host(self, idx))
         self.screened += got.screened
         self.solved[idx] = (got.status, got.plan)
         if got.status == "unsolved":  # the solver stopped: nothing proven either way
@@ -407,7 +413,8 @@ class BranchAndBound:
                                menu(self.pb.model, tr, layout, self.pb.target, self.options),
                                key, self.sets, lb_pipe=self.lb[idx],
                                fractions=(screened.choices.optimizer_offload_fraction,),
-                               with_interval=self.objective.prices_intervals)
+                               with_interval=self.objective.prices_intervals,
+                               host_s_per_byte=self.objective.choice_host(self, idx))
             self.solved_milps += got.solved
             plan = got.plan
             if plan is None or plan.estimate is None or not plan.estimate.fits:

@@ -77,6 +77,11 @@ class Objective:
         """Whether the row provably ranks no better than a row already judged."""
         return False
 
+    def choice_host(self, bb: BranchAndBound, idx: int) -> float | None:
+        """The host link (seconds per byte) the row's recompute and offload are chosen on
+        (`screen.solve_layout`); None: the cluster's own, which the point prices."""
+        return None
+
     def finish(self, plans: list[Plan]) -> list[Plan]:
         """The plans as reported: ranked by the point, intervals only for what is shown."""
         return [with_interval_estimate(p) for p in plans]
@@ -171,6 +176,17 @@ class Robust(Objective):
         if U.validated("activation_offload") or bb.pessimistic(idx) is not None:
             return 0.0
         return bb.slow_host_pipeline(idx)
+
+    def choice_host(self, bb: BranchAndBound, idx: int) -> float | None:
+        """The slowed host link of `offload_bound`, under the same condition: the key of a
+        plan that offloads activations prices its copies there, so its choices are made
+        there. Chosen on the cluster's link, a memory-tight row offloads what the fast link
+        hides and its key then pays the slow copies (DeepSeek-V3 on 1,024 H100 at TP 4, EP 64,
+        MBS 2: the point-best plan's key was 2.3x its point), where recomputing instead keeps
+        its key near its point."""
+        if U.validated("activation_offload") or bb.pessimistic(idx) is not None:
+            return None
+        return bb.slow_s_per_byte()
 
     def dominated(self, bb: BranchAndBound, idx: int) -> bool:
         """A row whose unvalidated overlap or dispatcher the interval's low end takes away is

@@ -11,7 +11,7 @@ nothing here keeps state between layouts except the module-set cache the caller 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cost_models.calibration import Calibration
 from ..cost_models.estimate import estimate
@@ -28,7 +28,16 @@ from .ilp import (
     solve,
     solve_fixed,
 )
-from .problem import LayerTable, Menu, Option, recompute_pipeline_s, split_options, stage_problem
+from .problem import (
+    Built,
+    LayerTable,
+    Menu,
+    Option,
+    StageProblem,
+    recompute_pipeline_s,
+    split_options,
+    stage_problem,
+)
 from .sets import module_sets
 
 OPTIMIZER_OFFLOAD_GRID = (0.0, 0.5, 1.0)
@@ -75,7 +84,7 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
                  menu: Menu, key: tuple, sets_cache: dict, *, balanced: bool = False,
                  lb_pipe: float = 0.0, cutoff: float = math.inf,
                  fractions: tuple[float, ...] | None = None,
-                 with_interval: bool = True) -> Solved:
+                 with_interval: bool = True, host_s_per_byte: float | None = None) -> Solved:
     """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
     optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
 
@@ -84,8 +93,19 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     together. A fraction is skipped when the pipeline's lower bound plus its optimizer time
     cannot beat the best so far; larger fractions are tried only when the plan without
     optimizer offload needed recompute or offload (memory pressure).
+
+    `host_s_per_byte`: choose recompute and offload as if the host link were this slow (the
+    robust objective's low end, `uncertainty.slow_host`, when no fit row backs activation
+    offload), then price the plan as usual. A plan ranked by its interval's high end pays its
+    offload copies at the slow link there, so the choices that win on the point (offload the
+    copies the fast link hides) can lose twice over on the key to recomputing instead.
     """
     grid = fractions or ((0.0,) if not menu.options else OPTIMIZER_OFFLOAD_GRID)
+    # on a slowed host the choices differ, and so does the key: both sets of choices compete
+    # at each fraction, on the key (its interval's high end), the point breaking a tie
+    hosts: tuple[float | None, ...] = (None,) if host_s_per_byte is None else (
+        None, host_s_per_byte)
+    by_key = host_s_per_byte is not None and with_interval
     best: Plan | None = None
     base_const: float | None = None
     fits = skipped = stopped = False
@@ -93,57 +113,91 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     for f in grid:
         built = stage_problem(pb.model, pb.cluster, training, layout, pb.cal, table, menu, f)
         base_const = built.constant_s if base_const is None else base_const
-        limit = min(cutoff, physics_s(best.estimate) if best and best.estimate else math.inf)
+        limit = cutoff if by_key else min(
+            cutoff, physics_s(best.estimate) if best and best.estimate else math.inf)
         if lb_pipe + built.constant_s >= limit:  # the fraction's optimizer time alone loses
             skipped = True
             continue
-        P = built.problem
-        if balanced and limit < math.inf and f == grid[0]:
-            # the balanced split with nothing recomputed or offloaded is the least any choice
-            # reaches at any fraction (choices only add time, fractions only add optimizer
-            # time): past the screen's slack, no fraction can be estimated, so none is solved
-            free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
-            if free + base_const > SCREEN_SLACK * limit:
-                return Solved(None, "bound", screened, solved)
-        skey = (key, P.options, P.forbidden, P.items[P.layer_item].name,
-                tuple(i.name for i in P.items))
-        if skey not in sets_cache:
-            sets_cache[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
-        try:
-            if balanced:
-                screened += 1
-                sol = solve_fixed(P, sets_cache[skey], balanced_layers(P))
-            else:
-                solved += 1
-                sol = solve(P, sets_cache[skey])
-        except InfeasibleStages:
-            continue
-        except SolverStopped:
-            stopped = True
-            continue
-        fits = True
-        # the estimate is the dearest step of a screen: skipped past the screen's slack, and
-        # where the plan's bare and recomputed time alone (exact, no slack) misses the limit
-        if not (balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit) and (
-                limit == math.inf or recompute_pipeline_s(
-                    table, P, sol.layers, sol.options, layout.num_microbatches) < limit):
-            choices = decode_choices(pb.model, layout, menu, sol, built.leading_layers, f,
-                                     P.chunk_layers(sol.layers))
-            est = estimate(pb.model, pb.cluster, training, layout, choices, with_interval=False,
-                           target=pb.target)
-            if est.fits and physics_s(est) < limit:
-                best = Plan(model=pb.model, cluster=pb.cluster, training=training,
-                            layout=layout, choices=choices, estimate=est, target=pb.target)
-        if f == 0.0 and not any(sol.options):
+        pressure = True
+        for host in hosts:
+            P = built.problem if host is None else replace(built.problem, host_s_per_byte=host)
+            if balanced and limit < math.inf and f == grid[0] and host is None:
+                # the balanced split with nothing recomputed or offloaded is the least any
+                # choice reaches at any fraction (choices only add time, fractions only add
+                # optimizer time): past the screen's slack, no fraction can be estimated, so
+                # none is solved
+                free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
+                if free + base_const > SCREEN_SLACK * limit:
+                    return Solved(None, "bound", screened, solved)
+            skey = (key, P.options, P.forbidden, P.host_s_per_byte,
+                    tuple(i.name for i in P.items))
+            if skey not in sets_cache:
+                sets_cache[skey] = module_sets(P.items, P.options, P.forbidden,
+                                               P.host_s_per_byte)
+            try:
+                if balanced:
+                    screened += 1
+                    sol = solve_fixed(P, sets_cache[skey], balanced_layers(P))
+                else:
+                    solved += 1
+                    sol = solve(P, sets_cache[skey])
+            except InfeasibleStages:
+                break  # the same memory on either link: neither fits at this fraction
+            except SolverStopped:
+                stopped = True
+                continue
+            fits = True
+            if host is None and not any(sol.options):
+                pressure = False  # nothing to offload: the slow link changes nothing
+            plan = _priced(pb, training, layout, table, menu, built, P, sol, f, limit, balanced)
+            if plan is not None and by_key:
+                plan = with_interval_estimate(plan)
+            if plan is not None and (best is None or _rank(plan, by_key) < _rank(best, by_key)):
+                best = plan
+            if not pressure:
+                break
+        if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:
-        # fractions compete on the point, so only the winner needs its interval (the
-        # pessimistic variant's estimate doubles the price of one)
+        # fractions compete on the point unless the choices' key differs from the point's
+        # order, so only the winner needs its interval (the pessimistic variant's estimate
+        # doubles the price of one)
         return Solved(with_interval_estimate(best) if with_interval else best, "plan",
                       screened, solved)
     status = "screened" if fits else "bound" if skipped else "unsolved" if stopped else (
         "infeasible")
     return Solved(None, status, screened, solved)
+
+
+def _priced(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTable,
+            menu: Menu, built: Built, P: StageProblem, sol: StageSolution, f: float,
+            limit: float, balanced: bool) -> Plan | None:
+    """The solution decoded and priced by `estimate`, when it fits and beats the limit. The
+    estimate is the dearest step of a screen: skipped past the screen's slack, and where the
+    plan's bare and recomputed time alone (exact, no slack) misses the limit."""
+    if balanced and sol.objective_s + built.constant_s > SCREEN_SLACK * limit:
+        return None
+    if limit < math.inf and recompute_pipeline_s(table, P, sol.layers, sol.options,
+                                                 layout.num_microbatches) >= limit:
+        return None
+    choices = decode_choices(pb.model, layout, menu, sol, built.leading_layers, f,
+                             P.chunk_layers(sol.layers))
+    est = estimate(pb.model, pb.cluster, training, layout, choices, with_interval=False,
+                   target=pb.target)
+    if not est.fits or physics_s(est) >= limit:
+        return None
+    return Plan(model=pb.model, cluster=pb.cluster, training=training, layout=layout,
+                choices=choices, estimate=est, target=pb.target)
+
+
+def _rank(plan: Plan, by_key: bool) -> tuple[float, float]:
+    """What the plans of one layout compete on: the point, or the key (the interval's high
+    end of step time) and then the point."""
+    e = plan.estimate
+    assert e is not None
+    point = e.step_time_s
+    return ((e.interval.step_time_s[1] if e.interval else point), point) if by_key else (
+        point, point)
 
 
 def decode_choices(model: ModelSpec, layout: Layout, menu: Menu, sol: StageSolution,
