@@ -129,18 +129,9 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
                 free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
                 if free + base_const > SCREEN_SLACK * limit:
                     return Solved(None, "bound", screened, solved)
-            skey = (key, P.options, P.forbidden, P.host_s_per_byte,
-                    tuple(i.name for i in P.items))
-            if skey not in sets_cache:
-                sets_cache[skey] = module_sets(P.items, P.options, P.forbidden,
-                                               P.host_s_per_byte)
+            screened, solved = screened + balanced, solved + (not balanced)
             try:
-                if balanced:
-                    screened += 1
-                    sol = solve_fixed(P, sets_cache[skey], balanced_layers(P))
-                else:
-                    solved += 1
-                    sol = solve(P, sets_cache[skey])
+                sol = _solve(P, key, sets_cache, balanced)
             except InfeasibleStages:
                 break  # the same memory on either link: neither fits at this fraction
             except SolverStopped:
@@ -167,6 +158,17 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     status = "screened" if fits else "bound" if skipped else "unsolved" if stopped else (
         "infeasible")
     return Solved(None, status, screened, solved)
+
+
+def _solve(P: StageProblem, key: tuple, sets_cache: dict, balanced: bool) -> StageSolution:
+    """The stage problem solved exactly at the balanced split (`ilp.solve_fixed`) or by the
+    MILP that also places the layers, its module sets built once per table key and link."""
+    skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
+    if skey not in sets_cache:
+        sets_cache[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
+    if balanced:
+        return solve_fixed(P, sets_cache[skey], balanced_layers(P))
+    return solve(P, sets_cache[skey])
 
 
 def _priced(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTable,
