@@ -101,11 +101,12 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     copies the fast link hides) can lose twice over on the key to recomputing instead.
     """
     grid = fractions or ((0.0,) if not menu.options else OPTIMIZER_OFFLOAD_GRID)
-    # on a slowed host the choices differ, and so does the key: both sets of choices compete
-    # at each fraction, on the key (its interval's high end), the point breaking a tie
+    # on a slowed host the choices differ: both sets compete at each fraction; a search that
+    # ranks by the key (the interval's high end) compares a layout's plans by it too, the
+    # point breaking a tie (a fraction's optimizer offload can move the key on its own)
     hosts: tuple[float | None, ...] = (None,) if host_s_per_byte is None else (
         None, host_s_per_byte)
-    by_key = host_s_per_byte is not None and with_interval
+    by_key = with_interval
     best: Plan | None = None
     base_const: float | None = None
     fits = skipped = stopped = False
@@ -150,9 +151,8 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
         if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:
-        # fractions compete on the point unless the choices' key differs from the point's
-        # order, so only the winner needs its interval (the pessimistic variant's estimate
-        # doubles the price of one)
+        # ranked by the point, only the winner needs its interval (the pessimistic variant's
+        # estimate doubles the price of one)
         return Solved(with_interval_estimate(best) if with_interval else best, "plan",
                       screened, solved)
     status = "screened" if fits else "bound" if skipped else "unsolved" if stopped else (
