@@ -83,6 +83,8 @@ def layer_imbalances(model: ModelSpec, ep: int, imbalance: float,
     counted over MoE layers only), entries are matched to MoE layers in order. Layers the
     histogram does not cover get the mean of those it does.
     """
+    if not histogram:  # one imbalance for every layer: a search asks this per layer table
+        return [routed_load(training, imbalance)] * model.num_layers
     return [routed_load(training, x)
             for x in _histogram_imbalances(model, ep, imbalance, histogram)]
 

@@ -685,6 +685,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
                   dense_params=dense, expert_params=experts, edge_exposed_s=ep - ep_exp)
 
 
+@_per_context
 def embedding_layer(ctx: Context) -> LayerCost:
     """Vocab-parallel embedding lookup (a reduce-scatter over TP with SP), no GEMM."""
     m, t, N = ctx.model, ctx.layout.tp, ctx.n_tok

@@ -339,7 +339,7 @@ def _item_time(lc: LayerCost, edge: float) -> float:
     return lc.time_at(edge)
 
 
-EP_BLIND = ("attention_block", "dense_layer", "loss_layer")
+EP_BLIND = ("attention_block", "dense_layer", "embedding_layer", "loss_layer")
 """The per-layer cost functions (cost_models.layers, memoised per context) that read none of the
 expert axes (ep, etp, their placements, the MoE dispatcher, EP overlap): layouts that differ
 only in those share their results (`test_layer_tables_shared_across_expert_axes_equal_fresh_ones`
