@@ -13,7 +13,9 @@ carries: the robust k-th key
 over the least ratio of key to point any regime of the search can have
 (`least_key_factor`) is a point threshold, and over a row's own ratio (`Robust.row_factor`)
 a tighter one for that row. One bound is robust's alone (`Robust.offload_bound`): a row that
-must offload activations to fit is priced, at its interval's low end, on a slowed host link.
+must offload activations to fit is priced, at its interval's low end, on a slowed host link;
+so its recompute and offload are also chosen on that link, beside the cluster's, and the
+better key kept (`Robust.choice_host`).
 """
 
 from __future__ import annotations
