@@ -503,6 +503,24 @@ def _robust_state(model, cluster, training, gpus):
                           5, 1.0, fits, t_lb)
 
 
+def _sampled_robust_rows(name, cluster, gpus, gbs, keep, seed, count):
+    """The robust search's state for a preset (s 4096) and a seeded sample of its candidate
+    rows that `keep(bb, idx)` admits, each as (idx, layout, training, table key, menu)."""
+    import random
+
+    from moeplan.planner.problem import menu
+
+    bb = _robust_state(load_model(name), load_cluster(cluster),
+                       TrainingSpec(seq_len=4096, global_batch_size=gbs), gpus)
+    rows = [int(i) for i in bb.cand if keep(bb, int(i))]
+    out = []
+    for idx in random.Random(seed).sample(rows, min(len(rows), count)):
+        layout, tr, key = bb.setup(idx)
+        out.append((idx, layout, tr, key, menu(bb.pb.model, tr, layout, bb.pb.target,
+                                               bb.options)))
+    return bb, out
+
+
 @pytest.mark.parametrize(("name", "cluster", "gpus", "gbs"), [
     ("qwen3-235b-a22b", "h100", 256, 2048), ("mixtral-8x7b", "h100", 64, 1024)])
 def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_decodes(
@@ -512,20 +530,14 @@ def test_the_robust_offload_bound_never_exceeds_the_key_of_a_plan_the_screen_dec
     # exact only while no plan the screen can decode for the row, at any optimizer-offload
     # fraction, has a smaller key. Sampled rows under memory pressure, each fraction's plan
     # priced whole (interval included); the bound must also bite somewhere (above the split)
-    import random
-
-    from moeplan.planner.problem import menu
     from moeplan.planner.screen import solve_layout
 
-    bb = _robust_state(load_model(name), load_cluster(cluster),
-                       TrainingSpec(seq_len=4096, global_batch_size=gbs), gpus)
-    rows = [int(i) for i in bb.cand if bb.pessimistic(int(i)) is None]
+    bb, rows = _sampled_robust_rows(name, cluster, gpus, gbs,
+                                    lambda bb, i: bb.pessimistic(i) is None, seed=0, count=40)
     checked = above_split = offloaded = 0
-    for idx in random.Random(0).sample(rows, min(len(rows), 40)):
-        layout, tr, key = bb.setup(idx)
+    for idx, layout, tr, key, m in rows:
         bound = bb.objective.offload_bound(bb, idx)
         factor = bb.objective.row_factor(bb, idx)
-        m = menu(bb.pb.model, tr, layout, bb.pb.target, bb.options)
         for f in OPTIMIZER_OFFLOAD_GRID if m.options else (0.0,):
             # the choices made on the cluster's link and on the one the search makes them on
             for host in {None, bb.objective.choice_host(bb, idx)}:
@@ -551,18 +563,13 @@ def test_the_robust_screen_keeps_the_plan_with_the_better_key_of_either_link(
     # every fraction, and keeps the better key: never worse than the plan chosen on the fast
     # link alone, better by more than 10% somewhere (up to 2.4x on DeepSeek-V3 on 1,024 H100
     # when the fast link's plans competed on the point).
-    import random
-
-    from moeplan.planner.problem import menu
     from moeplan.planner.screen import solve_layout
 
-    bb = _robust_state(load_model(name), load_cluster(cluster),
-                       TrainingSpec(seq_len=4096, global_batch_size=gbs), gpus)
-    rows = [int(i) for i in bb.cand if bb.objective.choice_host(bb, int(i)) is not None]
+    bb, rows = _sampled_robust_rows(
+        name, cluster, gpus, gbs, lambda bb, i: bb.objective.choice_host(bb, i) is not None,
+        seed=1, count=30)
     ratios = []
-    for idx in random.Random(1).sample(rows, min(len(rows), 30)):
-        layout, tr, key = bb.setup(idx)
-        m = menu(bb.pb.model, tr, layout, bb.pb.target, bb.options)
+    for idx, layout, tr, key, m in rows:
         point = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True)
         robust = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True,
                               host_s_per_byte=bb.objective.choice_host(bb, idx))

@@ -91,8 +91,10 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     `balanced` is the screening pass: layers split evenly, so the problem is solved exactly
     without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and chooses modules
     together. A fraction is skipped when the pipeline's lower bound plus its optimizer time
-    cannot beat the best so far; larger fractions are tried only when the plan without
-    optimizer offload needed recompute or offload (memory pressure).
+    cannot beat the cutoff (and, ranked by the point, the best so far); larger fractions are
+    tried only when the plan without optimizer offload needed recompute or offload (memory
+    pressure). `with_interval`: each plan is priced with its interval and the layout's plans
+    compete on its high end of step time, the search's robust key (`_rank`).
 
     `host_s_per_byte`: choose recompute and offload as if the host link were this slow (the
     robust objective's low end, `uncertainty.slow_host`, when no fit row backs activation
@@ -101,12 +103,9 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     copies the fast link hides) can lose twice over on the key to recomputing instead.
     """
     grid = fractions or ((0.0,) if not menu.options else OPTIMIZER_OFFLOAD_GRID)
-    # on a slowed host the choices differ: both sets compete at each fraction; a search that
-    # ranks by the key (the interval's high end) compares a layout's plans by it too, the
-    # point breaking a tie (a fraction's optimizer offload can move the key on its own)
+    # on a slowed host the choices differ: both sets compete at each fraction
     hosts: tuple[float | None, ...] = (None,) if host_s_per_byte is None else (
         None, host_s_per_byte)
-    by_key = with_interval
     best: Plan | None = None
     base_const: float | None = None
     fits = skipped = stopped = False
@@ -114,7 +113,7 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     for f in grid:
         built = stage_problem(pb.model, pb.cluster, training, layout, pb.cal, table, menu, f)
         base_const = built.constant_s if base_const is None else base_const
-        limit = cutoff if by_key else min(
+        limit = cutoff if with_interval else min(
             cutoff, physics_s(best.estimate) if best and best.estimate else math.inf)
         if lb_pipe + built.constant_s >= limit:  # the fraction's optimizer time alone loses
             skipped = True
@@ -142,19 +141,16 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
             if host is None and not any(sol.options):
                 pressure = False  # nothing to offload: the slow link changes nothing
             plan = _priced(pb, training, layout, table, menu, built, P, sol, f, limit, balanced)
-            if plan is not None and by_key:
+            if plan is not None and with_interval:
                 plan = with_interval_estimate(plan)
-            if plan is not None and (best is None or _rank(plan, by_key) < _rank(best, by_key)):
+            if plan is not None and (best is None or _rank(plan) < _rank(best)):
                 best = plan
             if not pressure:
                 break
         if f == 0.0 and not pressure:
             break  # no memory pressure: offloading the optimizer only adds time
     if best is not None:
-        # ranked by the point, only the winner needs its interval (the pessimistic variant's
-        # estimate doubles the price of one)
-        return Solved(with_interval_estimate(best) if with_interval else best, "plan",
-                      screened, solved)
+        return Solved(best, "plan", screened, solved)
     status = "screened" if fits else "bound" if skipped else "unsolved" if stopped else (
         "infeasible")
     return Solved(None, status, screened, solved)
@@ -192,14 +188,14 @@ def _priced(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTab
                 choices=choices, estimate=est, target=pb.target)
 
 
-def _rank(plan: Plan, by_key: bool) -> tuple[float, float]:
-    """What the plans of one layout compete on: the point, or the key (the interval's high
-    end of step time) and then the point."""
+def _rank(plan: Plan) -> tuple[float, float]:
+    """What the plans of one layout compete on: the key (the interval's high end of step
+    time, a fraction's optimizer offload and the link the choices were made on can move it
+    on their own) when the plan is priced with its interval, else the point; the point breaks
+    a tie."""
     e = plan.estimate
     assert e is not None
-    point = e.step_time_s
-    return ((e.interval.step_time_s[1] if e.interval else point), point) if by_key else (
-        point, point)
+    return (e.interval.step_time_s[1] if e.interval else e.step_time_s), e.step_time_s
 
 
 def decode_choices(model: ModelSpec, layout: Layout, menu: Menu, sol: StageSolution,
