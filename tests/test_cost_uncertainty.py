@@ -33,6 +33,28 @@ def test_unvalidated_overlap_pulls_the_low_end_to_the_plan_without_it():
     assert e.interval.tokens_per_s_per_gpu[0] < plain.tokens_per_s_per_gpu
 
 
+def test_an_moe_layer_graphed_whole_is_an_effect_the_token_drop_rows_contradict():
+    """Megatron-Bridge's token-drop runs capture each MoE layer, padded to capacity, in CUDA
+    graphs, and measured 0.68-0.93x their prediction: those rows do not back the capture, so
+    such a plan's low end is priced without the graphs; the dropless twin relies on no such
+    effect."""
+    m, c = load_model("qwen3-30b-a3b"), load_cluster("b200", 8)
+    padded = TrainingSpec(seq_len=4096, global_batch_size=512, precision="mxfp8",
+                          moe_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    lay = Layout.build(8, 512, ep=8, mbs=1, dispatcher="alltoall", cuda_graphs=True)
+    e = estimate(m, c, padded, lay)
+    eager = estimate(m, c, padded, lay.model_copy(update={"cuda_graphs": False}))
+    weak = [a for a in e.assumptions if not a.validated]
+    assert any("whole MoE layer" in a.term and "measured" in a.evidence for a in weak)
+    assert eager.tokens_per_s_per_gpu < e.tokens_per_s_per_gpu
+    assert e.interval.pessimistic_tokens_per_s_per_gpu == pytest.approx(
+        eager.tokens_per_s_per_gpu)
+    dropless = padded.model_copy(update={"moe_capacity_factor": None,
+                                         "moe_pad_expert_input_to_capacity": False})
+    assert "moe_layer_graphs" not in U.assumption_keys(m, c, dropless, lay, Choices())
+    assert "moe_layer_graphs" in U.assumption_keys(m, c, padded, lay, Choices())
+
+
 def test_fits_means_headroom_at_least_margin():
     m, c = load_model("deepseek-v3"), load_cluster("gb200-nvl72", 256)
     t = TrainingSpec(seq_len=4096, global_batch_size=4096, precision="mxfp8")

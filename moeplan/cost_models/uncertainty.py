@@ -311,6 +311,10 @@ def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         keys.append(f"tp_overlap/{gen}" if L.tp_comm_overlap else f"tp/{gen}")
     if L.cuda_graphs:
         keys.append(f"cuda_graphs/{gen}")
+        if model.is_moe and training.static_moe_shapes and not L.full_iteration_graphs:
+            # the per-layer graphs then capture the whole MoE layer too: an effect of the
+            # software, not the GPU generation, so its evidence is pooled over generations
+            keys.append("moe_layer_graphs")
     if L.cp > 1:
         keys.append(f"cp/{gen}/{_seq_bucket(training.seq_len)}")
     if choices.optimizer_offload_fraction > 0:
@@ -361,6 +365,11 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         elif kind == "cuda_graphs":
             out.append(_term(key, "CUDA graphs removing the captured kernels' launch overhead",
                              p, "no published run documents CUDA graphs", _no_graphs))
+        elif kind == "moe_layer_graphs":
+            out.append(_term(key, "CUDA graphs capturing the whole MoE layer, padded to "
+                             "capacity: no routing sync and no launch left in it", p,
+                             "no published run captures an MoE layer padded to capacity",
+                             _no_graphs))
         elif kind == "cp":
             out.append(_term(key, f"context parallelism at {training.seq_len} tokens", p,
                              f"no published run on {gen} with cp > 1 near this length"))
