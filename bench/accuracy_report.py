@@ -161,8 +161,12 @@ def ranking_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"| {' vs '.join(w['ids'])} | {w['published'][0]:,.0f} vs "
                    f"{w['published'][1]:,.0f} | {w['predicted'][0]:,.0f} vs "
                    f"{w['predicted'][1]:,.0f} |")
-    notes = [MISORDERED[tuple(w["ids"])] for w in rk["misordered"]
-             if tuple(w["ids"]) in MISORDERED]
+    # the gaps a note quotes, from the pair itself: how much the first row out-measured the
+    # second, and how far below it the first is priced
+    notes = [MISORDERED[tuple(w["ids"])].format(
+        measured=w["published"][0] / w["published"][1] - 1,
+        priced=1 - w["predicted"][0] / w["predicted"][1])
+        for w in rk["misordered"] if tuple(w["ids"]) in MISORDERED]
     return out + (["", *notes] if notes else [])
 
 
@@ -170,15 +174,17 @@ def ranking_section(cv_rows: list[dict[str, Any]]) -> list[str]:
 MISORDERED = {
     ("R0167", "R0203"): (
         "- R0167 (26.02.01) prints Llama-3-70B on 64 GB300 in MXFP8 as MBS 2, PP 4 without "
-        "virtual stages: 8 micro-batches per pipeline, a 3/8 bubble, priced 19% below the "
-        "26.02 run of MBS 1, PP 4, VPP 5 (R0203), which it out-measured by 4%. Megatron-Bridge "
+        "virtual stages: 8 micro-batches per pipeline, a 3/8 bubble, priced {priced:.0%} below "
+        "the 26.02 run of MBS 1, PP 4, VPP 5 (R0203), which it out-measured by {measured:.0%}. "
+        "Megatron-Bridge "
         "v0.3.0 and v0.3.1 (the 26.02 and 26.02.01 releases) configure that GPU and precision "
         "as PP 4, VPP 5, MBS 1 (`LLAMA3_70B_PRETRAIN_CONFIG_GB300_FP8_MX_V2`), which R0203 "
         "prints: the 26.02.01 table's sizes are not the recipe's. moeplan prices a row as "
         "printed, so the pair stays misordered."),
     ("R0176", "R0212"): (
-        "- R0176 vs R0212 (Llama-3.1-405B on 256 GB300, TP 2 vs TP 4) measured 3.6% apart and "
-        "are priced 3.4% apart the other way: inside either row's interval."),
+        "- R0176 vs R0212 (Llama-3.1-405B on 256 GB300, TP 2 vs TP 4) measured {measured:.1%} "
+        "apart and are priced {priced:.1%} apart the other way: inside either row's "
+        "interval."),
 }
 
 
@@ -777,16 +783,16 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 """.splitlines()
 
 
-def change_figures(cal: dict[str, Any], lomo: list[dict[str, Any]]) -> dict[str, str]:
+def change_figures() -> dict[str, str]:
     """The figures "What changed" quotes, computed from the shipped intervals and the shipped
     profile's predictions: the fit rows that rely on an MoE layer graphed whole and what they
     measured, the token-drop rows without graphs beside them, R0284's interval, and the
     coverage the intervals report, against the previous revision's."""
     from megatron_recipes import mape as ext_mape
 
-    prof = json.loads((Path(U.__file__).parent / "intervals.json").read_text())
-    key = "moe_layer_graphs"
-    graphed = prof.get("contradicted", {}).get(key, {"rows": [], "median": float("nan")})
+    prof = prof_doc()
+    graphed = prof.get("contradicted", {}).get("moe_layer_graphs",
+                                               {"rows": [], "median": float("nan")})
     by_id = {r["id"]: r for r in SHIPPED}
 
     def ratio(r: dict[str, Any]) -> float:
@@ -921,7 +927,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]
-    figures.update(change_figures(cal, lomo))
+    figures.update(change_figures())
     lines = [
         "# Accuracy of the cost models", "",
         "Predicted against published tokens/s/GPU for every row of the shipped published runs",
