@@ -25,7 +25,6 @@ from moeplan.cost_models import uncertainty as U
 from moeplan.cost_models.calibration import default_calibration
 from moeplan.fsio import atomic_write_text
 from moeplan.validation import case_of, layout_pairs, read_rows, release_of, validate_rows
-from moeplan.validation.rules import token_drop
 
 CROSSVAL = Path(__file__).resolve().parent / "data" / "crossval.json"
 GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
@@ -34,12 +33,13 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit e7be8bd), for "What changed", as its own ACCURACY.md
-# and bench/data/crossval.json reported them (the same harness: bench/cross_validate.py, full
-# refit per fold).
+# Figures of the previous revision (commit fac9839), for "What changed", as its own ACCURACY.md,
+# bench/data/crossval.json and intervals.json reported them (the same harness:
+# bench/cross_validate.py, full refit per fold).
 PREVIOUS = {"config": 7.5, "model": 9.3, "release": 7.6, "table5": 3.9, "objective": 0.0899,
-            "recipes": 16.8, "cv_coverage": 82.9, "cv_width": 26.3, "loro_coverage": 83.0,
-            "qwen3_loro_coverage": 78.0, "r0284_low": 18066}
+            "recipes": 16.8, "cv_coverage": 83.8, "cv_width": 27.6, "loro_coverage": 83.4,
+            "lomo_coverage": 83.4, "lomo_width": 37.4, "b300_gemm": 0.8, "ds_lomo": 8.5,
+            "ds_bias": -5.0, "ds_cov": 61.0}
 
 
 def generation(gpu: str) -> str:
@@ -682,28 +682,33 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **An MoE layer captured whole by CUDA graphs is an effect the fit rows contradict**
-  (`uncertainty.assumption_keys`, `moe_layer_graphs`). Token dropping padded to capacity gives
-  an MoE layer static shapes, so the per-layer graphs capture all of it and the routing sync
-  goes; Megatron-Bridge's token-drop runs that ran so ({moe_graph_rows}: 25.09, CUDA graphs as
-  its performance matrix sets them) measured {moe_graph_range}× their prediction,
-  {moe_graph_median}× in the median, where its token-drop runs without graphs measured
-  {moe_eager_range}×. Their evidence is pooled over GPU generations (the capture is
-  software). Such an estimate now names the effect as unvalidated, with what its rows
-  measured, and prices its low end without the graphs: Qwen3-30B-A3B on 8 B200, MBS 1
-  (R0284, measured 18,066 tokens/s/GPU), {r0284_iv}, was [{r0284_low_before}, …]
-  (in-sample: that band's low quantile was this row's own error). No point
-  prediction moves; the configuration split's cross-conformal coverage
-  {cv_coverage_before}% → {cv_coverage_now}% (median width {cv_width_before}% →
-  {cv_width_now}%), leave one release out {loro_before}% → {loro_now}% (Qwen3
-  {qwen3_loro_before}% → {qwen3_loro_now}%); leave one model out is unchanged
-  ({lomo_cov}%): without Qwen3's own rows, DeepSeek-V3's two graphed token-drop runs alone
-  do not contradict the capture.
-- The calibration is the previous revision's (`calibration.json`, {rows} rows, objective
-  {objective}); leave one model out stays the headline, leave one release out the closest to
-  runs of a release nobody fitted, the configuration split secondary
-  (`bench/cross_validate.py`, full refit per fold; `moeplan validate --cv model|release`,
-  quick refit). Megatron-LM's recipes, which no fit saw: {recipes_now} MAPE.
+- **DeepSeek-V3's and Kimi-K2's Megatron-Bridge rows are priced on the pipeline layout their
+  recipe ran** (`validation.recipes.PIPELINE_LAYOUTS`, recorded in a row's `assumed` as
+  `stage_layout`). Their 61 layers do not split evenly over PP·VP = 16, and the recipe does
+  not leave the split to a count: from 25.11 on, Megatron-Bridge's
+  `set_deepseek_v3_pipeline_model_parallel_layout` (and Kimi-K2's map from 26.02) puts the
+  embedding with four decoder layers first, fourteen stages of four, and one decoder layer
+  with the MTP layers and the loss last (`Et*4|(t*4|)*14,tmL`; at PP 8 without interleaving,
+  `Et*8|(t*8|)*6,t*5mL`), where moeplan's split by count left two decoder layers beside the
+  MTP and the loss, a heavier last stage that paced the step. On the shipped profile, the
+  {staged_rows} such rows of the 26.02–26.08 releases are {staged_recipe} off (mean
+  {staged_recipe_mean}) on the recipe's layout and would be {staged_count} (mean
+  {staged_count_mean}) on the count split; the {staged_old_rows} of 25.11, {staged_old_recipe}
+  against {staged_old_count} (Known gaps). The refit (objective {objective_before} →
+  {objective}) moved one constant, B300's GEMM ceiling ({b300_before} → {b300_now}), which the
+  B300 DeepSeek-V3 rows, priced slow on the count split, had held high. Leave one model out
+  {lomo_before}% → {lomo_now}% (DeepSeek {ds_lomo_before}% → {ds_lomo_now}%, mean
+  {ds_bias_before} → {ds_bias_now}, interval coverage {ds_cov_before}% → {ds_cov_now}%),
+  leave one release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
+  {config_now}%.
+- Leave one model out stays the headline, leave one release out the closest to runs of a
+  release nobody fitted, the configuration split secondary (`bench/cross_validate.py`, full
+  refit per fold; `moeplan validate --cv model|release`, quick refit). Interval coverage,
+  configuration split {cv_coverage_before}% → {cv_coverage_now}% (median width
+  {cv_width_before}% → {cv_width_now}%); leave one release out {loro_cov_before}% →
+  {loro_cov_now}%; leave one model out {lomo_cov_before}% → {lomo_cov}% (median width
+  {lomo_width_before}% → {lomo_width}%). Megatron-LM's recipes, which no fit saw:
+  {recipes_before}% → {recipes_now} MAPE.
 """.splitlines()
 
 
@@ -770,58 +775,53 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
   same either way, and {r0274_err} fast; the sync the static shapes save is not
   repaid there, and the router's capacity top-k over the tokens
   (`apply_router_token_dropping`) is not priced. These rows stay in the fit; their
-  intervals' low end is priced without the graphs (What changed).
-- DeepSeek-V3's 61 layers do not split evenly over PP·VP = 16, and a row that prints no stage
-  layout is priced on moeplan's split by layer count, whose last stage holds two decoder
-  layers, the MTP depth and the loss. Megatron-Bridge's DeepSeek-V3 recipe sets the layout for
-  PP·VP = 16 itself (`layout_map`: the embedding and four decoder layers, fourteen stages of
-  four, one decoder layer with MTP and the loss). Priced on the recipe's layout, the shipped
-  profile moves its {dsv3_16_rows} rows of the 26.02–26.08 releases from {dsv3_16_now} to
-  {dsv3_16_bridge}, but its {dsv3_16_old_rows} rows of 25.09 and 25.11 from {dsv3_16_old_now}
-  to {dsv3_16_old_bridge}: which layout each release's recipe ran is not yet read from that
-  release's source, so the split stays moeplan's, and the calibration was fitted on it.
+  intervals' low end is priced without the graphs: an MoE layer graphed whole is an
+  effect its fit rows ({moe_graph_rows}) contradict, at {moe_graph_range}× their prediction
+  ({moe_graph_median}× in the median; `uncertainty.assumption_keys`, `moe_layer_graphs`).
+- Megatron-Bridge's 25.09 DeepSeek-V3 rows print PP·VP = 16, but that release's run script
+  passed the 32-stage layout `Et|(tt|)*30mL` whatever PP and VP it set, which 16 stages cannot
+  hold; what those rows ran is not known, so they are priced on their printed sizes and
+  moeplan's split by count. Rows of one configuration also differ by release beyond what the
+  recipes name: DeepSeek-V3 on 256 B200 at PP 16, EP 8, MXFP8 measured {r0256_pub} tokens/s/GPU
+  at 25.11 (R0256) and {r0137_pub} at 26.04 (R0137), priced {r0256_err} and {r0137_err}.
 """.splitlines()
 
 
-def change_figures() -> dict[str, str]:
-    """The figures "What changed" quotes, computed from the shipped intervals and the shipped
-    profile's predictions: the fit rows that rely on an MoE layer graphed whole and what they
-    measured, the token-drop rows without graphs beside them, R0284's interval, and the
-    coverage the intervals report, against the previous revision's."""
+def change_figures(cv: dict[str, Any], cal: dict[str, Any]) -> dict[str, str]:
+    """The figures "What changed" quotes, computed from the cross-validation, the shipped
+    profile and intervals, and the recipe layouts' rows (`recipe_layout_figures`), against the
+    previous revision's (PREVIOUS)."""
     from megatron_recipes import mape as ext_mape
 
     prof = prof_doc()
-    graphed = prof.get("contradicted", {}).get("moe_layer_graphs",
-                                               {"rows": [], "median": float("nan")})
-    by_id = {r["id"]: r for r in SHIPPED}
-
-    def ratio(r: dict[str, Any]) -> float:
-        return r["published_tokens_per_s_per_gpu"] / r["predicted_tokens_per_s_per_gpu"]
-
-    def span(rs: list[float]) -> str:
-        return f"{min(rs):.2f}–{max(rs):.2f}" if rs else "n/a"
-
-    g_rows = [by_id[i] for i in graphed["rows"] if i in by_id]
-    eager = [r for r in SHIPPED if token_drop(RAW[r["id"]]) and r["id"] not in graphed["rows"]]
-    iv = by_id.get("R0284", {}).get("predicted_interval_tokens_per_s_per_gpu")
     cvd, lo, lr = (prof["cross_validated"], prof["leave_one_model_out"],
                    prof["leave_one_release_out"])
+    ds = cv["model"]["by_family"]["deepseek"]
     return {
-        "moe_graph_rows": ", ".join(graphed["rows"]),
-        "moe_graph_range": span([ratio(r) for r in g_rows]),
-        "moe_graph_median": f"{graphed['median']:.2f}",
-        "moe_eager_range": span([ratio(r) for r in eager]),
-        "r0284_iv": f"[{iv[0]:,.0f}, {iv[1]:,.0f}]" if iv else "n/a",
-        "r0284_low_before": f"{PREVIOUS['r0284_low']:,}",
+        **recipe_layout_figures(),
+        "objective_before": f"{PREVIOUS['objective']:g}",
+        "b300_before": f"{PREVIOUS['b300_gemm']:g}",
+        "b300_now": f"{cal['gemm_eff_max'].get('B300', 0):g}",
+        "lomo_before": f"{PREVIOUS['model']:.1f}", "lomo_now": f"{100 * cv['model']['mape']:.1f}",
+        "loro_before": f"{PREVIOUS['release']:.1f}",
+        "loro_now": f"{100 * cv['release']['mape']:.1f}",
+        "config_before": f"{PREVIOUS['config']:.1f}",
+        "config_now": f"{100 * cv['config']['mape']:.1f}",
+        "ds_lomo_before": f"{PREVIOUS['ds_lomo']:.1f}", "ds_lomo_now": f"{100 * ds['mape']:.1f}",
+        "ds_bias_before": f"{PREVIOUS['ds_bias']:+.1f}%", "ds_bias_now": f"{100 * ds['bias']:+.1f}%",
+        "ds_cov_before": f"{PREVIOUS['ds_cov']:.0f}",
+        "ds_cov_now": f"{100 * lo['by_family']['deepseek']['coverage']:.0f}",
         "cv_coverage_before": f"{PREVIOUS['cv_coverage']:.1f}",
         "cv_coverage_now": f"{100 * cvd['coverage']:.1f}",
         "cv_width_before": f"{PREVIOUS['cv_width']:.1f}",
         "cv_width_now": f"{100 * cvd['median_width']:.1f}",
-        "loro_before": f"{PREVIOUS['loro_coverage']:.1f}",
-        "loro_now": f"{100 * lr['coverage']:.1f}",
-        "qwen3_loro_before": f"{PREVIOUS['qwen3_loro_coverage']:.0f}",
-        "qwen3_loro_now": f"{100 * lr['by_family']['qwen3']['coverage']:.0f}",
+        "loro_cov_before": f"{PREVIOUS['loro_coverage']:.1f}",
+        "loro_cov_now": f"{100 * lr['coverage']:.1f}",
+        "lomo_cov_before": f"{PREVIOUS['lomo_coverage']:.1f}",
         "lomo_cov": f"{100 * lo['coverage']:.1f}",
+        "lomo_width_before": f"{PREVIOUS['lomo_width']:.1f}",
+        "lomo_width": f"{100 * lo['median_width']:.1f}",
+        "recipes_before": f"{PREVIOUS['recipes']:.1f}",
         "recipes_now": f"{ext_mape(unseen_runs()[0]):.1f}%",
     }
 
@@ -848,46 +848,53 @@ def gap_figures() -> dict[str, str]:
                   / by_id[i]["published_tokens_per_s_per_gpu"] - 1)
            for i in ("R0274", "R0275") if i in by_id]
     figures["r0274_err"] = f"{min(err):.0f}–{max(err):.0f}%" if err else "n/a"
-    figures.update(recipe_layout_figures())
+    graphed = prof_doc().get("contradicted", {}).get("moe_layer_graphs",
+                                                     {"rows": [], "median": float("nan")})
+    ratios = [by_id[i]["published_tokens_per_s_per_gpu"] / by_id[i]["predicted_tokens_per_s_per_gpu"]
+              for i in graphed["rows"] if i in by_id]
+    figures["moe_graph_rows"] = ", ".join(graphed["rows"])
+    figures["moe_graph_range"] = f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "n/a"
+    figures["moe_graph_median"] = f"{graphed['median']:.2f}"
+    for i in ("R0256", "R0137"):
+        r = by_id.get(i, {})
+        pub, pred = (r.get("published_tokens_per_s_per_gpu"),
+                     r.get("predicted_tokens_per_s_per_gpu"))
+        figures[f"{i.lower()}_pub"] = f"{pub:,.0f}" if pub else "n/a"
+        figures[f"{i.lower()}_err"] = f"{100 * (pred / pub - 1):+.0f}%" if pub and pred else "n/a"
     return figures
 
 
-# Megatron-Bridge's DeepSeek-V3 recipe (`layout_map` of its pretrain config) for PP·VP = 16 as
-# (16, 1), (8, 2) and (4, 4): the embedding and four decoder layers, fourteen stages of four,
-# one decoder layer with the MTP depths and the loss
-BRIDGE_DSV3_16 = ((16, 1), (8, 2), (4, 4))
-
-
 def recipe_layout_figures() -> dict[str, str]:
-    """DeepSeek-V3's rows at PP·VP = 16 priced by the shipped profile as moeplan splits 61
-    layers by count (`stage_layout.stage_layout_for`: a heavier last stage of two decoder
-    layers, MTP and the loss) and with the Megatron-Bridge recipe's layout, by release: the
-    error each way, for Known gaps."""
+    """The rows priced on their Megatron-Bridge recipe's pipeline layout
+    (`recipes.PIPELINE_LAYOUTS`, recorded as `assumed["stage_layout"]`): the shipped profile's
+    error on them with that layout and with moeplan's split by layer count, for the 26.02 and
+    later releases and for 25.11, so What changed shows what the layout alone moves."""
     from moeplan.cost_models.estimate import estimate
     from moeplan.validation.crossval import cases_of
 
-    scored = {r["id"] for r in SHIPPED}
-    rows = [RAW[i] for i in sorted(scored) if RAW[i].get("model_preset") == "deepseek-v3"]
+    rows = [RAW[r["id"]] for r in SHIPPED
+            if RAW[r["id"]].get("model_preset") in ("deepseek-v3", "kimi-k2")]
     newer: list[tuple[float, float]] = []
     older: list[tuple[float, float]] = []
     for c in cases_of(rows):
-        L = c.layout
-        if (L.pp, L.vpp) not in BRIDGE_DSV3_16 or not c.published_tokens:
+        if "stage_layout" not in c.assumed or not c.published_tokens:
             continue
-        text = "Et*4|(t*4|)*14,t" + "m" * c.model.mtp_layers + "L"
-        now = estimate(c.model, c.cluster, c.training, L, c.choices)
-        bridge = estimate(c.model, c.cluster, c.training, L,
-                          c.choices.model_copy(update={"stage_layout": text}))
-        errs = (100 * (now.tokens_per_s_per_gpu / c.published_tokens - 1),
-                100 * (bridge.tokens_per_s_per_gpu / c.published_tokens - 1))
+        counted = c.choices.model_copy(update={"stage_layout": None})
+        errs = tuple(100 * (estimate(c.model, c.cluster, c.training, c.layout, ch)
+                            .tokens_per_s_per_gpu / c.published_tokens - 1)
+                     for ch in (counted, c.choices))
         (newer if (release_of(c.row) or (0, 0)) >= (26, 2) else older).append(errs)
 
-    def span(errs: list[tuple[float, float]], k: int) -> str:
+    def span(errs: list[tuple[float, ...]], k: int) -> str:
         return f"{min(e[k] for e in errs):+.0f} to {max(e[k] for e in errs):+.0f}%" if errs else "n/a"
 
-    return {"dsv3_16_rows": str(len(newer)), "dsv3_16_now": span(newer, 0),
-            "dsv3_16_bridge": span(newer, 1), "dsv3_16_old_rows": str(len(older)),
-            "dsv3_16_old_now": span(older, 0), "dsv3_16_old_bridge": span(older, 1)}
+    def mean(errs: list[tuple[float, ...]], k: int) -> str:
+        return f"{sum(e[k] for e in errs) / len(errs):+.1f}%" if errs else "n/a"
+
+    return {"staged_rows": str(len(newer)), "staged_count": span(newer, 0),
+            "staged_recipe": span(newer, 1), "staged_count_mean": mean(newer, 0),
+            "staged_recipe_mean": mean(newer, 1), "staged_old_rows": str(len(older)),
+            "staged_old_count": span(older, 0), "staged_old_recipe": span(older, 1)}
 
 
 def main() -> None:
@@ -927,7 +934,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]
-    figures.update(change_figures())
+    figures.update(change_figures(cv, cal))
     lines = [
         "# Accuracy of the cost models", "",
         "Predicted against published tokens/s/GPU for every row of the shipped published runs",

@@ -266,6 +266,52 @@ def test_a_recipe_that_kept_its_sizes_prices_only_the_releases_that_ran_it():
     assert late.layout.ep_overlap and late.choices.recompute == [["mla_up_proj"]]
 
 
+def test_a_bridge_deepseek_row_runs_the_recipes_pipeline_layout_not_moeplans_count_split():
+    """Megatron-Bridge's DeepSeek-V3 recipe sets the pipeline layout (E and four decoder layers
+    first, one decoder layer with the MTP and the loss last at PP·VP = 16), and every release
+    from 25.11 ran it whether or not the row matches a table recipe; moeplan's own split by
+    count would put two decoder layers beside the MTP and the loss, a heavier pacing stage."""
+    from moeplan.specs import list_presets, parse_stage_layout, stage_layout_for
+
+    presets = list_presets()
+    case = case_of(_bridge(), presets)
+    assert case.choices.stage_layout == "Et*4|(t*4|)*14,tmL"
+    assert case.assumed["stage_layout"] == case.choices.stage_layout
+    stages = parse_stage_layout(case.choices.stage_layout, 8, 61, 1)
+    assert stages[0] == ["E"] + ["t"] * 4 and stages[-1] == ["t", "m", "L"]
+    assert stages != stage_layout_for(61, 8, 2, 1)
+    base = case.choices.model_copy(update={"stage_layout": None})
+    priced = estimate(case.model, case.cluster, case.training, case.layout, case.choices)
+    counted = estimate(case.model, case.cluster, case.training, case.layout, base)
+    assert priced.step_time_s < counted.step_time_s  # the count split's last stage paces it
+    # a run without MTP keeps the loss alone beside the last decoder layer
+    without = case_of(_bridge(other_notes="variant=w/o MTP"), presets)
+    assert without.choices.stage_layout == "Et*4|(t*4|)*14,tL"
+    # GB300's PP 2 × VPP 8 took the layout from 26.02 on; 25.09's run script, another source and
+    # a (PP, VPP) the recipe leaves to Megatron's default get moeplan's split
+    gb300 = dict(gpu="GB300", cluster_preset="gb300-nvl72", pp="2", vpp="8")
+    assert case_of(_bridge(**gb300), presets).choices.stage_layout == "Et*4|(t*4|)*14,tmL"
+    for row in (_bridge(**gb300, source_detail="docs; release 25.11 NeMo container"),
+                _bridge(source_detail="docs; release 25.09 NeMo container"),
+                _bridge(source="NVIDIA NeMo 2.0 performance summary"),
+                _bridge(pp="2", vpp="4")):
+        other = case_of(row, presets)
+        assert other.choices.stage_layout is None and "stage_layout" not in other.assumed, row
+
+
+def test_every_deepseek_recipe_layout_is_one_megatron_takes():
+    """Each entry of the map, with and without MTP, is a valid layout of DeepSeek-V3's 61 layers
+    over PP·VP stages (the `stage_layout_valid` rule a plan obeys)."""
+    from moeplan.specs import parse_stage_layout
+    from moeplan.validation.recipes import PIPELINE_LAYOUTS
+
+    for (pp, vpp), text in PIPELINE_LAYOUTS.items():
+        for mtp in (0, 1):
+            stages = parse_stage_layout(text.replace("{m}", "m" * mtp), pp, 61, mtp)
+            assert len(stages) == pp * vpp, (pp, vpp)
+            assert sum(s.count("t") for s in stages) == 61 and stages[-1][-1] == "L"
+
+
 def test_every_recipe_is_a_layout_megatron_would_run_with_its_settings():
     """The table is checked the way a row is: each recipe builds as a layout with its settings
     and recompute, on its model and GPU, without a rule violation (so no recipe silently falls

@@ -35,7 +35,7 @@ from ..specs import (
 )
 from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
-from .recipes import Recipe, contradicts, recipe_for
+from .recipes import Recipe, contradicts, recipe_for, recipe_stage_layout
 from .rows import number, release_of, size
 from .rules import (
     documented_settings,
@@ -238,6 +238,9 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     choices = published_recompute(row)
     if bridge and bridge.recompute and not choices.recompute:
         choices = Choices(recompute=list(bridge.recompute))
+    staged = recipe_stage_layout(where[0], where[1], mp, pp, vpp, model.mtp_layers)
+    if staged and not choices.stage_layout:
+        choices = choices.model_copy(update={"stage_layout": staged})
     # a documented setting the published layout cannot take (Megatron's EP overlap needs
     # virtual pipeline stages when pp > 1) was not in that run's recipe
     # an unpublished etp is 1, or TP where the source's Megatron predates Parallel Folding (the
@@ -267,7 +270,9 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
                    number(row, "memory_gb"),
                    (row.get("flops_convention") or "unknown").strip(), row.get("gpu", ""),
                    family_of(mp) if not described else "gpt-dense", row,
-                   {**assumed, **numerics, **assumed_cluster, **_recipe_note(bridge, choices)},
+                   {**assumed, **numerics, **assumed_cluster, **_recipe_note(bridge, choices),
+                    **({"stage_layout": staged} if staged and choices.stage_layout == staged
+                       else {})},
                    choices, cluster, alternatives)
 
 

@@ -15,6 +15,9 @@ Only what moeplan prices is carried over, named as in `Layout` and `Choices`:
                captures the attention block (`Layout.cuda_graphs` prices that scope); a scope of
                the router alone is left uncaptured, as moeplan prices no such partial scope
   recompute    `recompute_modules` (Megatron's names are moeplan's)
+  stage_layout the pipeline layout DeepSeek-V3's and Kimi-K2's recipes set (`PIPELINE_LAYOUTS`),
+               which holds for every row of a release that ran it, matched to a table recipe
+               or not
 The sizes are the recipe's after its `replace(...)` chain is resolved; an unset `num_gpus`,
 `micro_batch_size` or parallel size is the `WorkloadBaseConfig` default the recipe inherits
 (TP/PP/VPP 1). Precision names: BF16 "bf16", FP8_CS "fp8-tensorwise", FP8_SC (sub-channel)
@@ -165,6 +168,31 @@ RECIPES: tuple[Recipe, ...] = (
 )
 """Each family's recipes, read from the file its comment names (Megatron-Bridge repository)."""
 
+# DeepSeek-V3's and Kimi-K2's pipeline layouts by (PP, VPP), in moeplan's stage-layout syntax
+# with the MTP layers left as "{m}" (Kimi-K2 has none): Megatron-Bridge's
+# `set_deepseek_v3_pipeline_model_parallel_layout` (src/megatron/bridge/recipes/deepseek/
+# deepseek_v3.py, the same map from v0.2.0, release 25.11, through v0.6.0) and Kimi-K2's
+# `_get_kimi_k2_pipeline_layout` (recipes/kimi/kimi_k2.py, from v0.3.0, 26.02), whose last stage
+# holds one decoder layer, the MTP layers and the loss (no MTP where a row ran without it); the
+# DeepSeek-V3 GB300 base config's `pp_layout` and Kimi-K2's map for PP 2 × VPP 8
+# (scripts/performance/configs/deepseek/deepseek_workload_base_configs.py, from v0.3.0, 26.02).
+# The H100 base config's for PP 8 × VPP 4 (one decoder layer beside the embedding, the MTP with
+# the loss alone) is moeplan's own default split and needs no entry. The 25.09 rows are left
+# out: that release's run script passed a 32-stage layout whatever PP and VPP it printed, so
+# what its 16-stage rows ran is not known.
+PIPELINE_LAYOUTS: dict[tuple[int, int], str] = {
+    (4, 1): "Et*16|t*16|t*16|t*13{m}L",
+    (8, 1): "Et*8|(t*8|)*6,t*5{m}L",
+    (4, 2): "Et*8|(t*8|)*6,t*5{m}L",
+    (16, 1): "Et*4|(t*4|)*14,t{m}L",
+    (8, 2): "Et*4|(t*4|)*14,t{m}L",
+    (4, 4): "Et*4|(t*4|)*14,t{m}L",
+    (2, 8): "Et*4|(t*4|)*14,t{m}L",
+}
+LAYOUTS_FROM = {"deepseek-v3": (25, 11), "kimi-k2": (26, 2)}  # first release that ran the map
+PP2_VPP8_FROM = (26, 2)
+
+
 RECIPE_FILES = {"deepseek-v3": DEEPSEEK, "qwen3-235b-a22b": QWEN3, "qwen3-30b-a3b": QWEN3,
                 "gpt-oss-120b": GPT_OSS, "kimi-k2": KIMI}
 
@@ -194,3 +222,17 @@ def contradicts(source: str, release: tuple[int, int] | None, model: str, gpu: s
     no revision's unprinted settings may be assumed for it."""
     known = _known(release, model, gpu, precision) if source.startswith(SOURCE) else []
     return bool(known) and all(r.sizes() != sizes for r in known)
+
+
+def recipe_stage_layout(source: str, release: tuple[int, int] | None, model: str, pp: int,
+                        vpp: int, mtp_layers: int) -> str | None:
+    """The pipeline layout a Megatron-Bridge DeepSeek-V3 or Kimi-K2 row ran (`PIPELINE_LAYOUTS`),
+    as moeplan's `--stage-layout` text; None where the recipe left Megatron's default split or
+    the release is not known to have run the map. Its stage weights move the step time by up to
+    a fifth at PP 16, where one stage sets the pace."""
+    since = LAYOUTS_FROM.get(model)
+    if (not source.startswith(SOURCE) or since is None or release is None or release < since
+            or ((pp, vpp) == (2, 8) and release < PP2_VPP8_FROM)):
+        return None
+    text = PIPELINE_LAYOUTS.get((pp, vpp))
+    return text.replace("{m}", "m" * mtp_layers) if text else None
