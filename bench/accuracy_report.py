@@ -826,27 +826,28 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def shipped_error(r: dict[str, Any]) -> float:
+    """A shipped-profile row's error in percent: predicted over published tokens/s/GPU, − 1."""
+    return 100 * (r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"] - 1)
+
+
 def gap_figures() -> dict[str, str]:
     """The figures Known gaps quotes, computed: the runs-no-fit-saw ranges, and how slow the
     shipped profile prices Qwen3-30B-A3B's 8-GB200 MXFP8 rows of the full-iteration-graph
     releases (26.06 on) and DeepSeek-V3's GB300 ones, whose fused grouped MLP and FP8
     attention moeplan does not price."""
-    slow = [100 * (1 - r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"])
-            for r in SHIPPED if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "GB200"
+    slow = [-shipped_error(r) for r in SHIPPED if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "GB200"
             and r["precision"] == "mxfp8" and (release_of(RAW[r["id"]]) or (0, 0)) >= (26, 6)]
     figures = unseen_figures(*unseen_runs())
     figures["qwen30_now"] = (f"{-max(slow):+.0f} to {-min(slow):+.0f}%" if slow else "n/a")
-    ds = [100 * (r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"] - 1)
-          for r in SHIPPED if r["model"] == "deepseek-v3" and r["gpu"] == "GB300"
+    ds = [shipped_error(r) for r in SHIPPED if r["model"] == "deepseek-v3" and r["gpu"] == "GB300"
           and r["precision"] == "mxfp8" and (release_of(RAW[r["id"]]) or (0, 0)) >= (26, 6)]
     figures["dsv3_gb300"] = (f"{min(ds):+.0f} to {max(ds):+.0f}%" if ds else "n/a")
     by_id = {r["id"]: r for r in SHIPPED}
     r84 = by_id.get("R0284", {})
     figures["r0284_point"] = f"{r84.get('predicted_tokens_per_s_per_gpu') or 0:,.0f}"
     figures["r0284_eager"] = f"{r84.get('pessimistic_tokens_per_s_per_gpu') or 0:,.0f}"
-    err = [100 * (by_id[i]["predicted_tokens_per_s_per_gpu"]
-                  / by_id[i]["published_tokens_per_s_per_gpu"] - 1)
-           for i in ("R0274", "R0275") if i in by_id]
+    err = [shipped_error(by_id[i]) for i in ("R0274", "R0275") if i in by_id]
     figures["r0274_err"] = f"{min(err):.0f}–{max(err):.0f}%" if err else "n/a"
     graphed = prof_doc().get("contradicted", {}).get("moe_layer_graphs",
                                                      {"rows": [], "median": float("nan")})
@@ -856,11 +857,9 @@ def gap_figures() -> dict[str, str]:
     figures["moe_graph_range"] = f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "n/a"
     figures["moe_graph_median"] = f"{graphed['median']:.2f}"
     for i in ("R0256", "R0137"):
-        r = by_id.get(i, {})
-        pub, pred = (r.get("published_tokens_per_s_per_gpu"),
-                     r.get("predicted_tokens_per_s_per_gpu"))
-        figures[f"{i.lower()}_pub"] = f"{pub:,.0f}" if pub else "n/a"
-        figures[f"{i.lower()}_err"] = f"{100 * (pred / pub - 1):+.0f}%" if pub and pred else "n/a"
+        r = by_id.get(i)
+        figures[f"{i.lower()}_pub"] = f"{r['published_tokens_per_s_per_gpu']:,.0f}" if r else "n/a"
+        figures[f"{i.lower()}_err"] = f"{shipped_error(r):+.0f}%" if r else "n/a"
     return figures
 
 
@@ -872,17 +871,17 @@ def recipe_layout_figures() -> dict[str, str]:
     from moeplan.cost_models.estimate import estimate
     from moeplan.validation.crossval import cases_of
 
-    rows = [RAW[r["id"]] for r in SHIPPED
-            if RAW[r["id"]].get("model_preset") in ("deepseek-v3", "kimi-k2")]
+    by_id = {r["id"]: r for r in SHIPPED
+             if RAW[r["id"]].get("model_preset") in ("deepseek-v3", "kimi-k2")}
     newer: list[tuple[float, float]] = []
     older: list[tuple[float, float]] = []
-    for c in cases_of(rows):
-        if "stage_layout" not in c.assumed or not c.published_tokens:
+    for c in cases_of([RAW[i] for i in by_id]):
+        if "stage_layout" not in c.assumed:
             continue
-        counted = c.choices.model_copy(update={"stage_layout": None})
-        errs = tuple(100 * (estimate(c.model, c.cluster, c.training, c.layout, ch)
-                            .tokens_per_s_per_gpu / c.published_tokens - 1)
-                     for ch in (counted, c.choices))
+        counted = estimate(c.model, c.cluster, c.training, c.layout,
+                           c.choices.model_copy(update={"stage_layout": None}))
+        errs = (100 * (counted.tokens_per_s_per_gpu / c.published_tokens - 1),
+                shipped_error(by_id[c.id]))
         (newer if (release_of(c.row) or (0, 0)) >= (26, 2) else older).append(errs)
 
     def span(errs: list[tuple[float, ...]], k: int) -> str:
