@@ -33,13 +33,13 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit fac9839), for "What changed", as its own ACCURACY.md,
+# Figures of the previous revision (commit bd223cd), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json and intervals.json reported them (the same harness:
 # bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 7.5, "model": 9.3, "release": 7.6, "table5": 3.9, "objective": 0.0899,
-            "recipes": 16.8, "cv_coverage": 83.8, "cv_width": 27.6, "loro_coverage": 83.4,
-            "lomo_coverage": 83.4, "lomo_width": 37.4, "b300_gemm": 0.8, "ds_lomo": 8.5,
-            "ds_bias": -5.0, "ds_cov": 61.0}
+PREVIOUS = {"config": 7.3, "model": 8.8, "release": 7.3, "table5": 3.9, "objective": 0.0875,
+            "recipes": 16.1, "cv_coverage": 83.8, "cv_width": 26.4, "loro_coverage": 84.3,
+            "lomo_coverage": 88.1, "lomo_width": 34.0, "oss_lomo": 30.6, "oss_mx_lomo": 7.3,
+            "oss_cov": 55.0, "qwen_lomo": 8.6, "gpt_lomo": 6.5, "release_2606": -4.1}
 
 
 def generation(gpu: str) -> str:
@@ -616,7 +616,8 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         "  `moe_single_grouped_bias` (off by default) Megatron Core adds it expert by expert in",
         "  eager PyTorch (`TEGroupedMLP._apply_bias`: t + b·p in fp32, concatenated, cast back):",
         "  28 bytes per routed element forward, 36 backward, and 2 + 5 launches per local expert",
-        "  (`layers._expert_bias`).",
+        "  (`layers._expert_bias`). The MXFP8 recipes of 26.06 on run the fused grouped MLP",
+        "  (`Layout.fused_grouped_mlp`), which adds the weighted bias inside its GEMM.",
         "- **YaRN RoPE**: gpt-oss scales its RoPE by yarn (factor 32) without mscale settings, so",
         "  cos and sin carry get_mscale(32) = 1.347; Transformer Engine's fused RoPE takes no such",
         "  factor and Megatron Core falls back to RoPE in separate PyTorch kernels",
@@ -628,7 +629,8 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         f"What is still missing: leave one model out, BF16 {pct(mape(bf16))} "
         f"(mean {pct(bias(bf16), True)}, {len(bf16)} rows) and MXFP8 {pct(mape(mx))} "
         f"(mean {pct(bias(mx), True)}, {len(mx)} rows; the previous revision's report, commit",
-        "33f93cd: BF16 38.2%, MXFP8 9.7%). The BF16 rows of one",
+        "bd223cd: BF16 35.8%, MXFP8 7.3%, the MXFP8 rows then priced with the eager bias their",
+        "recipe did not run). The BF16 rows of one",
         "GPU scatter by release (B200 at EP8, MBS 4: " + ", ".join(
             f"{float(RAW[i]['tokens_per_s_per_gpu']):,.0f} in {i}, release "
             + "{}.{:02d}".format(*release_of(RAW[i])) for i in b200)
@@ -642,10 +644,12 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         f"priced {cur:,.0f} by the physics. The rest is Megatron-Bridge's gpt-oss software path, "
         "which no",
         "published row documents further. The fit keeps its rows; the shipped profile carries "
-        "the BF16 shortfall as a measured residual"
+        "the shortfall as a measured residual"
         + (f" ({residual:.2f}x, `model_residual`: a model and precision whose fit rows are "
            f"off as a whole and slower, at least {U.MODEL_ROWS} rows with their median "
-           f"published/priced ratio {U.MODEL_RATIO:g}x or more below, carry that median)"
+           f"published/priced ratio {U.MODEL_RATIO:g}x or more below, carry that median; a "
+           f"precision with fewer rows, as its {len(mx)} MXFP8 ones, the median of all the "
+           "model's rows)"
            if residual else "")
         + (", and its interval its own held-out band"
            f" ({100 * (math.exp(band['q_lo']) - 1):+.0f}% to "
@@ -682,32 +686,44 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **DeepSeek-V3's and Kimi-K2's Megatron-Bridge rows are priced on the pipeline layout their
-  recipe ran** (`validation.recipes.PIPELINE_LAYOUTS`, recorded in a row's `assumed` as
-  `stage_layout`). Their 61 layers do not split evenly over PP·VP = 16, and the recipe does
-  not leave the split to a count: from 25.11 on, Megatron-Bridge's
-  `set_deepseek_v3_pipeline_model_parallel_layout` (and Kimi-K2's map from 26.02) puts the
-  embedding with four decoder layers first, fourteen stages of four, and one decoder layer
-  with the MTP layers and the loss last (`Et*4|(t*4|)*14,tmL`; at PP 8 without interleaving,
-  `Et*8|(t*8|)*6,t*5mL`), where moeplan's split by count left two decoder layers beside the
-  MTP and the loss, a heavier last stage that paced the step. On the shipped profile, the
-  {staged_rows} such rows of the 26.02–26.08 releases are {staged_recipe} off (mean
-  {staged_recipe_mean}) on the recipe's layout and would be {staged_count} (mean
-  {staged_count_mean}) on the count split; the {staged_old_rows} of 25.11, {staged_old_recipe}
-  against {staged_old_count} (Known gaps). The refit (objective {objective_before} →
-  {objective}) moved one constant, B300's GEMM ceiling ({b300_before} → {b300_now}), which the
-  B300 DeepSeek-V3 rows, priced slow on the count split, had held high. Leave one model out
-  {lomo_before}% → {lomo_now}% (DeepSeek {ds_lomo_before}% → {ds_lomo_now}%, mean
-  {ds_bias_before} → {ds_bias_now}, interval coverage {ds_cov_before}% → {ds_cov_now}%),
-  leave one release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
-  {config_now}%.
-- Leave one model out stays the headline, leave one release out the closest to runs of a
-  release nobody fitted, the configuration split secondary (`bench/cross_validate.py`, full
-  refit per fold; `moeplan validate --cv model|release`, quick refit). Interval coverage,
-  configuration split {cv_coverage_before}% → {cv_coverage_now}% (median width
-  {cv_width_before}% → {cv_width_now}%); leave one release out {loro_cov_before}% →
-  {loro_cov_now}%; leave one model out {lomo_cov_before}% → {lomo_cov}% (median width
-  {lomo_width_before}% → {lomo_width}%). Megatron-LM's recipes, which no fit saw:
+- **Transformer Engine's fused grouped MLP is a named setting, and the recipes that ran it are
+  priced with it** (`Layout.fused_grouped_mlp`; Megatron `--use-transformer-engine-op-fuser`
+  with `NVTE_CUTEDSL_FUSED_GROUPED_MLP=1`). From Megatron-Bridge 26.06 the MXFP8 MoE recipes
+  that capture the whole iteration run the experts as one CuTe-DSL grouped GEMM whose epilogue
+  applies the SwiGLU, the routing probabilities, the experts' biases and the MXFP8
+  quantisation (v0.5.0 sets `cutedsl_fused_grouped_mlp=True` on exactly those workload
+  configs; v0.6.0 sets the op fuser in its `_enable_*_full_iteration_mxfp8` helpers), and so
+  do Megatron-LM's full-graph recipes (MLR07, MLR09, MLR14). Priced from Transformer Engine's
+  `ops/fused/grouped_mlp.py`: the activation kernel's bf16 traffic and the fc2 operand's
+  quantize are gone and the activated output is written once in FP8, row- and column-wise
+  (per routed copy 3h + 2f bytes instead of 3h + 9f); one launch per expert GEMM for all
+  local experts; the biases inside the GEMM. On the shipped profile the {fused_rows} Qwen3
+  and DeepSeek-V3 rows that ran it are {fused_now} off (mean {fused_now_mean}), where priced
+  unfused they were {fused_before} (mean {fused_before_mean}). Megatron Core runs it only
+  where `_is_fused_impl_supported` holds, and the export refuses it while it is written for
+  Transformer Engine 2.12 (EXPORT.md).
+- **gpt-oss-120b's MXFP8 rows lose an error that hid its shortfall.** Priced unfused, their
+  experts' biases ran in Megatron Core's eager path (28 + 36 bytes per routed element, 7
+  launches per local expert), which the recipe did not run, and that alone put its
+  {oss_rows} MXFP8 rows at {oss_before} of measured; with the biases in the fused kernel the
+  physics prices them {oss_now} fast, as it prices the BF16 rows. Leave one model out, gpt-oss
+  {oss_lomo_before}% → {oss_lomo_now}% (MXFP8 {oss_mx_before}% → {oss_mx_now}%). A
+  precision with fewer than five rows of a model now takes the median of all the model's rows
+  when those are off as a whole (`fit.model_residuals`): the shipped profile carries
+  {oss_residual}× for gpt-oss-120b in MXFP8 as in BF16.
+- The refit moved no constant (objective {objective_before} → {objective}, the rise being
+  gpt-oss's MXFP8 rows, which the objective scores without a residual), but the
+  cross-validation folds refit on rows that now include four more 30%-fast ones, and some
+  folds move shared constants for them: the cross-validated figures are worse, the Megatron
+  PTD-P A100 rows (`gpt`, own dimensions) most ({gpt_before}% → {gpt_now}% under leave one
+  model out). Leave one model out
+  {lomo_before}% → {lomo_now}% (Qwen3 {qwen_before}% → {qwen_now}%), leave one release out
+  {loro_before}% → {loro_now}% (26.06, mean {r2606_before}% → {r2606_now}), configuration
+  split {config_before}% → {config_now}%. Interval coverage, configuration split
+  {cv_coverage_before}% → {cv_coverage_now}% (median width {cv_width_before}% →
+  {cv_width_now}%); leave one release out {loro_cov_before}% → {loro_cov_now}%; leave one model
+  out {lomo_cov_before}% → {lomo_cov}% (median width {lomo_width_before}% → {lomo_width}%;
+  gpt-oss {oss_cov_before}% → {oss_cov_now}%). Megatron-LM's recipes, which no fit saw:
   {recipes_before}% → {recipes_now} MAPE.
 """.splitlines()
 
@@ -754,13 +770,12 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 - The host floor's kernel counts are read from Megatron Core's and Transformer Engine's module
   structure, not traced; the launch time per host CPU is fitted (bounded 2–40 µs, Grace at or
   above x86) because no `moeplan calibrate` run on a GPU host has measured it yet.
-- Megatron-Bridge's MXFP8 MoE recipes from 26.06 also run the fused CuTe-DSL grouped MLP (one
-  kernel for every expert's GEMMs, activation and quantisation) and FP8 attention. moeplan
-  prices neither: the experts' activation and quantisation traffic is its unfused one and the
-  attention runs at the BF16 rate (Qwen3-30B-A3B on 8 GB200, MBS 4, EP8, with the whole-step
-  graph: {qwen30_now} in the shipped profile; DeepSeek-V3 on GB300, whose recipe also runs the
-  output projection in FP8: {dsv3_gb300}, part of why DeepSeek's rows fall outside
-  their leave-one-model-out interval more often than the other families).
+- Megatron-Bridge's MXFP8 MoE recipes from 26.06 also run FP8 attention, which moeplan does
+  not price: their attention runs at the BF16 rate (their fused grouped MLP is priced:
+  Qwen3-30B-A3B on 8 GB200, MBS 4, EP8, with the whole-step graph: {qwen30_now} in the shipped
+  profile; DeepSeek-V3 on GB300, whose recipe also runs the output projection in FP8:
+  {dsv3_gb300}, part of why DeepSeek's rows fall outside their leave-one-model-out interval
+  more often than the other families).
 - Runs no fit saw (Megatron-LM's recipes, above) are priced fast on average: partial-graph
   recipes of Qwen3 on NVL72 by {partial} where their full-graph twins are within {full} (the
   host cost of the uncaptured expert part is underpriced), and Qwen3-235B-A22B at TP 2 by
@@ -796,21 +811,29 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any]) -> dict[str, str]:
     prof = prof_doc()
     cvd, lo, lr = (prof["cross_validated"], prof["leave_one_model_out"],
                    prof["leave_one_release_out"])
-    ds = cv["model"]["by_family"]["deepseek"]
+    oss = [r for r in cv["model"]["rows"] if r["model"] == "gpt-oss-120b"]
+    oss_mx = [r for r in oss if r["precision"] == "mxfp8"]
+    rel = [r for r in cv["release"]["rows"] if r["group"].endswith("26.06")]
     return {
-        **recipe_layout_figures(),
+        **fused_mlp_figures(),
         "objective_before": f"{PREVIOUS['objective']:g}",
-        "b300_before": f"{PREVIOUS['b300_gemm']:g}",
-        "b300_now": f"{cal['gemm_eff_max'].get('B300', 0):g}",
         "lomo_before": f"{PREVIOUS['model']:.1f}", "lomo_now": f"{100 * cv['model']['mape']:.1f}",
+        "gpt_before": f"{PREVIOUS['gpt_lomo']:.1f}",
+        "gpt_now": f"{100 * cv['model']['by_family']['gpt']['mape']:.1f}",
+        "qwen_before": f"{PREVIOUS['qwen_lomo']:.1f}",
+        "qwen_now": f"{100 * cv['model']['by_family']['qwen3']['mape']:.1f}",
+        "oss_lomo_before": f"{PREVIOUS['oss_lomo']:.1f}", "oss_lomo_now": f"{100 * mape(oss):.1f}",
+        "oss_mx_before": f"{PREVIOUS['oss_mx_lomo']:.1f}",
+        "oss_mx_now": f"{100 * mape(oss_mx):.1f}" if oss_mx else "n/a",
+        "oss_residual": f"{cal.get('model_residual', {}).get('gpt-oss-120b/mxfp8', 1.0):.2f}",
+        "oss_cov_before": f"{PREVIOUS['oss_cov']:.0f}",
+        "oss_cov_now": f"{100 * lo['by_family'].get('gpt-oss', {}).get('coverage', 0):.0f}",
+        "r2606_before": f"{PREVIOUS['release_2606']:+.1f}",
+        "r2606_now": pct(bias(rel), True) if rel else "n/a",
         "loro_before": f"{PREVIOUS['release']:.1f}",
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_before": f"{PREVIOUS['config']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
-        "ds_lomo_before": f"{PREVIOUS['ds_lomo']:.1f}", "ds_lomo_now": f"{100 * ds['mape']:.1f}",
-        "ds_bias_before": f"{PREVIOUS['ds_bias']:+.1f}%", "ds_bias_now": f"{100 * ds['bias']:+.1f}%",
-        "ds_cov_before": f"{PREVIOUS['ds_cov']:.0f}",
-        "ds_cov_now": f"{100 * lo['by_family']['deepseek']['coverage']:.0f}",
         "cv_coverage_before": f"{PREVIOUS['cv_coverage']:.1f}",
         "cv_coverage_now": f"{100 * cvd['coverage']:.1f}",
         "cv_width_before": f"{PREVIOUS['cv_width']:.1f}",
@@ -834,8 +857,8 @@ def shipped_error(r: dict[str, Any]) -> float:
 def gap_figures() -> dict[str, str]:
     """The figures Known gaps quotes, computed: the runs-no-fit-saw ranges, and how slow the
     shipped profile prices Qwen3-30B-A3B's 8-GB200 MXFP8 rows of the full-iteration-graph
-    releases (26.06 on) and DeepSeek-V3's GB300 ones, whose fused grouped MLP and FP8
-    attention moeplan does not price."""
+    releases (26.06 on) and DeepSeek-V3's GB300 ones, whose FP8 attention moeplan does not
+    price."""
     slow = [-shipped_error(r) for r in SHIPPED if r["model"] == "qwen3-30b-a3b" and r["gpu"] == "GB200"
             and r["precision"] == "mxfp8" and (release_of(RAW[r["id"]]) or (0, 0)) >= (26, 6)]
     figures = unseen_figures(*unseen_runs())
@@ -863,26 +886,26 @@ def gap_figures() -> dict[str, str]:
     return figures
 
 
-def recipe_layout_figures() -> dict[str, str]:
-    """The rows priced on their Megatron-Bridge recipe's pipeline layout
-    (`recipes.PIPELINE_LAYOUTS`, recorded as `assumed["stage_layout"]`): the shipped profile's
-    error on them with that layout and with moeplan's split by layer count, for the 26.02 and
-    later releases and for 25.11, so What changed shows what the layout alone moves."""
+def fused_mlp_figures() -> dict[str, str]:
+    """The rows priced with the fused grouped MLP (`Layout.fused_grouped_mlp`): the shipped
+    profile's error on them with it and with the experts unfused, the Qwen3 and DeepSeek-V3 rows
+    apart from gpt-oss-120b's, whose errors are the physics' (no residual), so What changed
+    shows what the setting alone moves."""
     from moeplan.cost_models.estimate import estimate
     from moeplan.validation.crossval import cases_of
 
-    by_id = {r["id"]: r for r in SHIPPED
-             if RAW[r["id"]].get("model_preset") in ("deepseek-v3", "kimi-k2")}
-    newer: list[tuple[float, float]] = []
-    older: list[tuple[float, float]] = []
-    for c in cases_of([RAW[i] for i in by_id]):
-        if "stage_layout" not in c.assumed:
+    rows: list[tuple[float, float]] = []
+    oss: list[tuple[float, float]] = []
+    for c in cases_of([RAW[r["id"]] for r in SHIPPED]):
+        if not c.layout.fused_grouped_mlp:
             continue
-        counted = estimate(c.model, c.cluster, c.training, c.layout,
-                           c.choices.model_copy(update={"stage_layout": None}))
-        errs = (100 * (counted.tokens_per_s_per_gpu / c.published_tokens - 1),
-                shipped_error(by_id[c.id]))
-        (newer if (release_of(c.row) or (0, 0)) >= (26, 2) else older).append(errs)
+        cal = PHYSICS if c.model.name == "gpt-oss-120b" else None
+        errs = tuple(100 * (estimate(c.model, c.cluster, c.training,
+                                     c.layout.model_copy(update={"fused_grouped_mlp": on}),
+                                     c.choices, calibration=cal, with_interval=False
+                                     ).tokens_per_s_per_gpu / c.published_tokens - 1)
+                     for on in (False, True))
+        (oss if c.model.name == "gpt-oss-120b" else rows).append(errs)
 
     def span(errs: list[tuple[float, ...]], k: int) -> str:
         return f"{min(e[k] for e in errs):+.0f} to {max(e[k] for e in errs):+.0f}%" if errs else "n/a"
@@ -890,10 +913,10 @@ def recipe_layout_figures() -> dict[str, str]:
     def mean(errs: list[tuple[float, ...]], k: int) -> str:
         return f"{sum(e[k] for e in errs) / len(errs):+.1f}%" if errs else "n/a"
 
-    return {"staged_rows": str(len(newer)), "staged_count": span(newer, 0),
-            "staged_recipe": span(newer, 1), "staged_count_mean": mean(newer, 0),
-            "staged_recipe_mean": mean(newer, 1), "staged_old_rows": str(len(older)),
-            "staged_old_count": span(older, 0), "staged_old_recipe": span(older, 1)}
+    return {"fused_rows": str(len(rows)), "fused_before": span(rows, 0),
+            "fused_now": span(rows, 1), "fused_before_mean": mean(rows, 0),
+            "fused_now_mean": mean(rows, 1), "oss_rows": str(len(oss)),
+            "oss_before": span(oss, 0), "oss_now": span(oss, 1)}
 
 
 def main() -> None:

@@ -202,9 +202,11 @@ def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overla
     seen, plain = predict_case(late), predict_case(early)
     assert seen["predicted_tokens_per_s_per_gpu"] > plain["predicted_tokens_per_s_per_gpu"]
     bf16_grads = {"grad_reduce_dtype": "bf16"}  # the same recipes' gradient reduction
-    # Qwen3-30B-A3B on GB200: the recipe captures the whole iteration (validation.rules)
+    # Qwen3-30B-A3B on GB200: the recipe captures the whole iteration and runs the fused
+    # grouped MLP (validation.rules)
     assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True,
-                               "cuda_graph_scope": "full_iteration", **bf16_grads}
+                               "cuda_graph_scope": "full_iteration", "fused_grouped_mlp": True,
+                               **bf16_grads}
     assert plain["assumed"] == bf16_grads
 
 

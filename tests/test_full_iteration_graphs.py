@@ -139,3 +139,105 @@ def test_a_row_that_documents_full_iteration_graphs_is_priced_with_them():
     assert got["cuda_graphs"] is True and got["cuda_graph_scope"] == "full_iteration"
     assert "cuda_graph_scope" not in documented_settings(
         {"other_notes": "CUDA graphs (attn moe_router)", "source_detail": ""})
+
+
+# ------------------------------------------------------------- the fused grouped MLP
+def _fused(on: bool, precision: str = "mxfp8", **axes) -> tuple:
+    training = TrainingSpec(seq_len=4096, global_batch_size=512, precision=precision)
+    lay = _layout("full_iteration", fused_grouped_mlp=on, **axes)
+    return moe_layer(make_context(QWEN, GB200, training, lay, default_calibration())), lay
+
+
+def test_the_fused_grouped_mlp_removes_the_activation_and_fc2_quantize_traffic():
+    """Per routed copy the unfused experts move 9f + 3h bytes outside their GEMMs (the
+    activation reads 2f and writes f in bf16, each GEMM operand is quantized: 3 bytes per
+    element); the fused kernel keeps the fc1 operand's quantize (3h) and writes the activated
+    output once in FP8, row- and column-wise (2f): Qwen3-30B-A3B (h 2048, f 768) moves 41%
+    less, and the layer's forward and backward are shorter by that traffic's time."""
+    unfused, _ = _fused(False)
+    fused, _ = _fused(True)
+    h, f = QWEN.hidden_size, QWEN.moe_ffn_hidden_size
+    assert (3 * h + 2 * f) / (3 * h + 9 * f) == pytest.approx(0.588, abs=0.001)
+    saved_f = unfused.fwd_s - fused.fwd_s
+    assert saved_f > 0 and unfused.bwd_s - fused.bwd_s == pytest.approx(2 * saved_f)
+    assert unfused.recompute_fwd_s["moe_act"] > fused.recompute_fwd_s["moe_act"]
+
+
+def test_the_fused_grouped_mlp_prices_nothing_where_it_has_nothing_to_fuse():
+    """BF16 experts quantize nothing: the flag leaves their cost as it was."""
+    assert _fused(True, "bf16")[0] == _fused(False, "bf16")[0]
+
+
+def test_the_fused_grouped_mlp_launches_each_expert_gemm_once_for_all_local_experts():
+    from moeplan.cost_models.host import layer_launches
+
+    lay = _layout("layer", ep=4)  # 32 local experts
+    unfused = layer_launches(QWEN, lay, "mxfp8", "moe")
+    fused = layer_launches(QWEN, lay, "mxfp8", "moe", fused_mlp=True)
+    # blocks: dispatch, fc1 quantize, fc1, activation, fc2 quantize, fc2, combine
+    assert unfused.after_sync[1:6] == (32, 32, 1, 32, 32)
+    assert fused.after_sync[1:6] == (1, 1, 0, 0, 1)
+    assert fused.bwd < unfused.bwd - 4 * 31
+    assert layer_launches(QWEN, lay, "bf16", "moe", fused_mlp=True) == layer_launches(
+        QWEN, lay, "bf16", "moe")
+
+
+def test_megatron_refuses_the_fused_grouped_mlp_where_its_kernel_cannot_run():
+    """Hopper, a BF16 recipe, or expert tensor parallelism: each named in the refusal."""
+    plan = Plan(model=QWEN, cluster=load_cluster("h100", gpus=8),
+                training=TrainingSpec(seq_len=4096, global_batch_size=512),
+                layout=_layout(fused_grouped_mlp=True, etp=2), choices=Choices())
+    v = dict(layout_violations(plan.model, plan.training, plan.layout, 8, plan.choices,
+                               plan.cluster))
+    why = v["fused_grouped_mlp_support"]
+    assert "H100" in why and "bf16" in why and "etp is 2" in why
+    assert "fused_grouped_mlp false" in why
+    ok = Plan(model=QWEN, cluster=GB200, training=TR,
+              layout=_layout("full_iteration", fused_grouped_mlp=True), choices=Choices())
+    assert "fused_grouped_mlp_support" not in dict(layout_violations(
+        ok.model, ok.training, ok.layout, 8, ok.choices, ok.cluster))
+
+
+def test_the_export_writes_the_fused_grouped_mlp_only_for_a_transformer_engine_that_has_it(
+        monkeypatch):
+    """The export is written for Transformer Engine 2.12 and Megatron Core needs 2.14 for the
+    fused kernel: refused by name; for 2.14 the launch carries the op fuser flag and the
+    variable Transformer Engine reads."""
+    from moeplan.planner import export as export_mod
+    from moeplan.specs import rules
+
+    plan = Plan(model=QWEN, cluster=GB200, training=TR,
+                layout=_layout("full_iteration", fused_grouped_mlp=True), choices=Choices())
+    with pytest.raises(LayoutError, match="fused_grouped_mlp_te_version"):
+        to_megatron_args(plan)
+    monkeypatch.setattr(export_mod, "TE_VERSION", "2.14")
+    argv, _ = to_megatron_args(plan)
+    assert "--use-transformer-engine-op-fuser" in argv
+    assert export_mod.megatron_env(plan)["NVTE_CUTEDSL_FUSED_GROUPED_MLP"] == "1"
+    assert [q.name for q in rules.requirements(rules.Facts(
+        QWEN, TR, _layout("full_iteration"), None, GB200), "env")
+            ].count("NVTE_CUTEDSL_FUSED_GROUPED_MLP") == 0
+
+
+def test_moeplan_run_goes_ahead_without_the_fused_grouped_mlp_and_says_so():
+    plan = Plan(model=QWEN, cluster=GB200, training=TR,
+                layout=_layout("full_iteration", fused_grouped_mlp=True), choices=Choices())
+    assert any("fused grouped MLP" in s for s in settings_not_executed(plan))
+    assert not without_speed_settings(plan).layout.fused_grouped_mlp
+
+
+def test_the_26_06_full_iteration_recipes_run_the_fused_grouped_mlp_and_earlier_ones_do_not():
+    """Megatron-Bridge v0.5.0 (26.06) turns `cutedsl_fused_grouped_mlp` on exactly where its
+    MXFP8 MoE recipes capture the whole iteration; 26.04 ran neither, and DeepSeek-V3 on
+    B300 at 26.06 keeps per-layer graphs and the unfused experts."""
+    from moeplan.specs import list_presets
+    from moeplan.validation.rules import documented_settings
+
+    presets = list_presets()
+    rows = {r["id"]: r for r in read_rows()}
+    fused = {i: case_of(rows[i], presets).layout.fused_grouped_mlp
+             for i in ("R0008", "R0049", "R0043", "R0100")}
+    assert fused == {"R0008": True, "R0049": True, "R0043": False, "R0100": False}
+    assert documented_settings({"other_notes": "fused grouped MLP "
+                                "(NVTE_CUTEDSL_FUSED_GROUPED_MLP=1)", "source_detail": ""}
+                               )["fused_grouped_mlp"] is True

@@ -216,6 +216,10 @@ ARGS_RULES = {  # validate_args (megatron/training, not on the package index): e
     # capture at run time
     "full_iteration_graphs_moe_buffers": lambda: _plan(
         "qwen3-30b-a3b", 16, ep=8, cuda_graphs=True, cuda_graph_scope="full_iteration"),
+    # experts.py, at model build: TEGroupedMLP asserts "Fused GroupedMLP is not supported for
+    # this configuration" (a BF16 recipe on Hopper here)
+    "fused_grouped_mlp_support": lambda: _plan("qwen3-30b-a3b", 16, ep=8,
+                                               fused_grouped_mlp=True),
     "full_recompute_alone": lambda: _plan("llama3-8b", 8).model_copy(update={
         "choices": Choices.model_construct(recompute=[["full", "mlp"]], offload=[],
                                            optimizer_offload_fraction=0.0,

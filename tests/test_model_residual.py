@@ -25,14 +25,22 @@ def _preds(cases, ratio):
 
 
 def test_only_a_model_and_precision_off_as_a_whole_slower_gets_a_residual(cases):
+    """gpt-oss-120b's MXFP8 rows are too few to tell on their own: they take the median of
+    all its rows when those are off as a whole, and none when they are not."""
     def ratio(c):
         if c.model.name == "gpt-oss-120b":
             return 0.7 if c.training.precision == "bf16" else 0.5  # mxfp8: 4 rows, too few
         return 1.3 if c.model.name == "mixtral-8x22b" else 0.9     # faster; within 20%
     got = model_residuals(cases, _preds(cases, ratio))
-    assert got == {"gpt-oss-120b/bf16": 0.7}
+    assert got == {"gpt-oss-120b/bf16": 0.7, "gpt-oss-120b/mxfp8": 0.7}
     assert sum(c.model.name == "gpt-oss-120b" and c.training.precision == "mxfp8"
                for c in cases) < 5
+
+    def bf16_on_time(c):
+        if c.model.name == "gpt-oss-120b":
+            return 1.0 if c.training.precision == "bf16" else 0.5
+        return 1.0
+    assert model_residuals(cases, _preds(cases, bf16_on_time)) == {}
     # rows the refit could not price (None) are no evidence either way
     assert model_residuals(cases, [None] * len(cases)) == {}
 
@@ -64,9 +72,13 @@ def test_the_estimate_carries_the_residual_as_named_unmodelled_time():
     assert any("unmodelled time" in w and f"{f:.2f}x" in w for w in got.warnings)
     # the search's bound, priced without the residual, stays a bound (the residual only slows)
     assert lower_bound(oss, c, bf16, tp=1, cp=1, dp=64, pp=1, ep=64)[0] <= got.step_time_s
-    # another precision of the same model, and another model, carry none
+    # its MXFP8 rows, too few to tell alone, carry the model's pooled residual; a precision
+    # with no fit rows, and another model, carry none
     mx = TrainingSpec(seq_len=4096, global_batch_size=1280, precision="mxfp8")
-    assert estimate(oss, c, mx, lay, with_interval=False).unmodelled_s == 0.0
+    assert default_calibration().residual_for(oss.name, "mxfp8") == f
+    assert estimate(oss, c, mx, lay, with_interval=False).unmodelled_s > 0.0
+    cs = TrainingSpec(seq_len=4096, global_batch_size=1280, precision="fp8-tensorwise")
+    assert estimate(oss, c, cs, lay, with_interval=False).unmodelled_s == 0.0
     llama = estimate(load_model("llama3-70b"), c, bf16, Layout.build(64, 1280, tp=4, pp=2),
                      with_interval=False)
     assert llama.unmodelled_s == 0.0

@@ -166,13 +166,17 @@ def quantize_launches(precision: str) -> tuple[int, bool]:
 
 
 def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
-                   fused_moe: bool = True) -> Launches:
+                   fused_moe: bool = True, fused_mlp: bool = False) -> Launches:
     """Launches of one decoder layer (`kind` "dense" or "moe") or of the loss head ("loss").
 
     Backward: BWD_FACTOR kernels per forward non-GEMM kernel, a data- and a weight-gradient
     GEMM per forward GEMM. A quantizing recipe quantizes each GEMM input forward and each
     output gradient backward (`quantize_launches`: its kernels per tensor, a grouped operand
-    once per local expert unless the recipe fuses it)."""
+    once per local expert unless the recipe fuses it). The fused grouped MLP (`fused_mlp`,
+    `Layout.fused_grouped_mlp`) launches each of the experts' GEMMs once for every local
+    expert, with the activation, the biases and the fc2 operand's quantisation in the fc1
+    GEMM's epilogue (and their gradients in the fc2 data-gradient GEMM's), after one grouped
+    quantize of the fc1 operand (Transformer Engine `ops/fused/grouped_mlp.py`)."""
     if kind == "loss":
         return Launches(LOSS, 0.0, BWD_FACTOR * LOSS)
     q, fused_group = quantize_launches(precision)
@@ -188,19 +192,24 @@ def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,
     local = max(1, (model.num_experts or 1) // layout.ep)
     unfused = 0 if fused_moe else UNFUSED_MOE
     shared = SHARED_EXPERT if model.num_shared_experts else 0
-    # fc1 and fc2 inputs of the grouped GEMMs (tensors quantized), and the shared experts' two
-    grouped_ops = 2 * (1 if fused_group else local) + (2 if shared else 0)
+    fused_mlp = fused_mlp and q > 0
+    # launches of one expert GEMM over the local experts; the activation kernel
+    egemm, act = (1, 0) if fused_mlp else (local, 1)
+    grouped = 1 if fused_group or fused_mlp else local  # kernels quantizing a grouped operand
+    # fc1 and fc2 inputs of the grouped GEMMs (tensors quantized; the fused MLP quantizes the
+    # fc2 input and the fc1 output gradient in its epilogues), and the shared experts' two
+    grouped_ops = (1 if fused_mlp else 2) * grouped + (2 if shared else 0)
     pre = attn + 3 + q * attn_gemms + unfused / 2     # attention, norm, router GEMM, top-k
     bias_f, bias_b = ((EXPERT_BIAS_FWD * local + 2, EXPERT_BIAS_BWD * local + 1)
-                      if model.mlp_bias else (0, 0))
-    quant = q * (1 if fused_group else local)          # one grouped operand's quantize kernels
+                      if model.mlp_bias and not fused_mlp else (0, 0))
+    quant = q * grouped                                # one grouped operand's quantize kernels
     # MOE_FIXED less the three before the sync: top-k's second kernel, the counts (3), permute,
     # all-to-all, chunk sort; the activation; chunk unsort, all-to-all, unpermute, add
-    after = (7 + unfused / 2, quant, local, 1 + bias_f, quant, local,
+    after = (7 + unfused / 2, quant, egemm, act + bias_f, 0 if fused_mlp else quant, egemm,
              4 + shared + (2 * q if shared else 0))
     post = sum(after)
-    gemms = attn_gemms + 1 + 2 * local + (2 if shared else 0)
-    non_gemm = attn + MOE_FIXED + shared - gemms + 2 * local + unfused
+    gemms = attn_gemms + 1 + 2 * egemm + (2 if shared else 0)
+    non_gemm = attn + MOE_FIXED - 1 + act + shared - gemms + 2 * egemm + unfused
     bwd = BWD_FACTOR * non_gemm + 2 * gemms + q * (attn_gemms + grouped_ops) + rope_b + bias_b
     return Launches(pre, post, bwd, 1, after)
 

@@ -249,7 +249,7 @@ def host_floor(ctx: Context, kind: str, fwd_device_s: float, bwd_device_s: float
     if t <= 0.0:
         return 0.0, 0.0
     n = layer_launches(ctx.model, ctx.layout, ctx.training.precision, kind,
-                       ctx.training.fused_moe_kernels)
+                       ctx.training.fused_moe_kernels, fused_grouped_mlp(ctx))
     graphs = ctx.layout.cuda_graphs and kind != "loss"
     static = kind == "moe" and ctx.training.static_moe_shapes
     if kind != "moe" or static:
@@ -398,8 +398,9 @@ def _expert_bias(ctx: Context, copies: float) -> tuple[float, float]:
     `moe_single_grouped_bias`): per local expert t + b·p in fp32 (the probabilities are fp32),
     concatenated, cast back to bf16: 28 bytes per routed element forward (b·p written 4; t, b·p
     read 6, sum written 4; concat 8; cast 6); backward the cast (6), the add's bf16 gradient
-    (6), and the products and row sums giving b's and p's gradients (12 each): 36."""
-    if not ctx.model.mlp_bias:
+    (6), and the products and row sums giving b's and p's gradients (12 each): 36. The fused
+    grouped MLP adds the weighted bias in its GEMM instead (`scale_bias`): nothing here."""
+    if not ctx.model.mlp_bias or fused_grouped_mlp(ctx):
         return 0.0, 0.0
     n = copies * ctx.model.hidden_size
     return _mem(ctx, 28 * n), _mem(ctx, 36 * n)
@@ -575,6 +576,32 @@ tokens the layers stash (`moe_paged_stash_buffer_size_factor_cuda`, default 1.10
 transformer_config.py at d98e8a6)."""
 
 
+def fused_grouped_mlp(ctx: Context) -> bool:
+    """Whether the experts run as Transformer Engine's fused grouped MLP
+    (`Layout.fused_grouped_mlp`): a quantizing recipe and a gated activation, the two things
+    its epilogue fuses (`specs.rules` names what else Megatron Core demands of it)."""
+    return ctx.layout.fused_grouped_mlp and ctx.lowp and ctx.model.gated
+
+
+def _expert_act(ctx: Context, routed: float, f: float, act: float) -> tuple[float, float]:
+    """(activation seconds, fc2-operand quantize seconds) of the experts' `routed` copies at
+    intermediate size `f` per rank, given the unfused activation time `act` (`_ffn`).
+
+    Unfused, the activation kernel reads the fc1 output and writes its own (bf16), and a
+    quantize kernel per GEMM operand reads bf16 and writes FP8 (`_cast_bytes`). The fused
+    grouped MLP keeps the fc1 operand's grouped quantize and writes the activated output once,
+    already quantized, from the fc1 GEMM's epilogue: FP8 row-wise and column-wise copies (the
+    fc2 GEMM's and its weight gradient's), 2 bytes per element, and nothing else (Transformer
+    Engine `ops/fused/grouped_mlp.py`: `fc1_kernel_out` `d_tensor` and `d_col_tensor`; the
+    backward's activation gradient and quantisation sit in the fc2 data-gradient GEMM's
+    epilogue the same way)."""
+    q2 = _mem(ctx, _cast_bytes(ctx, routed * f))
+    if not fused_grouped_mlp(ctx):
+        return act, q2
+    h = ctx.model.hidden_size
+    return _mem(ctx, _cast_bytes(ctx, routed * h) + 2.0 * routed * f), 0.0
+
+
 def paged_stash_factor(ctx: Context) -> float:
     """How much more the experts' saved activations take than their tokens: the paged stash's
     buffer factor under a full-iteration graph of a dropless MoE layer, else 1."""
@@ -606,6 +633,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     R = Nsp * k * L.etp * imbalance                  # routed copies on the busiest rank
     per_expert = R / local_experts
     g_e, act_e, fc1_e, out_e = _ffn(ctx, per_expert, fe, L.etp, count=local_experts)
+    act_e, q2 = _expert_act(ctx, R, fe / L.etp, act_e)
     # router: logits GEMM, then top-k, softmax and the aux loss over the fp32 logits: one
     # fused kernel's traffic (12 bytes per logit), or about six separate PyTorch passes (48)
     # on a stack without the fusions; permute + unpermute read and write each routed copy (bf16), or
@@ -674,7 +702,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     # split by their FLOPs (fc1 is `mult` times fc2), the quantize kernels' traffic out of the
     # activation's
     mult = 2 if m.gated else 1
-    q1, q2 = _mem(ctx, _cast_bytes(ctx, R * h)), _mem(ctx, _cast_bytes(ctx, R * fe / L.etp))
+    q1 = _mem(ctx, _cast_bytes(ctx, R * h))
     after_sync = (perm / 2 + exposed[0], q1, g_e * mult / (mult + 1),
                   max(0.0, act_e - q1 - q2) + bias_f, q2, g_e / (mult + 1),
                   perm / 2 + exposed[2] + norm2 + shared_g + shared_act)

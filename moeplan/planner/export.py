@@ -50,6 +50,7 @@ from ..specs.rules import (
     TE_VERSION,
     Facts,
     requirements,
+    te_too_old,
     violations,
 )
 from ..specs.stage_layout import format_stage_layout, stage_layout_for
@@ -186,6 +187,8 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
         1, float, None, _TC + "moe_expert_rank_capacity_factor"),
     "--moe-paged-stash": MegatronFlag(0, None, None, _TC + "moe_paged_stash"),
     "--moe-use-grouped-tensor": MegatronFlag(0, None, None, _TC + "moe_use_grouped_tensor"),
+    "--use-transformer-engine-op-fuser": MegatronFlag(
+        0, None, None, _TC + "use_transformer_engine_op_fuser"),
     "--cuda-graph-modules": MegatronFlag(
         "+", str, ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"),
         _A + "_add_inference_args (--cuda-graph-scope is its deprecated, hidden alias)"),
@@ -537,6 +540,8 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         a.add("--moe-flex-dispatcher-backend", L.flex_backend)
     if L.ep_overlap:
         a.add("--overlap-moe-expert-parallel-comm")
+    if L.fused_grouped_mlp:  # with NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 (specs.rules launch env)
+        a.add("--use-transformer-engine-op-fuser")
 
 
 def graph_modules(model: ModelSpec, training: TrainingSpec, layout: Layout
@@ -747,7 +752,8 @@ def _facts(plan: Plan) -> Facts:
 def check_exportable(plan: Plan, target: str = "megatron") -> None:
     """Refuse a plan that breaks a rule of the executor it is exported to (`specs.rules`):
     that executor would refuse it at start-up, or run it differently from how it was priced."""
-    v = violations(_facts(plan), target)
+    f = _facts(plan)
+    v = violations(f, target) + (te_too_old(f, TE_VERSION) if target == "megatron" else [])
     if v:
         raise LayoutError(v, target)
 

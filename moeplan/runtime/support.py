@@ -27,9 +27,10 @@ def features_not_executed(plan: Plan) -> list[str]:
 
 
 SPEED_SETTINGS = {"tp_comm_overlap": "TP communication overlap (tp_comm_overlap)",
-                  "cuda_graphs": "CUDA graphs (cuda_graphs)"}
+                  "cuda_graphs": "CUDA graphs (cuda_graphs)",
+                  "fused_grouped_mlp": "the fused grouped MLP kernel (fused_grouped_mlp)"}
 """Megatron stack settings this runtime runs without: they change the step time, never the
-function computed (TE userbuffers, CUDA graphs)."""
+function computed (TE userbuffers, CUDA graphs, the CuTe-DSL grouped MLP)."""
 
 
 def settings_not_executed(plan: Plan) -> list[str]:

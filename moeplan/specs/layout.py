@@ -67,6 +67,14 @@ class Layout(BaseModel):
         "is capturable whole only with static buffers: HybridEP's per-rank token budget "
         "(--moe-expert-rank-capacity-factor, tokens over it dropped) and the paged stash of "
         "the experts' activations (--moe-paged-stash), which the export sets.")
+    fused_grouped_mlp: bool = Field(
+        False, description="Run each MoE layer's experts as Transformer Engine's fused grouped "
+        "MLP (Megatron --use-transformer-engine-op-fuser with NVTE_CUTEDSL_FUSED_GROUPED_MLP=1, "
+        "as NVIDIA's MXFP8 full-iteration recipes from Megatron-Bridge 26.06 run it): one "
+        "CuTe-DSL grouped GEMM whose epilogue applies the gated activation, the routing "
+        "probabilities and the MXFP8 quantisation, instead of a GEMM, a quantize kernel per "
+        "expert and an activation kernel between. Needs a block-scaled recipe (mxfp8, nvfp4) "
+        "on Blackwell, a gated MoE MLP, etp 1 and Transformer Engine ≥ 2.14.")
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +158,7 @@ class Layout(BaseModel):
         return (self.tp, self.cp, self.dp, self.pp, self.vpp, self.ep, self.etp, self.mbs,
                 self.num_microbatches, self.order, self.dispatcher, self.flex_backend,
                 self.distributed_optimizer, self.ep_overlap, self.tp_comm_overlap,
-                self.cuda_graphs, self.cuda_graph_scope)
+                self.cuda_graphs, self.cuda_graph_scope, self.fused_grouped_mlp)
 
 
 class Choices(BaseModel):

@@ -359,6 +359,63 @@ def _full_iter_moe(f: Facts) -> bool:
             or (L.dispatcher == "flex" and L.flex_backend == "hybridep"))
 
 
+FUSED_GROUPED_MLP_TE = (2, 14)
+"""The Transformer Engine Megatron Core's fused grouped MLP needs (`_is_fused_impl_supported`:
+`is_te_min_version("2.14.0")`): a launch concern (`te_too_old`), since the runs that
+validate the pricing had it."""
+
+
+def te_too_old(f: Facts, te_version: str) -> list[tuple[str, str]]:
+    """(rule, what and fix) for each setting of the plan the Transformer Engine a launch is
+    written for (`te_version`) cannot run."""
+    te = tuple(int(x) for x in te_version.split(".")[:2])
+    if getattr(f.layout, "fused_grouped_mlp", False) and te < FUSED_GROUPED_MLP_TE:
+        return [("fused_grouped_mlp_te_version",
+                 f"the export is written for Transformer Engine {te_version}, and Megatron Core "
+                 "runs the fused grouped MLP only with 2.14 or later (experts.py "
+                 "_is_fused_impl_supported); set fused_grouped_mlp false")]
+    return []
+
+
+def _fused_mlp_blockers(f: Facts) -> list[str]:
+    """Why Megatron Core would refuse this layout's fused grouped MLP
+    (`megatron/core/transformer/moe/experts.py::TEGroupedMLP._is_fused_impl_supported`, which
+    asserts "Fused GroupedMLP is not supported for this configuration"; Transformer Engine's
+    `_GroupedMLP_CuTeGEMMBase.is_supported`: compute capability 10, block-scaled recipes)."""
+    m, L, out = f.model, f.layout, []
+    if not getattr(L, "fused_grouped_mlp", False):
+        return out
+    if not m.is_moe:
+        out.append("the model has no experts")
+    elif m.activation != "swiglu":
+        out.append(f"the experts' activation is {m.activation}, and the fused kernel takes "
+                   "SwiGLU only")
+    if L.etp > 1:
+        out.append(f"etp is {L.etp}, and the fused kernel runs without expert tensor "
+                   "parallelism")
+    if f.training.precision not in ("mxfp8", "nvfp4"):
+        out.append(f"the precision is {f.training.precision}, and the fused kernel runs the "
+                   "block-scaled recipes (mxfp8, nvfp4)")
+    if f.cluster is not None and f.cluster.architecture != "blackwell":
+        out.append(f"{f.cluster.gpu} is {f.cluster.architecture}, and the fused kernel is "
+                   "built for Blackwell (SM 10.x)")
+    if f.choices is not None and any(
+            {"expert_fc1", "moe_act"} & set(o) for o in f.choices.offload):
+        out.append("the plan offloads expert_fc1 or moe_act, which only the unfused path does")
+    return out
+
+
+@rule("fused_grouped_mlp_support", "megatron/core/transformer/moe/experts.py::"
+      "TEGroupedMLP._is_fused_impl_supported (SwiGLU experts, no "
+      "expert tensor parallelism, no expert_fc1/moe_act offload; TE's CuTe-DSL kernel: "
+      "Blackwell, mxfp8 or nvfp4)",
+      lambda f: ("Megatron Core cannot run this plan's fused grouped MLP: "
+                 + "; ".join(_fused_mlp_blockers(f)) + ". Set fused_grouped_mlp false"),
+      targets=MEGATRON, axes=("fused_grouped_mlp",))
+def _fused_mlp(f: Facts) -> bool:
+    return not _fused_mlp_blockers(f)
+
+
 def _dispatch_name(layout: Any) -> str:
     return (f"flex with {layout.flex_backend}" if layout.dispatcher == "flex"
             else layout.dispatcher)
@@ -761,6 +818,11 @@ REQUIREMENTS: list[Requirement] = [
     Requirement("env", "USE_MNNVL", "1 on multi-node NVLink (NVL72), else 0", _BRIDGE_TOPOLOGY +
                 ", with the flex dispatcher's hybridep backend)", "HybridEP reaches the other "
                 "trays of an NVL72 over multi-node NVLink", lambda f, te: _hybridep(f), _mnnvl),
+    Requirement("env", "NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1", "transformer_engine/pytorch/ops/"
+                "fused/grouped_mlp.py::_GroupedMLP_CuTeGEMMBase.is_supported (with "
+                "fused_grouped_mlp)", "Transformer Engine takes the CuTe-DSL grouped MLP only "
+                "when this variable is set; --use-transformer-engine-op-fuser alone runs the "
+                "unfused ops", lambda f, te: bool(getattr(f.layout, "fused_grouped_mlp", False))),
     Requirement("flag", "--no-rope-fusion", None, _MLA + " (apply_rope_fusion for MLA only "
                 "works with YaRN RoPE)", "the plan's MLA uses plain RoPE (--rope-type rope)",
                 lambda f, te: f.model.attention == "mla"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cost_models.calibration import Calibration, residual_key
-from ..cost_models.uncertainty import off_as_a_whole
+from ..cost_models.uncertainty import MODEL_ROWS, off_as_a_whole
 from .cases import RunCase, config_key
 from .scoring import cluster_of, fastest, published_tokens, release_group
 
@@ -311,15 +311,23 @@ def model_residuals(cases: Sequence[RunCase], preds: Sequence[float | None]
     shared constants cannot take it up without hurting every other model. Its point estimate
     then carries the measured slowdown as unmodelled time instead of sitting outside its own
     interval; a model no fit row has gets none, so leaving a model out measures the physics
-    alone."""
+    alone. A precision with too few rows of its own to tell (fewer than MODEL_ROWS) takes the
+    median of all the model's rows when those are off as a whole: the shortfall is the
+    model's software path, which its few rows at that precision share (gpt-oss-120b's four
+    MXFP8 rows, once their experts' biases are priced fused as their recipe ran them, sit
+    where its BF16 rows do)."""
     ratios: dict[str, list[float]] = {}
+    pooled: dict[str, list[float]] = {}
     for c, q in zip(cases, preds, strict=True):
         pub = published_tokens(c)[0]
         if pub and q:
             ratios.setdefault(residual_key(c.model.name, c.training.precision), []).append(
                 pub / q)
+            pooled.setdefault(c.model.name, []).append(pub / q)
     out = {}
     for key, rs in sorted(ratios.items()):
+        if len(rs) < MODEL_ROWS:
+            rs = pooled[key.split("/", 1)[0]]
         med = sorted(rs)[len(rs) // 2]
         if med < 1.0 and off_as_a_whole(rs):
             out[key] = round(med, 4)

@@ -22,9 +22,12 @@ from .rows import cell, release_of
 # `FP8_MX` variants; `perf_recipes/*/common.py::_enable_*_full_iteration_mxfp8`). The published
 # rows print none of them, so rows of those releases are priced with the overlap, the
 # dispatcher and CUDA graphs: over the whole iteration where the recipe says so
-# (FULL_ITERATION_RECIPES), per layer otherwise. The fused MLP (one kernel for every expert's
-# GEMMs, activation and quantisation) is not priced: its memory traffic is moeplan's unfused
-# one (docs/ACCURACY.md, known gaps).
+# (FULL_ITERATION_RECIPES), per layer otherwise. The fused MLP (`Layout.fused_grouped_mlp`)
+# goes with the full-iteration recipes: Megatron-Bridge v0.5.0 (26.06) sets
+# `cutedsl_fused_grouped_mlp=True` on exactly their `FP8_MX` workload configs (and
+# `perf_plugins.py` exports NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 for it), v0.6.0 (26.08) sets
+# `use_transformer_engine_op_fuser` in the `_enable_*_full_iteration_mxfp8` helpers that turn
+# the full-iteration graph on.
 OVERLAP_RECIPE_FROM = (26, 6)
 
 # Of those MXFP8 MoE recipes, the ones whose CUDA graph captures the whole iteration
@@ -78,6 +81,7 @@ def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, archi
         out: dict[str, Any] = {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True}
         if (row.get("model_preset", ""), (row.get("gpu") or "").strip()) in FULL_ITERATION_RECIPES:
             out["cuda_graph_scope"] = "full_iteration"
+            out["fused_grouped_mlp"] = True
         return out
     return {}
 
@@ -188,7 +192,7 @@ def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
 # and all-gather dispatchers, EP communication overlap (`--overlap-moe-expert-parallel-comm`,
 # Megatron-Bridge's `moe_a2a_overlap`, "EP/A2A overlap"), TP communication overlap
 # ("TP overlap", "DP/TP/PP/CP overlap enabled"), CUDA graphs and the full-iteration scope of
-# them. A phrase preceded in its clause
+# them, Transformer Engine's fused grouped MLP. A phrase preceded in its clause
 # by a negation ("no", "w/o", "without", "not", "disabled"), or followed by "disabled"
 # or "off", documents the setting off.
 NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
@@ -203,6 +207,8 @@ NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
      r"overlap|tp_comm_overlap", "tp_comm_overlap", True),
     (r"cuda[- ]?graphs?", "cuda_graphs", True),
     (r"full[- ]iteration cuda[- ]?graphs?", "cuda_graph_scope", "full_iteration"),
+    (r"fused grouped mlp|cutedsl_fused_grouped_mlp|transformer[- ]engine op fuser",
+     "fused_grouped_mlp", True),
 )
 NEGATION = re.compile(r"(?:\bno|w/o|without|\bnot|disabled?)\s+(?:\S+\s+){0,2}$")
 
