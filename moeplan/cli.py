@@ -326,6 +326,10 @@ def estimate(
         "--cuda-graph-scope", help="layer (each layer's static-shape part) or full_iteration "
         "(the whole step as one graph; turns --cuda-graphs on; a dropless MoE takes HybridEP's "
         "per-rank token budget and the paged stash).")] = "layer",
+    fused_grouped_mlp: Annotated[bool, typer.Option(
+        "--fused-grouped-mlp", help="Experts as Transformer Engine's fused grouped MLP (one "
+        "CuTe-DSL GEMM with the activation and MXFP8 quantisation in its epilogue; mxfp8 or "
+        "nvfp4 on Blackwell, TE >= 2.14).")] = False,
     grad_reduce: GradReduceOpt = "fp32",
     capacity_factor: CapacityOpt = None,
     pad_to_capacity: PadOpt = False,
@@ -377,7 +381,7 @@ def estimate(
                 "dispatcher": dispatcher, "flex_backend": flex_backend, "ep_overlap": ep_overlap,
                 "tp_comm_overlap": tp_comm_overlap,
                 "cuda_graphs": cuda_graphs or cuda_graph_scope == "full_iteration",
-                "cuda_graph_scope": cuda_graph_scope}
+                "cuda_graph_scope": cuda_graph_scope, "fused_grouped_mlp": fused_grouped_mlp}
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,

@@ -4,6 +4,7 @@ the static MoE buffers it needs, is refused where Megatron refuses it, and is wh
 published runs of Megatron-Bridge's 26.06 MXFP8 MoE recipes are priced with."""
 
 import argparse
+import json
 
 import pytest
 
@@ -241,3 +242,20 @@ def test_the_26_06_full_iteration_recipes_run_the_fused_grouped_mlp_and_earlier_
     assert documented_settings({"other_notes": "fused grouped MLP "
                                 "(NVTE_CUTEDSL_FUSED_GROUPED_MLP=1)", "source_detail": ""}
                                )["fused_grouped_mlp"] is True
+
+
+def test_estimate_prices_the_fused_grouped_mlp_on_request_and_refuses_it_on_hopper(capsys):
+    from moeplan.cli import main
+
+    base = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gbs", "512", "--mbs", "4",
+            "--ep", "8", "--json"]
+    blackwell = base + ["--cluster", "gb200-nvl72", "--precision", "mxfp8", "--dispatcher",
+                        "flex", "--cuda-graph-scope", "full_iteration"]
+    speeds = []
+    for extra in ([], ["--fused-grouped-mlp"]):
+        assert main(blackwell + extra) == 0
+        speeds.append(json.loads(capsys.readouterr().out)["tokens_per_s_per_gpu"])
+    assert speeds[1] > speeds[0]
+    assert main(base + ["--cluster", "h100", "--fused-grouped-mlp"]) == 2
+    err = capsys.readouterr().err
+    assert "fused_grouped_mlp_support" in err and "Traceback" not in err
