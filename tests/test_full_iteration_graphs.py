@@ -155,10 +155,19 @@ def test_the_fused_grouped_mlp_removes_the_activation_and_fc2_quantize_traffic()
     element); the fused kernel keeps the fc1 operand's quantize (3h) and writes the activated
     output once in FP8, row- and column-wise (2f): Qwen3-30B-A3B (h 2048, f 768) moves 41%
     less, and the layer's forward and backward are shorter by that traffic's time."""
-    unfused, _ = _fused(False)
+    from moeplan.cost_models.layers import _expert_act, _ffn, _mem
+
+    unfused, lay = _fused(False)
     fused, _ = _fused(True)
-    h, f = QWEN.hidden_size, QWEN.moe_ffn_hidden_size
-    assert (3 * h + 2 * f) / (3 * h + 9 * f) == pytest.approx(0.588, abs=0.001)
+    h, f, routed = QWEN.hidden_size, QWEN.moe_ffn_hidden_size, 1e6
+    off = make_context(QWEN, GB200, TR, lay, default_calibration())
+    on = make_context(QWEN, GB200, TR, lay.model_copy(update={"fused_grouped_mlp": True}),
+                      default_calibration())
+    act = _ffn(off, routed, f, 1)[1]
+    assert act == pytest.approx(_mem(off, (3 * h + 9 * f) * routed))
+    assert _expert_act(off, routed, f, act) == (act, _mem(off, 3 * f * routed))
+    assert _expert_act(on, routed, f, act) == (pytest.approx(_mem(on, (3 * h + 2 * f) * routed)),
+                                               0.0)
     saved_f = unfused.fwd_s - fused.fwd_s
     assert saved_f > 0 and unfused.bwd_s - fused.bwd_s == pytest.approx(2 * saved_f)
     assert unfused.recompute_fwd_s["moe_act"] > fused.recompute_fwd_s["moe_act"]

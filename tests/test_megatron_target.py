@@ -220,6 +220,9 @@ ARGS_RULES = {  # validate_args (megatron/training, not on the package index): e
     # this configuration" (a BF16 recipe on Hopper here)
     "fused_grouped_mlp_support": lambda: _plan("qwen3-30b-a3b", 16, ep=8,
                                                fused_grouped_mlp=True),
+    "fused_grouped_mlp_offload": lambda: _plan(
+        "qwen3-30b-a3b", 16, ep=8, fused_grouped_mlp=True,
+        choices=Choices(offload=["expert_fc1"])),
     "full_recompute_alone": lambda: _plan("llama3-8b", 8).model_copy(update={
         "choices": Choices.model_construct(recompute=[["full", "mlp"]], offload=[],
                                            optimizer_offload_fraction=0.0,

@@ -368,13 +368,22 @@ validate the pricing had it."""
 def te_too_old(f: Facts, te_version: str) -> list[tuple[str, str]]:
     """(rule, what and fix) for each setting of the plan the Transformer Engine a launch is
     written for (`te_version`) cannot run."""
-    te = tuple(int(x) for x in te_version.split(".")[:2])
-    if getattr(f.layout, "fused_grouped_mlp", False) and te < FUSED_GROUPED_MLP_TE:
+    if fused_mlp_on(f.layout) and te_tuple(te_version) < FUSED_GROUPED_MLP_TE:
         return [("fused_grouped_mlp_te_version",
                  f"the export is written for Transformer Engine {te_version}, and Megatron Core "
                  "runs the fused grouped MLP only with 2.14 or later (experts.py "
                  "_is_fused_impl_supported); set fused_grouped_mlp false")]
     return []
+
+
+def te_tuple(te_version: str) -> tuple[int, ...]:
+    """A Transformer Engine version as (major, minor), for comparisons."""
+    return tuple(int(x) for x in te_version.split(".")[:2])
+
+
+def fused_mlp_on(layout: Any) -> bool:
+    """Whether a (possibly partly bound) layout runs the fused grouped MLP."""
+    return bool(getattr(layout, "fused_grouped_mlp", False))
 
 
 def _fused_mlp_blockers(f: Facts) -> list[str]:
@@ -383,7 +392,7 @@ def _fused_mlp_blockers(f: Facts) -> list[str]:
     asserts "Fused GroupedMLP is not supported for this configuration"; Transformer Engine's
     `_GroupedMLP_CuTeGEMMBase.is_supported`: compute capability 10, block-scaled recipes)."""
     m, L, out = f.model, f.layout, []
-    if not getattr(L, "fused_grouped_mlp", False):
+    if not fused_mlp_on(L):
         return out
     if not m.is_moe:
         out.append("the model has no experts")
@@ -399,21 +408,27 @@ def _fused_mlp_blockers(f: Facts) -> list[str]:
     if f.cluster is not None and f.cluster.architecture != "blackwell":
         out.append(f"{f.cluster.gpu} is {f.cluster.architecture}, and the fused kernel is "
                    "built for Blackwell (SM 10.x)")
-    if f.choices is not None and any(
-            {"expert_fc1", "moe_act"} & set(o) for o in f.choices.offload):
-        out.append("the plan offloads expert_fc1 or moe_act, which only the unfused path does")
     return out
 
 
 @rule("fused_grouped_mlp_support", "megatron/core/transformer/moe/experts.py::"
       "TEGroupedMLP._is_fused_impl_supported (SwiGLU experts, no "
-      "expert tensor parallelism, no expert_fc1/moe_act offload; TE's CuTe-DSL kernel: "
-      "Blackwell, mxfp8 or nvfp4)",
+      "expert tensor parallelism; TE's CuTe-DSL kernel: Blackwell, mxfp8 or nvfp4)",
       lambda f: ("Megatron Core cannot run this plan's fused grouped MLP: "
                  + "; ".join(_fused_mlp_blockers(f)) + ". Set fused_grouped_mlp false"),
       targets=MEGATRON, axes=("fused_grouped_mlp",))
 def _fused_mlp(f: Facts) -> bool:
     return not _fused_mlp_blockers(f)
+
+
+option_rule(
+    "fused_grouped_mlp_offload", "megatron/core/transformer/moe/experts.py::"
+    "TEGroupedMLP._is_fused_impl_supported (no expert_fc1 or moe_act offload: \"Selective "
+    "expert_fc1/moe_act offload is only supported unfused\")",
+    lambda f: ((Combo((off("expert_fc1"),)), Combo((off("moe_act"),)))
+               if fused_mlp_on(f.layout) else ()),
+    "the fused grouped MLP keeps the experts' activations on the GPU; drop those offloads or "
+    "set fused_grouped_mlp false", targets=MEGATRON, axes=("fused_grouped_mlp",))
 
 
 def _dispatch_name(layout: Any) -> str:
@@ -822,7 +837,7 @@ REQUIREMENTS: list[Requirement] = [
                 "fused/grouped_mlp.py::_GroupedMLP_CuTeGEMMBase.is_supported (with "
                 "fused_grouped_mlp)", "Transformer Engine takes the CuTe-DSL grouped MLP only "
                 "when this variable is set; --use-transformer-engine-op-fuser alone runs the "
-                "unfused ops", lambda f, te: bool(getattr(f.layout, "fused_grouped_mlp", False))),
+                "unfused ops", lambda f, te: fused_mlp_on(f.layout)),
     Requirement("flag", "--no-rope-fusion", None, _MLA + " (apply_rope_fusion for MLA only "
                 "works with YaRN RoPE)", "the plan's MLA uses plain RoPE (--rope-type rope)",
                 lambda f, te: f.model.attention == "mla"),
@@ -831,7 +846,7 @@ REQUIREMENTS: list[Requirement] = [
 
 def requirements(f: Facts, kind: str, te_version: str = TE_VERSION) -> list[Requirement]:
     """The launch requirements of one kind ("env" or "flag") that apply to these facts."""
-    te = tuple(int(x) for x in te_version.split(".")[:2])
+    te = te_tuple(te_version)
     return [r for r in REQUIREMENTS if r.kind == kind and r.when(f, te)]
 
 
