@@ -33,13 +33,15 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit bd223cd), for "What changed", as its own ACCURACY.md,
-# bench/data/crossval.json and intervals.json reported them (the same harness:
-# bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 7.3, "model": 8.8, "release": 7.3, "table5": 3.9, "objective": 0.0875,
-            "recipes": 16.1, "cv_coverage": 83.8, "cv_width": 26.4, "loro_coverage": 84.3,
-            "lomo_coverage": 88.1, "lomo_width": 34.0, "oss_lomo": 30.6, "oss_mx_lomo": 7.3,
-            "oss_cov": 55.0, "qwen_lomo": 8.6, "gpt_lomo": 6.5, "release_2606": -4.1}
+# Figures of the previous revision (commit e9468e9), for "What changed", as its own ACCURACY.md,
+# bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
+# (the same harness: bench/cross_validate.py, full refit per fold).
+PREVIOUS = {"config": 7.1, "model": 9.7, "release": 7.5, "table5": 3.9, "objective": 0.0896,
+            "recipes": 16.8, "recipes_coverage": 12, "cv_coverage": 82.9, "cv_width": 26.4,
+            "loro_coverage": 80.4, "lomo_coverage": 86.4, "lomo_width": 35.2,
+            "oss_lomo": 35.0, "oss_cov": 41.0,
+            # 80 % interval width of Megatron-LM's TP 2 Qwen3-235B recipes, % of the point
+            "width_MLR04": 12.0, "width_MLR05": 46.0, "width_MLR06": 46.0}
 
 
 def generation(gpu: str) -> str:
@@ -686,45 +688,31 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **Transformer Engine's fused grouped MLP is a named setting, and the recipes that ran it are
-  priced with it** (`Layout.fused_grouped_mlp`; Megatron `--use-transformer-engine-op-fuser`
-  with `NVTE_CUTEDSL_FUSED_GROUPED_MLP=1`). From Megatron-Bridge 26.06 the MXFP8 MoE recipes
-  that capture the whole iteration run the experts as one CuTe-DSL grouped GEMM whose epilogue
-  applies the SwiGLU, the routing probabilities, the experts' biases and the MXFP8
-  quantisation (v0.5.0 sets `cutedsl_fused_grouped_mlp=True` on exactly those workload
-  configs; v0.6.0 sets the op fuser in its `_enable_*_full_iteration_mxfp8` helpers), and so
-  do Megatron-LM's full-graph recipes (MLR07, MLR09, MLR14). Priced from Transformer Engine's
-  `ops/fused/grouped_mlp.py`: the activation kernel's bf16 traffic and the fc2 operand's
-  quantize are gone and the activated output is written once in FP8, row- and column-wise
-  (per routed copy 3h + 2f bytes instead of 3h + 9f); one launch per expert GEMM for all
-  local experts; the biases inside the GEMM. On the shipped profile the {fused_rows} Qwen3
-  and DeepSeek-V3 rows that ran it are {fused_now} off (mean {fused_now_mean}), where priced
-  unfused they were {fused_before} (mean {fused_before_mean}). Megatron Core runs it only
-  where `_is_fused_impl_supported` holds, and the export refuses it while it is written for
-  Transformer Engine 2.12 (EXPORT.md).
-- **gpt-oss-120b's MXFP8 rows lose an error that hid its shortfall.** Priced unfused, their
-  experts' biases ran in Megatron Core's eager path (28 + 36 bytes per routed element, 7
-  launches per local expert), which the recipe did not run, and that alone put its
-  {oss_rows} MXFP8 rows at {oss_before} of measured; with the biases in the fused kernel the
-  physics prices them {oss_now} fast, as it prices the BF16 rows. Leave one model out, gpt-oss
-  {oss_lomo_before}% → {oss_lomo_now}% (MXFP8 {oss_mx_before}% → {oss_mx_now}%). A
-  precision with fewer than five rows of a model now takes the median of all the model's rows
-  when those are off as a whole (`fit.model_residuals`): the shipped profile carries
-  {oss_residual}× for gpt-oss-120b in MXFP8 as in BF16.
-- The refit moved no constant (objective {objective_before} → {objective}, the rise being
-  gpt-oss's MXFP8 rows, which the objective scores without a residual), but the
-  cross-validation folds refit on rows that now include four more 30%-fast ones, and some
-  folds move shared constants for them: the cross-validated figures are worse, the Megatron
-  PTD-P A100 rows (`gpt`, own dimensions) most ({gpt_before}% → {gpt_now}% under leave one
-  model out). Leave one model out
-  {lomo_before}% → {lomo_now}% (Qwen3 {qwen_before}% → {qwen_now}%), leave one release out
-  {loro_before}% → {loro_now}% (26.06, mean {r2606_before}% → {r2606_now}), configuration
-  split {config_before}% → {config_now}%. Interval coverage, configuration split
-  {cv_coverage_before}% → {cv_coverage_now}% (median width {cv_width_before}% →
-  {cv_width_now}%); leave one release out {loro_cov_before}% → {loro_cov_now}%; leave one model
-  out {lomo_cov_before}% → {lomo_cov}% (median width {lomo_width_before}% → {lomo_width}%;
-  gpt-oss {oss_cov_before}% → {oss_cov_now}%). Megatron-LM's recipes, which no fit saw:
-  {recipes_before}% → {recipes_now} MAPE.
+- **EP overlap's evidence is filed by what it overlaps.** A fit row that hides the all-to-all
+  behind the merged forward/backward backs the same overlap only where it runs the same way
+  (`uncertainty.ep_overlap_key`): across the scale-out fabric, per dispatcher family (DeepEP's
+  and HybridEP's inter-node kernels drive RDMA from SMs they hold while they wait on their
+  peers, where NCCL's all-to-all is one more NCCL kernel), and per whether TP or CP collectives
+  run in the layers it pairs the transfers with (Megatron-LM's `validate_args`: on Hopper "try
+  not to use tensor model parallelism or context parallelism with
+  overlap_moe_expert_parallel_comm", the two wanting different CUDA connection counts). The
+  overlap shown beside TP or CP backs the same overlap without them, not the converse. The fit
+  rows that overlap the flex dispatcher's transfers across nodes all run at TP 1
+  ({flex_tp1_rows}); the flex rows at TP 2 run without the overlap, as Megatron-Bridge's
+  DeepSeek-V3 H100 recipe does (`CUDA_DEVICE_MAX_CONNECTIONS=1`). So the flex dispatcher
+  overlapped beside TP collectives across HGX nodes is no longer counted as validated, and an
+  interval's low end prices it without the overlap; Megatron-LM's recipes that run it
+  (Qwen3-235B-A22B at TP 2 on H100, B200, B300: MLR04–MLR06), which no fit saw, are priced
+  {mlr_tp2_errors} above what they measured. Their intervals widen to the plan without the
+  overlap ({mlr_widths}); recipe interval coverage {recipes_cov_before}/14 →
+  {recipes_cov_now}/14 (MLR04's low end is still above its run). No point prediction moved: the
+  cross-validated figures are the previous revision's (leave one model out {lomo_now}%, leave one
+  release out {loro_now}%, configuration split {config_now}%; interval coverage
+  {cv_coverage_now}%, {lomo_cov}% and {loro_cov_now}%).
+- The robust search ranks by those low ends, so plans that leaned on the flex dispatcher's
+  overlap beside TP across HGX nodes no longer win on them: Qwen3-235B-A22B on 256 H100 and
+  DeepSeek-V3 on 1,024 H100 now recommend plans whose overlap a fit row backs, or none
+  (PLANS.md, BENCHMARKS.md); their expected winners still use it and say so.
 """.splitlines()
 
 
@@ -804,48 +792,32 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 
 def change_figures(cv: dict[str, Any], cal: dict[str, Any]) -> dict[str, str]:
     """The figures "What changed" quotes, computed from the cross-validation, the shipped
-    profile and intervals, and the recipe layouts' rows (`recipe_layout_figures`), against the
-    previous revision's (PREVIOUS)."""
+    intervals, the fit rows' evidence and the runs no fit saw, against the previous revision's
+    (PREVIOUS)."""
     from megatron_recipes import mape as ext_mape
 
     prof = prof_doc()
     cvd, lo, lr = (prof["cross_validated"], prof["leave_one_model_out"],
                    prof["leave_one_release_out"])
-    oss = [r for r in cv["model"]["rows"] if r["model"] == "gpt-oss-120b"]
-    oss_mx = [r for r in oss if r["precision"] == "mxfp8"]
-    rel = [r for r in cv["release"]["rows"] if r["group"].endswith("26.06")]
+    recipes = unseen_runs()[0]
+    tp2 = [r for r in recipes if r["id"] in ("MLR04", "MLR05", "MLR06")]
+    flex = sorted({i for k, ids in prof["evidence"].items()
+                   if k.startswith("ep_overlap/") and "/scale-out/flex" in k for i in ids})
     return {
-        **fused_mlp_figures(),
-        "objective_before": f"{PREVIOUS['objective']:g}",
-        "lomo_before": f"{PREVIOUS['model']:.1f}", "lomo_now": f"{100 * cv['model']['mape']:.1f}",
-        "gpt_before": f"{PREVIOUS['gpt_lomo']:.1f}",
-        "gpt_now": f"{100 * cv['model']['by_family']['gpt']['mape']:.1f}",
-        "qwen_before": f"{PREVIOUS['qwen_lomo']:.1f}",
-        "qwen_now": f"{100 * cv['model']['by_family']['qwen3']['mape']:.1f}",
-        "oss_lomo_before": f"{PREVIOUS['oss_lomo']:.1f}", "oss_lomo_now": f"{100 * mape(oss):.1f}",
-        "oss_mx_before": f"{PREVIOUS['oss_mx_lomo']:.1f}",
-        "oss_mx_now": f"{100 * mape(oss_mx):.1f}" if oss_mx else "n/a",
-        "oss_residual": f"{cal.get('model_residual', {}).get('gpt-oss-120b/mxfp8', 1.0):.2f}",
-        "oss_cov_before": f"{PREVIOUS['oss_cov']:.0f}",
-        "oss_cov_now": f"{100 * lo['by_family'].get('gpt-oss', {}).get('coverage', 0):.0f}",
-        "r2606_before": f"{PREVIOUS['release_2606']:+.1f}",
-        "r2606_now": pct(bias(rel), True) if rel else "n/a",
-        "loro_before": f"{PREVIOUS['release']:.1f}",
+        "flex_tp1_rows": ", ".join(flex) or "none",
+        "mlr_tp2_errors": ", ".join(f"{100 * r['error']:+.0f}%" for r in tp2),
+        "mlr_widths": ", ".join(f"{r['id']} {PREVIOUS['width_' + r['id']]:.0f}% → "
+                                f"{100 * r['interval_width']:.0f}%" for r in tp2)
+        + " of the point",
+        "recipes_cov_before": f"{PREVIOUS['recipes_coverage']}",
+        "recipes_cov_now": f"{sum(bool(r['in_interval']) for r in recipes)}",
+        "recipes_now": f"{ext_mape(recipes):.1f}%",
+        "lomo_now": f"{100 * cv['model']['mape']:.1f}",
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
-        "config_before": f"{PREVIOUS['config']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
-        "cv_coverage_before": f"{PREVIOUS['cv_coverage']:.1f}",
         "cv_coverage_now": f"{100 * cvd['coverage']:.1f}",
-        "cv_width_before": f"{PREVIOUS['cv_width']:.1f}",
-        "cv_width_now": f"{100 * cvd['median_width']:.1f}",
-        "loro_cov_before": f"{PREVIOUS['loro_coverage']:.1f}",
         "loro_cov_now": f"{100 * lr['coverage']:.1f}",
-        "lomo_cov_before": f"{PREVIOUS['lomo_coverage']:.1f}",
         "lomo_cov": f"{100 * lo['coverage']:.1f}",
-        "lomo_width_before": f"{PREVIOUS['lomo_width']:.1f}",
-        "lomo_width": f"{100 * lo['median_width']:.1f}",
-        "recipes_before": f"{PREVIOUS['recipes']:.1f}",
-        "recipes_now": f"{ext_mape(unseen_runs()[0]):.1f}%",
     }
 
 
@@ -884,39 +856,6 @@ def gap_figures() -> dict[str, str]:
         figures[f"{i.lower()}_pub"] = f"{r['published_tokens_per_s_per_gpu']:,.0f}" if r else "n/a"
         figures[f"{i.lower()}_err"] = f"{shipped_error(r):+.0f}%" if r else "n/a"
     return figures
-
-
-def fused_mlp_figures() -> dict[str, str]:
-    """The rows priced with the fused grouped MLP (`Layout.fused_grouped_mlp`): the shipped
-    profile's error on them with it and with the experts unfused, the Qwen3 and DeepSeek-V3 rows
-    apart from gpt-oss-120b's, whose errors are the physics' (no residual), so What changed
-    shows what the setting alone moves."""
-    from moeplan.cost_models.estimate import estimate
-    from moeplan.validation.crossval import cases_of
-
-    rows: list[tuple[float, float]] = []
-    oss: list[tuple[float, float]] = []
-    for c in cases_of([RAW[r["id"]] for r in SHIPPED]):
-        if not c.layout.fused_grouped_mlp:
-            continue
-        cal = PHYSICS if c.model.name == "gpt-oss-120b" else None
-        errs = tuple(100 * (estimate(c.model, c.cluster, c.training,
-                                     c.layout.model_copy(update={"fused_grouped_mlp": on}),
-                                     c.choices, calibration=cal, with_interval=False
-                                     ).tokens_per_s_per_gpu / c.published_tokens - 1)
-                     for on in (False, True))
-        (oss if c.model.name == "gpt-oss-120b" else rows).append(errs)
-
-    def span(errs: list[tuple[float, ...]], k: int) -> str:
-        return f"{min(e[k] for e in errs):+.0f} to {max(e[k] for e in errs):+.0f}%" if errs else "n/a"
-
-    def mean(errs: list[tuple[float, ...]], k: int) -> str:
-        return f"{sum(e[k] for e in errs) / len(errs):+.1f}%" if errs else "n/a"
-
-    return {"fused_rows": str(len(rows)), "fused_before": span(rows, 0),
-            "fused_now": span(rows, 1), "fused_before_mean": mean(rows, 0),
-            "fused_now_mean": mean(rows, 1), "oss_rows": str(len(oss)),
-            "oss_before": span(oss, 0), "oss_now": span(oss, 1)}
 
 
 def main() -> None:

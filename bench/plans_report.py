@@ -166,8 +166,9 @@ CAUTION = """## Reading it
   communication class is longer than the step, and no overlap hides more than the compute beside
   it (`tests/test_cost_overlap.py` checks the top five plans of five searches on H100, B200 and
   GB200 NVL72).
-- The interval's low end prices every effect no fit row backs as disappointing (EP overlap on
-  a fabric no published run used it on, the flex dispatcher across NVLink domains, host
+- The interval's low end prices every effect no fit row backs as disappointing (EP overlap
+  where no published run overlapped the same way: on that fabric, with that dispatcher family
+  across nodes, beside TP or CP collectives; the flex dispatcher across NVLink domains; host
   offload at half the datasheet link and memory speed). A plan that wins on the low end wins
   even if those effects fail; one that wins only on the point is a bet on them.
 - NVIDIA's choices also weigh stability and software maturity the model does not see. Treat

@@ -121,6 +121,7 @@ hybridep supports the MNNVL case"). DeepEP's own tests count the bytes each rank
 copy per token and destination rank (`ranks_hit`)."""
 
 
+@lru_cache(maxsize=4096)
 def ranks_hit(num_experts: int, top_k: int, ep: int, groups: int | None = None,
               groups_per_token: int | None = None) -> float:
     """Expected number of EP ranks (or NVLink domains: pass their count as `ep`) one token's

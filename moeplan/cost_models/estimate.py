@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -31,6 +31,7 @@ from .compute import (
     lowp_speedup,
     membound_time,
 )
+from .host import host_kind
 from .layers import (
     BF16,
     Context,
@@ -410,14 +411,18 @@ def estimate_breakdown(
     check: bool = True,
     with_interval: bool = True,
     target: str = "megatron",
+    table: tuple[Mapping[str, LayerCost], Sequence[str]] | None = None,
 ) -> Breakdown:
-    """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs)."""
+    """Predict one layout; see `estimate` (this also returns per-rank and per-layer costs).
+    `table`: the layout's per-layer costs at `imbalance` (`layer_table_costs`) when the caller
+    holds them already, as a search does (`stage_terms`)."""
     choices = choices or Choices()
     if check:
         check_layout(model, training, layout, cluster.num_gpus or layout.world_size, choices,
                      cluster, target)
     cal = calibration_for({**cluster.calibration, **(calibration or {})})
-    terms = stage_terms(model, cluster, training, layout, cal, imbalance, routing_histogram)
+    terms = stage_terms(model, cluster, training, layout, cal, imbalance, routing_histogram,
+                        table)
     stages = plan_stages(model, layout, choices)
     ranks = rank_costs(terms, stages, choices)
     warnings = _warnings(terms, stages, choices)
@@ -557,9 +562,13 @@ def _memory(terms: StageTerms, ranks: Sequence[RankCost], warnings: list[str]
 def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
                    training: TrainingSpec, layout: Layout, choices: Choices, imbalance: float,
                    routing_histogram: dict[str, Any] | None,
-                   calibration: dict[str, Any] | None) -> Estimate:
+                   calibration: dict[str, Any] | None,
+                   table: tuple[Mapping[str, LayerCost], Sequence[str]] | None = None
+                   ) -> Estimate:
     """The estimate with its assumptions and 80 % interval (cost_models.uncertainty): the
-    low end is priced with every unvalidated effect disappointing at once."""
+    low end is priced with every unvalidated effect disappointing at once. `table`: the
+    layout's per-layer costs (`estimate_breakdown`), which a variant that keeps the layout
+    and only slows the host link reads with that link (`_on_host`)."""
     terms = U.assumptions(model, cluster, training, layout, choices)
     pess = est.tokens_per_s_per_gpu
     variants = [t.pessimistic for t in terms if t.pessimistic and not t.assumption.validated]
@@ -567,8 +576,10 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
         L, ch, cl = layout, choices, cluster
         for v in variants:
             L, ch, cl = v(L, ch, cl)
+        reuse = _on_host(table, cl) if table is not None and layout == L and host_kind(
+            cl) == host_kind(cluster) else None
         pess = estimate_breakdown(model, cl, training, L, ch, imbalance, routing_histogram,
-                                  calibration, check=False, with_interval=False
+                                  calibration, check=False, with_interval=False, table=reuse
                                   ).estimate.tokens_per_s_per_gpu
     keys = U.regime_keys(model, cluster, training.precision, layout)
     measured = U.measured_bounds(cluster)
@@ -589,6 +600,16 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
                                   "assumptions": [t.assumption for t in terms]})
 
 
+def _on_host(table: tuple[Mapping[str, LayerCost], Sequence[str]], cluster: ClusterSpec
+             ) -> tuple[dict[str, LayerCost], Sequence[str]]:
+    """A layer table read on another host link of the same host kind: the link is the only
+    thing a layer's costs take from the host (`LayerCost.host_link_gb_s`, for offload copies;
+    the launch time goes by the host kind, `host.host_kind`)."""
+    costs, keys = table
+    return {k: replace(lc, host_link_gb_s=cluster.host_link_gb_s)
+            for k, lc in costs.items()}, keys
+
+
 def estimate(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -601,6 +622,7 @@ def estimate(
     with_interval: bool = True,
     target: str = "megatron",
     point: Estimate | None = None,
+    table: tuple[Mapping[str, LayerCost], Sequence[str]] | None = None,
 ) -> Estimate:
     """Step time, throughput, MFU, memory peak and bottleneck of one layout (SPEC §4), with
     its 80 % interval and assumptions unless `with_interval` is False (a search ranking by the
@@ -609,14 +631,15 @@ def estimate(
     Raises LayoutError naming every rule of the target executor (`specs.rules`) the layout
     breaks; a valid layout that does not fit returns `fits=False`. `point`: this layout's and
     choices' estimate without its interval, already priced (a search's screen), so only the
-    interval is added.
+    interval is added. `table`: the layout's per-layer costs at `imbalance`, when the caller
+    holds them (a search's layer table).
     """
     if point is not None and with_interval:
         return _with_interval(point, model, cluster, training, layout, choices or Choices(),
-                              imbalance, routing_histogram, calibration)
+                              imbalance, routing_histogram, calibration, table)
     return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
                               routing_histogram, calibration,
-                              with_interval=with_interval, target=target).estimate
+                              with_interval=with_interval, target=target, table=table).estimate
 
 
 # ----------------------------------------------------------------------------- lower bound

@@ -274,7 +274,17 @@ def slow_host(cluster: ClusterSpec) -> ClusterSpec:
 def validated(key: str, profile: IntervalProfile | None = None) -> bool:
     """Whether fit rows back the effect of an evidence key (`assumption_keys`), as `_term`
     decides it."""
-    return bool((profile or default_profile()).evidence.get(key))
+    return bool(evidence_for(key, profile or default_profile()))
+
+
+def evidence_for(key: str, profile: IntervalProfile) -> list[str]:
+    """The fit rows that back an evidence key. EP overlap shown beside TP or CP collectives
+    (the harder case: the transfers share the GPU with them, `ep_overlap_key`) also backs the
+    same overlap without them; the converse does not hold."""
+    rows = profile.evidence.get(key, [])
+    if not rows and key.startswith("ep_overlap/") and not key.endswith("/tp-cp"):
+        rows = profile.evidence.get(key + "/tp-cp", [])
+    return rows
 
 
 def _ids(rows: list[str]) -> str:
@@ -284,7 +294,7 @@ def _ids(rows: list[str]) -> str:
 
 def _term(key: str, term: str, profile: IntervalProfile, none_text: str,
           pessimistic: Variant | None = None) -> Term:
-    rows = profile.evidence.get(key, [])
+    rows = evidence_for(key, profile)
     if rows:
         return Term(Assumption(term=term, validated=True,
                                evidence=f"{len(rows)} fit rows: {_ids(rows)}"))
@@ -296,6 +306,28 @@ def _term(key: str, term: str, profile: IntervalProfile, none_text: str,
     return Term(Assumption(term=term, validated=False, evidence=none_text), pessimistic)
 
 
+def ep_overlap_key(gen: str, fabric: str, layout: Layout) -> str:
+    """Evidence key of EP overlap: per GPU generation and fabric, and also where a published run
+    of one configuration does not show another hiding:
+    - across the scale-out fabric, per dispatcher family: DeepEP's and HybridEP's inter-node
+      kernels drive RDMA from SMs they hold while they wait on their peers, where NCCL's
+      all-to-all is one more NCCL kernel beside its proxy thread (over NVLink both are SM
+      copies). The fit's flex rows that overlap across nodes all run at TP 1; those at TP 2 run
+      without the overlap, as Megatron-Bridge's DeepSeek-V3 H100 recipe does
+      (CUDA_DEVICE_MAX_CONNECTIONS=1);
+    - per whether TP or CP collectives run in the layers it pairs transfers with: those want one
+      CUDA connection on Hopper, the merged forward/backward several (Megatron-LM
+      `validate_args`: "try not to use tensor model parallelism or context parallelism with
+      overlap_moe_expert_parallel_comm", CUDA_DEVICE_MAX_CONNECTIONS 1 or 32 "depends on which
+      parallelization you want to prioritize")."""
+    key = f"ep_overlap/{gen}/{fabric}"
+    if fabric == "scale-out":
+        key += "/flex" if layout.dispatcher == "flex" else "/nccl"
+    if layout.tp > 1 or layout.cp > 1:
+        key += "/tp-cp"
+    return key
+
+
 def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                     layout: Layout, choices: Choices) -> list[str]:
     """Evidence keys of the effects a layout relies on (also how fit rows are filed)."""
@@ -304,7 +336,7 @@ def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if model.is_moe and L.ep > 1:
         ep_fab = "nvlink" if C.placement(L, "ep", cluster).inside_nvlink else "scale-out"
         if L.ep_overlap:
-            keys.append(f"ep_overlap/{gen}/{ep_fab}")
+            keys.append(ep_overlap_key(gen, ep_fab, L))
         if L.dispatcher == "flex" and ep_fab == "scale-out":
             keys.append(f"flex/{gen}/scale-out")
     if L.tp > 1:
@@ -345,11 +377,14 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                              "no fit rows for this GPU, precision and model kind: the "
                              "efficiencies are carried over from other GPUs or precisions"))
         elif kind == "ep_overlap":
-            fab = rest.split("/")[1]
-            out.append(_term(key, f"EP overlap (merged forward/backward) hiding the all-to-all "
-                             f"{'over NVLink' if fab == 'nvlink' else 'across the scale-out fabric'}",
-                             p, f"no published run on {gen} with EP overlap on this fabric",
-                             _no_overlap))
+            parts = rest.split("/")
+            what = ("the flex dispatcher's transfers" if "flex" in parts
+                    else "the NCCL all-to-all" if "nccl" in parts else "the all-to-all")
+            where = "over NVLink" if parts[1] == "nvlink" else "across the scale-out fabric"
+            tp = " beside TP/CP collectives" if "tp-cp" in parts else ""
+            out.append(_term(key, f"EP overlap (merged forward/backward) hiding {what} {where}"
+                             f"{tp}", p, f"no published run on {gen} with EP overlap of "
+                             f"{what} on this fabric{tp}", _no_overlap))
         elif kind == "flex":
             out.append(_term(key, "flex dispatcher (DeepEP/HybridEP) de-duplicating tokens "
                              "across NVLink domains", p,

@@ -113,14 +113,15 @@ class BranchAndBound:
         self.solved: dict[int, tuple[str, Plan | None]] = {}
         self.refine_rows: list[int] = []
         self._setups: dict[int, tuple[Layout, TrainingSpec, tuple]] = {}
+        self._trainings: dict[str, TrainingSpec] = {}
         self._worse: dict[int, Layout | None] = {}
         self._variants: dict[tuple, dict[str, Any] | None] = {}
         self._key_changes: dict[tuple, dict[str, Any] | None] = {}
         self._worse_keys: dict[tuple, tuple | None] = {}
-        self._row_index: dict[bytes, int] = {}
         self.factors: dict[tuple, float] = {}  # `Objective.row_factor` per layer-table key
         self.order_factors: dict[int, float] = {}  # `Robust.order_factor` per row key
         self._slow_s_per_byte: float | None = None  # `slow_host_pipeline`'s host link
+        self._slow_pipes: dict[tuple, float] = {}  # `slow_host_pipeline` per relaxed row
         self.scale = objective.key_factor(pb.model, pb.cluster, space)
         rows = enum.rows
         self.cand = np.flatnonzero(fits)
@@ -191,7 +192,9 @@ class BranchAndBound:
             prec = self.enum.precisions[int(row[COL["precision"]])]
             layout = Layout(**layout_of_row(row), tp_comm_overlap=self.space.tp_comm_overlap
                             and int(row[COL["tp"]]) > 1)
-            tr = self.pb.training.model_copy(update={"precision": prec})
+            if prec not in self._trainings:  # one training per precision, shared by rows
+                self._trainings[prec] = self.pb.training.model_copy(update={"precision": prec})
+            tr = self._trainings[prec]
             self._setups[idx] = (layout, tr, self.table_key(layout, tr))
         return self._setups[idx]
 
@@ -238,15 +241,17 @@ class BranchAndBound:
         if worse is None or (worse.tp_comm_overlap, worse.cuda_graphs) != (
                 layout.tp_comm_overlap, layout.cuda_graphs):
             return None
-        rows = np.ascontiguousarray(self.enum.rows)
-        if not self._row_index:  # each row's bytes, indexed once (one numpy view, no loop)
-            as_bytes = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1])))
-            self._row_index.update(zip(as_bytes.ravel().tolist(), range(len(rows)),
-                                       strict=True))
+        rows = self.enum.rows
         twin = rows[idx].copy()
         twin[COL["dispatcher"]] = DISPATCHERS.index(worse.dispatcher)
         twin[COL["ep_overlap"]] = int(worse.ep_overlap)
-        j = self._row_index.get(twin.tobytes())
+        # the enumeration binds the dispatcher, the overlap, the distributed optimizer and the
+        # precision innermost (`enumerate._Walk.experts`), so a row's twin sits within one
+        # block of those around it; a twin not found there only forgoes a prune
+        w = len(DISPATCHERS) * 2 * 2 * len(self.enum.precisions)
+        lo = max(0, idx - w)
+        hit = np.flatnonzero((rows[lo:idx + w + 1] == twin).all(axis=1))
+        j = lo + int(hit[0]) if len(hit) else None
         return None if j is None or j == idx or not self.fits[j] else j
 
     # ------------------------------------------------------------------ bounds
@@ -282,8 +287,23 @@ class BranchAndBound:
         objective is the pipeline `estimate` prices). A row that must offload to fit then pays
         for the copies the slow link exposes, where its point hides them. 0 for interleaved
         layer kinds (priced as one average layer) or when nothing can be chosen; inf when
-        nothing fits at any fraction."""
+        nothing fits at any fraction.
+
+        A row without the distributed optimizer takes its twin's with it, once for both: the
+        same layer table and items with optimizer states no larger, so every stage choice
+        that fits the row fits the twin, whose pipeline is then a lower bound for the row's."""
+        row = self.enum.rows[idx].copy()
+        row[COL["dist_opt"]] = 1
+        relaxed = tuple(row.tolist())
+        if relaxed not in self._slow_pipes:
+            self._slow_pipes[relaxed] = self._slow_host_pipeline(idx)
+        return self._slow_pipes[relaxed]
+
+    def _slow_host_pipeline(self, idx: int) -> float:
+        """`slow_host_pipeline` of the row with the distributed optimizer on."""
         layout, tr, key = self.setup(idx)
+        if not layout.distributed_optimizer:
+            layout = layout.model_copy(update={"distributed_optimizer": True})
         table = self.tables[key]
         if table.placement() is None:
             return 0.0
@@ -352,7 +372,7 @@ class BranchAndBound:
         if self.best:
             return
         peak = estimate(self.pb.model, self.pb.cluster, tr, layout, least_memory(m),
-                        target=self.pb.target).memory.peak_gb
+                        self.imbalance, target=self.pb.target).memory.peak_gb
         if self.closest is None or peak < self.closest[0]:
             self.closest = (peak, layout)
 
@@ -429,6 +449,7 @@ class BranchAndBound:
         key = self.objective.key
         graphed = [(-key(p), -p.estimate.step_time_s, e[2], p)  # type: ignore[union-attr]
                    for e in self.best
-                   for p in [with_graphs(e[3], key, self.objective.prices_intervals)
+                   for p in [with_graphs(e[3], key, self.objective.prices_intervals,
+                                         self.imbalance)
                              if self.space.cuda_graphs else e[3]]]
         return [e[3] for e in sorted(graphed, key=lambda e: e[:3], reverse=True)]

@@ -282,17 +282,39 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
 def _rank_costs(P: StageProblem, C: ModuleSets, layers: Sequence[int]
                 ) -> tuple[np.ndarray, np.ndarray]:
     """(T, fits): every set's time on every rank (R, C) at the given layers, and whether it
-    fits there."""
+    fits there. All ranks at once: the items fixed on a rank add n·Δt_ic and n·ψ_s·k_ic in
+    item order, the order `fixed_on_rank` adds them in, so the sums are the same to the bit."""
     ell = P.layer_item
     lay = P.items[ell]
-    T, ok = [], []
-    for r in range(P.pp):
-        x = int(layers[r])
-        ft, fk, t0, m0 = fixed_on_rank(P, C, r)
-        T.append(x * (lay.time_s + C.add_time[:, ell]) + ft + t0)
-        m = x * (lay.static_bytes + P.mean_inflight(r) * C.kept[:, ell]) + fk + m0
-        ok.append(m <= P.budget_bytes[r] * (1 + 1e-9))
-    return np.array(T), np.array(ok)
+    R = P.pp
+    t0, m0 = np.zeros(R), np.zeros(R)
+    for s in range(P.stages):
+        for i, n in P.fixed[s]:
+            t0[s % R] += n * P.items[i].time_s
+            m0[s % R] += n * P.items[i].static_bytes
+    # the sets' terms of the fixed items depend only on where they sit (rank, count, the
+    # stage's in-flight micro-batches), not on the item times or bytes an optimizer-offload
+    # fraction changes: once per set family and placement of the fixed items
+    placed = tuple((s % R, i, n, P.inflight[s]) for s in range(P.stages) for i, n in P.fixed[s])
+    memo = ("fixed", R, placed)
+    if memo not in C.fronts:
+        nt: dict[int, np.ndarray] = {}  # item -> count per rank
+        nk: dict[int, np.ndarray] = {}  # item -> count × in-flight per rank
+        for r, i, n, psi in placed:
+            nt.setdefault(i, np.zeros(R))[r] += n
+            nk.setdefault(i, np.zeros(R))[r] += n * psi
+        ft, fk = np.zeros((R, len(C.sets))), np.zeros((R, len(C.sets)))
+        for i in sorted(nt):
+            ft += nt[i][:, None] * C.add_time[:, i][None, :]
+            fk += nk[i][:, None] * C.kept[:, i][None, :]
+        C.fronts[memo] = (ft, fk)
+    ft, fk = C.fronts[memo]
+    x = np.array([int(v) for v in layers], dtype=float)[:, None]
+    psi = np.array([P.mean_inflight(r) for r in range(R)])[:, None]
+    T = x * (lay.time_s + C.add_time[:, ell])[None, :] + ft + t0[:, None]
+    m = x * (lay.static_bytes + psi * C.kept[:, ell][None, :]) + fk + m0[:, None]
+    ok = m <= np.array(P.budget_bytes, dtype=float)[:, None] * (1 + 1e-9)
+    return T, ok
 
 
 def _fixed_uniform(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageSolution:
@@ -326,19 +348,12 @@ def _fill(slope: float, base: np.ndarray, cap: np.ndarray, total: int) -> list[i
             X[r] = min(int(cap[r]), total - int(X.sum()))
         return X.tolist()
     levels = np.unique((base[:, None] + slope * np.arange(total + 1)[None, :]).ravel())
-
-    def count(t: float) -> np.ndarray:
-        k = np.floor((t - base) / slope + 1e-9).astype(np.int64)
-        return np.clip(k, 0, cap)
-
-    lo, hi = 0, len(levels) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if count(levels[mid]).sum() >= total:
-            hi = mid
-        else:
-            lo = mid + 1
-    X = count(levels[lo])
+    # every level's layers per rank at once (a few hundred levels of a few ranks: one array
+    # pass is cheaper than a bisection's calls); the counts grow with the level
+    counts = np.clip(np.floor((levels[:, None] - base[None, :]) / slope + 1e-9).astype(np.int64),
+                     0, cap[None, :])
+    lo = min(int(np.searchsorted(counts.sum(axis=1), total)), len(levels) - 1)
+    X = counts[lo].copy()
     excess = int(X.sum()) - total
     for r in range(len(X) - 1, -1, -1):
         if excess <= 0:
@@ -374,19 +389,24 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     for ft, fk, _, _ in fixed:
         cols += [ft, fk]
     front = pareto(np.round(np.stack(cols, axis=1), 12))
+    # every front set at once: its slope, each rank's base time and layer cap (F, R)
+    slope = lay.time_s + C.add_time[front, ell]
+    base = np.stack([ft[front] + t0 for ft, _, t0, _ in fixed], axis=1)
+    cap = np.stack([_caps(P.budget_bytes[r] * (1 + 1e-9) - fk[front] - m0,
+                          lay.static_bytes + P.mean_inflight(r) * C.kept[front, ell],
+                          P.free_layers) for r, (_, fk, _, m0) in enumerate(fixed)], axis=1)
     best: tuple[float, int, list[int]] | None = None
-    for c in front.tolist():
-        slope = lay.time_s + C.add_time[c, ell]
-        base = np.array([ft[c] + t0 for ft, _, t0, _ in fixed])
-        cap = np.array([_cap(P.budget_bytes[r] * (1 + 1e-9) - fk[c] - m0,
-                             lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell],
-                             P.free_layers) for r, (_, fk, _, m0) in enumerate(fixed)])
-        if (cap < 0).any():
-            continue  # a rank's fixed items alone do not fit under this set
-        X = _fill(slope, base, cap, P.free_layers)
+    ok = (cap >= 0).all(axis=1) & (cap.sum(axis=1) >= P.free_layers)  # else: no split fits
+    fill = _fill_all(slope[ok & (slope > 0)], base[ok & (slope > 0)],
+                     cap[ok & (slope > 0)], P.free_layers)
+    filled = iter(fill)
+    for i, c in enumerate(front.tolist()):
+        if not ok[i]:
+            continue
+        X = next(filled) if slope[i] > 0 else _fill(slope[i], base[i], cap[i], P.free_layers)
         if X is None:
             continue
-        T = base + slope * np.array(X)
+        T = base[i] + slope[i] * np.array(X)
         obj = round(float(P.alpha * T.max() + P.beta * T.sum()), 12)
         if best is None or (obj, c) < (best[0], best[1]):
             best = (obj, c, X)
@@ -396,6 +416,55 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     options = [list(C.sets[c])] * P.pp
     o, mem = evaluate(P, X, options)
     return StageSolution(o, X, options, mem)
+
+
+def _caps(room: np.ndarray, per_layer: np.ndarray, most: int) -> np.ndarray:
+    """`_cap` of every set at once."""
+    with np.errstate(over="ignore", invalid="ignore"):  # the entries `most` or −1 replace
+        held = np.floor_divide(room, np.where(per_layer > 0, per_layer, 1.0))  # Python's //
+    out = np.where((per_layer <= 0) | (room >= per_layer * most), most,
+                   np.minimum(held, most)).astype(np.int64)
+    return np.where(room < 0, -1, out)
+
+
+def _fill_all(slope: np.ndarray, base: np.ndarray, cap: np.ndarray, total: int
+              ) -> list[list[int] | None]:
+    """`_fill` of many sets at once (slopes > 0, caps summing to `total` or more): each set's
+    levels, the layers each rank holds at each level and the least level holding `total`, in
+    one array pass; the same arithmetic as `_fill`, so the same split."""
+    out: list[list[int] | None] = []
+    k = np.arange(total + 1)
+    R = base.shape[1]
+    step = max(1, FILL_CELLS // (R * R * (total + 1)))  # sets per array pass, memory bounded
+    for a in range(0, len(slope), step):
+        out += _fill_block(slope[a:a + step], base[a:a + step], cap[a:a + step], total, k)
+    return out
+
+
+FILL_CELLS = 1 << 15
+"""Cells (sets × levels × ranks) `_fill_all` holds at once."""
+
+
+def _fill_block(slope: np.ndarray, base: np.ndarray, cap: np.ndarray, total: int,
+                k: np.ndarray) -> list[list[int] | None]:
+    levels = np.sort((base[:, :, None] + slope[:, None, None] * k).reshape(len(slope), -1),
+                     axis=1)
+    counts = np.clip(np.floor((levels[:, :, None] - base[:, None, :]) / slope[:, None, None]
+                              + 1e-9).astype(np.int64), 0, cap[:, None, :])
+    lo = np.argmax(counts.sum(axis=2) >= total, axis=1)
+    out: list[list[int] | None] = []
+    for i in range(len(slope)):
+        X = counts[i, lo[i]].copy()
+        level = levels[i, lo[i]]
+        excess = int(X.sum()) - total
+        for r in range(len(X) - 1, -1, -1):
+            if excess <= 0:
+                break
+            if X[r] > 0 and abs(base[i, r] + slope[i] * X[r] - level) <= 1e-9 * max(1.0, level):
+                X[r] -= 1
+                excess -= 1
+        out.append(X.tolist() if excess == 0 else None)
+    return out
 
 
 def balanced_layers(P: StageProblem) -> list[int]:

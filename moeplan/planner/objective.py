@@ -84,9 +84,9 @@ class Objective:
         (`screen.solve_layout`); None: the cluster's own, which the point prices."""
         return None
 
-    def finish(self, plans: list[Plan]) -> list[Plan]:
+    def finish(self, plans: list[Plan], imbalance: float = 1.0) -> list[Plan]:
         """The plans as reported: ranked by the point, intervals only for what is shown."""
-        return [with_interval_estimate(p) for p in plans]
+        return [with_interval_estimate(p, imbalance) for p in plans]
 
 
 class Expected(Objective):
@@ -206,7 +206,7 @@ class Robust(Objective):
         # the tie on its point
         return plan is not None and bb.full() and self.key(plan) > bb.kth_key()
 
-    def finish(self, plans: list[Plan]) -> list[Plan]:
+    def finish(self, plans: list[Plan], imbalance: float = 1.0) -> list[Plan]:
         return plans
 
 

@@ -11,10 +11,12 @@ nothing here keeps state between layouts except the module-set cache the caller 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..cost_models.calibration import Calibration
-from ..cost_models.estimate import estimate
+from ..cost_models.estimate import estimate, estimate_breakdown
+from ..cost_models.layers import LayerCost
 from ..specs import Choices, ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.plan import Estimate
 from ..specs.rules import Facts, violations
@@ -58,6 +60,7 @@ class Problem:
     training: TrainingSpec
     cal: Calibration
     target: str = "megatron"
+    imbalance: float = 1.0  # tokens on the busiest EP rank over the mean (`search --imbalance`)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
                 pressure = False  # nothing to offload: the slow link changes nothing
             plan = _priced(pb, training, layout, table, menu, built, P, sol, f, limit, balanced)
             if plan is not None and with_interval:
-                plan = with_interval_estimate(plan)
+                plan = with_interval_estimate(plan, pb.imbalance, (table.costs, table.keys))
             if plan is not None and (best is None or _rank(plan) < _rank(best)):
                 best = plan
             if not pressure:
@@ -180,8 +183,12 @@ def _priced(pb: Problem, training: TrainingSpec, layout: Layout, table: LayerTab
         return None
     choices = decode_choices(pb.model, layout, menu, sol, built.leading_layers, f,
                              P.chunk_layers(sol.layers))
-    est = estimate(pb.model, pb.cluster, training, layout, choices, with_interval=False,
-                   target=pb.target)
+    # on the layout's own layer table (its imbalance included) and unchecked: the enumeration
+    # checked the layout and the menu holds only what the target's rules allow
+    # (`problem.menu`); `search` checks the plans it returns
+    est = estimate_breakdown(pb.model, pb.cluster, training, layout, choices, pb.imbalance,
+                             with_interval=False, target=pb.target, check=False,
+                             table=(table.costs, table.keys)).estimate
     if not est.fits or physics_s(est) >= limit:
         return None
     return Plan(model=pb.model, cluster=pb.cluster, training=training, layout=layout,
@@ -231,16 +238,20 @@ def least_memory(menu: Menu) -> Choices:
                    optimizer_offload_fraction=1.0 if menu.options else 0.0)
 
 
-def with_interval_estimate(plan: Plan) -> Plan:
-    """The plan with its estimate's interval and assumptions priced (once)."""
+def with_interval_estimate(plan: Plan, imbalance: float = 1.0,
+                           table: tuple[Mapping[str, LayerCost], Sequence[str]] | None = None
+                           ) -> Plan:
+    """The plan with its estimate's interval and assumptions priced (once), at the search's
+    routing imbalance; `table`: its layout's layer table, when the caller holds it."""
     if plan.estimate is not None and plan.estimate.interval is not None:
         return plan
     est = estimate(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
-                   target=plan.target, point=plan.estimate)
+                   imbalance, target=plan.target, point=plan.estimate, table=table)
     return plan.model_copy(update={"estimate": est})
 
 
-def with_graphs(plan: Plan, rank_key, with_interval: bool) -> Plan:  # noqa: ANN001
+def with_graphs(plan: Plan, rank_key, with_interval: bool,  # noqa: ANN001
+                imbalance: float = 1.0) -> Plan:
     """The plan with CUDA graphs (Layout.cuda_graphs) when its target runs them with the
     plan's choices (`specs.rules`: no full or `moe` recompute under the graphs' scopes), the
     graphs' memory still fits beside them, and the plan then ranks better by `rank_key` (the
@@ -251,7 +262,7 @@ def with_graphs(plan: Plan, rank_key, with_interval: bool) -> Plan:  # noqa: ANN
     if violations(Facts(plan.model, plan.training, layout, plan.choices, plan.cluster),
                   plan.target):
         return plan
-    est = estimate(plan.model, plan.cluster, plan.training, layout, plan.choices,
+    est = estimate(plan.model, plan.cluster, plan.training, layout, plan.choices, imbalance,
                    with_interval=with_interval, target=plan.target)
     if not est.fits:
         return plan

@@ -21,6 +21,7 @@ from ..cost_models.memory import GB
 from ..cost_models.uncertainty import static_activation_budget_bytes
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
+from ..specs.layout import check_layout
 from ..specs.rules import TARGETS, Facts, check_target, rules_for
 from .branch import BranchAndBound, row_bounds
 from .enumerate import SearchSpace, enumerate_layouts
@@ -167,7 +168,8 @@ def search(
     if not len(enum.rows):
         raise InfeasibleError(no_valid_layout(model, cluster, training, world, space, pruned,
                                               target))
-    pb = Problem(model, cluster, training, calibration_for(cluster.calibration), target)
+    pb = Problem(model, cluster, training, calibration_for(cluster.calibration), target,
+                 imbalance)
     t_lb, mem_lb = row_bounds(pb, enum)
     fits = mem_lb <= static_activation_budget_bytes(cluster, pb.cal, pb.cal.workspace_gb * GB)
     pruned["memory_bound"] += int((~fits).sum())
@@ -185,6 +187,9 @@ def search(
     if not plans:
         raise InfeasibleError(nothing_fits(model, cluster, training, world, enum, mem_lb,
                                            pb.cal, bb.closest))
-    result.best_validated = rank.finish([bb.best_validated])[0] if bb.best_validated else None
-    result.plans = explain_plans(rank.finish(plans), result)
+    result.best_validated = (rank.finish([bb.best_validated], imbalance)[0]
+                             if bb.best_validated else None)
+    for p in [*plans, *([result.best_validated] if result.best_validated else [])]:
+        check_layout(p.model, p.training, p.layout, world, p.choices, p.cluster, target)
+    result.plans = explain_plans(rank.finish(plans, imbalance), result)
     return result

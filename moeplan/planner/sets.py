@@ -49,7 +49,8 @@ class ModuleSets:
     sets: Sequence[tuple[Option, ...]]
     add_time: np.ndarray  # (C, I)
     kept: np.ndarray  # (C, I)
-    fronts: dict = field(default_factory=dict, compare=False, repr=False)  # memo of rank fronts
+    # memo of rank fronts (`exact_fronts`) and of the fixed items' terms (`ilp._rank_costs`)
+    fronts: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def item_cost(item: Item, chosen: set[Option], h: float) -> tuple[float, float]:
@@ -116,12 +117,30 @@ def _freed_moved(masks: np.ndarray, recompute_by: frozenset[Option], offload_by:
 
 
 def _first_of_each(rows: np.ndarray) -> np.ndarray:
-    """Indices of the first occurrence of each distinct row, ascending."""
-    view = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))
+    """Indices of the first occurrence of each distinct row, ascending.
+
+    Rows are grouped by one number each, a weighted sum of their columns taken column by
+    column (so equal rows get equal numbers, bit for bit), and the grouping is kept only when
+    every row equals the first of its group; otherwise (two rows sharing a number by chance)
+    a dict over the rows' bytes decides."""
+    rows = np.ascontiguousarray(rows)
+    if len(rows) and rows.shape[1]:
+        key = np.zeros(len(rows))
+        for j in range(rows.shape[1]):
+            key += rows[:, j] * _FIRST_WEIGHTS[j % len(_FIRST_WEIGHTS)]
+        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        bits = rows.view(np.int64) if rows.dtype == np.float64 else rows  # bytes, as the dict
+        if np.array_equal(bits, bits[first[inv.ravel()]]):
+            return np.sort(first)
+    view = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))
     seen: dict[bytes, int] = {}
     for pos, row in enumerate(view.ravel().tolist()):
         seen.setdefault(row, pos)
     return np.sort(np.fromiter(seen.values(), dtype=np.int64))
+
+
+_FIRST_WEIGHTS = np.random.default_rng(20261206).uniform(1.0, 2.0, 61)
+"""Fixed weights of `_first_of_each`'s grouping number (any distinct values do)."""
 
 
 @lru_cache(maxsize=256)
