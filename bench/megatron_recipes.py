@@ -53,6 +53,9 @@ def priced(path: Path) -> list[dict[str, object]]:
         lo, hi = r["predicted_interval_tokens_per_s_per_gpu"]
         res.append({"id": r["id"], "run": what, "published_tflops": float(row["tflops_per_gpu"]),
                     "published": pub, "predicted": pred, "error": pred / pub - 1,
+                    # priced with every effect no fit row backs disappointing (its low end's
+                    # start): what the run is if those effects fail
+                    "pessimistic": r["pessimistic_tokens_per_s_per_gpu"],
                     "in_interval": lo <= pub <= hi, "interval_width": (hi - lo) / pred})
     return res
 
