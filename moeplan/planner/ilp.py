@@ -279,22 +279,20 @@ def solve_fixed(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> StageS
     return StageSolution(obj, X, options, mem)
 
 
-def _rank_costs(P: StageProblem, C: ModuleSets, layers: Sequence[int]
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """(T, fits): every set's time on every rank (R, C) at the given layers, and whether it
-    fits there. All ranks at once: the items fixed on a rank add n·Δt_ic and n·ψ_s·k_ic in
-    item order, the order `fixed_on_rank` adds them in, so the sums are the same to the bit."""
-    ell = P.layer_item
-    lay = P.items[ell]
+def _fixed_terms(P: StageProblem, C: ModuleSets
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`fixed_on_rank` of every rank at once: (ft, fk) per rank and set (R, C), (t0, m0) per
+    rank. The items fixed on a rank add n·Δt_ic and n·ψ_s·k_ic in item order, the order
+    `fixed_on_rank` adds them in, so the sums are the same to the bit. The sets' terms depend
+    only on where the fixed items sit (rank, count, the stage's in-flight micro-batches), not
+    on the item times or bytes an optimizer-offload fraction changes: memoised per set family
+    and placement."""
     R = P.pp
     t0, m0 = np.zeros(R), np.zeros(R)
     for s in range(P.stages):
         for i, n in P.fixed[s]:
             t0[s % R] += n * P.items[i].time_s
             m0[s % R] += n * P.items[i].static_bytes
-    # the sets' terms of the fixed items depend only on where they sit (rank, count, the
-    # stage's in-flight micro-batches), not on the item times or bytes an optimizer-offload
-    # fraction changes: once per set family and placement of the fixed items
     placed = tuple((s % R, i, n, P.inflight[s]) for s in range(P.stages) for i, n in P.fixed[s])
     memo = ("fixed", R, placed)
     if memo not in C.fronts:
@@ -309,8 +307,18 @@ def _rank_costs(P: StageProblem, C: ModuleSets, layers: Sequence[int]
             fk += nk[i][:, None] * C.kept[:, i][None, :]
         C.fronts[memo] = (ft, fk)
     ft, fk = C.fronts[memo]
+    return ft, fk, t0, m0
+
+
+def _rank_costs(P: StageProblem, C: ModuleSets, layers: Sequence[int]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(T, fits): every set's time on every rank (R, C) at the given layers, and whether it
+    fits there."""
+    ell = P.layer_item
+    lay = P.items[ell]
+    ft, fk, t0, m0 = _fixed_terms(P, C)
     x = np.array([int(v) for v in layers], dtype=float)[:, None]
-    psi = np.array([P.mean_inflight(r) for r in range(R)])[:, None]
+    psi = np.array([P.mean_inflight(r) for r in range(P.pp)])[:, None]
     T = x * (lay.time_s + C.add_time[:, ell])[None, :] + ft + t0[:, None]
     m = x * (lay.static_bytes + psi * C.kept[:, ell][None, :]) + fk + m0[:, None]
     ok = m <= np.array(P.budget_bytes, dtype=float)[:, None] * (1 + 1e-9)
@@ -332,69 +340,27 @@ def _fixed_uniform(P: StageProblem, C: ModuleSets, layers: Sequence[int]) -> Sta
     return StageSolution(o, X, options, mem)
 
 
-def _fill(slope: float, base: np.ndarray, cap: np.ndarray, total: int) -> list[int] | None:
-    """Integer layers X_r ≤ cap_r summing to `total` that minimise max_r (slope·X_r + base_r);
-    None when the caps hold fewer than `total`.
-
-    The ranks share the slope, so the optimum is a water level: the least level t with
-    Σ_r min(cap_r, ⌊(t − base_r)/slope⌋⁺) ≥ total. Every optimal max is one of the levels
-    base_r + slope·k, so the level is found by bisection over those; layers past `total` come
-    off ranks standing at the level (which leaves the max and Σ_r T_r where they are)."""
-    if cap.sum() < total:
-        return None
-    if slope <= 0:
-        X = np.zeros(len(base), dtype=np.int64)
-        for r in np.argsort(base, kind="stable"):
-            X[r] = min(int(cap[r]), total - int(X.sum()))
-        return X.tolist()
-    levels = np.unique((base[:, None] + slope * np.arange(total + 1)[None, :]).ravel())
-    # every level's layers per rank at once (a few hundred levels of a few ranks: one array
-    # pass is cheaper than a bisection's calls); the counts grow with the level
-    counts = np.clip(np.floor((levels[:, None] - base[None, :]) / slope + 1e-9).astype(np.int64),
-                     0, cap[None, :])
-    lo = min(int(np.searchsorted(counts.sum(axis=1), total)), len(levels) - 1)
-    X = counts[lo].copy()
-    excess = int(X.sum()) - total
-    for r in range(len(X) - 1, -1, -1):
-        if excess <= 0:
-            break
-        if X[r] > 0 and abs(base[r] + slope * X[r] - levels[lo]) <= 1e-9 * max(1.0, levels[lo]):
-            X[r] -= 1
-            excess -= 1
-    return X.tolist() if excess == 0 else None
-
-
-def _cap(room: float, per_layer: float, most: int) -> int:
-    """Layers a rank holds in `room` bytes at `per_layer` bytes each, at most `most`; −1 when
-    its fixed items alone overflow."""
-    if room < 0:
-        return -1
-    if per_layer <= 0 or room >= per_layer * most:
-        return most
-    return int(room // per_layer)
-
-
 def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     """Layers and one set for every rank together, exactly and without a solver.
 
     With the set c fixed, Σ_r T_r = (t_ℓ + Δt_ℓc)·(L − D) + const does not depend on the split,
     so the objective α·max + β·Σ is least where max_r T_r is: every rank's time grows by the
     same t_ℓ + Δt_ℓc per layer, and level filling under each rank's memory cap
-    (`_fill`) finds that split. Every set not dominated on the numbers the ranks' times and
+    (`_fill_all`) finds that split. Every set not dominated on the numbers the ranks' times and
     memories read is tried; the least objective wins (ties to the smaller set)."""
     ell = P.layer_item
     lay = P.items[ell]
+    ft, fk, t0, m0 = _fixed_terms(P, C)
     cols = [C.add_time[:, ell], C.kept[:, ell]]
-    fixed = [fixed_on_rank(P, C, r) for r in range(P.pp)]
-    for ft, fk, _, _ in fixed:
-        cols += [ft, fk]
+    for r in range(P.pp):
+        cols += [ft[r], fk[r]]
     front = pareto(np.round(np.stack(cols, axis=1), 12))
     # every front set at once: its slope, each rank's base time and layer cap (F, R)
     slope = lay.time_s + C.add_time[front, ell]
-    base = np.stack([ft[front] + t0 for ft, _, t0, _ in fixed], axis=1)
-    cap = np.stack([_caps(P.budget_bytes[r] * (1 + 1e-9) - fk[front] - m0,
+    base = (ft[:, front] + t0[:, None]).T
+    cap = np.stack([_caps(P.budget_bytes[r] * (1 + 1e-9) - fk[r, front] - m0[r],
                           lay.static_bytes + P.mean_inflight(r) * C.kept[front, ell],
-                          P.free_layers) for r, (_, fk, _, m0) in enumerate(fixed)], axis=1)
+                          P.free_layers) for r in range(P.pp)], axis=1)
     best: tuple[float, int, list[int]] | None = None
     ok = (cap >= 0).all(axis=1) & (cap.sum(axis=1) >= P.free_layers)  # else: no split fits
     fill = _fill_all(slope[ok & (slope > 0)], base[ok & (slope > 0)],
@@ -403,7 +369,7 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     for i, c in enumerate(front.tolist()):
         if not ok[i]:
             continue
-        X = next(filled) if slope[i] > 0 else _fill(slope[i], base[i], cap[i], P.free_layers)
+        X = next(filled) if slope[i] > 0 else _fill_flat(base[i], cap[i], P.free_layers)
         if X is None:
             continue
         T = base[i] + slope[i] * np.array(X)
@@ -419,7 +385,8 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
 
 
 def _caps(room: np.ndarray, per_layer: np.ndarray, most: int) -> np.ndarray:
-    """`_cap` of every set at once."""
+    """Layers a rank holds in `room` bytes at `per_layer` bytes each, at most `most`, per set;
+    −1 where its fixed items alone overflow."""
     with np.errstate(over="ignore", invalid="ignore"):  # the entries `most` or −1 replace
         held = np.floor_divide(room, np.where(per_layer > 0, per_layer, 1.0))  # Python's //
     out = np.where((per_layer <= 0) | (room >= per_layer * most), most,
@@ -429,9 +396,14 @@ def _caps(room: np.ndarray, per_layer: np.ndarray, most: int) -> np.ndarray:
 
 def _fill_all(slope: np.ndarray, base: np.ndarray, cap: np.ndarray, total: int
               ) -> list[list[int] | None]:
-    """`_fill` of many sets at once (slopes > 0, caps summing to `total` or more): each set's
-    levels, the layers each rank holds at each level and the least level holding `total`, in
-    one array pass; the same arithmetic as `_fill`, so the same split."""
+    """Per set (slope > 0, caps summing to `total` or more), integer layers X_r ≤ cap_r summing
+    to `total` that minimise max_r (slope·X_r + base_r); None where none is found.
+
+    The ranks share the slope, so the optimum is a water level: the least level t with
+    Σ_r min(cap_r, ⌊(t − base_r)/slope⌋⁺) ≥ total. Every optimal max is one of the levels
+    base_r + slope·k, so each set's levels are counted at once and the least one holding
+    `total` taken; layers past `total` come off ranks standing at the level (which leaves the
+    max and Σ_r T_r where they are)."""
     out: list[list[int] | None] = []
     k = np.arange(total + 1)
     R = base.shape[1]
@@ -465,6 +437,15 @@ def _fill_block(slope: np.ndarray, base: np.ndarray, cap: np.ndarray, total: int
                 excess -= 1
         out.append(X.tolist() if excess == 0 else None)
     return out
+
+
+def _fill_flat(base: np.ndarray, cap: np.ndarray, total: int) -> list[int]:
+    """`_fill_all` of a set whose layers add no time (slope ≤ 0): the ranks of least base
+    first, each up to its cap."""
+    X = np.zeros(len(base), dtype=np.int64)
+    for r in np.argsort(base, kind="stable"):
+        X[r] = min(int(cap[r]), total - int(X.sum()))
+    return X.tolist()
 
 
 def balanced_layers(P: StageProblem) -> list[int]:
