@@ -39,9 +39,16 @@ RAW: dict[str, dict[str, str]] = {}
 PREVIOUS = {"config": 7.1, "model": 9.7, "release": 7.5, "table5": 3.9, "objective": 0.0896,
             "recipes": 16.8, "recipes_coverage": 12, "cv_coverage": 82.9, "cv_width": 26.4,
             "loro_coverage": 80.4, "lomo_coverage": 86.4, "lomo_width": 35.2,
-            "oss_lomo": 35.0, "oss_cov": 41.0,
+            "oss_lomo": 35.0, "oss_cov": 41.0, "quick": 10.5,
             # 80 % interval width of Megatron-LM's TP 2 Qwen3-235B recipes, % of the point
-            "width_MLR04": 12.0, "width_MLR05": 46.0, "width_MLR06": 46.0}
+            "width_MLR04": 37.0, "width_MLR05": 64.0, "width_MLR06": 59.0,
+            # leave one model out on the rows whose recipe keeps TP overlap off: mean error of
+            # Qwen3-235B-A22B on H100, MAPE of the NVFP4 rows at TP > 1
+            "q235_h100_lomo": -10.0, "nvfp4_lomo": 7.9,
+            # the fitted constants this revision's refit moved
+            "cal": {"lowp_gain/fp8-tensorwise": 0.7, "lowp_gain/nvfp4": 0.5,
+                    "a2a_scaleout_eff": 0.7, "tp_overlap_hidden": 0.95,
+                    "comm_sm_fraction/hopper": 0.15, "gemm_eff_max/B200": 0.6}}
 
 
 def generation(gpu: str) -> str:
@@ -575,7 +582,7 @@ PHYSICS = {"model_residual": {}}
 
 def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
     from moeplan.cost_models import estimate
-    from moeplan.specs import Layout, TrainingSpec, load_cluster, load_model
+    from moeplan.specs import Choices, Layout, TrainingSpec, load_cluster, load_model
 
     oss = [r for r in cv_rows if r["model"] == "gpt-oss-120b"]
     bf16 = [r for r in oss if r["precision"] == "bf16"]
@@ -600,6 +607,14 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
                    and RAW[r["id"]]["micro_batch"] == "4"),
                   key=lambda i: float(RAW[i]["tokens_per_s_per_gpu"]))
     (cur, _), (old, old_fits) = price("current"), price("mcore-2024")
+    # R0257 (25.11, B200) prints EP 8; the release's recipe ran EP 64 (see the text below)
+    b200_25 = {}
+    for ep in (8, 64):
+        lay25 = Layout.build(64, 512, ep=ep, mbs=4)
+        tr25 = TrainingSpec(seq_len=4096, global_batch_size=512, grad_reduce_dtype="bf16")
+        b200_25[ep] = estimate(m, load_cluster("b200", 64), tr25, lay25,
+                               Choices(recompute=["layernorm", "moe_act"]),
+                               with_interval=False, calibration=PHYSICS).tokens_per_s_per_gpu
     band = prof_doc().get("model_bands", {}).get("gpt-oss-120b")
     residual = default_calibration().model_residual.get("gpt-oss-120b/bf16")
     cover = prof_doc().get("leave_one_model_out", {}).get("by_family", {}).get("gpt-oss", {})
@@ -641,7 +656,15 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         "GPU scatter by release (B200 at EP8, MBS 4: " + ", ".join(
             f"{float(RAW[i]['tokens_per_s_per_gpu']):,.0f} in {i}, release "
             + "{}.{:02d}".format(*release_of(RAW[i])) for i in b200)
-        + " tokens/s/GPU), more than their printed batch sizes explain. The other NVIDIA stack",
+        + " tokens/s/GPU), more than their printed batch sizes explain. The 25.11 one (R0257)",
+        "prints an EP its run did not use: Megatron-Bridge v0.2.0, the 25.11 release, configures",
+        "B200 at EP 64, MBS 4, GBS 512 (`GPT_OSS_120B_B200_BF16_BASE_CONFIG` in",
+        "scripts/performance/configs/gpt_oss/workload_base_configs.py), and its "
+        f"{float(RAW['R0257']['tokens_per_s_per_gpu']):,.0f} tokens/s/GPU",
+        f"matches the 26.02 EP 64 row of B200 (R0222, {float(RAW['R0222']['tokens_per_s_per_gpu']):,.0f}),"
+        " not the EP 8 rows; the physics prices that",
+        f"batch at EP 8 {b200_25[8]:,.0f} and at EP 64 {b200_25[64]:,.0f}. moeplan prices a row as "
+        "printed, so it stays at EP 8 in every fit. The other NVIDIA stack",
         "comes close: on 64",
         "H100, NeMo Automodel (FSDP2,",
         f"TE + DeepEP + FlexAttention; R0587) publishes {a_pub:,.0f} tokens/s/GPU at GBS 512, MBS 2,",
@@ -693,31 +716,32 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **EP overlap's evidence is filed by what it overlaps.** A fit row that hides the all-to-all
-  behind the merged forward/backward backs the same overlap only where it runs the same way
-  (`uncertainty.ep_overlap_key`): across the scale-out fabric, per dispatcher family (DeepEP's
-  and HybridEP's inter-node kernels drive RDMA from SMs they hold while they wait on their
-  peers, where NCCL's all-to-all is one more NCCL kernel), and per whether TP or CP collectives
-  run in the layers it pairs the transfers with (Megatron-LM's `validate_args`: on Hopper "try
-  not to use tensor model parallelism or context parallelism with
-  overlap_moe_expert_parallel_comm", the two wanting different CUDA connection counts). The
-  overlap shown beside TP or CP backs the same overlap without them, not the converse. The fit
-  rows that overlap the flex dispatcher's transfers across nodes all run at TP 1
-  ({flex_tp1_rows}); the flex rows at TP 2 run without the overlap, as Megatron-Bridge's
-  DeepSeek-V3 H100 recipe does (`CUDA_DEVICE_MAX_CONNECTIONS=1`). So the flex dispatcher
-  overlapped beside TP collectives across HGX nodes is no longer counted as validated, and an
-  interval's low end prices it without the overlap; Megatron-LM's recipes that run it
-  (Qwen3-235B-A22B at TP 2 on H100, B200, B300: MLR04–MLR06), which no fit saw, are priced
-  {mlr_tp2_errors} above what they measured. Their intervals widen to the plan without the
-  overlap ({mlr_widths}); recipe interval coverage {recipes_cov_before}/14 →
-  {recipes_cov_now}/14 (MLR04's low end is still above its run). No point prediction moved: the
-  cross-validated figures are the previous revision's (leave one model out {lomo_now}%, leave one
-  release out {loro_now}%, configuration split {config_now}%; interval coverage
-  {cv_coverage_now}%, {lomo_cov}% and {loro_cov_now}%).
-- The robust search ranks by those low ends, so plans that leaned on the flex dispatcher's
-  overlap beside TP across HGX nodes no longer win on them: Qwen3-235B-A22B on 256 H100 and
-  DeepSeek-V3 on 1,024 H100 now recommend plans whose overlap a fit row backs, or none
-  (PLANS.md, BENCHMARKS.md); their expected winners still use it and say so.
+- **TP overlap only where the recipe runs it.** NVIDIA's performance recipes turn TP
+  communication overlap on at TP > 1, and moeplan priced every Megatron-Bridge row so. Some keep
+  it off, in every release from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's and Kimi-K2's
+  base recipes (`CommOverlapConfig(tp_comm_overlap=False)`, which their performance configs do
+  not override), Qwen3-235B-A22B's H100 configuration (TP 2 beside EP overlap), and every
+  NVFP4 variant of the Llama and gpt-oss configurations (`tp_comm_overlap = False if precision
+  == "nvfp4"`). Those {n_off} rows are now priced with their TP collectives exposed
+  (`validation.rules.NO_TP_OVERLAP_RECIPES`).
+- **TP bytes at the width Transformer Engine gathers.** TE quantizes a column-parallel GEMM's
+  input before the sequence-parallel all-gather (`gather_along_first_dim(...,
+  quantizer=input_quantizer)`, the userbuffers path alike), so under an FP8 recipe that one of
+  a block's four collectives moves one byte per element and under NVFP4 0.56, not two; the
+  reduce-scatters and the backward stay bf16 (`layers._tp_block`).
+- Refit on every row (objective {objective_before} → {objective_now}); the constants that
+  moved: {cal_moves}. Cross-validated: leave one model out {lomo_before}% → {lomo_now}%,
+  leave one release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
+  {config_now}%; the CLI's quick refit {quick_before}% → {quick_now}%. On the rows the first
+  change touches, leave one model out: Qwen3-235B-A22B on H100 (all-to-all across four HGX
+  nodes, overlapped beside TP 2) mean error {q235_before}% → {q235_now}%, priced slower still
+  with TP exposed; the NVFP4 rows at TP > 1 MAPE {nvfp4_before}% → {nvfp4_now}%. Interval
+  coverage: configuration split {cv_cov_before}% → {cv_cov_now}%, leave one model out
+  {lomo_cov_before}% → {lomo_cov_now}%, leave one release out {loro_cov_before}% →
+  {loro_cov_now}%. Megatron-LM's recipes no fit saw: MAPE {recipes_before}% → {recipes_now},
+  interval coverage {recipes_cov_before}/14 → {recipes_cov_now}/14.
+- gpt-oss-120b's 25.11 B200 row (R0257) ran EP 64 by its release's recipe where the table
+  prints EP 8 (gpt-oss-120b section); it is still priced as printed.
 """.splitlines()
 
 
@@ -795,34 +819,59 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 """.splitlines()
 
 
-def change_figures(cv: dict[str, Any], cal: dict[str, Any]) -> dict[str, str]:
+def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any] | None
+                   ) -> dict[str, str]:
     """The figures "What changed" quotes, computed from the cross-validation, the shipped
-    intervals, the fit rows' evidence and the runs no fit saw, against the previous revision's
-    (PREVIOUS)."""
+    calibration and the published rows, against the previous revision's (PREVIOUS)."""
+    from moeplan.validation.rules import NO_TP_OVERLAP_RECIPES
+
+    def row_off(r: dict[str, str]) -> bool:
+        if not r["source"].startswith("NVIDIA Megatron-Bridge") or int(r["tp"] or 1) <= 1:
+            return False
+        gpu = NO_TP_OVERLAP_RECIPES.get(r["model_preset"], "")
+        return r["precision_preset"] == "nvfp4" or gpu is None or gpu == r["gpu"].strip()
+
+    lomo = {r["id"]: r for r in cv["model"]["rows"]}
+    off = [i for i, r in RAW.items() if i in lomo and row_off(r)]
+    q235 = [lomo[i]["error"] for i in off if RAW[i]["model_preset"] == "qwen3-235b-a22b"]
+    nvfp4 = [lomo[i]["error"] for i in off if RAW[i]["precision_preset"] == "nvfp4"]
+    now = {"lowp_gain/fp8-tensorwise": cal["lowp_gain"]["fp8-tensorwise"],
+           "lowp_gain/nvfp4": cal["lowp_gain"]["nvfp4"],
+           "a2a_scaleout_eff": cal["a2a_scaleout_eff"],
+           "tp_overlap_hidden": cal["tp_overlap_hidden"],
+           "comm_sm_fraction/hopper": cal["comm_sm_fraction"]["hopper"],
+           "gemm_eff_max/B200": cal["gemm_eff_max"]["B200"]}
+    about = cal.get("_about", "")
     from megatron_recipes import mape as ext_mape
 
     prof = prof_doc()
-    cvd, lo, lr = (prof["cross_validated"], prof["leave_one_model_out"],
-                   prof["leave_one_release_out"])
     recipes = unseen_runs()[0]
-    tp2 = [r for r in recipes if r["id"] in ("MLR04", "MLR05", "MLR06")]
-    flex = sorted({i for k, ids in prof["evidence"].items()
-                   if k.startswith("ep_overlap/") and "/scale-out/flex" in k for i in ids})
     return {
-        "flex_tp1_rows": ", ".join(flex) or "none",
-        "mlr_tp2_errors": ", ".join(f"{100 * r['error']:+.0f}%" for r in tp2),
-        "mlr_widths": ", ".join(f"{r['id']} {PREVIOUS['width_' + r['id']]:.0f}% → "
-                                f"{100 * r['interval_width']:.0f}%" for r in tp2)
-        + " of the point",
+        "cv_cov_before": f"{PREVIOUS['cv_coverage']}",
+        "lomo_cov_before": f"{PREVIOUS['lomo_coverage']}",
+        "loro_cov_before": f"{PREVIOUS['loro_coverage']}",
+        "cv_cov_now": f"{100 * prof['cross_validated']['coverage']:.1f}",
+        "lomo_cov_now": f"{100 * prof['leave_one_model_out']['coverage']:.1f}",
+        "loro_cov_now": f"{100 * prof['leave_one_release_out']['coverage']:.1f}",
+        "recipes_before": f"{PREVIOUS['recipes']}",
+        "recipes_now": f"{ext_mape(recipes):.1f}%",
         "recipes_cov_before": f"{PREVIOUS['recipes_coverage']}",
         "recipes_cov_now": f"{sum(bool(r['in_interval']) for r in recipes)}",
-        "recipes_now": f"{ext_mape(recipes):.1f}%",
+        "n_off": str(len(off)),
+        "cal_moves": ", ".join(f"`{k}` {PREVIOUS['cal'][k]:g} → {v:g}" for k, v in now.items()
+                               if abs(v - PREVIOUS["cal"][k]) > 1e-9),
+        "objective_before": f"{PREVIOUS['objective']}",
+        "objective_now": (re.search(r"objective ([0-9.]+)", about) or [None, "?"])[1],
+        "lomo_before": f"{PREVIOUS['model']}", "loro_before": f"{PREVIOUS['release']}",
+        "config_before": f"{PREVIOUS['config']}", "quick_before": f"{PREVIOUS['quick']}",
         "lomo_now": f"{100 * cv['model']['mape']:.1f}",
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
-        "cv_coverage_now": f"{100 * cvd['coverage']:.1f}",
-        "loro_cov_now": f"{100 * lr['coverage']:.1f}",
-        "lomo_cov": f"{100 * lo['coverage']:.1f}",
+        "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
+        "q235_before": f"{PREVIOUS['q235_h100_lomo']:+.1f}",
+        "q235_now": f"{100 * sum(q235) / len(q235):+.1f}" if q235 else "–",
+        "nvfp4_before": f"{PREVIOUS['nvfp4_lomo']}",
+        "nvfp4_now": f"{100 * sum(abs(e) for e in nvfp4) / len(nvfp4):.1f}" if nvfp4 else "–",
     }
 
 
@@ -900,7 +949,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     lomo, loro = cv["model"]["rows"], cv["release"]["rows"]
-    figures.update(change_figures(cv, cal))
+    figures.update(change_figures(cv, cal, quick))
     lines = [
         "# Accuracy of the cost models", "",
         "Predicted against published tokens/s/GPU for every row of the shipped published runs",

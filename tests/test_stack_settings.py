@@ -127,17 +127,57 @@ def test_runtime_runs_the_same_function_without_the_speed_settings_and_says_so()
 
 
 def test_validation_prices_nemo_recipes_with_tp_overlap_and_papers_without():
-    seen = {"nemo": 0, "paper": 0}
+    seen = {"nemo": 0, "paper": 0, "kept off": 0}
+    off = {"R0265", "R0106", "R0291", "R0038", "R0209"}  # Qwen3-235B H100, DeepSeek-V3, NVFP4
     for r, c in published_cases():
         if c.layout.tp == 1:
             continue
         if r["source"].startswith("NVIDIA Megatron-Bridge"):
-            assert c.layout.tp_comm_overlap, r["id"]
-            seen["nemo"] += 1
+            if r["id"] in off:
+                assert not c.layout.tp_comm_overlap, r["id"]
+                seen["kept off"] += 1
+            elif r["precision_preset"] != "nvfp4" and r["model_preset"] not in (
+                    "deepseek-v3", "kimi-k2", "qwen3-235b-a22b"):
+                assert c.layout.tp_comm_overlap, r["id"]
+                seen["nemo"] += 1
         elif r["source"].startswith("Narayanan"):
             assert not c.layout.tp_comm_overlap, r["id"]
             seen["paper"] += 1
-    assert seen["nemo"] > 10 and seen["paper"] > 5
+    assert seen["nemo"] > 10 and seen["paper"] > 5 and seen["kept off"] == len(off)
+
+
+def test_bridge_recipes_that_keep_tp_overlap_off_are_priced_without_it():
+    """Megatron-Bridge's DeepSeek-V3 and Kimi-K2 base recipes, its Qwen3-235B-A22B H100
+    performance config and every NVFP4 Llama config set `tp_comm_overlap=False` at TP > 1;
+    the GB200 Qwen3-235B configs and the FP8 Llama ones keep it on."""
+    from moeplan.validation.rules import stack_settings
+
+    bridge = {"source": "NVIDIA Megatron-Bridge performance summary", "gpu": "H100-SXM"}
+    assert stack_settings(bridge, 2, "qwen3-235b-a22b", "fp8-tensorwise") == {}
+    assert stack_settings(bridge, 2, "deepseek-v3", "fp8-blockwise") == {}
+    assert stack_settings(bridge, 8, "kimi-k2", "bf16") == {}
+    assert stack_settings(bridge, 4, "llama3-405b", "nvfp4") == {}
+    assert stack_settings(bridge, 4, "llama3-405b", "fp8-tensorwise") == {"tp_comm_overlap": True}
+    gb200 = {**bridge, "gpu": "GB200"}
+    assert stack_settings(gb200, 2, "qwen3-235b-a22b", "mxfp8") == {"tp_comm_overlap": True}
+    assert stack_settings(bridge, 1, "llama3-405b", "fp8-tensorwise") == {}
+
+
+def test_a_low_precision_recipe_gathers_its_quantized_operand_across_tp():
+    """Transformer Engine quantizes a column-parallel GEMM's input before the sequence-parallel
+    all-gather, so an FP8 or NVFP4 recipe moves fewer TP bytes than bf16 (the reduce-scatters
+    and the backward stay bf16): one of the block's four collectives shrinks."""
+    from moeplan.cost_models.layers import QUANTIZED_BYTES
+
+    layout = Layout.build(64, 256, tp=8, pp=2)
+    cal = default_calibration()
+    tp = {p: dense_layer(make_context(LLAMA, H100, TR.model_copy(update={"precision": p}),
+                                      layout, cal)).tp_s
+          for p in ("bf16", "fp8-tensorwise", "nvfp4")}
+    assert tp["nvfp4"] < tp["fp8-tensorwise"] < tp["bf16"]
+    # each block's four rings: three bf16, one at the quantized width (latency aside)
+    assert tp["fp8-tensorwise"] / tp["bf16"] == pytest.approx(
+        (3 * 2 + QUANTIZED_BYTES["fp8-tensorwise"]) / 8, rel=0.02)
 
 
 # ------------------------------------------------------------- bf16 gradient reduction

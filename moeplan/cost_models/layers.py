@@ -304,6 +304,26 @@ def _tp_ring(ctx: Context, nbytes: float) -> float:
     return C.ring_time(nbytes, ctx.tp_place, ctx.cluster, ctx.cal)
 
 
+# bytes per element of a quantized GEMM operand with its scales: FP8 one byte (blockwise an
+# fp32 scale per 128, MXFP8 an E8M0 scale per 32), NVFP4 half a byte and an FP8 scale per 16
+QUANTIZED_BYTES = {"fp8-delayed": 1.0, "fp8-tensorwise": 1.0, "fp8-blockwise": 1.0 + 4 / 128,
+                   "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+
+def _tp_block(ctx: Context, n_tok: float) -> float:
+    """Seconds of one block's sequence-parallel collectives (Korthikanti et al. 2022 §4.2.2):
+    forward, the all-gather before the column-parallel GEMM and the reduce-scatter after the
+    row-parallel one; backward, the reverse. Under an FP8/FP4 recipe Transformer Engine
+    quantizes the GEMM input before the forward all-gather and gathers the quantized operand
+    (`gather_along_first_dim(..., quantizer=input_quantizer)`, and the userbuffers path
+    alike), so that one moves QUANTIZED_BYTES per element; the others carry bf16."""
+    if ctx.layout.tp <= 1:
+        return 0.0
+    elems = n_tok * ctx.model.hidden_size
+    gathered = QUANTIZED_BYTES.get(ctx.training.precision, BF16) if ctx.lowp else BF16
+    return 3 * _tp_ring(ctx, elems * BF16) + _tp_ring(ctx, elems * gathered)
+
+
 # ----------------------------------------------------------------------------- attention
 @dataclass(frozen=True)
 class _Attn:
@@ -457,7 +477,7 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     bwd = 2 * (norm + gemm_f + elementwise) + core_b + rope_b
     # TP with sequence parallelism: all-gather before QKV, reduce-scatter after the projection,
     # the reverse in backward (Korthikanti et al. 2022 §4.2.2)
-    tp = 4 * _tp_ring(ctx, N * h * BF16) if t > 1 else 0.0
+    tp = _tp_block(ctx, N)
     # CP ring: (c−1) K/V chunk exchanges forward, K/V plus their gradients backward
     # (the ring overlaps each exchange with the previous block's attention)
     cp = cp_f = cp_b = 0.0
@@ -519,7 +539,7 @@ def dense_layer(ctx: Context, sliding: bool = False) -> LayerCost:
     norm2 = _norm_add(ctx)
     fwd = at.fwd + g + act + norm2
     bwd = at.bwd + 2 * (g + act + norm2)
-    tp = at.tp + (4 * _tp_ring(ctx, N * m.hidden_size * BF16) if t > 1 else 0.0)
+    tp = at.tp + _tp_block(ctx, N)
     tensors = at.tensors + (
         ActTensor("mlp_norm_out", BF16 * Nsp * m.hidden_size, frozenset({"layernorm"}), None),
         ActTensor("mlp_fc1_out", BF16 * fc1, frozenset({"mlp"}), None),
@@ -657,7 +677,7 @@ def moe_layer(ctx: Context, sliding: bool = False, imbalance: float = 1.0) -> La
     # forward dispatch and combine, then their backwards: a combine and a dispatch
     transfers = (dispatch + etp, combine + etp, combine + etp, dispatch + etp)
     ep = sum(transfers)
-    tp = at.tp + (4 * _tp_ring(ctx, N * h * BF16) if t > 1 and m.num_shared_experts else 0.0)
+    tp = at.tp + (_tp_block(ctx, N) if m.num_shared_experts else 0.0)
     tp_f, tp_b = _tp_exposed(ctx, tp, at.gemm_fwd + g_e + shared_g)
     # EP overlap (Megatron Core's merged 1F1B, `--overlap-moe-expert-parallel-comm`): the
     # forward of one micro-batch runs beside the backward of another, layer by layer, and each

@@ -247,7 +247,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     # folding paper's "MCore" baseline: expert TP follows attention TP)
     unfolded = "method=mcore" in notes.lower() and "folding" not in notes.lower()
     etps = [etp] if etp else ([tp, 1] if unfolded else [1, tp])
-    stack = stack_settings(row, tp)
+    stack = stack_settings(row, tp, mp, prec)
     candidates = [(c, {**stack, **r}) for c in etps for r in ([recipe, {}] if recipe else [{}])]
     for cand, extra in candidates:
         try:

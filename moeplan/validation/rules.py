@@ -178,10 +178,27 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def stack_settings(row: dict[str, str], tp: int) -> dict[str, Any]:
+# Megatron-Bridge recipes that keep TP communication overlap off at TP > 1, in every release
+# from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's and Kimi-K2's base recipes
+# (`CommOverlapConfig(tp_comm_overlap=False)` in recipes/deepseek/deepseek_v3.py and
+# recipes/kimi/kimi_k2.py, which their performance configs do not override), Qwen3-235B-A22B's
+# H100 performance config (scripts/performance/configs/qwen/qwen3_llm_pretrain.py, the one
+# Qwen3 config that runs TP 2 beside EP overlap), and every NVFP4 variant of the Llama and
+# gpt-oss configs (`tp_comm_overlap = False if precision == "nvfp4"`: userbuffers take no
+# NVFP4 operands). Keyed by model preset, with the GPU where only one GPU's recipe does.
+NO_TP_OVERLAP_RECIPES: dict[str, str | None] = {
+    "deepseek-v3": None, "kimi-k2": None, "qwen3-235b-a22b": "H100-SXM"}
+
+
+def stack_settings(row: dict[str, str], tp: int, model_preset: str = "",
+                   precision: str = "") -> dict[str, Any]:
     """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
     src = row.get("source", "") or ""
     if tp > 1 and src.startswith(TP_OVERLAP_SOURCES):
+        if src.startswith(BRIDGE_SOURCE) and (
+                precision == "nvfp4" or (model_preset in NO_TP_OVERLAP_RECIPES and NO_TP_OVERLAP_RECIPES[
+                    model_preset] in (None, (row.get("gpu") or "").strip()))):
+            return {}
         return {"tp_comm_overlap": True}
     return {}
 
