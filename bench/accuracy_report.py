@@ -810,6 +810,13 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
   intervals' low end is priced without the graphs: an MoE layer graphed whole is an
   effect its fit rows ({moe_graph_rows}) contradict, at {moe_graph_range}× their prediction
   ({moe_graph_median}× in the median; `uncertainty.assumption_keys`, `moe_layer_graphs`).
+- NVFP4's gain is one share of the datasheet ratio per recipe (`lowp_gain`), but the runs do
+  not scale with the datasheet: GB300 lists 1.5× GB200's FP4 rate and the same FP8 rate, yet
+  Llama-3.1-405B's NVFP4 runs measure {fp4_gb200}× their MXFP8 twin on GB200 (R0038 over
+  R0037, 26.06) and {fp4_gb300}× on GB300 (R0083 at TP 4 over R0082 at TP 2, 26.04). The FP4
+  recipe's own work (random Hadamard transforms, 16-element scales, the layers it keeps in
+  BF16) is not priced as such, so the fit splits the difference: the shipped profile prices
+  those NVFP4 rows {fp4_gb200_err} on GB200 and {fp4_gb300_err} on GB300.
 - Megatron-Bridge's 25.09 DeepSeek-V3 rows print PP·VP = 16, but that release's run script
   passed the 32-stage layout `Et|(tt|)*30mL` whatever PP and VP it set, which 16 stages cannot
   hold; what those rows ran is not known, so they are priced on their printed sizes and
@@ -909,6 +916,14 @@ def gap_figures() -> dict[str, str]:
         r = by_id.get(i)
         figures[f"{i.lower()}_pub"] = f"{r['published_tokens_per_s_per_gpu']:,.0f}" if r else "n/a"
         figures[f"{i.lower()}_err"] = f"{shipped_error(r):+.0f}%" if r else "n/a"
+    pub = {i: float(RAW[i]["tokens_per_s_per_gpu"]) for i in ("R0037", "R0038", "R0082", "R0083")
+           if i in RAW}
+    figures["fp4_gb200"] = (f"{pub['R0038'] / pub['R0037']:.2f}" if len(pub) == 4 else "n/a")
+    figures["fp4_gb300"] = (f"{pub['R0083'] / pub['R0082']:.2f}" if len(pub) == 4 else "n/a")
+    for gpu in ("GB200", "GB300"):
+        e = [shipped_error(r) for r in SHIPPED if r["precision"] == "nvfp4" and r["gpu"] == gpu
+             and r["model"] == "llama3-405b"]
+        figures[f"fp4_{gpu.lower()}_err"] = f"{min(e):+.0f} to {max(e):+.0f}%" if e else "n/a"
     return figures
 
 
