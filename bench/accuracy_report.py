@@ -718,11 +718,11 @@ CHANGES = """## What changed
 
 - **TP overlap only where the recipe runs it.** NVIDIA's performance recipes turn TP
   communication overlap on at TP > 1, and moeplan priced every Megatron-Bridge row so. Some keep
-  it off, in every release from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's and Kimi-K2's
-  base recipes (`CommOverlapConfig(tp_comm_overlap=False)`, which their performance configs do
-  not override), Qwen3-235B-A22B's H100 configuration (TP 2 beside EP overlap), and every
-  NVFP4 variant of the Llama and gpt-oss configurations (`tp_comm_overlap = False if precision
-  == "nvfp4"`). Those {n_off} rows are now priced with their TP collectives exposed
+  it off, in every release that has them from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's
+  and Kimi-K2's base recipes (`CommOverlapConfig(tp_comm_overlap=False)`, which their
+  performance configs do not override), Qwen3-235B-A22B's H100 configuration (TP 2 beside EP
+  overlap), and every NVFP4 variant of the Llama configurations and, from 26.04, the gpt-oss
+  ones (`tp_comm_overlap = False if precision == "nvfp4"`). Those {n_off} rows are now priced with their TP collectives exposed
   (`validation.rules.NO_TP_OVERLAP_RECIPES`).
 - **TP bytes at the width Transformer Engine gathers.** TE quantizes a column-parallel GEMM's
   input before the sequence-parallel all-gather (`gather_along_first_dim(...,

@@ -179,13 +179,14 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
 
 
 # Megatron-Bridge recipes that keep TP communication overlap off at TP > 1, in every release
-# from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's and Kimi-K2's base recipes
-# (`CommOverlapConfig(tp_comm_overlap=False)` in recipes/deepseek/deepseek_v3.py and
-# recipes/kimi/kimi_k2.py, which their performance configs do not override), Qwen3-235B-A22B's
-# H100 performance config (scripts/performance/configs/qwen/qwen3_llm_pretrain.py, the one
-# Qwen3 config that runs TP 2 beside EP overlap), and every NVFP4 variant of the Llama and
-# gpt-oss configs (`tp_comm_overlap = False if precision == "nvfp4"`: userbuffers take no
-# NVFP4 operands). Keyed by model preset, with the GPU where only one GPU's recipe does.
+# that has them from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's and Kimi-K2's (from 26.02)
+# base recipes (`CommOverlapConfig(tp_comm_overlap=False)` in recipes/deepseek/deepseek_v3.py
+# and recipes/kimi/kimi_k2.py, which their performance configs do not override),
+# Qwen3-235B-A22B's H100 performance config (scripts/performance/configs/qwen/
+# qwen3_llm_pretrain.py, the one Qwen3 config that runs TP 2 beside EP overlap), and every
+# NVFP4 variant of the Llama configs and, from 26.04, the gpt-oss ones (`tp_comm_overlap =
+# False if precision == "nvfp4"`). Keyed by model preset, with the GPU where only one GPU's
+# recipe does.
 NO_TP_OVERLAP_RECIPES: dict[str, str | None] = {
     "deepseek-v3": None, "kimi-k2": None, "qwen3-235b-a22b": "H100-SXM"}
 
