@@ -46,9 +46,9 @@ PREVIOUS = {"config": 7.1, "model": 9.7, "release": 7.5, "table5": 3.9, "objecti
             # Qwen3-235B-A22B on H100, MAPE of the NVFP4 rows at TP > 1
             "q235_h100_lomo": -10.0, "nvfp4_lomo": 7.9,
             # the fitted constants this revision's refit moved
-            "cal": {"lowp_gain/fp8-tensorwise": 0.7, "lowp_gain/nvfp4": 0.5,
+            "cal": {"lowp_gain.fp8-tensorwise": 0.7, "lowp_gain.nvfp4": 0.5,
                     "a2a_scaleout_eff": 0.7, "tp_overlap_hidden": 0.95,
-                    "comm_sm_fraction/hopper": 0.15, "gemm_eff_max/B200": 0.6}}
+                    "comm_sm_fraction.hopper": 0.15, "gemm_eff_max.B200": 0.6}}
 
 
 def generation(gpu: str) -> str:
@@ -582,7 +582,7 @@ PHYSICS = {"model_residual": {}}
 
 def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
     from moeplan.cost_models import estimate
-    from moeplan.specs import Choices, Layout, TrainingSpec, load_cluster, load_model
+    from moeplan.specs import Layout, TrainingSpec, load_cluster, load_model
 
     oss = [r for r in cv_rows if r["model"] == "gpt-oss-120b"]
     bf16 = [r for r in oss if r["precision"] == "bf16"]
@@ -607,14 +607,16 @@ def gpt_oss_section(cv_rows: list[dict[str, Any]]) -> list[str]:
                    and RAW[r["id"]]["micro_batch"] == "4"),
                   key=lambda i: float(RAW[i]["tokens_per_s_per_gpu"]))
     (cur, _), (old, old_fits) = price("current"), price("mcore-2024")
-    # R0257 (25.11, B200) prints EP 8; the release's recipe ran EP 64 (see the text below)
+    # R0257 (25.11, B200) prints EP 8; the release's recipe ran EP 64 (see the text below):
+    # the row priced as read, at either EP
+    from moeplan.specs import list_presets
+
     b200_25 = {}
     for ep in (8, 64):
-        lay25 = Layout.build(64, 512, ep=ep, mbs=4)
-        tr25 = TrainingSpec(seq_len=4096, global_batch_size=512, grad_reduce_dtype="bf16")
-        b200_25[ep] = estimate(m, load_cluster("b200", 64), tr25, lay25,
-                               Choices(recompute=["layernorm", "moe_act"]),
-                               with_interval=False, calibration=PHYSICS).tokens_per_s_per_gpu
+        case = case_of({**RAW["R0257"], "ep": str(ep)}, list_presets())
+        b200_25[ep] = estimate(case.model, case.cluster, case.training, case.layout,
+                               case.choices, with_interval=False,
+                               calibration=PHYSICS).tokens_per_s_per_gpu
     band = prof_doc().get("model_bands", {}).get("gpt-oss-120b")
     residual = default_calibration().model_residual.get("gpt-oss-120b/bf16")
     cover = prof_doc().get("leave_one_model_out", {}).get("by_family", {}).get("gpt-oss", {})
@@ -830,24 +832,18 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
                    ) -> dict[str, str]:
     """The figures "What changed" quotes, computed from the cross-validation, the shipped
     calibration and the published rows, against the previous revision's (PREVIOUS)."""
-    from moeplan.validation.rules import NO_TP_OVERLAP_RECIPES
+    from moeplan.validation.fit import get_key
+    from moeplan.validation.rules import keeps_tp_overlap_off
 
     def row_off(r: dict[str, str]) -> bool:
-        if not r["source"].startswith("NVIDIA Megatron-Bridge") or int(r["tp"] or 1) <= 1:
-            return False
-        gpu = NO_TP_OVERLAP_RECIPES.get(r["model_preset"], "")
-        return r["precision_preset"] == "nvfp4" or gpu is None or gpu == r["gpu"].strip()
+        return (int(r["tp"] or 1) > 1
+                and keeps_tp_overlap_off(r, r["model_preset"], r["precision_preset"]))
 
     lomo = {r["id"]: r for r in cv["model"]["rows"]}
     off = [i for i, r in RAW.items() if i in lomo and row_off(r)]
     q235 = [lomo[i]["error"] for i in off if RAW[i]["model_preset"] == "qwen3-235b-a22b"]
     nvfp4 = [lomo[i]["error"] for i in off if RAW[i]["precision_preset"] == "nvfp4"]
-    now = {"lowp_gain/fp8-tensorwise": cal["lowp_gain"]["fp8-tensorwise"],
-           "lowp_gain/nvfp4": cal["lowp_gain"]["nvfp4"],
-           "a2a_scaleout_eff": cal["a2a_scaleout_eff"],
-           "tp_overlap_hidden": cal["tp_overlap_hidden"],
-           "comm_sm_fraction/hopper": cal["comm_sm_fraction"]["hopper"],
-           "gemm_eff_max/B200": cal["gemm_eff_max"]["B200"]}
+    now = {k: get_key(cal, k) for k in PREVIOUS["cal"]}
     about = cal.get("_about", "")
     from megatron_recipes import mape as ext_mape
 

@@ -320,7 +320,7 @@ def _tp_block(ctx: Context, n_tok: float) -> float:
     if ctx.layout.tp <= 1:
         return 0.0
     elems = n_tok * ctx.model.hidden_size
-    gathered = QUANTIZED_BYTES.get(ctx.training.precision, BF16) if ctx.lowp else BF16
+    gathered = QUANTIZED_BYTES.get(ctx.training.precision, BF16)  # bf16: no quantizing
     return 3 * _tp_ring(ctx, elems * BF16) + _tp_ring(ctx, elems * gathered)
 
 

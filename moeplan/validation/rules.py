@@ -191,15 +191,25 @@ NO_TP_OVERLAP_RECIPES: dict[str, str | None] = {
     "deepseek-v3": None, "kimi-k2": None, "qwen3-235b-a22b": "H100-SXM"}
 
 
+def keeps_tp_overlap_off(row: dict[str, str], model_preset: str, precision: str) -> bool:
+    """Whether the row's Megatron-Bridge recipe sets TP communication overlap off
+    (NO_TP_OVERLAP_RECIPES, and every NVFP4 recipe)."""
+    if not (row.get("source", "") or "").startswith(BRIDGE_SOURCE):
+        return False
+    if precision == "nvfp4":
+        return True
+    if model_preset not in NO_TP_OVERLAP_RECIPES:
+        return False
+    gpu = NO_TP_OVERLAP_RECIPES[model_preset]
+    return gpu is None or gpu == (row.get("gpu") or "").strip()
+
+
 def stack_settings(row: dict[str, str], tp: int, model_preset: str = "",
                    precision: str = "") -> dict[str, Any]:
     """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
     src = row.get("source", "") or ""
-    if tp > 1 and src.startswith(TP_OVERLAP_SOURCES):
-        if src.startswith(BRIDGE_SOURCE) and (
-                precision == "nvfp4" or (model_preset in NO_TP_OVERLAP_RECIPES and NO_TP_OVERLAP_RECIPES[
-                    model_preset] in (None, (row.get("gpu") or "").strip()))):
-            return {}
+    if (tp > 1 and src.startswith(TP_OVERLAP_SOURCES)
+            and not keeps_tp_overlap_off(row, model_preset, precision)):
         return {"tp_comm_overlap": True}
     return {}
 
