@@ -33,22 +33,19 @@ GENERATION = {"A100": "Ampere (A100)", "AMPERE": "Ampere (A100)",
               "GB200": "Blackwell NVL72 (GB200/GB300)", "GB300": "Blackwell NVL72 (GB200/GB300)"}
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit e9468e9), for "What changed", as its own ACCURACY.md,
+# Figures of the previous revision (commit 3719d68), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
 # (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 7.1, "model": 9.7, "release": 7.5, "table5": 3.9, "objective": 0.0896,
-            "recipes": 16.8, "recipes_coverage": 12, "cv_coverage": 82.9, "cv_width": 26.4,
-            "loro_coverage": 80.4, "lomo_coverage": 86.4, "lomo_width": 35.2,
-            "oss_lomo": 35.0, "oss_cov": 41.0, "quick": 10.5,
-            # 80 % interval width of Megatron-LM's TP 2 Qwen3-235B recipes, % of the point
-            "width_MLR04": 37.0, "width_MLR05": 64.0, "width_MLR06": 59.0,
-            # leave one model out on the rows whose recipe keeps TP overlap off: mean error of
-            # Qwen3-235B-A22B on H100, MAPE of the NVFP4 rows at TP > 1
-            "q235_h100_lomo": -10.0, "nvfp4_lomo": 7.9,
+PREVIOUS = {"config": 6.8, "model": 9.8, "release": 7.2, "table5": 3.9, "objective": "0.0910",
+            "recipes": 16.8, "recipes_coverage": 12, "cv_coverage": 84.8,
+            "loro_coverage": 82.5, "lomo_coverage": 82.1, "quick": 10.0,
+            # the Blackwell Ultra rows (GB300, B300): MAPE and mean error under leave one
+            # model out, MAPE under leave one release out
+            "ultra_lomo": 10.9, "ultra_lomo_mean": 4.9, "ultra_loro": 5.7,
+            # the GB200 and B200 rows, which the change does not touch, leave one release out
+            "base_loro": 8.3,
             # the fitted constants this revision's refit moved
-            "cal": {"lowp_gain.fp8-tensorwise": 0.7, "lowp_gain.nvfp4": 0.5,
-                    "a2a_scaleout_eff": 0.7, "tp_overlap_hidden": 0.95,
-                    "comm_sm_fraction.hopper": 0.15, "gemm_eff_max.B200": 0.6}}
+            "cal": {"gemm_eff_max.GB300": 0.775, "model_residual.gpt-oss-120b/bf16": 0.7574}}
 
 
 def generation(gpu: str) -> str:
@@ -718,32 +715,31 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **TP overlap only where the recipe runs it.** NVIDIA's performance recipes turn TP
-  communication overlap on at TP > 1, and moeplan priced every Megatron-Bridge row so. Some keep
-  it off, in every release that has them from 25.11 (v0.2.0) to 26.06 (v0.5.0): DeepSeek-V3's
-  and Kimi-K2's base recipes (`CommOverlapConfig(tp_comm_overlap=False)`, which their
-  performance configs do not override), Qwen3-235B-A22B's H100 configuration (TP 2 beside EP
-  overlap), and every NVFP4 variant of the Llama configurations and, from 26.04, the gpt-oss
-  ones (`tp_comm_overlap = False if precision == "nvfp4"`). Those {n_off} rows are now priced with their TP collectives exposed
-  (`validation.rules.NO_TP_OVERLAP_RECIPES`).
-- **TP bytes at the width Transformer Engine gathers.** TE quantizes a column-parallel GEMM's
-  input before the sequence-parallel all-gather (`gather_along_first_dim(...,
-  quantizer=input_quantizer)`, the userbuffers path alike), so under an FP8 recipe that one of
-  a block's four collectives moves one byte per element and under NVFP4 0.56, not two; the
-  reduce-scatters and the backward stay bf16 (`layers._tp_block`).
+- **Blackwell Ultra's exponential.** B300 and GB300 run the special function units'
+  exponential (MUFU.EX2, the softmax's exp) twice as fast as B200 and GB200 (NVIDIA, "Making
+  Softmax More Efficient with NVIDIA Blackwell Ultra"), and moeplan priced their attention at
+  Blackwell's rate. A flash kernel's score costs d tensor-core units and a fixed D = 64 of
+  softmax work (`compute.attention_head_dim_factor`, FlashAttention-3's head-dim curve); that
+  share now runs at the cluster's `sfu_exp_scale` (2.0 in the B300 and GB300 presets), in the
+  forward and in the backward's recomputation of the same exponentials (`compute.sfu_saving`).
+  Priced so, DeepSeek-V3's FP8 attention forward (d = 160, its tensor part at twice the BF16
+  rate) runs {dsv3_fp8_gain}× faster on GB300 than on GB200, where NVIDIA measured about 1.35×.
+  Attention-bound steps gain most: Llama-3-8B on 8 GB300 with CP 8 at 128K is priced
+  {lc128_gain} faster than at Blackwell's rate, at 16K (CP 1) {lc16_gain}.
 - Refit on every row (objective {objective_before} → {objective_now}); the constants that
   moved: {cal_moves}. Cross-validated: leave one model out {lomo_before}% → {lomo_now}%,
   leave one release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
-  {config_now}%; the CLI's quick refit {quick_before}% → {quick_now}%. On the rows the first
-  change touches, leave one model out: Qwen3-235B-A22B on H100 (all-to-all across four HGX
-  nodes, overlapped beside TP 2) mean error {q235_before}% → {q235_now}%, priced slower still
-  with TP exposed; the NVFP4 rows at TP > 1 MAPE {nvfp4_before}% → {nvfp4_now}%. Interval
-  coverage: configuration split {cv_cov_before}% → {cv_cov_now}%, leave one model out
-  {lomo_cov_before}% → {lomo_cov_now}%, leave one release out {loro_cov_before}% →
-  {loro_cov_now}%. Megatron-LM's recipes no fit saw: MAPE {recipes_before}% → {recipes_now},
-  interval coverage {recipes_cov_before}/14 → {recipes_cov_now}/14.
-- gpt-oss-120b's 25.11 B200 row (R0257) ran EP 64 by its release's recipe where the table
-  prints EP 8 (gpt-oss-120b section); it is still priced as printed.
+  {config_now}%; the CLI's quick refit {quick_before}% → {quick_now}%. On the {n_ultra}
+  Blackwell Ultra rows, leave one model out MAPE {ultra_lomo_before}% → {ultra_lomo_now}% (mean
+  error {ultra_mean_before}% → {ultra_mean_now}%), leave one release out {ultra_loro_before}% →
+  {ultra_loro_now}%: NVIDIA's published rows run 4K–8K sequences, where attention is a small share
+  of the step, and the folds' refits move as much on the GPUs the term does not touch (GB200 and
+  B200 rows, leave one release out {base_loro_before}% → {base_loro_now}%); the rows do not
+  confirm or refute it. Interval coverage: configuration split {cv_cov_before}% → {cv_cov_now}%,
+  leave one model out {lomo_cov_before}% → {lomo_cov_now}%, leave one release out
+  {loro_cov_before}% → {loro_cov_now}%. Megatron-LM's recipes no fit saw: MAPE
+  {recipes_before}% → {recipes_now}, interval coverage {recipes_cov_before}/14 →
+  {recipes_cov_now}/14.
 """.splitlines()
 
 
@@ -831,18 +827,29 @@ GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
 def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any] | None
                    ) -> dict[str, str]:
     """The figures "What changed" quotes, computed from the cross-validation, the shipped
-    calibration and the published rows, against the previous revision's (PREVIOUS)."""
+    calibration, the cost models and the published rows, against the previous revision's
+    (PREVIOUS)."""
+    from moeplan.cost_models.calibration import default_calibration
+    from moeplan.cost_models.compute import ATTN_REF_HEAD_DIM, softmax_share
+    from moeplan.cost_models.estimate import estimate
+    from moeplan.specs import Layout, TrainingSpec, load_cluster, load_model
     from moeplan.validation.fit import get_key
-    from moeplan.validation.rules import keeps_tp_overlap_off
 
-    def row_off(r: dict[str, str]) -> bool:
-        return (int(r["tp"] or 1) > 1
-                and keeps_tp_overlap_off(r, r["model_preset"], r["precision_preset"]))
+    def ultra(split: str) -> list[float]:
+        return [r["error"] for r in cv[split]["rows"] if r["gpu"] in ("GB300", "B300")]
 
-    lomo = {r["id"]: r for r in cv["model"]["rows"]}
-    off = [i for i, r in RAW.items() if i in lomo and row_off(r)]
-    q235 = [lomo[i]["error"] for i in off if RAW[i]["model_preset"] == "qwen3-235b-a22b"]
-    nvfp4 = [lomo[i]["error"] for i in off if RAW[i]["precision_preset"] == "nvfp4"]
+    def gain(seq: int, cp: int) -> str:
+        """Llama-3-8B on 8 GB300: step time at Blackwell's exponential over GB300's, − 1."""
+        m, c = load_model("llama3-8b"), load_cluster("gb300-nvl72", 8)
+        t, lay = TrainingSpec(seq_len=seq, global_batch_size=8), Layout.build(8, 8, cp=cp)
+        slow = estimate(m, c.model_copy(update={"sfu_exp_scale": 1.0}), t, lay,
+                        with_interval=False)
+        return f"{100 * (slow.step_time_s / estimate(m, c, t, lay, with_interval=False).step_time_s - 1):.1f}%"
+
+    share = softmax_share(ATTN_REF_HEAD_DIM, default_calibration().attn_head_dim_half)
+    fp8 = share / (share + (1 - share) / 2)
+    lomo, loro = ultra("model"), ultra("release")
+    base = [r["error"] for r in cv["release"]["rows"] if r["gpu"] in ("GB200", "B200")]
     now = {k: get_key(cal, k) for k in PREVIOUS["cal"]}
     about = cal.get("_about", "")
     from megatron_recipes import mape as ext_mape
@@ -850,6 +857,17 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
     prof = prof_doc()
     recipes = unseen_runs()[0]
     return {
+        "dsv3_fp8_gain": f"{1 / (1 - fp8 / 2):.2f}",
+        "lc128_gain": gain(131072, 8), "lc16_gain": gain(16384, 1),
+        "n_ultra": str(len(lomo)),
+        "ultra_lomo_before": f"{PREVIOUS['ultra_lomo']}",
+        "ultra_lomo_now": f"{100 * sum(map(abs, lomo)) / len(lomo):.1f}",
+        "ultra_mean_before": f"{PREVIOUS['ultra_lomo_mean']:+.1f}",
+        "ultra_mean_now": f"{100 * sum(lomo) / len(lomo):+.1f}",
+        "ultra_loro_before": f"{PREVIOUS['ultra_loro']}",
+        "ultra_loro_now": f"{100 * sum(map(abs, loro)) / len(loro):.1f}",
+        "base_loro_before": f"{PREVIOUS['base_loro']}",
+        "base_loro_now": f"{100 * sum(map(abs, base)) / len(base):.1f}",
         "cv_cov_before": f"{PREVIOUS['cv_coverage']}",
         "lomo_cov_before": f"{PREVIOUS['lomo_coverage']}",
         "loro_cov_before": f"{PREVIOUS['loro_coverage']}",
@@ -860,7 +878,6 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "recipes_now": f"{ext_mape(recipes):.1f}%",
         "recipes_cov_before": f"{PREVIOUS['recipes_coverage']}",
         "recipes_cov_now": f"{sum(bool(r['in_interval']) for r in recipes)}",
-        "n_off": str(len(off)),
         "cal_moves": ", ".join(f"`{k}` {PREVIOUS['cal'][k]:g} → {v:g}" for k, v in now.items()
                                if abs(v - PREVIOUS["cal"][k]) > 1e-9),
         "objective_before": f"{PREVIOUS['objective']}",
@@ -871,10 +888,6 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
         "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
-        "q235_before": f"{PREVIOUS['q235_h100_lomo']:+.1f}",
-        "q235_now": f"{100 * sum(q235) / len(q235):+.1f}" if q235 else "–",
-        "nvfp4_before": f"{PREVIOUS['nvfp4_lomo']}",
-        "nvfp4_now": f"{100 * sum(abs(e) for e in nvfp4) / len(nvfp4):.1f}" if nvfp4 else "–",
     }
 
 

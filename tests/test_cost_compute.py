@@ -192,3 +192,45 @@ def test_no_gemm_runs_faster_than_the_gpus_measured_matmul_ceiling():
     assert small == pytest.approx(gemm_time(128, 2048, 1024, 989, cal, 0.95))
     fp8 = gemm_time(16384, 16384, 16384, 989, cal, 0.95, speedup=1.9, ceiling_tflops=1402.6)
     assert fp8 == pytest.approx(gemm_flops(16384, 16384, 16384) / 1402.6e12)
+
+
+def test_a_faster_exponential_saves_the_softmax_share_of_both_passes():
+    from moeplan.cost_models.compute import softmax_share
+
+    cal = default_calibration()
+    f1, b1 = attention_time(1e15, 2500, cal, "blackwell", head_dim=128)
+    f2, b2 = attention_time(1e15, 2500, cal, "blackwell", head_dim=128, exp_scale=2.0)
+    saved = f1 * softmax_share(128, cal.attn_head_dim_half) / 2
+    assert f2 == pytest.approx(f1 - saved) and b2 == pytest.approx(b1 - saved)
+    # no head dim, no split to price: the base rate stands
+    assert attention_time(1e15, 2500, cal, "blackwell", exp_scale=2.0) == attention_time(
+        1e15, 2500, cal, "blackwell")
+
+
+def test_the_softmax_share_reproduces_nvidias_blackwell_ultra_attention_gain():
+    """NVIDIA measured DeepSeek-V3's FP8 attention forward about 1.35x faster on GB300 than on
+    GB200, whose SFUs run the exponential at half the rate: priced as d tensor units (half
+    of them at FP8's rate) plus the softmax's D at the SFU's, the gain is within 10% of it."""
+    from moeplan.cost_models.compute import ATTN_REF_HEAD_DIM, softmax_share
+
+    s = softmax_share(ATTN_REF_HEAD_DIM, default_calibration().attn_head_dim_half)
+    fp8 = s / (s + (1 - s) / 2)  # the softmax's share once the tensor part runs twice as fast
+    gain = 1 / (1 - fp8 / 2)
+    assert gain == pytest.approx(1.35, rel=0.10)
+
+
+def test_blackwell_ultra_prices_attention_faster_and_its_bound_allows_it():
+    from moeplan.cost_models.estimate import estimate, lower_bound
+    from moeplan.specs import Layout, TrainingSpec, load_cluster, load_model
+
+    m = load_model("llama3-8b")
+    t = TrainingSpec(seq_len=131072, global_batch_size=8)
+    lay = Layout.build(8, 8, cp=8)
+    gb300 = load_cluster("gb300-nvl72", 8)
+    assert gb300.sfu_exp_scale == 2.0 and load_cluster("gb200-nvl72", 8).sfu_exp_scale == 1.0
+    base = gb300.model_copy(update={"sfu_exp_scale": 1.0})  # the same GPU at Blackwell's rate
+    slow = estimate(m, base, t, lay, with_interval=False)
+    fast = estimate(m, gb300, t, lay, with_interval=False)
+    # at 128K attention is most of the step: the SFU's share shows
+    assert 1.03 < slow.step_time_s / fast.step_time_s < 1.17
+    assert lower_bound(m, gb300, t, 1, 8, 1, 1)[0] <= fast.step_time_s

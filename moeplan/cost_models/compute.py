@@ -105,6 +105,45 @@ def attention_head_dim_factor(head_dim: float, half_dim: float) -> float:
                / (ATTN_REF_HEAD_DIM / (ATTN_REF_HEAD_DIM + half_dim)))
 
 
+def softmax_share(head_dim: float, half_dim: float) -> float:
+    """Share of a flash kernel's forward time its softmax takes at head dim d: D/(d + D).
+
+    `attention_head_dim_factor` prices a score as d tensor-core units plus a fixed D of softmax
+    work off the tensor cores, almost all of it the exponential, which runs on the special
+    function units (MUFU.EX2). Priced so, NVIDIA's measurement on Blackwell Ultra, whose SFUs
+    run the exponential twice as fast, follows: DeepSeek-V3's attention (d = 160) in FP8, where
+    the tensor part takes half its BF16 time, is (80 + 64)/(80 + 32) = 1.29x faster on GB300
+    than on GB200 where NVIDIA measured about 1.35x ("Making Softmax More Efficient with NVIDIA
+    Blackwell Ultra", NVIDIA technical blog, 2026)."""
+    if head_dim <= 0 or half_dim <= 0:
+        return 0.0
+    return half_dim / (head_dim + half_dim)
+
+
+def sfu_saving(fwd_s: float, head_dim: float | None, half_dim: float, exp_scale: float
+               ) -> float:
+    """Seconds a GPU whose SFUs run the exponential `exp_scale` times its architecture's base
+    rate (`ClusterSpec.sfu_exp_scale`) saves on a flash kernel's forward of `fwd_s` at the base
+    rate: the softmax share (`softmax_share`) runs 1/exp_scale as long. The backward
+    recomputes each probability once from the saved statistics, the same exponentials, so it
+    saves the same seconds."""
+    if not head_dim or exp_scale <= 1.0:
+        return 0.0
+    return fwd_s * softmax_share(head_dim, half_dim) * (1.0 - 1.0 / exp_scale)
+
+
+def sfu_gains(cal: Calibration, arch: str, exp_scale: float) -> tuple[float, float]:
+    """(forward, backward) speed-up of the fastest attention kernel on a GPU of `exp_scale`
+    (the reference head dim, where `attention_head_dim_factor` peaks): what a lower bound on
+    step time must allow attention to gain over the calibrated rates."""
+    if exp_scale <= 1.0:
+        return 1.0, 1.0
+    f = 1.0 / cal.attn_fwd_eff[arch]
+    b = 2.5 / cal.attn_bwd_eff[arch]
+    saved = sfu_saving(f, ATTN_REF_HEAD_DIM, cal.attn_head_dim_half, exp_scale)
+    return f / (f - saved), b / (b - saved)
+
+
 # cuDNN attention for DeepSeek-V3 shapes, TFLOPS forward/backward at s = 4096 and s = 16384
 # (REFERENCE.md, "Time"): the kernels gain with the keys they run over. Ampere has no such
 # figure: Hopper's curve.
@@ -156,8 +195,8 @@ def attention_length_ceiling(arch: str) -> tuple[float, float]:
 
 def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: str,
                    head_dim: float | None = None, kv_len: float | None = None,
-                   windowed: bool = False, current_kernels: bool = True
-                   ) -> tuple[float, float]:
+                   windowed: bool = False, current_kernels: bool = True,
+                   exp_scale: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of flash/cuDNN attention; backward does 2.5× the forward FLOPs
     (recomputes the scores) at its own measured efficiency (REFERENCE: cuDNN MLA shapes), both
     scaled by `attention_head_dim_factor` when the head dim (mean of d_qk and d_v) is given and
@@ -166,6 +205,8 @@ def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: s
     stack runs as measured; an older stack (`current_kernels` False: Megatron Core and
     Transformer Engine of 2024 and before) ran older kernels, at the share of today's rate the
     published runs of those stacks realised (`Calibration.attn_realised`, fitted on them only).
+    On a GPU whose SFUs run the exponential `exp_scale` times faster (Blackwell Ultra) both
+    passes save the softmax's share (`sfu_saving`).
     `flops_fwd` is the work the kernel does (see `attended_keys`), not the model count."""
     f = attention_head_dim_factor(head_dim, cal.attn_head_dim_half) if head_dim else 1.0
     lf, lb = attention_length_factors(kv_len, arch, windowed) if kv_len else (1.0, 1.0)
@@ -173,7 +214,8 @@ def attention_time(flops_fwd: float, peak_bf16: float, cal: Calibration, arch: s
         f *= min(1.0, cal.attn_realised.get(arch, 1.0))
     fwd = flops_fwd / (peak_bf16 * 1e12 * cal.attn_fwd_eff[arch] * f * lf)
     bwd = 2.5 * flops_fwd / (peak_bf16 * 1e12 * cal.attn_bwd_eff[arch] * f * lb)
-    return fwd, bwd
+    saved = sfu_saving(fwd, head_dim, cal.attn_head_dim_half, exp_scale)
+    return fwd - saved, bwd - saved
 
 
 def membound_time(nbytes: float, hbm_tb_s: float, cal: Calibration) -> float:

@@ -30,6 +30,7 @@ from .compute import (
     attention_length_ceiling,
     lowp_speedup,
     membound_time,
+    sfu_gains,
 )
 from .host import host_kind
 from .layers import (
@@ -660,8 +661,9 @@ def lower_bound(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     speed = lowp_speedup(cluster.bf16_tflops, peak_lowp, cal.lowp_gain.get(training.precision, 0))
     arch = cluster.architecture
     gain = attention_length_ceiling(arch)  # the longest kernels' efficiency
-    eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0],
-              cal.attn_bwd_eff[arch] * gain[1])
+    sfu = sfu_gains(cal, arch, cluster.sfu_exp_scale)  # and a faster exponential's
+    eff = max(cal.gemm_eff_max_for(cluster), cal.attn_fwd_eff[arch] * gain[0] * sfu[0],
+              cal.attn_bwd_eff[arch] * gain[1] * sfu[1])
     tokens = training.global_batch_size * training.seq_len
     flops = model.flops_per_token(training.seq_len) * tokens
     t = flops / (world * cluster.bf16_tflops * 1e12 * eff * speed)

@@ -467,7 +467,8 @@ def attention_block(ctx: Context, sliding: bool) -> _Attn:
     for share, kv_len in (() if scores else cp_kernel_lengths(seq, ctx.layout.cp, window)):
         f_, b_ = attention_time(share * flops, ctx.peak, ctx.cal, ctx.arch, (d_qk + d_v) / 2,
                                 kv_len, windowed=window is not None and kv_len >= window,
-                                current_kernels=ctx.training.current_attention_kernels)
+                                current_kernels=ctx.training.current_attention_kernels,
+                                exp_scale=ctx.cluster.sfu_exp_scale)
         core_f, core_b = core_f + f_, core_b + b_
     norm = _norm_add(ctx)  # norm read/write + residual add, bf16
     elementwise = _mem(ctx, 4 * N * qkv_w + _cast_bytes(ctx, gemm_in))

@@ -80,6 +80,12 @@ class ClusterSpec(BaseModel):
         "a brute-force search over GEMM shapes reaches on this GPU, e.g. the ml-engineering "
         "MAMF table): no GEMM of the cost models runs faster. A missing format has no ceiling "
         "but the datasheet peak.")
+    sfu_exp_scale: float = Field(
+        1.0, ge=1.0, le=8.0,
+        description="Exponential throughput of the special function units (MUFU.EX2, the "
+        "softmax's exp) relative to its architecture's base part: Blackwell Ultra (B300, GB300) "
+        "runs it twice as fast as B200/GB200. The softmax share of an attention kernel runs at "
+        "this rate (cost_models.compute.sfu_saving).")
     calibration: dict[str, Any] = Field(
         default_factory=dict,
         description="Efficiency constants overriding the shipped calibration profile "
