@@ -138,10 +138,9 @@ def sfu_gains(cal: Calibration, arch: str, exp_scale: float) -> tuple[float, flo
     step time must allow attention to gain over the calibrated rates."""
     if exp_scale <= 1.0:
         return 1.0, 1.0
-    f = 1.0 / cal.attn_fwd_eff[arch]
-    b = 2.5 / cal.attn_bwd_eff[arch]
-    saved = sfu_saving(f, ATTN_REF_HEAD_DIM, cal.attn_head_dim_half, exp_scale)
-    return f / (f - saved), b / (b - saved)
+    base = attention_time(1.0, 1.0, cal, arch, ATTN_REF_HEAD_DIM)
+    fast = attention_time(1.0, 1.0, cal, arch, ATTN_REF_HEAD_DIM, exp_scale=exp_scale)
+    return base[0] / fast[0], base[1] / fast[1]
 
 
 # cuDNN attention for DeepSeek-V3 shapes, TFLOPS forward/backward at s = 4096 and s = 16384

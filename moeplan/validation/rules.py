@@ -204,8 +204,8 @@ def keeps_tp_overlap_off(row: dict[str, str], model_preset: str, precision: str)
     return gpu is None or gpu == (row.get("gpu") or "").strip()
 
 
-def stack_settings(row: dict[str, str], tp: int, model_preset: str = "",
-                   precision: str = "") -> dict[str, Any]:
+def stack_settings(row: dict[str, str], tp: int, model_preset: str, precision: str
+                   ) -> dict[str, Any]:
     """Stack settings (TP comm overlap) the row's source documents for its recipe family."""
     src = row.get("source", "") or ""
     if (tp > 1 and src.startswith(TP_OVERLAP_SOURCES)
