@@ -16,6 +16,15 @@ by `moeplan.validation`, as for every published row):
   494 to 970 TFLOPS/GPU. A step that changes a setting moeplan names (dispatcher, recompute,
   CUDA graphs) is priced with it; the others (kernel fusions, CPU-side work) are inside the
   `current` software stack every estimate assumes, so their predictions do not move.
+- NVIDIA's technical blog "Boosting MoE Training Throughput with Advanced Fusion Kernels"
+  (2026-06-15) measures what Transformer Engine's fused grouped MLP (the CuTe DSL kernels:
+  activation and quantization in the GEMMs' epilogues, token counts kept on the device so the
+  layer needs no host sync and a whole-step CUDA graph can capture it) adds end to end:
+  +93% on NVIDIA's gpt-oss pre-training setup, +8% on its DeepSeek-V3 one. The blog names no
+  layout; each is priced on the GB200 MXFP8 layout NVIDIA publishes for that model
+  (Megatron-Bridge's gpt-oss-120b run R0006, the DeepSeek-V3 guide's last step) with the
+  fused MLP and the whole-step graph, and without them (the per-layer graphs of attention
+  and router). No fit saw these gains.
 
 Published TFLOPS are converted to tokens/s/GPU with the model's FLOPs per token in Megatron's
 convention (causal attention halved), as `moeplan validate` does for every TFLOPS-only row.
@@ -30,11 +39,21 @@ import json
 import sys
 from pathlib import Path
 
-from moeplan.validation import read_rows, validate_rows
+from moeplan.cost_models.estimate import estimate
+from moeplan.specs import list_presets
+from moeplan.validation import RunCase, case_of, read_rows, validate_rows
+from moeplan.validation.scoring import cluster_of, priced_layout
 
 DATA = Path(__file__).parent / "data"
 RECIPES = DATA / "megatron_lm_moe_recipes.csv"
 STEPS = DATA / "deepseek_v3_gb200_steps.csv"
+
+FUSED_MLP_GAINS = (
+    ("gpt-oss-120b", 1.93, None, "R0006"),
+    ("DeepSeek-V3", 1.08, STEPS, "DSG12"),
+)
+"""(model, end-to-end gain NVIDIA measured with the fused grouped MLP, file of the published
+row whose layout prices it (None: the shipped published runs), that row's id)."""
 
 
 def priced(path: Path) -> list[dict[str, object]]:
@@ -60,6 +79,34 @@ def priced(path: Path) -> list[dict[str, object]]:
     return res
 
 
+def _with_fused_mlp(case: RunCase, fused: bool, scope: str) -> float:
+    """Tokens/s/GPU of a case's priced layout with the fused grouped MLP on or off, under CUDA
+    graphs of the given scope."""
+    lay = priced_layout(case).model_copy(update={"fused_grouped_mlp": fused, "cuda_graphs": True,
+                                                 "cuda_graph_scope": scope})
+    return estimate(case.model, cluster_of(case), case.training, lay, case.choices,
+                    with_interval=False).tokens_per_s_per_gpu
+
+
+def fused_mlp_gains() -> list[dict[str, object]]:
+    """Per model: the measured end-to-end gain of the fused grouped MLP and moeplan's, priced
+    on the row's layout with the fused MLP and the whole-step graph it allows, against the
+    unfused experts under per-layer graphs; and the kernels' share alone (both under per-layer
+    graphs)."""
+    presets = list_presets()
+    out = []
+    for model, measured, path, rid in FUSED_MLP_GAINS:
+        case = case_of(next(r for r in read_rows(path) if r["id"] == rid), presets)
+        if isinstance(case, str):
+            raise SystemExit(f"{rid}: cannot be priced: {case}")
+        base, unfused = priced_layout(case), _with_fused_mlp(case, False, "layer")
+        out.append({"model": model, "row": rid, "gpus": base.world_size, "gpu": case.gpu,
+                    "ep": base.ep, "mbs": base.mbs, "measured_gain": measured,
+                    "predicted_gain": _with_fused_mlp(case, True, "full_iteration") / unfused,
+                    "predicted_kernel_gain": _with_fused_mlp(case, True, "layer") / unfused})
+    return out
+
+
 def mape(rows: list[dict[str, object]]) -> float:
     return 100 * sum(abs(float(r["error"])) for r in rows) / len(rows)
 
@@ -68,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args(argv)
-    recipes, steps = priced(RECIPES), priced(STEPS)
+    recipes, steps, fused = priced(RECIPES), priced(STEPS), fused_mlp_gains()
     first, last = steps[0], steps[-1]
     summary = {
         "recipes_mape_percent": mape(recipes),
@@ -79,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "recipes_interval_coverage": sum(bool(r["in_interval"]) for r in recipes) / len(recipes),
     }
     if args.json:
-        print(json.dumps({"recipes": recipes, "steps": steps, **summary}, indent=1))
+        print(json.dumps({"recipes": recipes, "steps": steps, "fused_mlp_gains": fused,
+                          **summary}, indent=1))
         return 0
     for title, rows in (("Megatron-LM MoE recipes", recipes),
                         ("DeepSeek-V3 on 256 GB200, optimisation steps", steps)):
@@ -89,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['id']:<6} {r['published']:>10.0f} {r['predicted']:>10.0f} "
                   f"{100 * float(r['error']):>+7.1f}%  {r['run']}")
         print()
+    print("Fused grouped MLP, end to end (NVIDIA technical blog, 2026-06-15)")
+    print(f"{'model':<14} {'layout':<22} {'measured':>9} {'predicted':>10} {'kernels only':>13}")
+    for r in fused:
+        where = f"{r['row']} {r['gpus']} {r['gpu']} EP{r['ep']}"
+        print(f"{r['model']:<14} {where:<22} {r['measured_gain']:>8.2f}x "
+              f"{r['predicted_gain']:>9.2f}x {r['predicted_kernel_gain']:>12.2f}x")
+    print()
     print(f"recipes: MAPE {summary['recipes_mape_percent']:.1f}%, mean error "
           f"{summary['recipes_mean_error_percent']:+.1f}% over {len(recipes)} runs (tokens/s/GPU); "
           f"80% interval coverage {100 * summary['recipes_interval_coverage']:.0f}%")
