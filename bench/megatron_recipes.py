@@ -38,6 +38,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from moeplan.cost_models.estimate import estimate
 from moeplan.specs import list_presets
@@ -79,31 +80,35 @@ def priced(path: Path) -> list[dict[str, object]]:
     return res
 
 
-def _with_fused_mlp(case: RunCase, fused: bool, scope: str) -> float:
+def _with_fused_mlp(case: RunCase, fused: bool, scope: str,
+                    calibration: dict[str, Any] | None = None) -> float:
     """Tokens/s/GPU of a case's priced layout with the fused grouped MLP on or off, under CUDA
-    graphs of the given scope."""
+    graphs of the given scope (`calibration`: constants over the shipped profile's)."""
     lay = priced_layout(case).model_copy(update={"fused_grouped_mlp": fused, "cuda_graphs": True,
                                                  "cuda_graph_scope": scope})
     return estimate(case.model, cluster_of(case), case.training, lay, case.choices,
-                    with_interval=False).tokens_per_s_per_gpu
+                    with_interval=False, calibration=calibration).tokens_per_s_per_gpu
 
 
-def fused_mlp_gains() -> list[dict[str, object]]:
+def fused_mlp_gains(calibration: dict[str, Any] | None = None) -> list[dict[str, object]]:
     """Per model: the measured end-to-end gain of the fused grouped MLP and moeplan's, priced
     on the row's layout with the fused MLP and the whole-step graph it allows, against the
     unfused experts under per-layer graphs; and the kernels' share alone (both under per-layer
-    graphs)."""
+    graphs). `calibration`: constants over the shipped profile's."""
     presets = list_presets()
     out = []
     for model, measured, path, rid in FUSED_MLP_GAINS:
         case = case_of(next(r for r in read_rows(path) if r["id"] == rid), presets)
         if isinstance(case, str):
             raise SystemExit(f"{rid}: cannot be priced: {case}")
-        base, unfused = priced_layout(case), _with_fused_mlp(case, False, "layer")
+        base = priced_layout(case)
+        unfused = _with_fused_mlp(case, False, "layer", calibration)
         out.append({"model": model, "row": rid, "gpus": base.world_size, "gpu": case.gpu,
                     "ep": base.ep, "mbs": base.mbs, "measured_gain": measured,
-                    "predicted_gain": _with_fused_mlp(case, True, "full_iteration") / unfused,
-                    "predicted_kernel_gain": _with_fused_mlp(case, True, "layer") / unfused})
+                    "predicted_gain": _with_fused_mlp(case, True, "full_iteration",
+                                                      calibration) / unfused,
+                    "predicted_kernel_gain": _with_fused_mlp(case, True, "layer",
+                                                             calibration) / unfused})
     return out
 
 
