@@ -851,6 +851,10 @@ CHANGES = """## What changed
   falls far short of the measured one on its published layout, where moeplan's host floor does
   not bind. It is evidence about the unfused expert path every gpt-oss BF16 row runs, not a fit:
   no fit sees these gains.
+- **What host cost those gains imply** (Layouts and scale): priced at twice the fitted time
+  per kernel launch, the graph-scope pairs of Megatron-LM's recipes and DeepSeek-V3's fused-MLP
+  gain move toward what was measured, but the fit's own rows refute that time (Bridge's
+  Qwen3-30B-A3B runs, host-bound at it), so moeplan keeps the fitted one and names the gap.
 - No cost model or fitted constant changed: the fit (objective {objective_before} →
   {objective_now}), leave one model out {lomo_before}% → {lomo_now}%, leave one release out
   {loro_before}% → {loro_now}%, configuration split {config_before}% → {config_now}%, the CLI's
