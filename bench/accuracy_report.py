@@ -371,7 +371,7 @@ def fused_mlp_section() -> list[str]:
         return estimate(m, c, tr, lay, with_interval=False).tokens_per_s_per_gpu
 
     node = tokens(True, "full_iteration") / tokens(False, "layer")
-    oss = next(r for r in rows if r["model"] == "gpt-oss-120b")
+    oss, dsv3 = (next(r for r in rows if r["model"] == m) for m in ("gpt-oss-120b", "DeepSeek-V3"))
     return out + [
         "",
         "NVIDIA's technical blog \"Boosting MoE Training Throughput with Advanced Fusion "
@@ -382,8 +382,8 @@ def fused_mlp_section() -> list[str]:
         "MXFP8 layout NVIDIA publishes for that model, with the fused MLP and the whole-step "
         "graph against the unfused experts under per-layer graphs of attention and router "
         "(\"kernels only\": both under per-layer graphs). DeepSeek-V3's gain is priced "
-        f"{100 * (float(rows[1]['predicted_gain']) - 1):.0f}% against "
-        f"{100 * (float(rows[1]['measured_gain']) - 1):.0f}% measured; gpt-oss-120b's "
+        f"{100 * (float(dsv3['predicted_gain']) - 1):.0f}% against "
+        f"{100 * (float(dsv3['measured_gain']) - 1):.0f}% measured; gpt-oss-120b's "
         f"{100 * (float(oss['predicted_gain']) - 1):.0f}% against "
         f"{100 * (float(oss['measured_gain']) - 1):.0f}%. On that layout (2 experts per rank, "
         "MBS 4) moeplan's host floor does not bind, so the whole-step graph adds almost "
@@ -407,37 +407,29 @@ def host_sensitivity() -> list[str]:
     doubled = {"launch_us": {k: 2 * v for k, v in fitted.items()}}
     recipes = {r["id"]: r for r in read_rows(RECIPES)}
     presets = list_presets()
+    published = {str(r["id"]): float(r["published"]) for r in unseen_runs()[0]}
 
-    def tokens(rid: str, cal: dict[str, Any] | None) -> float:
-        case = case_of(recipes[rid], presets)
-        return estimate(case.model, cluster_of(case), case.training, case.layout,
-                        case.choices, with_interval=False,
-                        calibration=cal).tokens_per_s_per_gpu
-
-    rows = []
-    for full, partial, what in GRAPH_PAIRS:
-        rows.append((f"{full} / {partial} ({what})",
-                     float(recipes[full]["tflops_per_gpu"])
-                     / float(recipes[partial]["tflops_per_gpu"]),
-                     *(tokens(full, c) / tokens(partial, c) for c in (None, doubled))))
-    for now, twice in zip(fused_gains(), fused_mlp_gains(doubled), strict=True):
-        rows.append((f"fused grouped MLP, {now['model']} ({now['row']})",
-                     float(now["measured_gain"]), float(now["predicted_gain"]),
-                     float(twice["predicted_gain"])))
-
-    def shipped(rid: str) -> list[float]:
-        """A fit row priced at the fitted launch time and at twice it."""
-        c = case_of(RAW[rid], presets)
+    def priced(row: dict[str, str]) -> list[float]:
+        """A run priced as read at the fitted launch time and at twice it."""
+        c = case_of(row, presets)
         return [estimate(c.model, cluster_of(c), c.training, c.layout, c.choices,
                          with_interval=False, calibration=cal).tokens_per_s_per_gpu
                 for cal in (None, doubled)]
 
+    rows = []
+    for full, partial, what in GRAPH_PAIRS:
+        f, p = priced(recipes[full]), priced(recipes[partial])
+        rows.append((f"{full} / {partial} ({what})", published[full] / published[partial],
+                     f[0] / p[0], f[1] / p[1]))
+    for now, twice in zip(fused_gains(), fused_mlp_gains(doubled), strict=True):
+        rows.append((f"fused grouped MLP, {now['model']} ({now['row']})",
+                     float(now["measured_gain"]), float(now["predicted_gain"]),
+                     float(twice["predicted_gain"])))
     # fit rows of the same kind: Qwen3-30B-A3B on 16 H100 at MBS 1 (x86, host-bound at the
     # fitted time) and on 8 GB200 at MBS 4 (Grace, as MLR13)
-    h100, gb200 = shipped("R0050"), shipped("R0188")
+    h100, gb200 = priced(RAW["R0050"]), priced(RAW["R0188"])
     graphs = ("with per-layer graphs" if case_of(RAW["R0188"], presets).layout.cuda_graphs
               else "without CUDA graphs")
-    published = {str(r["id"]): float(r["published"]) for r in unseen_runs()[0]}
     us = "/".join(f"{v:g}" for v in sorted(set(fitted.values())))
     us2 = "/".join(f"{2 * v:g}" for v in sorted(set(fitted.values())))
     out = ["| gain | measured | priced at the fitted launch time "
@@ -459,7 +451,8 @@ def host_sensitivity() -> list[str]:
         f"{float(RAW['R0188']['tokens_per_s_per_gpu']) / published['MLR13']:.2f}× the "
         "tokens/s/GPU of Megatron-LM's partial-graph recipe on 16 (MLR13), with twice the "
         "experts per rank to launch: what costs Megatron-LM's recipe the difference is not "
-        "the host's time per launch as moeplan counts launches; no fit has these runs, and moeplan prices at the fitted time."]
+        "the host's time per launch as moeplan counts launches; no fit has these runs, and "
+        "moeplan prices at the fitted time."]
 
 
 def dense_a100(cv_rows: list[dict[str, Any]]) -> list[str]:
