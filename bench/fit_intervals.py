@@ -395,6 +395,10 @@ def main() -> None:
         cross_validated=config_coverage(held, lomo, by_id, per_doubling, own),
         leave_one_model_out=lomo_coverage(held, lomo, per_doubling, own),
         leave_one_release_out=release_coverage(held, lomo, rel, per_doubling, own))
+    # each yardstick's MAPE beside its coverage (what `moeplan validate` quotes as evidence)
+    for key, by in (("leave_one_model_out", "model"), ("leave_one_release_out", "release"),
+                    ("cross_validated", "config")):
+        doc[key]["mape"] = round(cv[by]["mape"], 4)
     write_json(out, indent=1, data=doc)
     U.default_profile.cache_clear()
     lc, cc, rc = doc["leave_one_model_out"], doc["cross_validated"], doc["leave_one_release_out"]

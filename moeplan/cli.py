@@ -468,7 +468,8 @@ def validate(
                   ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Predict published runs and report the error per row (fit and held-out rows apart)."""
+    """Predict published runs and report the error per row: runs the shipped calibration was
+    fitted on apart from runs it was not (held out), which are the evidence."""
     from .validation import read_rows, validate_rows
 
     if cv is not None:
@@ -483,7 +484,8 @@ def validate(
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
-                               "coverage_cross_validated", "ranking")}
+                               "coverage_cross_validated", "cross_validated", "unseen",
+                               "ranking")}
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -513,25 +515,69 @@ def validate(
                 eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
                 print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
                                                    f"{len(ids):>5}  ")])
-        notes = [f"MAPE tokens/s/GPU: held-out {pct(res['mape_tokens_per_s_held_out'])}, "
-                 f"fit {pct(res['mape_tokens_per_s_fit'])}, all {pct(res['mape_tokens_per_s'])}"
-                 f"; TFLOPS (own convention) {pct(res['mape_tflops'])}"]
+        notes = _validate_notes(res, pct)
         if any(r.get("assumed") for r in res["rows"]):
             notes.insert(0, "* priced with settings its source's recipe documents but the row "
                          "does not print (the Megatron-Bridge workload recipe whose sizes it "
                          "matches: dispatcher, EP overlap, CUDA graphs, recompute; the 26.06+ "
                          "MXFP8 MoE rule; NVIDIA recipes' TP overlap and bf16 gradient "
                          "reduction; `assumed` in --json)")
-        rk = res["ranking"]
-        notes.append(f"layout pairs of one release ordered as measured: {rk['ordered']} of "
-                     f"{rk['pairs']}")
-        notes.append(f"80% intervals: held-out coverage {pct(res['coverage'])} (cross-validated, "
-                     f"rows unseen by their bounds: {pct(res['coverage_cross_validated'])}), "
-                     f"median width {pct(res['median_interval_width'])} of the point")
         for note in notes:
             print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
+
+
+def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> list[str]:
+    """`validate`'s summary: the held-out rows (runs the shipped calibration was not fitted on)
+    measured as new runs are judged, the fit rows' in-sample error named as such, with the
+    cross-validated figures that are evidence for them."""
+    from .cost_models.uncertainty import YARDSTICKS
+
+    notes, un = [], res["unseen"]
+    if un["rows"]:
+        parts = [f"Held-out rows (runs the shipped calibration was not fitted on): {un['rows']}."]
+        mapes = []
+        if un["tokens_rows"]:
+            mapes.append(f"{pct(un['mape_tokens_per_s'])} over the {un['tokens_rows']} that "
+                         "publish tokens/s")
+        if un["tflops_only_rows"]:
+            mapes.append(f"{pct(un['mape_tflops_only'])} over the {un['tflops_only_rows']} "
+                         "that publish only TFLOPS")
+        if mapes:
+            parts.append("MAPE tokens/s/GPU " + "; ".join(mapes) + ".")
+        groups, off = un["family_groups"], un["families_off"]
+        if groups:
+            named = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} "
+                              f"({g['rows']} rows)" for g in off) or "none"
+            parts.append(f"Model × GPU-family groups of two or more rows: {len(groups)}; off "
+                         f"by more than ±30% as a whole: {named}.")
+        if un["coverage"] is not None:
+            parts.append(f"80% intervals hold {pct(un['coverage'])} of them, median width "
+                         f"{pct(un['median_interval_width'])} of the point.")
+        lp = un["layout_pairs"]
+        if lp["pairs"]:
+            parts.append(f"Layout pairs of one release among them: {lp['ordered']} of "
+                         f"{lp['pairs']} ordered as measured, {lp['ordered_within_step_bar']} "
+                         "of those priced within 20% of the measured ratio.")
+        notes.append(" ".join(parts))
+    fit = [r for r in res["rows"] if r["split"] == "fit"]
+    if fit:
+        cv = res["cross_validated"]
+        quoted = "; ".join(
+            f"{name} {pct(cv[k].get('mape'))}, 80% intervals hold {pct(cv[k].get('coverage'))}"
+            f" (median width {pct(cv[k].get('median_width'))})"
+            for k, name in YARDSTICKS.items() if k in cv)
+        notes.append(f"Fit rows (runs the shipped calibration was fitted on): {len(fit)}, MAPE "
+                     f"tokens/s/GPU {pct(res['mape_tokens_per_s_fit'])}: in sample, not "
+                     "evidence." + (f" Cross-validated over the shipped runs, each row "
+                                    f"predicted by a refit that did not see it: {quoted} "
+                                    "(`moeplan validate --cv model|release`)." if quoted else ""))
+    rk = res["ranking"]
+    notes.append(f"All rows: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])}, TFLOPS (own "
+                 f"convention) {pct(res['mape_tflops'])}; layout pairs of one release ordered "
+                 f"as measured {rk['ordered']} of {rk['pairs']}.")
+    return notes
 
 
 def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:

@@ -323,6 +323,35 @@ def test_validate_shows_progress_and_groups_the_skip_reasons():
     assert counted == len(doc["skipped"])  # every skipped row in one group
 
 
+@pytest.mark.parametrize("columns", [80, 120])
+def test_validate_tells_the_runs_no_fit_saw_from_the_fit_rows_on_screen(tmp_path, columns):
+    """A user's CSV of new runs is judged as new runs (MAPE, groups off as a whole, coverage);
+    a shipped run in it is named in sample, beside the cross-validated figures that are the
+    evidence for such rows. Every figure whole at the width."""
+    import csv
+
+    from moeplan.validation import read_rows
+
+    seen = dict(next(r for r in read_rows(None) if r["id"] == "R0001"))
+    new = {**seen, "id": "NEW", "tokens_per_s_per_gpu": "5000"}
+    path = tmp_path / "mine.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(seen))
+        w.writeheader()
+        w.writerows([seen, new])
+    shown = screen_of(raw_in_pty(("validate", str(path)), columns), columns)
+    assert not [ln for ln in shown.split("\n") if cell_len(ln) > columns]
+    screen = " ".join(shown.split())
+    doc = json_of(("validate", str(path)))
+    un, lomo = doc["unseen"], doc["cross_validated"]["leave_one_model_out"]
+    assert "Held-out rows (runs the shipped calibration was not fitted on): 1." in screen
+    assert (f"MAPE tokens/s/GPU {100 * un['mape_tokens_per_s']:.1f}% over the 1 that publish "
+            "tokens/s") in screen
+    assert "Fit rows (runs the shipped calibration was fitted on): 1" in screen
+    assert "in sample, not evidence" in screen
+    assert f"leave one model out {100 * lomo['mape']:.1f}%" in screen
+
+
 # ------------------------------------------------------------------------ the ranking key
 @pytest.mark.parametrize("columns", [80, 120])
 def test_search_table_names_the_ranking_key_and_why_1_beats_2(search_doc, columns):

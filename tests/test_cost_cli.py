@@ -262,3 +262,87 @@ def test_grad_reduce_flag_prices_bf16_reduction_and_refuses_other_dtypes(capsys)
     assert bf16["time"]["dp_comm_s"] < fp32["time"]["dp_comm_s"]
     code, _, err = run_cli(base + ["--grad-reduce", "fp16"], capsys)
     assert code == 2 and "grad_reduce_dtype" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------- which rows are evidence
+def _shipped(rid: str) -> dict[str, str]:
+    from moeplan.validation import read_rows
+
+    return dict(next(r for r in read_rows(None) if r["id"] == rid))
+
+
+def test_validate_calls_a_row_fit_only_when_the_shipped_calibration_was_fitted_on_that_run(
+        tmp_path, capsys):
+    """The shipped calibration saw every shipped run, so its error on them is in sample: a
+    copy of one (under any id) is a fit row; the same layout published with another figure is
+    a run no fit saw, and only such rows make the held-out summary."""
+    seen = {**_shipped("R0001"), "id": "COPY"}
+    new = {**_shipped("R0001"), "id": "NEW",
+           "tokens_per_s_per_gpu": str(round(float(seen["tokens_per_s_per_gpu"]) * 0.8))}
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(seen))
+        w.writeheader()
+        w.writerows([seen, new])
+    code, out, _ = run_cli(["validate", str(path), "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    split = {r["id"]: r["split"] for r in doc["rows"]}
+    assert split == {"COPY": "fit", "NEW": "held-out"}
+    row = next(r for r in doc["rows"] if r["id"] == "NEW")
+    err = abs(row["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"] - 1)
+    un = doc["unseen"]
+    assert un["rows"] == un["tokens_rows"] == 1 and un["tflops_only_rows"] == 0
+    assert un["mape_tokens_per_s"] == pytest.approx(err)
+    assert doc["mape_tokens_per_s_held_out"] == pytest.approx(err)
+    # the fit rows' evidence is the cross-validation, quoted from the shipped profile
+    lomo = doc["cross_validated"]["leave_one_model_out"]
+    assert 0 < lomo["mape"] < 0.15 and lomo["rows"] >= 200
+
+
+def _pred(rid, pub, pred, model="m", family="hopper", derived=False, split="held-out"):
+    return {"id": rid, "split": split, "model": model, "gpu_family": family,
+            "precision": "bf16", "published_tokens_per_s_per_gpu": pub,
+            "predicted_tokens_per_s_per_gpu": pred, "tokens_derived_from_tflops": derived,
+            "predicted_interval_tokens_per_s_per_gpu": [0.8 * pred, 1.2 * pred]}
+
+
+def test_the_held_out_summary_flags_a_model_gpu_family_off_as_a_whole_and_parts_tflops_rows():
+    """A group of two or more rows of one model on one GPU family whose mean error passes
+    ±30% is off as a whole, however good the MAPE over the rest; one row alone is no group.
+    Rows that publish only TFLOPS are scored apart from rows that publish tokens/s."""
+    from moeplan.validation.scoring import unseen_summary
+
+    rows = [_pred("a", 100, 140, "x"), _pred("b", 100, 135, "x"),     # x on Hopper: +37.5%
+            _pred("c", 100, 140, "x", "blackwell-hgx"),               # alone: no group
+            _pred("d", 100, 110, "y"), _pred("e", 100, 90, "y"),     # y: mean 0
+            _pred("f", 100, 95, "y", derived=True),
+            _pred("g", 100, 500, "z", split="fit"), _pred("h", 100, 500, "z", split="fit")]
+    empty = {"by_split": {"held-out": {"pairs": 0, "ordered": 0, "ordered_within_step_bar": 0}}}
+    un = unseen_summary(rows, empty)
+    assert [(g["model"], g["gpu_family"]) for g in un["families_off"]] == [("x", "hopper")]
+    assert {(g["model"], g["gpu_family"]) for g in un["family_groups"]} == {
+        ("x", "hopper"), ("y", "hopper")}                           # the fit rows' z is not
+    assert un["rows"] == 6 and un["tokens_rows"] == 5 and un["tflops_only_rows"] == 1
+    assert un["mape_tokens_per_s"] == pytest.approx((0.4 + 0.35 + 0.4 + 0.1 + 0.1) / 5)
+    assert un["mape_tflops_only"] == pytest.approx(0.05)
+    assert un["coverage"] == pytest.approx(3 / 6)  # ±20% bands miss the three +35-40% rows
+
+
+def test_a_layout_pair_counts_as_told_apart_only_when_its_ratio_is_priced_within_20_percent():
+    """Ordering two layouts right is half of it: the planner must price the gap the hardware
+    measured. A pair measured 1.65x apart and priced 1.24x is ordered but not told apart."""
+    from moeplan.validation.scoring import layout_pairs
+
+    base = {"model_preset": "m", "cluster_preset": "h100", "num_gpus": "64",
+            "precision_preset": "bf16", "seq_len": "4096", "source": "S"}
+    raw = {k: {**base, "id": k, "tp": tp} for k, tp in (("a", "1"), ("b", "2"), ("c", "4"))}
+    rows = [_pred("a", 100, 100), _pred("b", 165, 124), _pred("c", 130, 125)]
+    for r in rows:
+        r["model"] = "m"
+    out = layout_pairs(rows, raw)
+    # b over a priced 1.24x against 1.65x measured: ordered, not told apart; c over a 1.25x
+    # against 1.30x: both; b over c 0.99x against 1.27x: misordered
+    assert (out["pairs"], out["ordered"], out["ordered_within_step_bar"]) == (3, 2, 1)
+    assert out["by_split"]["held-out"] == {"pairs": 3, "ordered": 2,
+                                           "ordered_within_step_bar": 1}

@@ -1,8 +1,9 @@
 """The calibration profile: every efficiency constant the cost models use, in one place.
 
 Shipped defaults live in `calibration.json` next to this file (written by
-`bench/fit_calibration.py` from the fit rows of the published runs; the held-out rows never touch
-it). A ClusterSpec's `calibration` dict (from `moeplan calibrate` or `--calibration FILE`)
+`bench/fit_calibration.py` from every published run it can score, so its error on them is in
+sample; the evidence is cross-validation, whose folds refit without the rows they predict). A
+ClusterSpec's `calibration` dict (from `moeplan calibrate` or `--calibration FILE`)
 overrides any key. Keys that are dicts are keyed by GPU architecture or precision.
 """
 

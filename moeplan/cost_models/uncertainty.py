@@ -125,6 +125,10 @@ class IntervalProfile:
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
     per_doubling: float = 0.0
     gpu_precision_rows: dict[str, int] = field(default_factory=dict)
+    # what cross-validation measured on the shipped runs, per yardstick (YARDSTICKS): rows,
+    # MAPE of tokens/s/GPU, interval coverage and median width, every row predicted by a refit
+    # that did not see it (what `moeplan validate` quotes for the rows the shipped fit saw)
+    yardsticks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def bounds(self, keys: Sequence[str]) -> tuple[float, float, str, int]:
         for k in keys:
@@ -140,6 +144,11 @@ class IntervalProfile:
                 return self.unseen[k][:2]
         return None
 
+
+YARDSTICKS = {"leave_one_model_out": "leave one model out",
+              "leave_one_release_out": "leave one release out",
+              "cross_validated": "configuration split"}
+"""intervals.json's cross-validated yardsticks, headline first, with their names."""
 
 MODEL_ROWS = 5
 MODEL_RATIO = 1.2
@@ -187,7 +196,8 @@ def profile_from_dict(d: dict[str, Any]) -> IntervalProfile:
         seen_families=tuple(d.get("seen_families", ())),
         ranges={k: (float(v[0]), float(v[1])) for k, v in d.get("ranges", {}).items()},
         per_doubling=float(d.get("per_doubling", 0.0)),
-        gpu_precision_rows={k: int(v) for k, v in d.get("gpu_precision_rows", {}).items()})
+        gpu_precision_rows={k: int(v) for k, v in d.get("gpu_precision_rows", {}).items()},
+        yardsticks={k: dict(d[k]) for k in YARDSTICKS if isinstance(d.get(k), dict)})
 
 
 def model_warning(model: ModelSpec, profile: IntervalProfile | None = None) -> str | None:

@@ -9,8 +9,9 @@ shift of every peak GEMM efficiency (a polish step along the directions one-at-a
 cannot follow). The same rows always give the same profile.
 
 Which rows it sees is the caller's choice, and the only thing that makes a score honest: the
-shipped profile (`bench/fit_calibration.py`) sees the fit rows of the configuration split;
-each cross-validation fold (`crossval`) sees every row but one model's, or one release's.
+shipped profile (`bench/fit_calibration.py`) sees every row it can score, so no score of it on
+those rows is evidence; each cross-validation fold (`crossval`) sees every row but one model's,
+or one release's, or (the configuration split) only that split's fit rows.
 A trial moves one constant, so only the rows that constant touches (a GPU's efficiency, an
 architecture's attention, a precision's gain) are re-predicted.
 """
