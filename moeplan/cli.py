@@ -560,6 +560,12 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
             parts.append(f"Layout pairs of one release among them: {lp['ordered']} of "
                          f"{lp['pairs']} ordered as measured, {lp['ordered_within_step_bar']} "
                          "of those priced within 20% of the measured ratio.")
+        seq = un["sequence_steps"]
+        if seq and seq["steps"]:
+            parts.append(f"Steps of sequence length among them (one model, cluster, precision "
+                         f"and release): {seq['moves_as_measured']} of {seq['steps']} move the "
+                         f"way they were measured (TFLOPS/GPU where published), "
+                         f"{seq['within_step_bar']} within 20% of the measured ratio.")
         notes.append(" ".join(parts))
     fit = [r for r in res["rows"] if r["split"] == "fit"]
     if fit:

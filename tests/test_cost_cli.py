@@ -346,3 +346,28 @@ def test_a_layout_pair_counts_as_told_apart_only_when_its_ratio_is_priced_within
     assert (out["pairs"], out["ordered"], out["ordered_within_step_bar"]) == (3, 2, 1)
     assert out["by_split"]["held-out"] == {"pairs": 3, "ordered": 2,
                                            "ordered_within_step_bar": 1}
+
+
+def test_throughput_must_move_with_sequence_length_the_way_it_was_measured():
+    """Long context: as the sequence (and the GPUs, and CP) grows, measured TFLOPS/GPU rose
+    where a model that gets attention wrong has them fall. A step counts when its predicted
+    change has the measured sign, and is near when its ratio is within 20% too; rows at one
+    length count as their mean, and another release or model is another series."""
+    from moeplan.validation.scoring import sequence_steps
+
+    def row(rid, seq, gpus, pub, pred, source="S"):
+        r = _pred(rid, 1000.0, 1000.0)
+        r.update(model="m", published_tflops_per_gpu=pub, predicted_tflops_per_gpu=pred)
+        return r, {"id": rid, "seq_len": str(seq), "num_gpus": str(gpus),
+                   "cluster_preset": "h100", "source": source, "source_detail": ""}
+
+    pts = [row("a", 16384, 8, 400, 400), row("b", 32768, 16, 450, 380),   # rose, priced down
+           row("c", 65536, 32, 500, 470), row("d", 65536, 32, 520, 490),  # mean 510 vs 480
+           row("e", 131072, 64, 530, 505),
+           row("x", 4096, 8, 300, 300, "T"), row("y", 8192, 8, 330, 340, "T")]
+    rows, raw = [r for r, _ in pts], {w["id"]: w for _, w in pts}
+    out = sequence_steps(rows, raw)
+    # S: 16K→32K against (1.125 measured, 0.95 priced); 32K→64K 1.133 vs 1.263 (near);
+    # 64K→128K 1.039 vs 1.052 (near); T: 4K→8K 1.10 vs 1.133 (near)
+    assert (out["steps"], out["moves_as_measured"], out["within_step_bar"]) == (4, 3, 3)
+    assert out["against"][0]["seq"] == [16384, 32768]

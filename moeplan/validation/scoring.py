@@ -250,6 +250,45 @@ def layout_pairs(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]) -> 
                          for k, (n, o, w) in split.items()}}
 
 
+def sequence_steps(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]
+                   ) -> dict[str, Any]:
+    """Whether throughput moves with sequence length as measured: rows of one model, cluster,
+    precision and release (their GPU count and layout may grow with the sequence, CP above
+    all; `release_group` without GPU count and sequence), taken in order of
+    sequence, each step from one length to the next compared in TFLOPS/GPU where both publish
+    it (attention's share grows with the sequence, so tokens/s always falls and TFLOPS may
+    rise), else in tokens/s. Several rows at one length count as their mean. A step `moves`
+    when its predicted change has the measured sign (or both are within 1%), and is `near`
+    when its predicted ratio is also within STEP_BAR of the measured one."""
+    series: dict[tuple, dict[int, list[tuple[float, float]]]] = {}
+    for r in rows:
+        row = raw[r["id"]]
+        seq = int(row.get("seq_len") or 0)
+        g = release_group(row, r)
+        key = (g[0], g[1], g[3], *g[5:])  # the group without its GPU count and sequence
+        pub, pred = r.get("published_tflops_per_gpu"), r.get("predicted_tflops_per_gpu")
+        if not (pub and pred):
+            pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
+        if seq and pub and pred:
+            series.setdefault(key, {}).setdefault(seq, []).append((pub, pred))
+    steps, moves, near, worst = 0, 0, 0, []
+    for by_seq in series.values():
+        points = [(s, sum(p for p, _ in v) / len(v), sum(q for _, q in v) / len(v))
+                  for s, v in sorted(by_seq.items())]
+        for (s0, p0, q0), (s1, p1, q1) in zip(points, points[1:], strict=False):
+            steps += 1
+            measured, predicted = p1 / p0, q1 / q0
+            same = ((measured - 1) * (predicted - 1) > 0
+                    or (abs(measured - 1) < 0.01 and abs(predicted - 1) < 0.01))
+            moves += same
+            near += same and abs(predicted / measured - 1) <= STEP_BAR
+            if not same:
+                worst.append({"seq": [s0, s1], "measured_ratio": measured,
+                              "predicted_ratio": predicted})
+    return {"steps": steps, "moves_as_measured": moves, "within_step_bar": near,
+            "against": worst}
+
+
 def signed_error(r: dict[str, Any]) -> float | None:
     """Predicted over published tokens/s/GPU, less one (None without a published figure)."""
     pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
@@ -271,11 +310,13 @@ def family_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def unseen_summary(rows: list[dict[str, Any]], ranking: dict[str, Any]) -> dict[str, Any]:
+def unseen_summary(rows: list[dict[str, Any]], ranking: dict[str, Any],
+                   raw: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
     """What the rows no fit saw, and that publish a throughput, say of a prediction on new
     runs: MAPE apart for rows that publish tokens/s and rows that publish only TFLOPS (their
     tokens/s derived in the row's FLOP convention), the model × GPU-family groups off as a
-    whole, interval coverage and width, and the layout pairs among them."""
+    whole, interval coverage and width, the layout pairs among them, and how their throughput
+    moves with sequence length (`sequence_steps`; `raw`: the CSV rows by id)."""
     held = [r for r in rows if r["split"] == "held-out" and r["published_tokens_per_s_per_gpu"]]
     measured = [r for r in held if not r.get("tokens_derived_from_tflops")]
     derived = [r for r in held if r.get("tokens_derived_from_tflops")]
@@ -286,7 +327,8 @@ def unseen_summary(rows: list[dict[str, Any]], ranking: dict[str, Any]) -> dict[
             "tflops_only_rows": len(derived), "mape_tflops_only": mape(derived),
             "family_groups": groups, "families_off": [g for g in groups if g["off"]],
             "coverage": coverage(held), "median_interval_width": median_width(held),
-            "layout_pairs": pairs}
+            "layout_pairs": pairs,
+            "sequence_steps": sequence_steps(held, raw) if raw is not None else None}
 
 
 def skip_groups(skipped: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
@@ -321,7 +363,8 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
     fit = [r for r in out if r["split"] == "fit"]
     from ..cost_models.uncertainty import default_profile
 
-    ranking = layout_pairs(out, {r.get("id", "?"): r for r in rows})
+    raw = {r.get("id", "?"): r for r in rows}
+    ranking = layout_pairs(out, raw)
     return {
         "rows": out,
         "ranking": ranking,
@@ -335,7 +378,7 @@ def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None
         "mape_tokens_per_s_fit": mape(fit),
         "mape_tflops": mape(out, "tflops_per_gpu"),
         "mape_memory_gb": mape(out, "memory_gb"),
-        "unseen": unseen_summary(out, ranking),
+        "unseen": unseen_summary(out, ranking, raw),
         "skipped": skipped,
     }
 
