@@ -316,6 +316,23 @@ def unseen_runs() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return priced(RECIPES), priced(STEPS)
 
 
+def held_out_groups(name: str) -> str:
+    """What `moeplan validate` says of a CSV in bench/data as runs no fit saw: MAPE, interval
+    coverage and width, and the model × GPU-family groups off by more than ±30% as a whole."""
+    path = Path(__file__).resolve().parent / "data" / name
+    un = validate_rows(read_rows(path))["unseen"]
+    mapes = [f"{pct(m)} over the {n} that publish {what}" for m, n, what in (
+        (un["mape_tokens_per_s"], un["tokens_rows"], "tokens/s"),
+        (un["mape_tflops_only"], un["tflops_only_rows"], "only TFLOPS")) if n]
+    off = ", ".join(f"{g['model']} on {g['gpu_family']} {100 * g['mean_error']:+.1f}% "
+                    f"({g['rows']} rows)" for g in un["families_off"]) or "none"
+    return (f"`moeplan validate bench/data/{name}` scores these {un['rows']} runs as runs the "
+            f"shipped calibration was not fitted on: MAPE {'; '.join(mapes)}, 80% intervals "
+            f"holding {pct(un['coverage'])} at a median width of "
+            f"{pct(un['median_interval_width'])}; of {len(un['family_groups'])} model × "
+            f"GPU-family group(s) of two or more rows, off by more than ±30% as a whole: {off}.")
+
+
 def graph_scope_pairs() -> list[str]:
     """Measured and predicted ratio of each whole-step recipe to its per-layer twin (shipped
     profile: no fit saw these runs)."""
@@ -583,6 +600,7 @@ def unseen_section() -> list[str]:
             f"(R0265, {f['r0265_pub']}); HybridEP's own benchmark (DeepEP "
             "docs/README_Hybrid-EP.md, 32 H100 ranks) moves 47–51 GB/s per GPU of deduplicated "
             "traffic over the 50 GB/s NIC, so its kernel alone is not what these runs miss.",
+            "", held_out_groups("megatron_lm_moe_recipes.csv"),
             "", "Megatron-LM's DeepSeek-V3 GB200 guide (commit eb0783b6d3) publishes thirteen "
             "optimisation steps of one layout (TP1 PP8 VPP4 EP32, MBS 1, GBS 2048, MXFP8, no "
             "MTP). A step that changes a setting moeplan names is priced with it (the "
@@ -608,7 +626,8 @@ def unseen_section() -> list[str]:
             f"{f['graphs_step']}) nor the CPU-side work ({f['cpu_steps']}) moves the "
             "prediction. A user on an older stack can say so with `--stack` (the MoE fusions, "
             "attention kernels, DP overlap), `--flex-backend deepep` and a measured launch time "
-            "(`moeplan calibrate`, `--calibration`), not yet with each of these steps."]
+            "(`moeplan calibrate`, `--calibration`), not yet with each of these steps.",
+            "", held_out_groups("deepseek_v3_gb200_steps.csv")]
     return out
 
 
@@ -834,20 +853,20 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **A published check of the fused grouped MLP.** NVIDIA's technical blog "Boosting MoE
-  Training Throughput with Advanced Fusion Kernels" (2026-06-15) measures Transformer Engine's
-  fused grouped MLP (activation and quantization in the GEMMs' epilogues, the token counts kept
-  on the device so a whole-step CUDA graph captures the MoE layer) end to end: +93% on
-  gpt-oss, +8% on DeepSeek-V3. `python bench/megatron_recipes.py` now prices both on the GB200
-  MXFP8 layouts NVIDIA publishes for those models: {oss_gain} and {dsv3_gain} (Layouts and scale,
-  Fused grouped MLP). The order is right and DeepSeek-V3 within a few points; gpt-oss's gain
-  falls far short of the measured one on its published layout, where moeplan's host floor does
-  not bind. It is evidence about the unfused expert path every gpt-oss BF16 row runs, not a fit:
-  no fit sees these gains.
-- **What host cost those gains imply** (Layouts and scale): priced at twice the fitted time
-  per kernel launch, the graph-scope pairs of Megatron-LM's recipes and DeepSeek-V3's fused-MLP
-  gain move toward what was measured, but the fit's own rows refute that time (Bridge's
-  Qwen3-30B-A3B runs, host-bound at it), so moeplan keeps the fitted one and names the gap.
+- **`moeplan validate` scores runs no fit saw as new runs.** The shipped calibration is fitted
+  on every run of the shipped CSV it can score, yet `validate` had called half of those rows
+  "held-out" (the configuration split's side, which only the cross-validation folds hold
+  out) and printed a "held-out" MAPE and coverage from a profile that had fitted them. Now a
+  row is `fit` only when it is one of the runs the shipped calibration was fitted on (its
+  configuration and published figures, whatever its id) and `held-out` otherwise, so a CSV of
+  new runs (a user's own, or a release published after the fit) is scored as such: MAPE apart
+  for rows that publish tokens/s and rows that publish only TFLOPS, the model × GPU-family
+  groups of two or more rows off by more than ±30% as a whole, interval coverage and width,
+  layout pairs of one release ordered as measured and priced within 20% of the measured
+  ratio, and steps of sequence length moving the way they were measured. On the shipped CSV
+  every scored row is a fit row, named in sample, beside the cross-validated figures quoted
+  from the interval profile. Runs no fit saw quotes what it says of Megatron-LM's recipes
+  and of the DeepSeek-V3 GB200 steps.
 - No cost model or fitted constant changed: the fit (objective {objective_before} →
   {objective_now}), leave one model out {lomo_before}% → {lomo_now}%, leave one release out
   {loro_before}% → {loro_now}%, configuration split {config_before}% → {config_now}%, the CLI's
