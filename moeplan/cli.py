@@ -609,9 +609,15 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
         title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
                  f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
         print_lines(table_lines(title, cols, body, width))
-        note = (f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
-                f"90th percentile {pct(res['p90_ape'])})")
-        print_lines([Line(x) for x in wrap(note, width, "  ")])
+        groups = res["model_gpu_groups"]
+        off = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} "
+                        f"({g['rows']} rows)" for g in groups if g["off"]) or "none"
+        notes = [f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
+                 f"90th percentile {pct(res['p90_ape'])})",
+                 f"Model × GPU-family groups of two or more rows: {len(groups)}; off by more "
+                 f"than ±30% as a whole: {off}."]
+        for note in notes:
+            print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(res, as_json, render)
 

@@ -64,6 +64,16 @@ def test_validate_cv_reports_every_row_once_with_per_family_errors(rows, tmp_pat
     assert set(doc["by_family"]) == {"llama3", "mixtral", "qwen3"}
     errs = [abs(r["predicted"] / r["published"] - 1) for r in doc["rows"]]
     assert doc["mape"] == pytest.approx(sum(errs) / len(errs))
+    # each model on each GPU family with two or more rows, its mean error, off beyond ±30%
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in doc["rows"]:
+        by.setdefault((r["model"], r["gpu_family"]), []).append(r["error"])
+    want = {k: sum(v) / len(v) for k, v in by.items() if len(v) >= 2}
+    got = {(g["model"], g["gpu_family"]): g for g in doc["model_gpu_groups"]}
+    assert set(got) == set(want) and want
+    for k, mean in want.items():
+        assert got[k]["mean_error"] == pytest.approx(mean)
+        assert got[k]["off"] == (abs(mean) > 0.30)
 
 
 def test_validate_cv_refuses_an_unknown_grouping(capsys):

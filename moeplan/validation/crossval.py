@@ -30,7 +30,7 @@ from typing import Any, Literal
 from .cases import RunCase, split_of
 from .fit import FitResult, fit, point, scored, shipped_profile
 from .rows import release_of
-from .scoring import published_tokens
+from .scoring import cluster_of, family_groups, published_tokens
 
 By = Literal["model", "release", "config"]
 Refit = Literal["full", "quick"]
@@ -97,8 +97,8 @@ def cross_validate(cases: Sequence[RunCase], by: By, refit: Refit = "full",
                    log: Callable[[str], None] | None = None, train_split: str = "all"
                    ) -> dict[str, Any]:
     """Every fold of `by`, and the scored rows each predicted: {"by", "refit", "folds",
-    "rows": [{"id", "group", "family", "model", "gpu", "precision", "published", "predicted",
-    "error"}], and the summary of `summarise`."""
+    "rows": [{"id", "group", "family", "model", "gpu", "gpu_family", "precision", "published",
+    "predicted", "error"}], and the summary of `summarise`."""
     cases = scored(cases)
     folds = []
     for g in folds_of(cases, by):
@@ -111,6 +111,8 @@ def cross_validate(cases: Sequence[RunCase], by: By, refit: Refit = "full",
 def assemble(cases: Sequence[RunCase], by: By, refit: Refit, folds: Sequence[Fold]
              ) -> dict[str, Any]:
     """The rows and summary of a set of folds (the folds may have been run apart)."""
+    from ..cost_models.uncertainty import generation
+
     pred = {i: (f.group, q) for f in folds for i, q in f.predictions.items()}
     rows = []
     for c in scored(cases):
@@ -119,7 +121,8 @@ def assemble(cases: Sequence[RunCase], by: By, refit: Refit, folds: Sequence[Fol
         pub = published_tokens(c)[0]
         group, q = pred[c.id]
         rows.append({"id": c.id, "group": group, "family": family_group(c),
-                     "model": model_group(c), "gpu": c.gpu, "precision": c.training.precision,
+                     "model": model_group(c), "gpu": c.gpu,
+                     "gpu_family": generation(cluster_of(c)), "precision": c.training.precision,
                      "published": pub, "predicted": q, "error": q / pub - 1})
     return {"by": by, "refit": refit,
             "folds": [{"group": f.group, "train_rows": f.train_rows,
@@ -133,7 +136,9 @@ def _mape(rows: Sequence[dict[str, Any]]) -> float | None:
 
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """MAPE over all rows, the median and 90th-percentile absolute error, and per family and
-    per model: rows, MAPE and mean signed error (a family missed one way shows as a bias)."""
+    per model: rows, MAPE and mean signed error (a family missed one way shows as a bias); and
+    the model × GPU-family groups of two or more rows, those off as a whole marked
+    (`scoring.family_groups`)."""
     def per(key: str) -> dict[str, dict[str, Any]]:
         by: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in rows:
@@ -145,7 +150,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     q = (lambda p: errs[min(len(errs) - 1, math.ceil(p * len(errs)) - 1)]) if errs else None
     return {"mape": _mape(rows), "count": len(rows),
             "median_ape": q(0.5) if q else None, "p90_ape": q(0.9) if q else None,
-            "by_family": per("family"), "by_model": per("model")}
+            "by_family": per("family"), "by_model": per("model"),
+            "model_gpu_groups": family_groups(rows, lambda r: r["error"])}
 
 
 CLI_CHOICES = ("model", "release")

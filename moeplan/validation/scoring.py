@@ -17,7 +17,7 @@ figures on them are the cross-validated ones (`crossval`, `bench/cross_validate.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -295,14 +295,17 @@ def signed_error(r: dict[str, Any]) -> float | None:
     return pred / pub - 1.0 if pub and pred is not None else None
 
 
-def family_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def family_groups(rows: Sequence[dict[str, Any]],
+                  error_of: Callable[[dict[str, Any]], float | None] = signed_error
+                  ) -> list[dict[str, Any]]:
     """Model × GPU-family groups of two or more rows with their mean signed error, the ones
     off as a whole (beyond ±FAMILY_BAR) marked: a class of runs predicted wrong the same way
-    on every row, which a low MAPE over many other rows hides."""
+    on every row, which a low MAPE over many other rows hides. `error_of`: a row's signed
+    error (a cross-validated row carries its own)."""
     groups: dict[tuple[str, str], list[float]] = {}
     for r in rows:
-        e = signed_error(r)
-        if e is not None:
+        e = error_of(r)
+        if e is not None and r.get("gpu_family"):
             groups.setdefault((r["model"], r["gpu_family"]), []).append(e)
     out = [{"model": m, "gpu_family": g, "rows": len(es), "mean_error": sum(es) / len(es),
             "off": abs(sum(es) / len(es)) > FAMILY_BAR}
