@@ -153,7 +153,9 @@ def ranking_section(cv_rows: list[dict[str, Any]]) -> list[str]:
     out = ["Pairs of published layouts of one model, cluster, GPU count, precision, sequence",
            "length and software release, ordered by the leave-one-model-out predictions (each",
            "pair by one refit that saw neither row): "
-           f"**{rk['ordered']} of {rk['pairs']}** ({100 * (rk['share'] or 0):.0f}%).", "",
+           f"**{rk['ordered']} of {rk['pairs']}** ({100 * (rk['share'] or 0):.0f}%); "
+           f"{rk['ordered_within_step_bar']} of them also priced within 20% of the measured "
+           "ratio (told apart by as much as the hardware did).", "",
            "| rows | published tokens/s/GPU | predicted |", "|---|---|---|"]
     for w in rk["misordered"]:
         out.append(f"| {' vs '.join(w['ids'])} | {w['published'][0]:,.0f} vs "
@@ -280,6 +282,7 @@ def scale_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         *series(cv_rows, longseq3, "seq_len", "sequence"), "",
         "### Long context: Parallel Folding Mixtral-8x22B", "",
         *series(cv_rows, folding, "seq_len", "sequence"), "",
+        sequence_note(cv_rows), "",
         "### Strong scaling: MegaScale's Megatron-LM baseline, GPT-175B at a fixed batch", "",
         *series(cv_rows, strong, "num_gpus", "GPUs"), "",
         "### Strong scaling: Parallel Folding's MoE runs at a fixed batch of 1,024 sequences", "",
@@ -313,6 +316,31 @@ def unseen_runs() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from megatron_recipes import RECIPES, STEPS, priced
 
     return priced(RECIPES), priced(STEPS)
+
+
+def sequence_note(cv_rows: list[dict[str, Any]]) -> str:
+    """Every step of sequence length among the rows of one model, cluster, precision and
+    release, leave-one-model-out, in TFLOPS/GPU (moeplan's count): whether it moves the way
+    it was measured (`moeplan.validation.scoring.sequence_steps`, what `moeplan validate`
+    reports of runs no fit saw)."""
+    from moeplan.specs import list_presets
+    from moeplan.validation.scoring import sequence_steps
+
+    presets, rows = list_presets(), []
+    for r in as_scoring_rows(cv_rows, "held-out"):
+        case = case_of(RAW[r["id"]], presets)
+        fpt = case.model.flops_per_token(case.training.seq_len) / 1e12
+        rows.append({**r, "published_tflops_per_gpu": r["published_tokens_per_s_per_gpu"] * fpt,
+                     "predicted_tflops_per_gpu": r["predicted_tokens_per_s_per_gpu"] * fpt})
+    st = sequence_steps(rows, RAW)
+    against = "; ".join(
+        f"{a['seq'][0]:,} → {a['seq'][1]:,}: measured ×{a['measured_ratio']:.3f}, predicted "
+        f"×{a['predicted_ratio']:.3f}" for a in st["against"])
+    return (f"Every step of sequence length among the scored rows (one model, cluster, "
+            f"precision and release; TFLOPS/GPU, leave one model out): {st['steps']} steps, "
+            f"{st['moves_as_measured']} moving the way they were measured, "
+            f"{st['within_step_bar']} also within 20% of the measured ratio"
+            + (f"; against: {against}" if against else "") + ".")
 
 
 def held_out_groups(name: str) -> str:
