@@ -528,6 +528,14 @@ def validate(
     emit(doc, as_json, render)
 
 
+def _groups_off(groups: list[dict[str, Any]]) -> str:
+    """The model × GPU-family groups (`scoring.family_groups`) and those off as a whole."""
+    off = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} ({g['rows']} "
+                    "rows)" for g in groups if g["off"]) or "none"
+    return (f"Model × GPU-family groups of two or more rows: {len(groups)}; off by more than "
+            f"±30% as a whole: {off}.")
+
+
 def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> list[str]:
     """`validate`'s summary: the held-out rows (runs the shipped calibration was not fitted on)
     measured as new runs are judged, the fit rows' in-sample error named as such, with the
@@ -546,12 +554,8 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
                          "that publish only TFLOPS")
         if mapes:
             parts.append("MAPE tokens/s/GPU " + "; ".join(mapes) + ".")
-        groups, off = un["family_groups"], un["families_off"]
-        if groups:
-            named = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} "
-                              f"({g['rows']} rows)" for g in off) or "none"
-            parts.append(f"Model × GPU-family groups of two or more rows: {len(groups)}; off "
-                         f"by more than ±30% as a whole: {named}.")
+        if un["family_groups"]:
+            parts.append(_groups_off(un["family_groups"]))
         if un["coverage"] is not None:
             parts.append(f"80% intervals hold {pct(un['coverage'])} of them, median width "
                          f"{pct(un['median_interval_width'])} of the point.")
@@ -609,13 +613,8 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
         title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
                  f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
         print_lines(table_lines(title, cols, body, width))
-        groups = res["model_gpu_groups"]
-        off = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} "
-                        f"({g['rows']} rows)" for g in groups if g["off"]) or "none"
         notes = [f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
-                 f"90th percentile {pct(res['p90_ape'])})",
-                 f"Model × GPU-family groups of two or more rows: {len(groups)}; off by more "
-                 f"than ±30% as a whole: {off}."]
+                 f"90th percentile {pct(res['p90_ape'])})", _groups_off(res["model_gpu_groups"])]
         for note in notes:
             print_lines([Line(x) for x in wrap(note, width, "  ")])
 

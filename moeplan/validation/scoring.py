@@ -254,18 +254,16 @@ def sequence_steps(rows: list[dict[str, Any]], raw: dict[str, dict[str, str]]
                    ) -> dict[str, Any]:
     """Whether throughput moves with sequence length as measured: rows of one model, cluster,
     precision and release (their GPU count and layout may grow with the sequence, CP above
-    all; `release_group` without GPU count and sequence), taken in order of
-    sequence, each step from one length to the next compared in TFLOPS/GPU where both publish
-    it (attention's share grows with the sequence, so tokens/s always falls and TFLOPS may
-    rise), else in tokens/s. Several rows at one length count as their mean. A step `moves`
+    all: `release_group` with neither), taken in order of sequence, each step from one length
+    to the next compared in TFLOPS/GPU where both publish it (attention's share grows with the
+    sequence, so tokens/s always falls and TFLOPS may rise), else in tokens/s. Several rows at one length count as their mean. A step `moves`
     when its predicted change has the measured sign (or both are within 1%), and is `near`
     when its predicted ratio is also within STEP_BAR of the measured one."""
     series: dict[tuple, dict[int, list[tuple[float, float]]]] = {}
     for r in rows:
         row = raw[r["id"]]
         seq = int(row.get("seq_len") or 0)
-        g = release_group(row, r)
-        key = (g[0], g[1], g[3], *g[5:])  # the group without its GPU count and sequence
+        key = release_group({**row, "num_gpus": "", "seq_len": ""}, r)
         pub, pred = r.get("published_tflops_per_gpu"), r.get("predicted_tflops_per_gpu")
         if not (pub and pred):
             pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
@@ -307,10 +305,9 @@ def family_groups(rows: Sequence[dict[str, Any]],
         e = error_of(r)
         if e is not None and r.get("gpu_family"):
             groups.setdefault((r["model"], r["gpu_family"]), []).append(e)
-    out = [{"model": m, "gpu_family": g, "rows": len(es), "mean_error": sum(es) / len(es),
-            "off": abs(sum(es) / len(es)) > FAMILY_BAR}
-           for (m, g), es in sorted(groups.items()) if len(es) >= 2]
-    return out
+    return [{"model": m, "gpu_family": g, "rows": len(es), "mean_error": sum(es) / len(es),
+             "off": abs(sum(es) / len(es)) > FAMILY_BAR}
+            for (m, g), es in sorted(groups.items()) if len(es) >= 2]
 
 
 def unseen_summary(rows: list[dict[str, Any]], ranking: dict[str, Any],
