@@ -126,14 +126,18 @@ def search(
     grad_reduce_dtype: str = "fp32",
     moe_capacity_factor: float | None = None,
     moe_pad_expert_input_to_capacity: bool = False,
+    stack: str = "current",
 ):
     """The best plans for a model on a cluster (SPEC §4 `moeplan search`); see
-    `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step."""
+    `moeplan.planner.search.search`. `gbs` defaults to about 4M tokens per step; `stack` is
+    the software stack the plans are priced on and restricted to (`TrainingSpec.software_stack`,
+    `specs.rules.STACK_FEATURES`)."""
     from .planner.search import default_gbs
     from .planner.search import search as _search
-    from .specs.loader import check_precision
+    from .specs.loader import check_precision, check_stack
 
     precision = check_precision(precision, allow_auto=True)
+    stack = check_stack(stack)
     m = load_model(model)
     c = load_cluster(cluster, gpus, calibration)
     if training is None:
@@ -141,7 +145,8 @@ def search(
                                  precision="bf16" if precision == "auto" else precision,
                                  grad_reduce_dtype=grad_reduce_dtype,
                                  moe_capacity_factor=moe_capacity_factor,
-                                 moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
+                                 moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity,
+                                 software_stack=stack)
     return _search(m, c, training, c.num_gpus, top_k=top_k, precision=precision, target=target,
                    time_limit_s=time_limit_s, imbalance=imbalance, objective=objective,
                    progress=progress)  # type: ignore[arg-type]

@@ -34,7 +34,9 @@ from .errors import (
     exit_rule,
 )
 from .fsio import check_writable, strict_dumps, write_json
+from .specs.loader import check_stack
 from .specs.rules import check_target
+from .specs.training import STACKS
 from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
@@ -122,6 +124,9 @@ PadOpt = Annotated[bool, typer.Option(
     "shapes, no routing sync, and CUDA graphs capture the whole MoE layer; needs "
     "--capacity-factor and the alltoall dispatcher.")]
 ReportOpt = Annotated[str | None, typer.Option("--report", help=REPORT_HELP)]
+StackOpt = Annotated[str, typer.Option("--stack", help="The software stack the plans are "
+                     "priced on, and run no feature it predates: " + "; ".join(
+                         f"{k} ({w})" for k, w in STACKS.items()) + ".")]
 
 
 def axis_option(name: str) -> Any:
@@ -333,14 +338,7 @@ def estimate(
     grad_reduce: GradReduceOpt = "fp32",
     capacity_factor: CapacityOpt = None,
     pad_to_capacity: PadOpt = False,
-    stack: Annotated[str, typer.Option("--stack", help="Software stack the estimate assumes: "
-                     "current (fused MoE router and permutation, fused sink attention, "
-                     "attention at today's kernel rates, DP communication overlapped), "
-                     "mcore-2024 (Megatron Core before 0.13: without those fusions, older "
-                     "attention kernels), "
-                     "megatron-2023 (also without DP overlap), megatron-2022 (also unfused "
-                     "attention) or megatron-2021 (also no sequence parallelism).")
-                     ] = "current",
+    stack: StackOpt = "current",
     stage_layout: Annotated[str | None, typer.Option(
         "--stage-layout", help="Megatron --pipeline-model-parallel-layout, e.g. "
         "'Et*3|(tt|)*29,m|L'.")] = None,
@@ -386,7 +384,8 @@ def estimate(
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
                                  target=target or "megatron",
-                                 software_stack=stack, moe_capacity_factor=capacity_factor,
+                                 software_stack=check_stack(stack),
+                                 moe_capacity_factor=capacity_factor,
                                  moe_pad_expert_input_to_capacity=pad_to_capacity)
     if target is not None:
         check_target(target)
@@ -454,6 +453,8 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
         rows.append(("not validated", "; ".join(weak)))
     if est.confidence:
         rows.append(("confidence", f"{est.confidence.label}: {est.confidence.reason}"))
+    stack = plan.training.software_stack
+    rows.append(("software stack", f"{stack}: {STACKS[stack]}"))
     return rows
 
 
@@ -649,6 +650,7 @@ def search(
     grad_reduce: GradReduceOpt = "fp32",
     capacity_factor: CapacityOpt = None,
     pad_to_capacity: PadOpt = False,
+    stack: StackOpt = "current",
     as_json: JsonOpt = False,
 ) -> None:
     """Search every folded layout and rank the best plans."""
@@ -671,7 +673,7 @@ def search(
                          imbalance=imbalance, calibration=calibration, progress=progress,
                          objective=objective, grad_reduce_dtype=grad_reduce,
                          moe_capacity_factor=capacity_factor,
-                         moe_pad_expert_input_to_capacity=pad_to_capacity)
+                         moe_pad_expert_input_to_capacity=pad_to_capacity, stack=stack)
         bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
@@ -787,6 +789,7 @@ def whatif(
                        "points at once (0: one per CPU core for four points or more).")] = 0,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write report.md or "
                       "report.html (self-contained, with plots).")] = None,
+    stack: StackOpt = "current",
     as_json: JsonOpt = False,
 ) -> None:
     """Capacity planning: best plan, time and cost per cluster kind and GPU count."""
@@ -813,6 +816,7 @@ def whatif(
         check_writable(output)
     clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
     precisions = [check_precision(p, allow_auto=True) for p in precisions]
+    stack = check_stack(stack)
     gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
     seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
     batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
@@ -826,7 +830,7 @@ def whatif(
                          seqs=seqs, gbs=batches,
                          precisions=precisions, tokens=tokens,
                          gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
-                         time_limit_s=time_limit, workers=workers,
+                         time_limit_s=time_limit, workers=workers, stack=stack,
                          progress=lambda msg: bar.update(msg, force=not msg.endswith("searching")))
         bar.done(f"whatif: 100%, {len(res.points)} points in {res.seconds:.1f} s")
     if output:
@@ -844,7 +848,8 @@ def whatif(
             f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
             width, ["bold" if p.pareto else ("dim" if not p.fits else None)
                     for p in res.points]))
-        for line in answers(res):
+        for line in [*answers(res), f"priced on the {res.stack} software stack "
+                     f"({STACKS[res.stack]})"]:
             print_lines([Line(s) for s in wrap(line, width, "  ")])
 
     emit(res.to_json(), as_json, render)

@@ -137,6 +137,7 @@ def test_search_table_fits_and_shows_every_number_whole(search_doc, columns):
     nums.append(str(search_doc["plans"][0]["layout"]["world_size"]))
     assert_fits_and_whole(screen, columns, nums)
     assert "dist-opt" in screen and "next: " in screen  # the choice shown, and what to do next
+    assert "priced on the current software stack" in " ".join(screen.split())
 
 
 @pytest.mark.parametrize("columns", WIDTHS)
@@ -147,7 +148,9 @@ def test_estimate_fits_and_shows_every_number_whole(estimate_doc, columns):
     nums += [f"{m[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb",
                                      "activations_gb", "buffers_gb")]
     nums += [f"{v:.3f}" for v in e["time"].values() if v]
-    assert_fits_and_whole(render_in_pty(ESTIMATE, columns), columns, nums)
+    screen = render_in_pty(ESTIMATE, columns)
+    assert_fits_and_whole(screen, columns, nums)
+    assert "software stack" in screen and "current: Megatron Core" in " ".join(screen.split())
 
 
 def test_an_estimate_carrying_a_measured_residual_shows_it_as_a_term_and_a_warning():
@@ -173,7 +176,9 @@ def test_whatif_fits_and_shows_every_number_whole(whatif_doc, columns):
                  f"{p['step_time_s']:.3g}", f"{p['days_to_train']:,.1f}",
                  {f"{p['gpu_hours'] + d:,.0f}" for d in (-0.05, 0.05)},  # JSON: 0.1 h
                  {f"${p['cost_usd'] + d:,.0f}" for d in (-0.005, 0.005)}]
-    assert_fits_and_whole(render_in_pty(WHATIF, columns), columns, nums)
+    screen = render_in_pty(WHATIF, columns)
+    assert_fits_and_whole(screen, columns, nums)
+    assert "priced on the current software stack" in " ".join(screen.split())
 
 
 # ------------------------------------------------------------------- the layout, without a pty

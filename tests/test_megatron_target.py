@@ -18,7 +18,15 @@ from moeplan.errors import LayoutError
 from moeplan.planner import export as export_mod
 from moeplan.planner.export import export, megatron_env, to_megatron_args
 from moeplan.specs import layout_violations
-from moeplan.specs.rules import BY_NAME, MEGATRON, RULES, markdown, rules_for
+from moeplan.specs.rules import (
+    BY_NAME,
+    MEGATRON,
+    RULES,
+    STACK_FEATURES,
+    STACK_RULES,
+    markdown,
+    rules_for,
+)
 
 from .megatron_core_config import (
     EXPORT_DOC,
@@ -278,9 +286,72 @@ def test_world_size_rule_compares_the_layout_with_the_cluster():
     assert "world_size" in v and "16" in v["world_size"]
 
 
+# ------------------------------------------------------------ the software stack's rules
+def _on(plan: Plan, stack: str) -> Plan:
+    """The plan priced on another software stack."""
+    return plan.model_copy(update={"training": plan.training.model_copy(
+        update={"software_stack": stack})})
+
+
+STACK_BROKEN = {  # rule: (a plan that breaks it on the stack, the stack, the feature)
+    "stack_model": (lambda: _plan("mixtral-8x7b", 16, ep=8), "megatron-2023", "moe"),
+    "stack_cp": (lambda: _plan("llama3-8b", 16, cp=2), "megatron-2022", "cp"),
+    "stack_dispatcher": (lambda: _plan("qwen3-30b-a3b", 16, ep=16, dispatcher="flex"),
+                         "mcore-2024", "hybridep"),
+    "stack_ep_overlap": (lambda: _plan("qwen3-30b-a3b", 16, ep=16, ep_overlap=True),
+                         "mcore-2024", "ep_overlap"),
+    "stack_tp_comm_overlap": (lambda: _plan("llama3-8b", 16, tp=8, tp_comm_overlap=True),
+                              "megatron-2023", "tp_comm_overlap"),
+    "stack_cuda_graphs": (lambda: _plan("llama3-8b", 16, tp=2, cuda_graphs=True),
+                          "megatron-2023", "cuda_graphs"),
+    "stack_fused_grouped_mlp": (lambda: _plan("qwen3-30b-a3b", 16, ep=8,
+                                              fused_grouped_mlp=True, precision="mxfp8"),
+                                "mcore-2024", "fused_grouped_mlp"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STACK_BROKEN))
+def test_a_plan_priced_on_an_older_stack_uses_nothing_that_stacks_megatron_lacked(name):
+    """Refused by name on the older stack, naming the release that added the feature and the
+    fix; the same plan on the stack that has it keeps the rule."""
+    build, stack, feature = STACK_BROKEN[name]
+    plan = build()
+    if feature == "fused_grouped_mlp":  # the fused MLP runs on Blackwell
+        plan = plan.model_copy(update={"cluster": load_cluster("gb200-nvl72", gpus=16)})
+    since = STACK_FEATURES[feature].since
+
+    def broken(p: Plan) -> dict[str, str]:
+        return dict(layout_violations(p.model, p.training, p.layout, p.world_size, p.choices,
+                                      p.cluster, "megatron"))
+
+    old = broken(_on(plan, stack))
+    assert name in old, old
+    assert STACK_FEATURES[feature].release in old[name] and f"--stack {since}" in old[name]
+    assert name not in broken(_on(plan, since))
+    with pytest.raises(LayoutError, match=name):
+        export(_on(plan, stack))
+
+
+def test_each_stack_feature_is_a_megatron_core_setting():
+    """Every feature the stack rules date is a field of Megatron Core's TransformerConfig (the
+    installed megatron-core, newer than each release named, has them all), so the table dates
+    settings Megatron has, not names of our own; the fused grouped MLP is an environment
+    switch (`launch_env`)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    named = {k: f.field for k, f in STACK_FEATURES.items() if f.field is not None}
+    assert set(named.values()) <= fields, set(named.values()) - fields
+    assert set(STACK_FEATURES) - set(named) == {"fused_grouped_mlp"}
+
+
 def test_every_megatron_rule_has_a_test():
-    tested = set(CORE_RULES) | set(ARGS_RULES) | {"uniform_stage_choices", "ep_needs_experts",
-                                                  "kv_heads_divisible_by_tp", "too_many_stages"}
+    tested = set(CORE_RULES) | set(ARGS_RULES) | set(STACK_BROKEN) | {
+        "uniform_stage_choices", "ep_needs_experts", "kv_heads_divisible_by_tp",
+        "too_many_stages"}
+    assert set(STACK_BROKEN) == {"stack_model", *STACK_RULES}
     megatron_only = {r.name for r in RULES if r.targets == MEGATRON}
     assert megatron_only <= tested | {r.name for r in RULES if "megatron" not in r.targets}
     assert all(BY_NAME[n] for n in tested if n in BY_NAME)

@@ -423,13 +423,15 @@ def _est(model, cluster, layout, stack, seq=4096, gbs=256):
 
 def test_each_older_stack_is_no_faster_than_the_newer_one():
     """The stacks are generations: each lacks what the next adds, so a step never gets faster
-    going back in time, and the features bite where they apply."""
+    going back in time, and the features bite where they apply (MoE layers from Megatron
+    Core, the `mcore-2024` stack on)."""
     cases = [(load_model("gpt-oss-120b"), load_cluster("gb200-nvl72", 64),
               Layout.build(64, 256, ep=64, mbs=1)),
              (load_model("qwen3-30b-a3b"), load_cluster("h100", 16), Layout.build(16, 256, ep=16)),
              (LLAMA, H100, Layout.build(64, 256, tp=8, pp=2))]
     for model, cluster, layout in cases:
-        t = [_est(model, cluster, layout, s).step_time_s for s in STACKS]
+        stacks = STACKS if not model.is_moe else STACKS[:2]
+        t = [_est(model, cluster, layout, s).step_time_s for s in stacks]
         assert t == sorted(t), (model.name, t)
     moe = [_est(*cases[1], s).step_time_s for s in ("current", "mcore-2024")]
     dense = [_est(*cases[2], s).step_time_s for s in ("megatron-2023", "megatron-2022")]
@@ -476,15 +478,21 @@ def test_the_export_runs_the_stack_the_plan_was_priced_on(stack, fusions, overla
     from moeplan.planner.export import to_megatron_args
 
     tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
-    plan = Plan(model=load_model("mixtral-8x7b"), cluster=H100, training=tr, choices=Choices(),
-                layout=Layout.build(64, 256, tp=2, ep=8))  # dp 32, distributed optimizer
-    argv = to_megatron_args(plan)[0]
+    moe = stack in ("current", "mcore-2024")  # MoE layers came with Megatron Core
+    plan = Plan(model=load_model("mixtral-8x7b" if moe else "llama3-8b"), cluster=H100,
+                training=tr, choices=Choices(),
+                layout=Layout.build(64, 256, tp=2, ep=8 if moe else 1))  # dp 32, dist-opt
+    argv, warn = to_megatron_args(plan)
+    # a plan priced on an older stack says whose flags the launch carries
+    assert any(f"priced on the {stack} software stack" in w for w in warn) == (
+        stack != "current")
     assert ("--moe-router-fusion" in argv) == fusions == ("--moe-permute-fusion" in argv)
     assert ("--overlap-grad-reduce" in argv) == overlap == ("--overlap-param-gather" in argv)
     assert plan.training.fused_moe_kernels == fusions
     assert plan.training.dp_comm_overlap == overlap
-    one_replica = plan.model_copy(update={"layout": Layout.build(16, 256, tp=2, pp=8, ep=2)})
-    assert one_replica.layout.dp == 1 and one_replica.layout.edp == 1
+    one_replica = plan.model_copy(update={"layout": Layout.build(16, 256, tp=2, pp=8,
+                                                                  ep=2 if moe else 1)})
+    assert one_replica.layout.dp == 1 and (one_replica.layout.edp == 1 or not moe)
     assert "--overlap-grad-reduce" not in to_megatron_args(one_replica)[0]
 
 
@@ -498,13 +506,54 @@ def test_published_rows_are_priced_on_the_stack_their_source_ran():
 
 def test_the_stack_is_a_command_line_setting(capsys):
     from moeplan.cli import main
+    from moeplan.specs.training import STACKS, SoftwareStack
 
+    assert tuple(STACKS) == SoftwareStack.__args__  # one line of words per stack, newest first
     args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "16", "--gbs",
-            "64", "--ep", "16", "--json"]
-    assert main([*args, "--stack", "mcore-2024"]) == 0
-    assert '"software_stack": "mcore-2024"' not in capsys.readouterr().err
-    assert main([*args, "--stack", "2019"]) == 2
-    assert "software_stack" in capsys.readouterr().err
+            "64", "--ep", "16"]
+    assert main([*args, "--stack", "MCORE-2024"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"software stack mcore-2024: {STACKS['mcore-2024']}" in out  # stated, in words
+    for command in (args, ["search", *args[1:9]], ["whatif", *args[1:7], "--tokens", "1e9"]):
+        assert main([*command, "--stack", "megatron-2019"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "--stack 'megatron-2019' is not a software stack" in err, err
+        assert "Did you mean megatron-2021" in err and "Traceback" not in err
+
+
+def test_a_search_on_an_older_stack_plans_only_what_that_stacks_megatron_ran():
+    """mcore-2024 (Megatron Core 0.12) had the flex dispatcher only with DeepEP and no EP
+    overlap: its search prunes EP overlap by that rule, names DeepEP in every flex plan, and
+    says which stack it priced; the current stack's search may use both."""
+    from moeplan.planner.search import search_space
+
+    model, cluster = load_model("qwen3-30b-a3b"), load_cluster("h100", gpus=32)
+    old = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack="mcore-2024")
+    res = search(model, cluster, old, 32, top_k=5, time_limit_s=60)
+    assert res.pruned["stack_ep_overlap"] > 0
+    for p in res.plans:
+        assert p.training.software_stack == "mcore-2024" and not p.layout.ep_overlap
+        assert p.layout.dispatcher != "flex" or p.layout.flex_backend == "deepep"
+        assert check_layout(p.model, p.training, p.layout, 32, p.choices, p.cluster) is None
+    assert any("priced on the mcore-2024 software stack" in x for x in res.plans[0].explanation)
+    now = search_space(cluster, "bf16", "megatron")
+    assert now.flex_backend == "hybridep" and now.allow_ep_overlap
+    assert search_space(cluster, "bf16", "megatron", "mcore-2024").flex_backend == "deepep"
+    dense = search_space(cluster, "auto", "megatron", "megatron-2022")
+    assert dense.precisions == ("bf16",) and not dense.tp_comm_overlap and not dense.cuda_graphs
+    assert search_space(load_cluster("gb200-nvl72", gpus=32), "auto", "megatron",
+                        "mcore-2024").precisions == ("bf16", "mxfp8")
+
+
+def test_a_whatif_prices_every_point_on_the_stack_it_was_given():
+    from moeplan import whatif
+
+    res = whatif("llama3-8b", "h100", [16], tokens=1e9, stack="megatron-2023", workers=1)
+    assert res.to_json()["software_stack"] == "megatron-2023"
+    plans = [p.plan for p in res.points if p.plan]
+    assert plans and all(p.training.software_stack == "megatron-2023" and p.layout.cp == 1
+                         and not p.layout.tp_comm_overlap and not p.layout.cuda_graphs
+                         for p in plans)
 
 
 @pytest.mark.parametrize("notes, settings", [

@@ -191,7 +191,7 @@ class BranchAndBound:
             row = self.enum.rows[idx]
             prec = self.enum.precisions[int(row[COL["precision"]])]
             layout = Layout(**layout_of_row(row), tp_comm_overlap=self.space.tp_comm_overlap
-                            and int(row[COL["tp"]]) > 1)
+                            and int(row[COL["tp"]]) > 1, flex_backend=self.space.flex_backend)
             if prec not in self._trainings:  # one training per precision, shared by rows
                 self._trainings[prec] = self.pb.training.model_copy(update={"precision": prec})
             tr = self._trainings[prec]

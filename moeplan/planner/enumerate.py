@@ -51,6 +51,8 @@ class SearchSpace:
     # their memory fits (screen.with_graphs)
     tp_comm_overlap: bool = True
     cuda_graphs: bool = True
+    # the flex dispatcher's library: HybridEP, never slower, where the software stack has it
+    flex_backend: str = "hybridep"
 
 
 @dataclass
@@ -88,7 +90,7 @@ class _Axes:
 
     tp = cp = dp = pp = vpp = ep = etp = edp = mbs = num_microbatches = 1
     dispatcher = "alltoall"
-    flex_backend = "hybridep"  # the search's flex dispatcher runs HybridEP, never slower
+    flex_backend = "hybridep"  # SearchSpace.flex_backend
     ep_overlap = tp_comm_overlap = cuda_graphs = False
     distributed_optimizer = True
 
@@ -123,6 +125,7 @@ class _Walk:
         self.pruned: Counter[str] = Counter()
         self.rows: list[tuple[int, ...]] = []
         self.ax = _Axes()
+        self.ax.flex_backend = space.flex_backend
         self.facts = Facts(model, training, self.ax, None, cluster, world)
         self.levels = layout_rules(target, LEVELS)
         # levels without a rule cost nothing: their check is skipped, not called

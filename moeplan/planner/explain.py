@@ -14,6 +14,7 @@ from ..cost_models.memory import GB
 from ..cost_models.uncertainty import max_peak_gb
 from ..specs import ClusterSpec, Estimate, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
+from ..specs.training import STACKS
 
 if TYPE_CHECKING:
     from .enumerate import Enumeration, SearchSpace
@@ -120,7 +121,7 @@ def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
             lines.append(_why(p, plans[i + 1]))
         if i == 0:
             lines += robust_sentences(p, result)
-            lines.append(searched_sentence(result, p))
+            lines += [searched_sentence(result, p), stack_sentence(p)]
         out.append(p.model_copy(update={"explanation": lines}))
     return out
 
@@ -134,7 +135,14 @@ def terminal_notes(result: SearchResult) -> list[str]:
     line = ranking_line(result.plans, result.objective)
     return ([line] if line else []) + [interval_sentence(best.estimate),
                                        *robust_sentences(best, result),
-                                       searched_sentence(result, best, 4)]
+                                       searched_sentence(result, best, 4), stack_sentence(best)]
+
+
+def stack_sentence(plan: Plan) -> str:
+    """The software stack the plans were priced on and kept to, in words (`--stack`)."""
+    stack = plan.training.software_stack
+    return (f"priced on the {stack} software stack ({STACKS[stack]})"
+            + ("; --stack names an older one" if stack == "current" else ""))
 
 
 # ------------------------------------------------------------------- the ranking, in one line
@@ -224,7 +232,14 @@ def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: Clu
     }
     if rule in words:
         return words[rule]
-    from ..specs.rules import BY_NAME  # an executor rule: what the table says it checks
+    from ..specs.rules import BY_NAME, STACK_FEATURES, STACK_RULES, stack_lacks
+
+    stack = training.software_stack
+    lacks = [STACK_FEATURES[k] for k in STACK_RULES.get(rule, ()) if stack_lacks(stack, k)]
+    if lacks:  # the oldest feature of the rule the plans' software stack predates
+        return (f"{lacks[0].words}, which the {stack} software stack predates (added in "
+                f"{lacks[0].release})")
+    # an executor rule: what the table says it checks
 
     return BY_NAME[rule].what if rule in BY_NAME else rule.replace("_", " ")
 

@@ -814,6 +814,12 @@ def to_megatron_args(plan: Plan, train_iters: int | None = None,
     _optimizer_args(a, plan, train_iters)
     _user_args(a)
     _cadence_args(a, cadence.resolved(schedule(plan, train_iters)[0]))
+    if plan.training.software_stack != "current":
+        warn.append(f"the plan is priced on the {plan.training.software_stack} software stack "
+                    f"and uses nothing that stack lacks, but these flags are for Megatron-LM "
+                    f"{MEGATRON_LM_COMMIT} (Megatron Core {MEGATRON_CORE_VERSION}), which runs "
+                    "the plan faster than priced; an older release may name some of them "
+                    "differently")
     return a.argv, warn
 
 

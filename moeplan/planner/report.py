@@ -20,6 +20,7 @@ from pathlib import Path
 from ..errors import SpecError
 from ..fsio import atomic_write_text
 from ..specs import Plan
+from ..specs.training import STACKS
 from . import anatomy as A
 from . import svg
 from .whatif import Point, WhatIf
@@ -122,7 +123,8 @@ def markdown(res: WhatIf) -> str:
               f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
               f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
               f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}; "
-              f"{KEY_WORDS}.", "",
+              f"{KEY_WORDS}. Priced on the {res.stack} software stack ({STACKS[res.stack]}).",
+              "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in table:
         lines.append("| " + " | ".join(v.replace("|", "\\|") for v in r.values()) + " |")
@@ -379,7 +381,8 @@ def html_report(res: WhatIf) -> str:
              + (f", all at sequence length {seqs[0]}" if len(seqs) == 1 else "")
              + f"; searched in {res.seconds:.1f} s. Highlighted rows (★) are on the Pareto front "
              f"of days against {'cost' if res.priced else 'GPU-hours'}. {KEY_WORDS[0].upper()}"
-             f"{KEY_WORDS[1:]}; the bar shows the interval, the dot the point estimate.")
+             f"{KEY_WORDS[1:]}; the bar shows the interval, the dot the point estimate. Priced "
+             f"on the {res.stack} software stack ({STACKS[res.stack]}).")
     charts = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("throughput",
                                                                            "per-gpu"))
     rest = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("pareto", "memory"))
@@ -560,6 +563,11 @@ def _prediction_table(plan: Plan) -> str:
     return table_html(cols, body, raw={3}) + extra
 
 
+def _stack_words(plan: Plan) -> str:
+    stack = plan.training.software_stack
+    return f"Priced on the {stack} software stack ({STACKS[stack]})"
+
+
 def plan_report(plans: Sequence[Plan], title: str, objective: str | None = "robust",
                 stopped_early: bool = False) -> str:
     """One self-contained HTML page: notices first, the plans as rows with the ranking key
@@ -589,6 +597,7 @@ def plan_report(plans: Sequence[Plan], title: str, objective: str | None = "robu
             + "<h2>Step time by term</h2>" + figure("time", *figs["time"])
             + f"<h2>The chosen plan{' (#1)' if len(plans) > 1 else ''}</h2>"
             + f'<p><code>{html.escape(best.summary())}</code></p>'
+            + f"<p>{html.escape(_stack_words(best))}</p>"
             + _prediction_table(best)
             + (figure("schedule", *figs["schedule"]) if "schedule" in figs else "")
             + figure("memory", *figs["memory"])
@@ -622,8 +631,8 @@ def plan_markdown(plans: Sequence[Plan], title: str, objective: str | None = "ro
                  f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}", "yes" if e.fits else "NO"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     parts = A.step_parts(best)
-    lines += ["", f"## The chosen plan: `{best.summary()}`", "", "| step term | seconds | share |",
-              "|---|---|---|"]
+    lines += ["", f"## The chosen plan: `{best.summary()}`", "", _stack_words(best) + ".", "",
+              "| step term | seconds | share |", "|---|---|---|"]
     total = sum(parts.values())
     lines += [f"| {k} | {v:.3g} | {v / total:.1%} |" for k, v in parts.items()]
     lines += ["", f"Memory per pipeline rank (fit line {A.fit_line_gb(best):.1f} GB: "

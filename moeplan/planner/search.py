@@ -22,7 +22,7 @@ from ..cost_models.uncertainty import static_activation_budget_bytes
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from ..specs.layout import check_layout
-from ..specs.rules import TARGETS, Facts, check_target, rules_for
+from ..specs.rules import STACK_FEATURES, TARGETS, Facts, check_target, rules_for, stack_lacks
 from .branch import BranchAndBound, row_bounds
 from .enumerate import SearchSpace, enumerate_layouts
 from .explain import explain_plans, no_valid_layout, nothing_fits
@@ -113,21 +113,30 @@ def refuse_specs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                         f"the layout: {'; '.join(broken)}.{other}")
 
 
-def search_space(cluster: ClusterSpec, precision: str, target: str) -> SearchSpace:
-    """The axes a target can run: `megatron` is everything Megatron Core runs; `moeplan` is what
-    `moeplan run` executes (no TP comm overlap or CUDA graphs; the rest is the rules table's)."""
+def search_space(cluster: ClusterSpec, precision: str, target: str,
+                 stack: str = "current") -> SearchSpace:
+    """The axes a target can run: `megatron` is everything Megatron Core runs, as far as the
+    software stack the plans are priced on has it (`rules.STACK_FEATURES`: an older stack's
+    flex dispatcher is DeepEP, and it may lack TP comm overlap or CUDA graphs); `moeplan` is
+    what `moeplan run` executes (no TP comm overlap or CUDA graphs; the rest is the rules
+    table's)."""
     if target not in TARGETS:
         raise SpecError(f"--target takes {' or '.join(TARGETS)}, got {target!r}.")
     check_target(target)
     if precision == "auto":
-        precisions = AUTO_PRECISION.get(cluster.architecture, ("bf16",))  # e.g. a CPU host
+        precisions = tuple(p for p in AUTO_PRECISION.get(cluster.architecture, ("bf16",))
+                           if p not in STACK_FEATURES or not stack_lacks(stack, p))
     else:
         if not cluster.supports(precision):
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    runs_stack = target == "megatron"
-    return SearchSpace(precisions=precisions, tp_comm_overlap=runs_stack, cuda_graphs=runs_stack)
+    megatron = target == "megatron"
+    return SearchSpace(
+        precisions=precisions,
+        tp_comm_overlap=megatron and not stack_lacks(stack, "tp_comm_overlap"),
+        cuda_graphs=megatron and not stack_lacks(stack, "cuda_graphs"),
+        flex_backend="deepep" if megatron and stack_lacks(stack, "hybridep") else "hybridep")
 
 
 def search(
@@ -162,7 +171,8 @@ def search(
         raise SpecError("search needs a GPU count: pass --gpus N or set num_gpus in the cluster.")
     cluster = cluster.with_gpus(world)
     refuse_specs(model, cluster, training, target)
-    space = space or search_space(cluster, precision or training.precision, target)
+    space = space or search_space(cluster, precision or training.precision, target,
+                                  training.software_stack)
     enum = enumerate_layouts(model, cluster, training, world, space, target)
     pruned: Counter[str] = Counter(enum.pruned)
     if not len(enum.rows):

@@ -173,6 +173,7 @@ class WhatIf:
     budget: dict[str, Any] | None = None
     seconds: float = 0.0
     priced: bool = False
+    stack: str = "current"  # the software stack every point was priced on
 
     @property
     def any_fits(self) -> bool:
@@ -181,7 +182,7 @@ class WhatIf:
     def to_json(self, with_plans: bool = True) -> dict[str, Any]:
         """The `moeplan whatif --json` document (SPEC §4), plus the inverse answers."""
         doc: dict[str, Any] = {
-            "model": self.model, "tokens": self.tokens,
+            "model": self.model, "tokens": self.tokens, "software_stack": self.stack,
             "points": [p.to_json(with_plans) for p in self.points],
             "pareto": [{"index": i, "cluster": self.points[i].cluster,
                         "gpus": self.points[i].gpus, "seq": self.points[i].seq,
@@ -268,6 +269,7 @@ class Sweep:
     options: tuple[Option, ...] | None = None
     progress: Progress | None = None
     expected: int = 1
+    stack: str = "current"  # TrainingSpec.software_stack every point is priced on
     start: float = field(default_factory=time.perf_counter)
     cache: dict[tuple, Point] = field(default_factory=dict)
     shared: SearchCache = field(default_factory=SearchCache)  # layer tables across points
@@ -317,7 +319,7 @@ class Sweep:
                           f"gbs {pt.gbs}, {precision}: searching")
         found = search_point(self.model, self.clusters[cluster], pt.gpus, pt.seq, pt.gbs,
                              pt.precision, self.top_k, self._budget(), self.space, self.options,
-                             self.shared)
+                             self.shared, self.stack)
         return self._finish(key, pt, found)
 
     def prefetch(self, keys: Sequence[tuple], workers: int) -> None:
@@ -351,7 +353,8 @@ class Sweep:
         with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
             futures = [(key, pt, pool.submit(
                 search_point, self.model, self.clusters[pt.cluster], pt.gpus, pt.seq, pt.gbs,
-                pt.precision, self.top_k, share, self.space, self.options)) for key, pt in todo]
+                pt.precision, self.top_k, share, self.space, self.options, None, self.stack))
+                for key, pt in todo]
             for key, pt, fut in futures:
                 self._finish(key, pt, fut.result())
 
@@ -381,8 +384,8 @@ def k_of(pt: Point) -> tuple:
 
 def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gbs: int,
                  precision: str, top_k: int, share: float | None, space: SearchSpace | None,
-                 options: tuple[Option, ...] | None, cache: SearchCache | None = None
-                 ) -> tuple[Plan | None, str | None, bool, float]:
+                 options: tuple[Option, ...] | None, cache: SearchCache | None = None,
+                 stack: str = "current") -> tuple[Plan | None, str | None, bool, float]:
     """One search: (best plan or None, why not, stopped at the time limit, seconds).
 
     Module-level and picklable so that worker processes can run it; a worker passes no cache
@@ -394,7 +397,8 @@ def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gb
     if precision != "auto" and not spec.supports(precision):
         return None, f"{spec.gpu} ({spec.architecture}) has no {precision} support.", False, 0.0
     tr = load_training(seq_len=seq, global_batch_size=gbs,
-                       precision="bf16" if precision == "auto" else precision)
+                       precision="bf16" if precision == "auto" else precision,
+                       software_stack=stack)
     try:
         res = search(model, spec, tr, gpus, top_k=top_k, precision=precision,
                      time_limit_s=share, space=space, options=options, cache=cache)
@@ -473,6 +477,7 @@ def whatif(
     space: SearchSpace | None = None,
     options: tuple[Option, ...] | None = None,
     workers: int = 0,
+    stack: str = "current",
 ) -> WhatIf:
     """Sweep clusters × GPU counts × seqs × batches × precisions (SPEC §4 `moeplan whatif`).
 
@@ -481,7 +486,8 @@ def whatif(
     `budget_usd`. Never raises for an infeasible point: the caller decides what "nothing fits"
     means (the CLI exits 3). `gbs` None means about 4M tokens per step for each seq and count
     (`sweep_gbs`). `workers` > 1 searches the grid's points in that many processes; 0 (the
-    default) uses one per CPU core for grids of four points or more.
+    default) uses one per CPU core for grids of four points or more. `stack` is the software
+    stack every point is priced on (`TrainingSpec.software_stack`).
     """
     start = time.perf_counter()
     if isinstance(clusters, str):
@@ -503,7 +509,7 @@ def whatif(
         raise SpecError(f"--cluster names a kind twice: {', '.join(names)}.")
     sweep = Sweep(m, dict(zip(names, specs, strict=True)), tokens,
                   _prices(names, gpu_hour_price), top_k=top_k, time_limit_s=time_limit_s,
-                  space=space, options=options, progress=progress)
+                  space=space, options=options, progress=progress, stack=stack)
     batches = list(gbs) if gbs else [None]
     grid = [(c, n, s, b, p) for c in names for n in sorted(set(gpus or ())) for s in seqs
             for b in batches for p in precisions]
@@ -527,4 +533,4 @@ def whatif(
         points[i].pareto = True
     answer_budget = fastest_within(points, budget_usd) if budget_usd is not None else None
     return WhatIf(m.name, tokens, points, front, answer_days, answer_budget,
-                  time.perf_counter() - start, priced=gpu_hour_price is not None)
+                  time.perf_counter() - start, priced=gpu_hour_price is not None, stack=stack)

@@ -20,7 +20,7 @@ from .cluster import ClusterSpec
 from .hf import model_from_hf_config
 from .model import ModelSpec
 from .plan import Plan
-from .training import PRECISIONS, TrainingSpec
+from .training import PRECISIONS, STACKS, TrainingSpec
 from .validated import build, format_validation_error
 
 __all__ = [
@@ -381,6 +381,20 @@ def check_precision(value: str, allow_auto: bool = False, flag: str = "--precisi
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     raise SpecError(f"{flag} {limits.excerpt(value)} is not a precision moeplan knows.{hint} "
                     f"Give one of: {listed}{auto}.")
+
+
+def check_stack(value: str, flag: str = "--stack") -> str:
+    """The software stack `value` names (`training.STACKS`), whatever its case; refused, when
+    moeplan does not know it, with each stack it does in words."""
+    v = str(value).casefold()
+    if v in STACKS:
+        return v
+    close = (difflib.get_close_matches(v, list(STACKS), n=2, cutoff=0.5)
+             if v and len(v) <= 64 else [])
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    listed = "; ".join(f"{k} ({w})" for k, w in STACKS.items())
+    raise SpecError(f"{flag} {limits.excerpt(value)} is not a software stack moeplan knows."
+                    f"{hint} Give one of: {listed}.")
 
 
 def load_plan(path: str | Path) -> Plan:

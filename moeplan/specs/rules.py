@@ -470,6 +470,137 @@ def _opt_offload_fp8(f: Facts) -> bool:
                 and f.training.precision != "fp8-delayed")
 
 
+# ---------------------------------------------------------------------------- software stack
+STACK_AGE = ("megatron-2021", "megatron-2022", "megatron-2023", "mcore-2024", "current")
+"""The software stacks a plan can be priced on (`TrainingSpec.software_stack`), oldest first:
+each runs everything the older ones run."""
+
+
+@dataclass(frozen=True)
+class StackFeature:
+    """A plan feature an older software stack lacks: the oldest stack that has it, the
+    Megatron-LM release that added it (the first release tag whose sources define its flag),
+    and the Megatron Core config field that carries it (`TransformerConfig`)."""
+
+    words: str
+    since: str           # the oldest stack in STACK_AGE that runs it
+    release: str         # the release that added it, with the flag
+    fix: str             # how a plan does without it
+    field: str | None    # the TransformerConfig field of its flag (None: an environment switch)
+
+
+_FP8_RECIPES = StackFeature("FP8 current-scaling, blockwise and MXFP8 recipes", "mcore-2024",
+                            "Megatron Core 0.12 (--fp8-recipe)", "set precision bf16",
+                            "fp8_recipe")
+STACK_FEATURES: dict[str, StackFeature] = {
+    "moe": StackFeature("MoE layers", "mcore-2024", "Megatron Core 0.4 (--num-experts; the "
+                        "alltoall dispatcher from 0.6)", "plan a dense model", "num_moe_experts"),
+    "cp": StackFeature("context parallelism", "mcore-2024",
+                       "Megatron Core 0.4 (--context-parallel-size)", "set cp 1",
+                       "context_parallel_size"),
+    "tp_comm_overlap": StackFeature("TP comm overlap", "mcore-2024",
+                                    "Megatron Core 0.4 (--tp-comm-overlap)",
+                                    "set tp_comm_overlap false", "tp_comm_overlap"),
+    "cuda_graphs": StackFeature("CUDA graphs", "mcore-2024", "Megatron Core 0.7 "
+                                "(enable_cuda_graph)", "set cuda_graphs false",
+                                "enable_cuda_graph"),
+    "full_iteration": StackFeature("whole-step CUDA graphs", "current", "Megatron Core 0.14 "
+                                   "(--cuda-graph-scope full_iteration)",
+                                   "set cuda_graph_scope layer", "cuda_graph_scope"),
+    "deepep": StackFeature("the flex dispatcher", "mcore-2024",
+                           "Megatron Core 0.12 (--moe-enable-deepep)", "set dispatcher alltoall",
+                           "moe_enable_deepep"),
+    "hybridep": StackFeature("the flex dispatcher's HybridEP backend", "current",
+                             "Megatron Core 0.16 (--moe-flex-dispatcher-backend hybridep)",
+                             "set flex_backend deepep", "moe_flex_dispatcher_backend"),
+    "ep_overlap": StackFeature("EP overlap", "current", "Megatron Core 0.14 "
+                               "(--overlap-moe-expert-parallel-comm)", "set ep_overlap false",
+                               "overlap_moe_expert_parallel_comm"),
+    "fused_grouped_mlp": StackFeature("the fused grouped MLP", "current", "Megatron Core 0.18 "
+                                      "with Transformer Engine 2.14 "
+                                      "(NVTE_CUTEDSL_FUSED_GROUPED_MLP=1)",
+                                      "set fused_grouped_mlp false", None),
+    "fp8-delayed": StackFeature("FP8 (delayed scaling)", "megatron-2023", "Megatron-LM 23.04 "
+                                "(--fp8-e4m3, Transformer Engine)", "set precision bf16", "fp8"),
+    "fp8-tensorwise": _FP8_RECIPES, "fp8-blockwise": _FP8_RECIPES, "mxfp8": _FP8_RECIPES,
+    "nvfp4": StackFeature("NVFP4", "current", "Megatron Core 0.15 (--fp4-format)",
+                          "set precision mxfp8", "fp4"),
+}
+"""What each software stack can run, checked against Megatron-LM's release tags: a plan priced
+on an older stack uses none of what that stack's Megatron did not have yet."""
+
+
+def stack_lacks(stack: str, feature: str) -> bool:
+    """Whether the software stack `stack` predates `feature` (STACK_FEATURES)."""
+    return STACK_AGE.index(stack) < STACK_AGE.index(STACK_FEATURES[feature].since)
+
+
+def _stack_words(training: Any, feature: str) -> str:
+    f = STACK_FEATURES[feature]
+    return (f"software_stack {training.software_stack} predates {f.words}, which "
+            f"{f.release} added: {f.fix}, or price the plan on a stack that has it "
+            f"(--stack {f.since}" + (" or newer)" if f.since != "current" else ")"))
+
+
+def _stack_missing(f: Facts) -> list[str]:
+    """The layout features (bound so far) the plan's software stack does not have."""
+    L, t, out = f.layout, f.training, []
+    if getattr(L, "dispatcher", "alltoall") == "flex" and f.model.is_moe:
+        out.append("hybridep" if getattr(L, "flex_backend", "") == "hybridep" else "deepep")
+    if getattr(L, "ep_overlap", False):
+        out.append("ep_overlap")
+    if getattr(L, "cuda_graphs", False):
+        out.append("full_iteration" if full_iteration(L) else "cuda_graphs")
+    if getattr(L, "tp_comm_overlap", False):
+        out.append("tp_comm_overlap")
+    if fused_mlp_on(L):
+        out.append("fused_grouped_mlp")
+    if getattr(L, "cp", 1) > 1:
+        out.append("cp")
+    # a stack that has HybridEP, whole-step graphs or the flex dispatcher has DeepEP and graphs
+    return [k for k in out if stack_lacks(t.software_stack, k)]
+
+
+def _stack_spec_missing(f: Facts) -> list[str]:
+    """The model and precision features the plan's software stack does not have."""
+    out = ["moe"] if f.model.is_moe else []
+    if f.training.precision in STACK_FEATURES:
+        out.append(f.training.precision)
+    return [k for k in out if stack_lacks(f.training.software_stack, k)]
+
+
+@rule("stack_model", "Megatron-LM release tags (MoE layers or a precision recipe on a software "
+      "stack that predates them)",
+      lambda f: "; ".join(_stack_words(f.training, k) for k in _stack_spec_missing(f)),
+      targets=MEGATRON)
+def _stack_spec(f: Facts) -> bool:
+    return not _stack_spec_missing(f)
+
+
+def _stack_layout_rule(name: str, axes: tuple[str, ...], features: tuple[str, ...]) -> None:
+    """A rule refusing the layout features of `features` the stack lacks, evaluated once `axes`
+    are bound (the enumeration prunes by it where it binds them)."""
+    def missing(f: Facts) -> list[str]:
+        return [k for k in _stack_missing(f) if k in features]
+
+    words = " or ".join(dict.fromkeys(STACK_FEATURES[k].words for k in features))
+    source = f"Megatron-LM release tags ({words} on a software stack that predates it)"
+    RULES.append(Rule(name, source, ok=lambda f: f.training.software_stack == "current"
+                      or not missing(f),
+                      why=lambda f: "; ".join(_stack_words(f.training, k) for k in missing(f)),
+                      targets=MEGATRON, axes=frozenset(axes)))
+
+
+STACK_RULES: dict[str, tuple[str, ...]] = {
+    "stack_cp": ("cp",), "stack_dispatcher": ("deepep", "hybridep"),
+    "stack_ep_overlap": ("ep_overlap",), "stack_tp_comm_overlap": ("tp_comm_overlap",),
+    "stack_cuda_graphs": ("cuda_graphs", "full_iteration"),
+    "stack_fused_grouped_mlp": ("fused_grouped_mlp",)}
+"""The layout rules of the software stack, each with the STACK_FEATURES it refuses."""
+for _name, _features in STACK_RULES.items():
+    _stack_layout_rule(_name, (_name.removeprefix("stack_"),), _features)
+
+
 # ---------------------------------------------------------------------------- the model
 @rule("expert_bias_needs_sigmoid", _TC + " (expert bias for aux-loss-free routing only with "
       "sigmoid or sqrtsoftplus scores)", lambda f: "the router's expert bias needs sigmoid "
@@ -857,6 +988,10 @@ def markdown() -> str:
     for r in RULES:
         rows.append(f"| `{r.name}` | {', '.join(t for t in TARGETS if t in r.targets)} | "
                     f"{r.what or '–'} | `{r.where}` |")
+    rows += ["", "| feature (software stack rules) | oldest stack that runs it | added in |",
+             "|---|---|---|"]
+    rows += [f"| {f.words} ({k}) | `{f.since}` | {f.release} |"
+             for k, f in STACK_FEATURES.items()]
     rows += ["", "| launch requirement | value | when | source |", "|---|---|---|---|"]
     for q in REQUIREMENTS:
         head, _, rest = q.source.partition(" (")

@@ -20,6 +20,19 @@ Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "m
 SoftwareStack = Literal["current", "mcore-2024", "megatron-2023", "megatron-2022",
                         "megatron-2021"]
 PRECISIONS: tuple[str, ...] = Precision.__args__  # type: ignore[attr-defined]
+STACKS: dict[str, str] = {
+    "current": "Megatron Core ≥ 0.14, Transformer Engine ≥ 2.8, cuDNN ≥ 9.13.1: fused MoE "
+               "router and permutation, sink attention in cuDNN, today's attention kernels",
+    "mcore-2024": "Megatron Core 0.5–0.12, 2024 to mid-2025: router and permutation "
+                  "unfused, older attention kernels; no EP overlap, HybridEP or NVFP4",
+    "megatron-2023": "Megatron-LM 23.x, before Megatron Core 0.4: dense models, no "
+                     "data-parallel overlap, context parallelism or TP comm overlap",
+    "megatron-2022": "Megatron-LM 2022: also attention as batched GEMMs, dropout, BF16 only",
+    "megatron-2021": "Megatron-LM 2021: also no sequence parallelism",
+}
+"""Each software stack in one line (`TrainingSpec.software_stack` says it in full), newest
+first: what `--stack` offers and what an estimate says it assumes. What each stack can run
+is the rules table's (`specs.rules.STACK_FEATURES`)."""
 DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
 WsdDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]
 DEFAULT_DECAY_ITERS = 1000  # decay length when neither lr_decay_iters nor train_iters is set
