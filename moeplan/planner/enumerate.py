@@ -62,6 +62,7 @@ class Enumeration:
     rows: np.ndarray
     precisions: tuple[str, ...]
     pruned: Counter[str] = field(default_factory=Counter)
+    flex_backend: str = "hybridep"  # the flex dispatcher's library in the rows (SearchSpace)
 
     @property
     def total(self) -> int:
@@ -111,7 +112,7 @@ def enumerate_layouts(
     walk = _Walk(model, cluster, training, world, space, target)
     walk.attention()
     arr = np.array(walk.rows, dtype=np.int64).reshape(-1, len(COLUMNS))
-    return Enumeration(arr, space.precisions, walk.pruned)
+    return Enumeration(arr, space.precisions, walk.pruned, space.flex_backend)
 
 
 class _Walk:

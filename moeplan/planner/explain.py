@@ -315,7 +315,7 @@ def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  f" peaks at {need_gb:.0f} GB per GPU with the least memory this target allows")
     else:
         i = int(np.argmin(mem_lb))
-        lay = Layout(**layout_of_row(enum.rows[i]))
+        lay = Layout(**layout_of_row(enum.rows[i]), flex_backend=enum.flex_backend)
         need_gb = (mem_lb[i] * (1 + cal.frag_frac)) / GB + cal.workspace_gb
         where = (f"{Plan(model=model, cluster=cluster, training=training, layout=lay).summary()}"
                  f" needs at least {need_gb:.0f} GB per GPU for weights and gradients alone, "
