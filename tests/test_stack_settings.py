@@ -3,6 +3,7 @@ own cost, their own Megatron flags and their own search rule, never global const
 
 import argparse
 import functools
+from pathlib import Path
 
 import pytest
 
@@ -519,6 +520,24 @@ def test_the_stack_is_a_command_line_setting(capsys):
         err = " ".join(capsys.readouterr().err.split())
         assert "--stack 'megatron-2019' is not a software stack" in err, err
         assert "Did you mean megatron-2021" in err and "Traceback" not in err
+
+
+def test_a_csv_of_ones_own_runs_names_their_stack_in_a_software_stack_column():
+    """A `software_stack` cell prices the row on that stack, over what its source implies; a
+    stack the row's layout could not have run, or a name moeplan does not know, skips the row
+    with the reason."""
+    from moeplan.validation import validate_rows
+
+    recipes = Path(__file__).resolve().parents[1] / "bench/data/megatron_lm_moe_recipes.csv"
+    row = next(r for r in read_rows(str(recipes)) if r["id"] == "MLR11")  # Qwen3-30B, H100
+    priced = {}
+    for stack in ("", "current", "MCORE-2024"):
+        res = validate_rows([{**row, "software_stack": stack}])
+        priced[stack] = res["rows"][0]["predicted_tokens_per_s_per_gpu"]
+    assert priced[""] == priced["current"] > priced["MCORE-2024"]  # unfused router, permute
+    for stack, why in (("megatron-2023", "stack_model"), ("2019", "not a software stack")):
+        res = validate_rows([{**row, "software_stack": stack}])
+        assert not res["rows"] and why in res["skipped"][0]["why"]
 
 
 def test_a_search_on_an_older_stack_plans_only_what_that_stacks_megatron_ran():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..specs.loader import check_stack
 from ..specs.model import ModelSpec
 from .recipes import SOURCE as BRIDGE_SOURCE
 from .rows import cell, release_of
@@ -152,7 +153,8 @@ def token_drop_settings(row: dict[str, str], model_preset: str, precision: str
 def training_settings(row: dict[str, str]) -> dict[str, Any]:
     """Training numerics and stack the row's source documents for its recipe family but does
     not print (bf16 gradient reduction, FP8 parameter all-gather, the Megatron generation,
-    token dropping padded to capacity)."""
+    token dropping padded to capacity). A `software_stack` cell (a CSV of one's own runs on an
+    older stack) names the stack outright, over the source's."""
     src = row.get("source", "") or ""
     out: dict[str, Any] = {}
     if token_drop(row):
@@ -171,6 +173,8 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
         out["fp8_param_gather"] = True
     # and what the row's own notes document, in TrainingSpec's terms
     notes = (row.get("other_notes") or "").lower()
+    if stack := (row.get("software_stack") or "").strip():
+        out["software_stack"] = check_stack(stack, "software_stack")
     if "fp8 parameter gather" in notes:
         out["fp8_param_gather"] = True
     if "bf16 adam moments" in notes:
