@@ -522,6 +522,24 @@ def test_the_stack_is_a_command_line_setting(capsys):
         assert "Did you mean megatron-2021" in err and "Traceback" not in err
 
 
+def test_every_estimate_names_its_stack_among_its_assumptions():
+    """The stack an estimate assumes is one of its named assumptions, validated by the fit
+    rows that ran it: today's stack by Megatron-Bridge's, Megatron-LM 2022's by none (its
+    Table 5 runs are scored apart, bench/korthikanti_table5.py)."""
+    lay = Layout.build(64, 256, tp=8)
+
+    def stack_term(stack):
+        tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack=stack)
+        terms = [a for a in estimate(LLAMA, H100, tr, lay).assumptions
+                 if a.term.startswith("software stack ")]
+        assert len(terms) == 1
+        return terms[0]
+
+    now, old = stack_term("current"), stack_term("megatron-2022")
+    assert now.validated and "fit rows" in now.evidence and "Megatron Core" in now.term
+    assert not old.validated and "megatron-2022" in old.evidence
+
+
 def test_a_csv_of_ones_own_runs_names_their_stack_in_a_software_stack_column():
     """A `software_stack` cell prices the row on that stack, over what its source implies; a
     stack the row's layout could not have run, or a name moeplan does not know, skips the row

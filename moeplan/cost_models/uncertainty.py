@@ -35,7 +35,7 @@ from ..specs.cluster import ClusterSpec
 from ..specs.layout import Choices, Layout
 from ..specs.model import ModelSpec
 from ..specs.plan import Assumption
-from ..specs.training import TrainingSpec
+from ..specs.training import STACKS, TrainingSpec
 from . import comm as C
 from .calibration import Calibration
 from .memory import GB
@@ -342,7 +342,8 @@ def assumption_keys(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     layout: Layout, choices: Choices) -> list[str]:
     """Evidence keys of the effects a layout relies on (also how fit rows are filed)."""
     gen, L = generation(cluster), layout
-    keys = [f"calibration/{cluster.gpu}/{training.precision}/{'moe' if model.is_moe else 'dense'}"]
+    keys = [f"calibration/{cluster.gpu}/{training.precision}/{'moe' if model.is_moe else 'dense'}",
+            f"stack/{training.software_stack}"]
     if model.is_moe and L.ep > 1:
         ep_fab = "nvlink" if C.placement(L, "ep", cluster).inside_nvlink else "scale-out"
         if L.ep_overlap:
@@ -386,6 +387,10 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
                              f"{'MoE' if model.is_moe else 'dense'} models", p,
                              "no fit rows for this GPU, precision and model kind: the "
                              "efficiencies are carried over from other GPUs or precisions"))
+        elif kind == "stack":
+            out.append(_term(key, f"software stack {rest}: {STACKS[rest]}", p,
+                             f"no published run the fit saw ran the {rest} stack: what it "
+                             "lacks is priced as its description says, unchecked"))
         elif kind == "ep_overlap":
             parts = rest.split("/")
             what = ("the flex dispatcher's transfers" if "flex" in parts
