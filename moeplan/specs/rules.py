@@ -557,7 +557,8 @@ def _stack_missing(f: Facts) -> list[str]:
         out.append("fused_grouped_mlp")
     if getattr(L, "cp", 1) > 1:
         out.append("cp")
-    # a stack that has HybridEP, whole-step graphs or the flex dispatcher has DeepEP and graphs
+    # HybridEP and whole-step graphs are checked alone: a stack that has them has DeepEP and
+    # per-layer graphs too (STACK_AGE)
     return [k for k in out if stack_lacks(t.software_stack, k)]
 
 
@@ -596,7 +597,9 @@ STACK_RULES: dict[str, tuple[str, ...]] = {
     "stack_ep_overlap": ("ep_overlap",), "stack_tp_comm_overlap": ("tp_comm_overlap",),
     "stack_cuda_graphs": ("cuda_graphs", "full_iteration"),
     "stack_fused_grouped_mlp": ("fused_grouped_mlp",)}
-"""The layout rules of the software stack, each with the STACK_FEATURES it refuses."""
+"""The layout rules of the software stack, each with the STACK_FEATURES it refuses; a rule
+reads the layout axis its name ends with, so the enumeration prunes by it where it binds that
+axis."""
 for _name, _features in STACK_RULES.items():
     _stack_layout_rule(_name, (_name.removeprefix("stack_"),), _features)
 
