@@ -31,6 +31,7 @@ from .specs import (
 )
 from .specs.loader import (
     build,
+    check_stack,
     document_kind,
     format_validation_error,
     parse_text,
@@ -132,7 +133,8 @@ def plan_from_options(
         raise SpecError(f"moeplan estimate needs {', '.join(missing)} (or a PLAN.json).")
     m = load_model(model)
     t = load_training(seq_len=seq, global_batch_size=gbs, precision=precision,
-                      grad_reduce_dtype=grad_reduce_dtype, software_stack=software_stack,
+                      grad_reduce_dtype=grad_reduce_dtype,
+                      software_stack=check_stack(software_stack),
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     try:

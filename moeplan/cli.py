@@ -34,9 +34,8 @@ from .errors import (
     exit_rule,
 )
 from .fsio import check_writable, strict_dumps, write_json
-from .specs.loader import check_stack
 from .specs.rules import check_target
-from .specs.training import STACKS
+from .specs.training import STACKS, priced_on
 from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
 
 app = typer.Typer(
@@ -384,8 +383,7 @@ def estimate(
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
                                  target=target or "megatron",
-                                 software_stack=check_stack(stack),
-                                 moe_capacity_factor=capacity_factor,
+                                 software_stack=stack, moe_capacity_factor=capacity_factor,
                                  moe_pad_expert_input_to_capacity=pad_to_capacity)
     if target is not None:
         check_target(target)
@@ -531,10 +529,12 @@ def validate(
 
 def _groups_off(groups: list[dict[str, Any]]) -> str:
     """The model × GPU-family groups (`scoring.family_groups`) and those off as a whole."""
+    from .validation.scoring import FAMILY_BAR
+
     off = ", ".join(f"{g['model']} on {g['gpu_family']} {g['mean_error']:+.1%} ({g['rows']} "
                     "rows)" for g in groups if g["off"]) or "none"
     return (f"Model × GPU-family groups of two or more rows: {len(groups)}; off by more than "
-            f"±30% as a whole: {off}.")
+            f"±{FAMILY_BAR:.0%} as a whole: {off}.")
 
 
 def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> list[str]:
@@ -542,6 +542,7 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
     measured as new runs are judged, the fit rows' in-sample error named as such, with the
     cross-validated figures that are evidence for them."""
     from .cost_models.uncertainty import YARDSTICKS
+    from .validation.scoring import STEP_BAR
 
     notes, un = [], res["unseen"]
     if un["rows"]:
@@ -564,13 +565,13 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
         if lp["pairs"]:
             parts.append(f"Layout pairs of one release among them: {lp['ordered']} of "
                          f"{lp['pairs']} ordered as measured, {lp['ordered_within_step_bar']} "
-                         "of those priced within 20% of the measured ratio.")
+                         f"of those priced within {STEP_BAR:.0%} of the measured ratio.")
         seq = un["sequence_steps"]
         if seq and seq["steps"]:
             parts.append(f"Steps of sequence length among them (one model, cluster, precision "
                          f"and release): {seq['moves_as_measured']} of {seq['steps']} move the "
                          f"way they were measured (TFLOPS/GPU where published), "
-                         f"{seq['within_step_bar']} within 20% of the measured ratio.")
+                         f"{seq['within_step_bar']} within {STEP_BAR:.0%} of the measured ratio.")
         notes.append(" ".join(parts))
     fit = [r for r in res["rows"] if r["split"] == "fit"]
     if fit:
@@ -816,7 +817,6 @@ def whatif(
         check_writable(output)
     clusters, precisions = csv_names(cluster), csv_names(precision) or ["bf16"]
     precisions = [check_precision(p, allow_auto=True) for p in precisions]
-    stack = check_stack(stack)
     gpu_counts = csv_ints(gpus, "--gpus", limits.MAX_GPUS)
     seqs = csv_ints(seq, "--seq", limits.MAX_SEQ_LEN) or [4096]
     batches = csv_ints(gbs, "--gbs", limits.MAX_GLOBAL_BATCH)
@@ -848,8 +848,7 @@ def whatif(
             f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
             width, ["bold" if p.pareto else ("dim" if not p.fits else None)
                     for p in res.points]))
-        for line in [*answers(res), f"priced on the {res.stack} software stack "
-                     f"({STACKS[res.stack]})"]:
+        for line in [*answers(res), priced_on(res.stack)]:
             print_lines([Line(s) for s in wrap(line, width, "  ")])
 
     emit(res.to_json(), as_json, render)

@@ -14,7 +14,7 @@ from ..cost_models.memory import GB
 from ..cost_models.uncertainty import max_peak_gb
 from ..specs import ClusterSpec, Estimate, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
-from ..specs.training import STACKS
+from ..specs.training import priced_on
 
 if TYPE_CHECKING:
     from .enumerate import Enumeration, SearchSpace
@@ -141,8 +141,7 @@ def terminal_notes(result: SearchResult) -> list[str]:
 def stack_sentence(plan: Plan) -> str:
     """The software stack the plans were priced on and kept to, in words (`--stack`)."""
     stack = plan.training.software_stack
-    return (f"priced on the {stack} software stack ({STACKS[stack]})"
-            + ("; --stack names an older one" if stack == "current" else ""))
+    return priced_on(stack) + ("; --stack names an older one" if stack == "current" else "")
 
 
 # ------------------------------------------------------------------- the ranking, in one line

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import SpecError
 from ..fsio import atomic_write_text
 from ..specs import Plan
-from ..specs.training import STACKS
+from ..specs.training import priced_on
 from . import anatomy as A
 from . import svg
 from .whatif import Point, WhatIf
@@ -123,7 +123,7 @@ def markdown(res: WhatIf) -> str:
               f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
               f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
               f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}; "
-              f"{KEY_WORDS}. Priced on the {res.stack} software stack ({STACKS[res.stack]}).",
+              f"{KEY_WORDS}. {_capital(priced_on(res.stack))}.",
               "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in table:
@@ -381,8 +381,8 @@ def html_report(res: WhatIf) -> str:
              + (f", all at sequence length {seqs[0]}" if len(seqs) == 1 else "")
              + f"; searched in {res.seconds:.1f} s. Highlighted rows (★) are on the Pareto front "
              f"of days against {'cost' if res.priced else 'GPU-hours'}. {KEY_WORDS[0].upper()}"
-             f"{KEY_WORDS[1:]}; the bar shows the interval, the dot the point estimate. Priced "
-             f"on the {res.stack} software stack ({STACKS[res.stack]}).")
+             f"{KEY_WORDS[1:]}; the bar shows the interval, the dot the point estimate. "
+             f"{_capital(priced_on(res.stack))}.")
     charts = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("throughput",
                                                                            "per-gpu"))
     rest = "".join(figure(k, s, c) for k, (s, c) in figs.items() if k in ("pareto", "memory"))
@@ -563,9 +563,12 @@ def _prediction_table(plan: Plan) -> str:
     return table_html(cols, body, raw={3}) + extra
 
 
+def _capital(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
 def _stack_words(plan: Plan) -> str:
-    stack = plan.training.software_stack
-    return f"Priced on the {stack} software stack ({STACKS[stack]})"
+    return _capital(priced_on(plan.training.software_stack))
 
 
 def plan_report(plans: Sequence[Plan], title: str, objective: str | None = "robust",

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import InfeasibleError, SpecError
 from ..specs import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, load_training
+from ..specs.loader import check_stack
 from .enumerate import SearchSpace
 from .problem import Option
 from .search import SearchCache, search
@@ -502,6 +503,7 @@ def whatif(
         raise SpecError("--budget needs --gpu-hour-price to turn GPU-hours into dollars.")
     if not gpus and days is None:
         raise SpecError("whatif needs --gpus N1,N2,... (or --days D to find the counts).")
+    stack = check_stack(stack)  # once, not as each point's reason
     m = load_model(model)
     specs = [load_cluster(c) for c in clusters]
     names = [c.name for c in specs]

@@ -32,6 +32,7 @@ from typing import Any
 
 from .grid import domain_span
 from .modules import OFFLOAD_MODULES as OFFLOAD_NAMES
+from .training import STACKS
 
 MEGATRON_LM_COMMIT = "d98e8a6"
 MEGATRON_CORE_VERSION = "0.20.0"
@@ -471,7 +472,7 @@ def _opt_offload_fp8(f: Facts) -> bool:
 
 
 # ---------------------------------------------------------------------------- software stack
-STACK_AGE = ("megatron-2021", "megatron-2022", "megatron-2023", "mcore-2024", "current")
+STACK_AGE = tuple(reversed(STACKS))
 """The software stacks a plan can be priced on (`TrainingSpec.software_stack`), oldest first:
 each runs everything the older ones run."""
 
@@ -586,6 +587,7 @@ def _stack_layout_rule(name: str, axes: tuple[str, ...], features: tuple[str, ..
 
     words = " or ".join(dict.fromkeys(STACK_FEATURES[k].words for k in features))
     source = f"Megatron-LM release tags ({words} on a software stack that predates it)"
+    # today's stack has every feature: the enumeration's hot path returns at the first test
     RULES.append(Rule(name, source, ok=lambda f: f.training.software_stack == "current"
                       or not missing(f),
                       why=lambda f: "; ".join(_stack_words(f.training, k) for k in missing(f)),

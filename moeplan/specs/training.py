@@ -33,6 +33,11 @@ STACKS: dict[str, str] = {
 """Each software stack in one line (`TrainingSpec.software_stack` says it in full), newest
 first: what `--stack` offers and what an estimate says it assumes. What each stack can run
 is the rules table's (`specs.rules.STACK_FEATURES`)."""
+
+
+def priced_on(stack: str) -> str:
+    """The sentence every estimate, search and what-if states its stack in."""
+    return f"priced on the {stack} software stack ({STACKS[stack]})"
 DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
 WsdDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]
 DEFAULT_DECAY_ITERS = 1000  # decay length when neither lr_decay_iters nor train_iters is set
