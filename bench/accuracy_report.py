@@ -42,7 +42,7 @@ GENERATION = {"ampere": "Ampere (A100)", "hopper": "Hopper (H100/H200)",
 which every cross-validated row carries (`gpu_family`)."""
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit e97b44f), for "What changed", as its own ACCURACY.md,
+# Figures of the previous revision (commit 53c951b), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
 # (the same harness: bench/cross_validate.py, full refit per fold).
 PREVIOUS = {"config": 6.8, "model": 9.9, "release": 7.5, "table5": 3.9, "objective": "0.0911",
@@ -202,12 +202,12 @@ def isolating_pairs(cv_rows: list[dict[str, Any]], axis: str, label: str) -> lis
     """Rows of one release group that differ only in `axis` (and what follows from it): the
     measured and the leave-one-model-out predicted ratio between them."""
     by_id = {r["id"]: r for r in cv_rows}
-    keys = ("model_preset", "cluster_preset", "num_gpus", "precision_preset", "seq_len",
-            "source", "source_detail")
+    keys = ("cluster_preset", "num_gpus", "precision_preset", "seq_len", "source",
+            "source_detail")
     groups: dict[tuple, list[dict[str, str]]] = defaultdict(list)
     for rid in by_id:
-        row = RAW[rid]
-        groups[tuple(row.get(k, "") for k in keys)].append(row)
+        row = RAW[rid]  # the model as priced: a preset cell or the preset its name maps to
+        groups[(by_id[rid]["model"], *(row.get(k, "") for k in keys))].append(row)
     out = ["| rows | layouts (TP/PP/VPP/EP/MBS) | measured ratio | predicted ratio |",
            "|---|---|---:|---:|"]
     seen = set()
@@ -217,7 +217,7 @@ def isolating_pairs(cv_rows: list[dict[str, Any]], axis: str, label: str) -> lis
                 if (a.get(axis) or "1") == (b.get(axis) or "1"):
                     continue
                 pair = tuple(sorted((a["id"], b["id"])))
-                cfg = (a.get(axis), b.get(axis), a["model_preset"], a["cluster_preset"])
+                cfg = (a.get(axis), b.get(axis), by_id[a["id"]]["model"], a["cluster_preset"])
                 if pair in seen or cfg in seen:
                     continue
                 seen |= {pair, cfg}
@@ -889,30 +889,28 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **`moeplan validate` scores runs no fit saw as new runs.** The shipped calibration is fitted
-  on every run of the shipped CSV it can score, yet `validate` had called half of those rows
-  "held-out" (the configuration split's side, which only the cross-validation folds hold
-  out) and printed a "held-out" MAPE and coverage from a profile that had fitted them. Now a
-  row is `fit` only when it is one of the runs the shipped calibration was fitted on (its
-  configuration and published figures, whatever its id) and `held-out` otherwise, so a CSV of
-  new runs (a user's own, or a release published after the fit) is scored as such: MAPE apart
-  for rows that publish tokens/s and rows that publish only TFLOPS, the model × GPU-family
-  groups of two or more rows off by more than ±30% as a whole, interval coverage and width,
-  layout pairs of one release ordered as measured and priced within 20% of the measured
-  ratio, and steps of sequence length moving the way they were measured. On the shipped CSV
-  every scored row is a fit row, named in sample, beside the cross-validated figures quoted
-  from the interval profile. Runs no fit saw quotes what it says of Megatron-LM's recipes
-  and of the DeepSeek-V3 GB200 steps. `moeplan validate --cv` and `bench/cross_validate.py`
-  name the model × GPU-family groups off by more than ±30% too (each cross-validated row
-  carries its GPU family, which this report groups by).
-- No cost model or fitted constant changed: the fit (objective {objective_before} →
-  {objective_now}), leave one model out {lomo_before}% → {lomo_now}%, leave one release out
-  {loro_before}% → {loro_now}%, configuration split {config_before}% → {config_now}%, the CLI's
-  quick refit {quick_before}% → {quick_now}%; interval coverage: configuration split
-  {cv_cov_before}% → {cv_cov_now}%, leave one model out {lomo_cov_before}% → {lomo_cov_now}%,
-  leave one release out {loro_cov_before}% → {loro_cov_now}%; Megatron-LM's recipes no fit saw:
-  MAPE {recipes_before}% → {recipes_now}, interval coverage {recipes_cov_before}/14 →
-  {recipes_cov_now}/14.
+- **Llama3-8x70B is priced.** The MoE Parallel Folding paper's Llama-3 70B upcycled to eight
+  experts (preset `llama3-8x70b`: Llama-3 70B's attention, eight copies of its FFN, top-2 as
+  NVIDIA's upcycling recipe trains it, which the paper's transcribed tables do not restate)
+  had its six published runs with a layout skipped for want of a preset: Table 3's tuned
+  layouts (TP 8, PP 8, EP 4 and, folded, TP 8, PP 16, EP 8) and Table 4's strong scaling from
+  256 to 1,024 H100 at a fixed batch, token drop at capacity factor 1. They are fit rows now
+  ({rows} in all). Leave one model out prices them with a refit on the other rows, which is the
+  previous revision's fit: {l8x70_lomo}; five of six lay inside the previous profile's 80%
+  intervals (`moeplan validate --json` before the refit).
+- **The refit moved Hopper's GEMM constants**: the peak share of the datasheet rate 0.825 →
+  {hopper_max}, the dimension at which a GEMM reaches half of it 384 → {hopper_half}: the
+  8,192-wide GEMMs of these runs ran faster than the narrower Hopper rows had implied, and
+  the smaller ones slower. The coordinate descent also moved NVFP4's share of its datasheet
+  gain 0.6 → {nvfp4_gain} and GB300's GEMM peak 0.75 → {gb300_max}. Every figure below
+  comes from refits on the new rows: the fit (objective {objective_before} over 235 rows →
+  {objective_now} over {rows}), leave one model out {lomo_before}% → {lomo_now}%, leave one
+  release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
+  {config_now}%, the CLI's quick refit {quick_before}% → {quick_now}%; interval coverage:
+  configuration split {cv_cov_before}% → {cv_cov_now}%, leave one model out
+  {lomo_cov_before}% → {lomo_cov_now}%, leave one release out {loro_cov_before}% →
+  {loro_cov_now}%; Megatron-LM's recipes no fit saw: MAPE {recipes_before}% → {recipes_now},
+  interval coverage {recipes_cov_before}/14 → {recipes_cov_now}/14.
 """.splitlines()
 
 
@@ -947,7 +945,7 @@ def foreign_tail(path: Path) -> list[str]:
     return []
 
 
-GAPS = """- Megatron-FSDP/FSDP2 rows (34) are skipped: not modelled.
+GAPS = """- Megatron-FSDP/FSDP2 rows ({fsdp_rows}) are skipped: not modelled.
 - Megatron-Bridge tables re-publish one configuration across releases, and the same
   configuration gets faster with each release (software, not hardware). Apart from the
   documented 26.06 MXFP8 recipe change and the Bridge recipe table, a release is not a setting,
@@ -1029,7 +1027,23 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
         "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
+        "l8x70_lomo": upcycled_figure(cv), "hopper_max": f"{cal['gemm_eff_max']['hopper']:g}",
+        "hopper_half": f"{cal['gemm_half_dim_arch']['hopper']:g}",
+        "nvfp4_gain": f"{cal['lowp_gain']['nvfp4']:g}",
+        "gb300_max": f"{cal['gemm_eff_max']['GB300']:g}",
     }
+
+
+def upcycled_figure(cv: dict[str, Any]) -> str:
+    """Llama3-8x70B's leave-one-model-out MAPE and mean error, in words."""
+    rows = [r for r in cv["model"]["rows"] if r["model"] == "llama3-8x70b"]
+    if not rows:
+        return "not scored"
+    errs = [r["error"] for r in rows]
+    return (f"{100 * mape(rows):.1f}% MAPE over its {len(rows)} rows, "
+            + ("every one slow" if max(errs) < 0 else "every one fast" if min(errs) > 0
+               else "mixed")
+            + f" ({pct(max(errs, key=abs), True)} to {pct(min(errs, key=abs), True)})")
 
 
 def shipped_error(r: dict[str, Any]) -> float:
@@ -1110,6 +1124,7 @@ def main() -> None:
                "realised_h": f"{cal.get('attn_realised', {}).get('hopper', 1.0):g}",
                "realised_b": f"{cal.get('attn_realised', {}).get('blackwell', 1.0):g}"}
     gaps = gap_figures()
+    gaps["fsdp_rows"] = str(sum("FSDP" in s["why"] for s in res["skipped"]))
     figures.update(gaps)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

@@ -148,3 +148,14 @@ def test_fine_grained_mixtral_keeps_the_weights_and_activates_one_wide_experts_w
     assert thin.total_params() == pytest.approx(wide.total_params(), rel=1e-3)
     one_expert = 3 * wide.hidden_size * wide.moe_ffn_hidden_size * wide.num_layers
     assert wide.active_params() - thin.active_params() == pytest.approx(one_expert, rel=2e-3)
+
+
+def test_upcycled_llama3_8x70b_is_llama3_70b_with_eight_copies_of_its_ffn():
+    """Llama3-8x70B (the MoE Parallel Folding paper's upcycled model) keeps Llama-3 70B's
+    attention, embeddings and norms and replaces each FFN by eight copies of it (plus a router):
+    seven more FFNs in total, one more active under top-2."""
+    dense, moe = load_model("llama3-70b"), load_model("llama3-8x70b")
+    ffn = 3 * dense.hidden_size * dense.ffn_hidden_size * dense.num_layers
+    router = dense.hidden_size * moe.num_experts * moe.num_layers
+    assert moe.total_params() == pytest.approx(dense.total_params() + 7 * ffn + router, rel=1e-6)
+    assert moe.active_params() == pytest.approx(dense.active_params() + ffn + router, rel=1e-6)

@@ -103,6 +103,7 @@ MODEL_NAME_PRESETS = {
     "Nemotron-4 340B (96 layers, hidden 18432, 96 heads, 8 KV heads, squared-ReLU)":
         "nemotron4-340b",
     "Mixtral-8x22B-G8T8": "mixtral-8x22b-g8t8",  # its notes: 64 experts, top-8
+    "Llama3-8x70B": "llama3-8x70b",  # its notes: Llama3-70B upcycled to 8 experts
 }
 
 
