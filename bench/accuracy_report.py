@@ -42,17 +42,23 @@ GENERATION = {"ampere": "Ampere (A100)", "hopper": "Hopper (H100/H200)",
 which every cross-validated row carries (`gpu_family`)."""
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit 53c951b), for "What changed", as its own ACCURACY.md,
+# Figures of the previous revision (commit b765e93), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
 # (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 6.8, "model": 9.9, "release": 7.5, "table5": 3.9, "objective": "0.0911",
-            "recipes": 16.8, "recipes_coverage": 12, "cv_coverage": 83.8,
-            "loro_coverage": 83.8, "lomo_coverage": 83.0, "quick": 10.0, "rows": 235,
-            # its calibration.json's constants that this revision's refit moved, and how many
-            # of Llama3-8x70B's runs its intervals held (`moeplan validate --json` at 53c951b
-            # with the llama3-8x70b preset added, before the refit)
-            "hopper_max": 0.825, "hopper_half": 384, "nvfp4_gain": 0.6, "gb300_max": 0.75,
-            "l8x70_covered": 5}
+PREVIOUS = {"config": 6.8, "model": 9.7, "release": 7.3, "table5": 3.9, "objective": "0.0898",
+            "recipes": 17.3, "recipes_coverage": 11, "cv_coverage": 81.8,
+            "loro_coverage": 85.5, "lomo_coverage": 85.5, "quick": 9.7, "rows": 241,
+            # the tuned rows whose priced virtual pipeline size did not fit: the size its
+            # shipped profile priced them at (`moeplan validate --json`, `vpp`), with the peak
+            # memory priced there, and their leave-one-model-out error (bench/data/crossval.json)
+            "tuned": {"R0453": (2, 82.0, -7.3), "R0517": (2, 82.0, -6.3)},
+            # Megatron-LM's DeepSeek-V3 GB200 optimisation steps (`moeplan validate`), and the
+            # calibration.json constants this revision's refit moved
+            "steps": 32.4, "hopper_max": 0.775, "hopper_half": 192, "fp8_gain": 0.8,
+            "nvfp4_gain": 0.5,
+            # Megatron-LM's Qwen3-30B-A3B MXFP8 recipe over its BF16 twin (MLR13 over MLR12),
+            # as priced by that revision (`python bench/megatron_recipes.py --json`)
+            "mlr13_before": 663.4 / 586.1}
 
 
 def generation(row: dict[str, Any]) -> str:
@@ -303,7 +309,8 @@ def scale_section(cv_rows: list[dict[str, Any]]) -> list[str]:
         "### Strong scaling: Parallel Folding's MoE runs at a fixed batch of 1,024 sequences", "",
         "The paper fixes each model's layout at its tuned optimum and prints no virtual",
         "pipeline size; each profile prices such a row at the fastest size Megatron accepts",
-        "(`validation.cases.tuned_vpp`). As the GPUs grow at a fixed batch, each pipeline",
+        "that fits in memory as priced (`validation.cases.tuned_vpp`, `validation.scoring.",
+        "fastest`). As the GPUs grow at a fixed batch, each pipeline",
         "gets fewer micro-batches and an uninterleaved schedule's bubble grows to (p − 1)/m: read",
         "as uninterleaved, Qwen2-57B-A14B at 1,024 GPUs (8 micro-batches over PP4) was priced 25%",
         "slow.", "",
@@ -894,29 +901,43 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **Llama3-8x70B is priced.** The MoE Parallel Folding paper's Llama-3 70B upcycled to eight
-  experts (preset `llama3-8x70b`: Llama-3 70B's attention, eight copies of its FFN, top-2 as
-  NVIDIA's upcycling recipe trains it, which the paper's transcribed tables do not restate)
-  had its six published runs with a layout skipped for want of a preset: Table 3's tuned
-  layouts (TP 8, PP 8, EP 4 and, folded, TP 8, PP 16, EP 8) and Table 4's strong scaling from
-  256 to 1,024 H100 at a fixed batch, token drop at capacity factor 1. They are fit rows now
-  ({rows} in all). Leave one model out prices them with a refit on the other rows, which is the
-  previous revision's fit: {l8x70_lomo}; {l8x70_covered} of them lay inside the previous
-  profile's 80% intervals (`moeplan validate --json` before the refit).
-- **The refit moved Hopper's GEMM constants**: the peak share of the datasheet rate
-  {hopper_max_before} → {hopper_max}, the dimension at which a GEMM reaches half of it
-  {hopper_half_before} → {hopper_half}: the 8,192-wide GEMMs of these runs ran faster than the
-  narrower Hopper rows had implied, and the smaller ones slower. The coordinate descent also
-  moved NVFP4's share of its datasheet gain {nvfp4_gain_before} → {nvfp4_gain} and GB300's
-  GEMM peak {gb300_max_before} → {gb300_max}. Every figure below comes from refits on the new
-  rows: the fit (objective {objective_before} over {rows_before} rows →
-  {objective_now} over {rows}), leave one model out {lomo_before}% → {lomo_now}%, leave one
-  release out {loro_before}% → {loro_now}%, configuration split {config_before}% →
-  {config_now}%, the CLI's quick refit {quick_before}% → {quick_now}%; interval coverage:
-  configuration split {cv_cov_before}% → {cv_cov_now}%, leave one model out
-  {lomo_cov_before}% → {lomo_cov_now}%, leave one release out {loro_cov_before}% →
-  {loro_cov_now}%; Megatron-LM's recipes no fit saw: MAPE {recipes_before}% → {recipes_now},
-  interval coverage {recipes_cov_before}/14 → {recipes_cov_now}/14.
+- **A quantize writes both copies.** Transformer Engine quantizes a GEMM operand that
+  training uses twice, row-wise for the forward (or data-gradient) GEMM and column-wise for
+  the weight-gradient GEMM, in one pass (FP8's cast-transpose, MXFP8's and NVFP4's two
+  scalings), and FP8 current scaling and NVFP4 first read the input once more for its amax,
+  in a kernel of its own (`host.AMAX_PASS`, `csrc/quantizer.cpp`). moeplan priced every
+  quantize as a bf16 read and one FP8 write, 3 bytes per element, where the fused grouped
+  MLP's epilogue already wrote both copies. Now per element: {cast_bytes}
+  (`layers._cast_bytes`, `_quantized_copies`); NVFP4 launches its amax kernel (two kernels per
+  tensor, was one). The work outside the GEMMs grows most where the GEMMs are small: with it,
+  the refit moved Hopper's GEMM peak share {hopper_max_before} → {hopper_max} and its
+  half-efficiency dimension {hopper_half_before} → {hopper_half}, the FP8 recipes' share of
+  their datasheet gain {fp8_gain_before} → {fp8_gain} and NVFP4's {nvfp4_gain_before} →
+  {nvfp4_gain}: with their quantize traffic priced, the low-precision GEMMs themselves run
+  nearer their datasheet rate. Megatron-LM's Qwen3-30B-A3B recipes on 16 GB200 at one layout
+  measured MXFP8 at {mlr13_ratio}× BF16 (MLR13 over MLR12, partial CUDA graphs against none),
+  priced {mlr13_pred}× (was {mlr13_before}×).
+- **A tuned row is read at the fastest virtual pipeline size that could run.** A row whose
+  source says it tuned its layout and prints no VPP is priced at the fastest size Megatron
+  accepts (`validation.cases.tuned_vpp`); that choice did not ask whether the size fits in the
+  GPU's memory, so the Parallel Folding paper's tuned Llama3-8x70B layout on 256 H100 (TP 8,
+  PP 8, EP 4) was priced at a size whose priced peak is over what an 80 GB GPU holds less
+  the reserve ({room} GB): {tuned_before}. A layout that does not fit could not have run, so
+  each profile now takes the fastest size whose priced peak is under it
+  (`validation.scoring.fastest`; where none is, the fastest of all): {tuned_now}. The bound is
+  the GPU's, not the memory margin a plan keeps (`uncertainty.max_peak_gb`, {budget} GB
+  here): a reading of a run that happened needs no safety factor, so Mixtral-8x22B-G8T8's
+  tuned row (R0451) keeps {r0451}.
+- Every figure below comes from refits on both changes: the fit (objective
+  {objective_before} → {objective_now} over {rows} rows), leave one model out
+  {lomo_before}% → {lomo_now}%, leave one release out {loro_before}% → {loro_now}%,
+  configuration split {config_before}% → {config_now}%, the CLI's quick refit
+  {quick_before}% → {quick_now}%; interval coverage: configuration split {cv_cov_before}% →
+  {cv_cov_now}%, leave one model out {lomo_cov_before}% → {lomo_cov_now}%, leave one release
+  out {loro_cov_before}% → {loro_cov_now}%. Runs no fit saw: Megatron-LM's recipes MAPE
+  {recipes_before}% → {recipes_now}, interval coverage {recipes_cov_before}/14 →
+  {recipes_cov_now}/14; the DeepSeek-V3 GB200 optimisation steps {steps_before}% →
+  {steps_now}.
 """.splitlines()
 
 
@@ -1033,26 +1054,65 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
         "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
-        "l8x70_lomo": upcycled_figure(cv), "hopper_max": f"{cal['gemm_eff_max']['hopper']:g}",
-        "hopper_half": f"{cal['gemm_half_dim_arch']['hopper']:g}",
-        "nvfp4_gain": f"{cal['lowp_gain']['nvfp4']:g}",
-        "gb300_max": f"{cal['gemm_eff_max']['GB300']:g}", "rows_before": f"{PREVIOUS['rows']}",
-        "l8x70_covered": f"{PREVIOUS['l8x70_covered']}",
-        **{f"{k}_before": f"{PREVIOUS[k]:g}"
-           for k in ("hopper_max", "hopper_half", "nvfp4_gain", "gb300_max")},
+        **tuned_figures(cv), **quantize_figures(cal),
+        "steps_before": f"{PREVIOUS['steps']}", "steps_now": f"{ext_mape(unseen_runs()[1]):.1f}%",
     }
 
 
-def upcycled_figure(cv: dict[str, Any]) -> str:
-    """Llama3-8x70B's leave-one-model-out MAPE and mean error, in words."""
-    rows = [r for r in cv["model"]["rows"] if r["model"] == "llama3-8x70b"]
-    if not rows:
-        return "not scored"
-    errs = [r["error"] for r in rows]
-    return (f"{100 * mape(rows):.1f}% MAPE over its {len(rows)} rows, "
-            + ("every one slow" if max(errs) < 0 else "every one fast" if min(errs) > 0
-               else "mixed")
-            + f" ({pct(min(errs), True)} to {pct(max(errs), True)})")
+def quantize_figures(cal: dict[str, Any]) -> dict[str, str]:
+    """The bytes per quantized element each recipe moves now (`layers._cast_bytes`), the
+    constants the refit moved against PREVIOUS's, and Megatron-LM's MXFP8-over-BF16 pair of
+    Qwen3-30B-A3B recipes (MLR13 over MLR12) as measured and as priced."""
+    from moeplan.cost_models.host import AMAX_PASS
+    from moeplan.cost_models.layers import BF16, QUANTIZED_BYTES
+
+    def nbytes(p: str) -> str:
+        return f"{BF16 * (2 if p in AMAX_PASS else 1) + 2 * QUANTIZED_BYTES[p]:.4g}"
+
+    cast = (f"{nbytes('mxfp8')} bytes under MXFP8 and blockwise FP8 (a read, two copies of one "
+            f"byte with their scales), {nbytes('fp8-delayed')} under delayed scaling, "
+            f"{nbytes('fp8-tensorwise')} under current scaling (a second read), "
+            f"{nbytes('nvfp4')} under NVFP4 (a second read, two copies of half a byte with an "
+            "FP8 scale per 16)")
+    recipes = {str(r["id"]): r for r in unseen_runs()[0]}
+
+    def ratio(a: str, b: str, key: str) -> str:
+        return f"{float(recipes[a][key]) / float(recipes[b][key]):.2f}"
+
+    gemm = {"hopper_max": cal["gemm_eff_max"]["hopper"],
+            "hopper_half": cal["gemm_half_dim_arch"]["hopper"],
+            "fp8_gain": cal["lowp_gain"]["fp8-tensorwise"], "nvfp4_gain": cal["lowp_gain"]["nvfp4"]}
+    return {"cast_bytes": cast, "mlr13_ratio": ratio("MLR13", "MLR12", "published"),
+            "mlr13_pred": ratio("MLR13", "MLR12", "predicted"),
+            "mlr13_before": f"{PREVIOUS['mlr13_before']:.2f}",
+            **{k: f"{v:g}" for k, v in gemm.items()},
+            **{f"{k}_before": f"{PREVIOUS[k]:g}" for k in gemm}}
+
+
+def tuned_figures(cv: dict[str, Any]) -> dict[str, str]:
+    """The tuned rows PREVIOUS lists, in words: before, the size they were priced at, its
+    priced peak memory and their leave-one-model-out error; now, the same from the shipped
+    profile (SHIPPED, `vpp`) and this cross-validation; and the memory an H100 holds, with and
+    without the margin a plan keeps."""
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.specs import load_cluster
+
+    lomo = {r["id"]: r for r in cv["model"]["rows"]}
+    shipped = {r["id"]: r for r in SHIPPED}
+
+    def read(rid: str) -> str:
+        s = shipped[rid]
+        return f"VPP {s['vpp']}, priced at {s['predicted_memory_gb']:.1f} GB"
+
+    before = [f"{rid} ({RAW[rid]['model']}) at VPP {vpp}, {mem:g} GB, {err:+.1f}%"
+              for rid, (vpp, mem, err) in PREVIOUS["tuned"].items()]
+    now = [f"{rid} at {read(rid)}, {pct(lomo[rid]['error'], True)}"
+           for rid in PREVIOUS["tuned"]]
+    h100 = load_cluster("h100", 256)
+    cal = calibration_for(h100.calibration)
+    return {"tuned_before": "; ".join(before) + " (its leave-one-model-out error)",
+            "tuned_now": "; ".join(now), "room": f"{h100.hbm_gb - cal.reserve_gb:g}",
+            "budget": f"{U.max_peak_gb(h100, cal):.1f}", "r0451": read("R0451")}
 
 
 def shipped_error(r: dict[str, Any]) -> float:

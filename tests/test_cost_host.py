@@ -74,7 +74,8 @@ def test_quantizing_recipes_launch_their_kernels_per_operand_and_per_expert():
     # current scaling: amax, scale from amax and cast, three kernels per tensor
     assert cs.pre - bf16.pre == 3 * gemms and cs.bwd - bf16.bwd == 3 * gemms
     # a grouped GEMM's operand is quantized expert by expert (TE's split_quantize), except by
-    # delayed scaling's and NVFP4's fused multi-tensor kernels
+    # delayed scaling's and NVFP4's fused multi-tensor kernels; NVFP4's takes its amax kernel
+    # first (its per-tensor scale), two kernels per grouped operand
     ep8 = Layout.build(16, 64, ep=8)
     local = QWEN.num_experts // 8
     moe = {p: layer_launches(QWEN, ep8, p, "moe")
@@ -82,7 +83,7 @@ def test_quantizing_recipes_launch_their_kernels_per_operand_and_per_expert():
     assert moe["mxfp8"].post - moe["bf16"].post == 2 * local          # fc1, fc2 inputs
     assert moe["fp8-tensorwise"].post - moe["bf16"].post == 3 * 2 * local
     assert moe["fp8-delayed"].post - moe["bf16"].post == 2
-    assert moe["nvfp4"].post - moe["bf16"].post == 2
+    assert moe["nvfp4"].post - moe["bf16"].post == 2 * 2
     # so a current-scaling layer at EP 8 launches far more than at EP 16 (8 local experts)
     ep16 = layer_launches(QWEN, Layout.build(16, 64, ep=16), "fp8-tensorwise", "moe")
     assert moe["fp8-tensorwise"].post - ep16.post == (2 + 3 * 2) * (local - local // 2)

@@ -150,11 +150,12 @@ def _fused(on: bool, precision: str = "mxfp8", **axes) -> tuple:
 
 
 def test_the_fused_grouped_mlp_removes_the_activation_and_fc2_quantize_traffic():
-    """Per routed copy the unfused experts move 9f + 3h bytes outside their GEMMs (the
-    activation reads 2f and writes f in bf16, each GEMM operand is quantized: 3 bytes per
-    element); the fused kernel keeps the fc1 operand's quantize (3h) and writes the activated
-    output once in FP8, row- and column-wise (2f): Qwen3-30B-A3B (h 2048, f 768) moves 41%
-    less, and the layer's forward and backward are shorter by that traffic's time."""
+    """Per routed copy the unfused experts move (6 + c)·f + c·h bytes outside their GEMMs (the
+    activation reads 2f and writes f in bf16; each GEMM operand is quantized, c bytes per
+    element: the bf16 read and MXFP8's row- and column-wise copies with their scales,
+    2 + 2·(1 + 1/32)); the fused kernel keeps the fc1 operand's quantize (c·h) and writes the
+    activated output once, row- and column-wise (2·(1 + 1/32)·f): Qwen3-30B-A3B (h 2048, f 768)
+    moves 38% less, and the layer's forward and backward are shorter by that traffic's time."""
     from moeplan.cost_models.layers import _expert_act, _ffn, _mem
 
     unfused, lay = _fused(False)
@@ -164,10 +165,13 @@ def test_the_fused_grouped_mlp_removes_the_activation_and_fc2_quantize_traffic()
     on = make_context(QWEN, GB200, TR, lay.model_copy(update={"fused_grouped_mlp": True}),
                       default_calibration())
     act = _ffn(off, routed, f, 1)[1]
-    assert act == pytest.approx(_mem(off, (3 * h + 9 * f) * routed))
-    assert _expert_act(off, routed, f, act) == (act, _mem(off, 3 * f * routed))
-    assert _expert_act(on, routed, f, act) == (pytest.approx(_mem(on, (3 * h + 2 * f) * routed)),
-                                               0.0)
+    copies = 2 * (1 + 1 / 32)
+    c = 2 + copies
+    assert act == pytest.approx(_mem(off, (c * h + (6 + c) * f) * routed))
+    assert _expert_act(off, routed, f, act) == (act, pytest.approx(_mem(off, c * f * routed)))
+    assert _expert_act(on, routed, f, act) == (
+        pytest.approx(_mem(on, (c * h + copies * f) * routed)), 0.0)
+    assert 1 - (c * h + copies * f) / (c * h + (6 + c) * f) == pytest.approx(0.38, abs=0.005)
     saved_f = unfused.fwd_s - fused.fwd_s
     assert saved_f > 0 and unfused.bwd_s - fused.bwd_s == pytest.approx(2 * saved_f)
     assert unfused.recompute_fwd_s["moe_act"] > fused.recompute_fwd_s["moe_act"]

@@ -53,6 +53,38 @@ def test_a_tuned_row_without_its_virtual_pipeline_size_is_priced_at_the_fastest_
     assert row["vpp"] == 7 and row["predicted_tokens_per_s_per_gpu"] > 1.2 * plain
 
 
+def test_a_tuned_row_is_priced_at_the_fastest_virtual_pipeline_size_that_fits_in_memory():
+    """The Parallel Folding paper's tuned Llama3-8x70B layout (R0453: TP 8, PP 8, EP 4 on 256
+    H100, VPP unprinted) ran on 80 GB GPUs: of the sizes Megatron accepts, VPP 2 is priced
+    fastest but with a peak over what the GPU holds (HBM less the reserve), a layout that could
+    not have run, so the row is read at the fastest size whose priced peak is under it. The
+    bound is the GPU's, not the planner's margin: Mixtral-8x22B-G8T8's tuned row (R0451) keeps
+    a size priced inside the GPU yet over the margin a plan keeps."""
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.cost_models.estimate import estimate
+    from moeplan.validation.scoring import cluster_of, priced_layout
+
+    def read(rid):
+        case = _cases({rid})[rid]
+        cluster = cluster_of(case)
+        room = cluster.hbm_gb - calibration_for(cluster.calibration).reserve_gb
+        priced = {lay.vpp: estimate(case.model, cluster, case.training, lay, case.choices,
+                                    with_interval=False) for lay in case.layouts()}
+        return priced, room, priced_layout(case).vpp
+
+    priced, room, chosen = read("R0453")
+    quickest = max(priced, key=lambda v: priced[v].tokens_per_s_per_gpu)
+    assert priced[quickest].memory.peak_gb > room            # the fastest size cannot run
+    assert chosen != quickest and priced[chosen].memory.peak_gb <= room
+    assert priced[chosen].tokens_per_s_per_gpu == max(
+        e.tokens_per_s_per_gpu for e in priced.values() if e.memory.peak_gb <= room)
+
+    priced, room, chosen = read("R0451")
+    assert not priced[chosen].fits and priced[chosen].memory.peak_gb <= room
+    assert priced[chosen].tokens_per_s_per_gpu == max(
+        e.tokens_per_s_per_gpu for e in priced.values())
+
+
 def test_a_row_that_prints_its_virtual_pipeline_size_or_tuned_nothing_has_no_alternatives():
     """A Bridge row publishes its VPP; a Parallel Folding long-context row does not say it was
     tuned: both are priced as published."""

@@ -151,18 +151,29 @@ def attention_launches(model: ModelSpec, layout: Layout) -> tuple[float, int]:
     return n, gemms
 
 
+AMAX_PASS = frozenset({"fp8-tensorwise", "nvfp4"})
+"""Recipes whose scale needs the whole tensor's amax before the cast, in a kernel of its own
+that reads the input once more: FP8 current scaling (`Float8CurrentScalingQuantizer::
+quantize_impl`: `nvte_compute_amax`, then the scale, then the cast) and NVFP4's per-tensor
+second-level scale (`NVFP4Quantizer::quantize_impl`: `nvte_compute_amax` or, with the random
+Hadamard transform, `nvte_hadamard_transform_amax`; grouped, their multi-tensor forms).
+Delayed scaling takes its scale from the amax history and MXFP8 and blockwise FP8 their
+local scales inside the cast (Transformer Engine `csrc/quantizer.cpp`, `extensions/cast.cpp`)."""
+
+
 def quantize_launches(precision: str) -> tuple[int, bool]:
     """(kernels per quantized tensor, whether a grouped operand is quantized in one kernel) of a
-    precision recipe, as Transformer Engine runs them (`csrc/quantizer.cpp`, `extensions/
-    cast.cpp`). Current scaling (`Float8CurrentScalingQuantizer::quantize_impl`) launches an
-    amax kernel, a scale-from-amax kernel and the cast; delayed, blockwise, MXFP8 and NVFP4
-    one kernel per tensor. `split_quantize`, which quantizes a grouped GEMM's operand, has a
-    fused multi-tensor kernel for delayed scaling (`nvte_multi_cast_transpose`) and for NVFP4
-    only; every other recipe quantizes it expert by expert (`multi_tensor_quantize_impl`:
-    "Currently only have fused kernel for FP8 delayed scaling")."""
+    precision recipe, as Transformer Engine runs them: the cast, after its amax kernel where the
+    recipe needs one (`AMAX_PASS`), current scaling also a scale-from-amax kernel between them
+    (three in all; NVFP4 derives its scale in the cast: two). `split_quantize`, which quantizes a
+    grouped GEMM's operand, has a fused multi-tensor kernel for delayed scaling
+    (`nvte_multi_cast_transpose`) and for NVFP4 only; every other recipe quantizes it expert by
+    expert (`multi_tensor_quantize_impl`: "Currently only have fused kernel for FP8 delayed
+    scaling")."""
     if precision == "bf16":
         return 0, True
-    return (3 if precision == "fp8-tensorwise" else 1), precision in ("fp8-delayed", "nvfp4")
+    kernels = 1 + (precision in AMAX_PASS) + (precision == "fp8-tensorwise")
+    return kernels, precision in ("fp8-delayed", "nvfp4")
 
 
 def layer_launches(model: ModelSpec, layout: Layout, precision: str, kind: str,

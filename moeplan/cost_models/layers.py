@@ -30,6 +30,7 @@ from . import comm as C
 from .calibration import Calibration
 from .compute import attended_keys, attention_time, gemm_time, lowp_speedup, membound_time
 from .host import (
+    AMAX_PASS,
     SYNC_GAP_LAUNCHES,
     after_sync_s,
     floor_excess,
@@ -296,8 +297,22 @@ def _norm_add(ctx: Context) -> float:
 
 
 def _cast_bytes(ctx: Context, elems: float) -> float:
-    """HBM bytes of quantising `elems` GEMM-input elements (read 2, write 1) under FP8/FP4."""
-    return 3.0 * elems if ctx.lowp else 0.0
+    """HBM bytes of quantising `elems` GEMM-input elements under FP8/FP4: the bf16 input read,
+    once more first where the recipe's scale needs the tensor's amax (`host.AMAX_PASS`), and
+    both quantized copies written (`_quantized_copies`)."""
+    if not ctx.lowp:
+        return 0.0
+    reads = 2 if ctx.training.precision in AMAX_PASS else 1
+    return elems * reads * BF16 + _quantized_copies(ctx, elems)
+
+
+def _quantized_copies(ctx: Context, elems: float) -> float:
+    """HBM bytes of writing `elems` quantized GEMM-operand elements as training needs them: a
+    row-wise copy for the forward (or data-gradient) GEMM and a column-wise one for the
+    weight-gradient GEMM, each with its scales (QUANTIZED_BYTES). Transformer Engine's quantizer
+    makes both in one pass whenever the weight needs a gradient (FP8's cast-transpose, MXFP8's
+    and NVFP4's row-wise and column-wise scaling)."""
+    return 2.0 * elems * QUANTIZED_BYTES[ctx.training.precision]
 
 
 def _tp_ring(ctx: Context, nbytes: float) -> float:
@@ -609,18 +624,18 @@ def _expert_act(ctx: Context, routed: float, f: float, act: float) -> tuple[floa
     intermediate size `f` per rank, given the unfused activation time `act` (`_ffn`).
 
     Unfused, the activation kernel reads the fc1 output and writes its own (bf16), and a
-    quantize kernel per GEMM operand reads bf16 and writes FP8 (`_cast_bytes`). The fused
-    grouped MLP keeps the fc1 operand's grouped quantize and writes the activated output once,
-    already quantized, from the fc1 GEMM's epilogue: FP8 row-wise and column-wise copies (the
-    fc2 GEMM's and its weight gradient's), 2 bytes per element, and nothing else (Transformer
-    Engine `ops/fused/grouped_mlp.py`: `fc1_kernel_out` `d_tensor` and `d_col_tensor`; the
-    backward's activation gradient and quantisation sit in the fc2 data-gradient GEMM's
-    epilogue the same way)."""
+    quantize kernel per GEMM operand reads bf16 and writes its quantized copies (`_cast_bytes`).
+    The fused grouped MLP keeps the fc1 operand's grouped quantize and writes the activated
+    output once, already quantized, from the fc1 GEMM's epilogue: the row-wise and column-wise
+    copies (the fc2 GEMM's and its weight gradient's, `_quantized_copies`), and nothing else
+    (Transformer Engine `ops/fused/grouped_mlp.py`: `fc1_kernel_out` `d_tensor` and
+    `d_col_tensor`; the backward's activation gradient and quantisation sit in the fc2
+    data-gradient GEMM's epilogue the same way)."""
     q2 = _mem(ctx, _cast_bytes(ctx, routed * f))
     if not fused_grouped_mlp(ctx):
         return act, q2
     h = ctx.model.hidden_size
-    return _mem(ctx, _cast_bytes(ctx, routed * h) + 2.0 * routed * f), 0.0
+    return _mem(ctx, _cast_bytes(ctx, routed * h) + _quantized_copies(ctx, routed * f)), 0.0
 
 
 def paged_stash_factor(ctx: Context) -> float:

@@ -73,7 +73,8 @@ class RunCase:
     choices: Choices = field(default_factory=Choices)  # recompute as the row publishes it
     cluster: ClusterSpec | None = None  # the cluster at the row's GPU count, loaded once
     # the other layouts the row may have run (`tuned_vpp`): a tuned row that leaves its virtual
-    # pipeline size unpublished ran the fastest of these and `layout`, whichever profile prices it
+    # pipeline size unpublished ran the fastest of these and `layout` that fits, whichever profile
+    # prices it
     alternatives: tuple[Layout, ...] = ()
 
     def layouts(self) -> tuple[Layout, ...]:
@@ -284,9 +285,10 @@ def tuned_vpp(row: dict[str, str], model: ModelSpec, training: TrainingSpec, lay
     stages, every other size Megatron accepts (a divisor of the layers per stage; Megatron Core's
     MoE guide: "Enable Virtual Pipeline Parallelism to reduce pipeline bubbles when PP ≥ 2").
 
-    The row ran the fastest of them, and which is fastest depends on the profile pricing it, so
-    each prediction takes the fastest under its own profile (`scoring.priced_layout`): a
-    cross-validation fold never picks a size with a profile that saw the row. Empty otherwise.
+    The row ran the fastest of them that fits in memory, and which is fastest depends on the
+    profile pricing it, so each prediction takes the fastest under its own profile
+    (`scoring.priced_layout`): a cross-validation fold never picks a size with a profile that
+    saw the row. Empty otherwise.
     """
     from ..specs import layout_violations
 

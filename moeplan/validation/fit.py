@@ -174,7 +174,7 @@ def touches(key: str, case: RunCase) -> bool:
 def point(case: RunCase, over: dict[str, Any]) -> float | None:
     """Predicted tokens/s/GPU of a case under the profile `over` (None where the layout cannot
     be priced), without an interval: what the fit needs and no more."""
-    return fastest(case, over)[1]  # a tuned row ran the fastest of its layouts
+    return fastest(case, over)[1]  # a tuned row ran the fastest of its layouts that fits
 
 
 def scored(cases: Sequence[RunCase]) -> list[RunCase]:

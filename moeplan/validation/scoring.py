@@ -96,21 +96,30 @@ def cluster_of(case: RunCase) -> ClusterSpec:
 
 def fastest(case: RunCase, calibration: dict[str, Any] | None = None
             ) -> tuple[Layout, float | None]:
-    """The fastest of a case's layouts (`RunCase.layouts`) under `calibration` and its
-    tokens/s/GPU without an interval (None where no layout can be priced): a row that left a
-    size its source tuned unpublished ran the fastest one."""
+    """The fastest of a case's layouts (`RunCase.layouts`) that fits in the GPU's memory as
+    priced, under `calibration`, and its tokens/s/GPU without an interval (None where no
+    layout can be priced): a row that left a size its source tuned unpublished ran the fastest
+    one it could run, and a layout whose priced peak is over the memory a GPU holds (HBM less
+    the reserve) could not have run. That is what could have run, not what a plan may use: a
+    search also keeps the memory model's margin (`uncertainty.max_peak_gb`), a reading of a
+    run that happened does not. Where none of them fits as priced, the fastest of all (the
+    memory model's error, not the run's)."""
+    from ..cost_models.calibration import calibration_for
     from ..cost_models.estimate import estimate
 
-    cluster, best, speed = cluster_of(case), case.layout, None
+    cluster, best, rank = cluster_of(case), case.layout, None
+    room = cluster.hbm_gb - calibration_for({**cluster.calibration,
+                                             **(calibration or {})}).reserve_gb
     for lay in case.layouts():
         try:
-            t = estimate(case.model, cluster, case.training, lay, case.choices,
-                         calibration=calibration, with_interval=False).tokens_per_s_per_gpu
+            est = estimate(case.model, cluster, case.training, lay, case.choices,
+                           calibration=calibration, with_interval=False)
         except MoeplanError:
             continue
-        if speed is None or t > speed:
-            best, speed = lay, t
-    return best, speed
+        key = (est.memory.peak_gb <= room, est.tokens_per_s_per_gpu)
+        if rank is None or key > rank:
+            best, rank = lay, key
+    return best, (rank[1] if rank else None)
 
 
 def priced_layout(case: RunCase, calibration: dict[str, Any] | None = None) -> Layout:
