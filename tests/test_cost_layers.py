@@ -73,6 +73,28 @@ def test_fp8_lowers_gemm_time():
     assert f8.fwd_s < bf.fwd_s and f8.bwd_s < bf.bwd_s
 
 
+@pytest.mark.parametrize(("precision", "per_element"), [
+    ("bf16", 0.0),
+    ("fp8-delayed", 2 + 2 * 1.0),              # one read, FP8 and FP8-transposed copies
+    ("mxfp8", 2 + 2 * (1 + 1 / 32)),           # row- and column-wise, an E8M0 scale per 32
+    ("fp8-blockwise", 2 + 2 * (1 + 4 / 128)),  # an fp32 scale per 128
+    ("fp8-tensorwise", 2 * 2 + 2 * 1.0),       # current scaling reads once more for its amax
+    ("nvfp4", 2 * 2 + 2 * (0.5 + 1 / 16)),     # its per-tensor scale's amax, FP8 scale per 16
+])
+def test_a_quantize_reads_its_input_and_writes_both_copies_training_uses(precision, per_element):
+    """Transformer Engine quantizes a GEMM operand once for the forward GEMM (row-wise) and the
+    weight-gradient GEMM (column-wise) in one pass; current scaling and NVFP4 read the input
+    first for its amax, in a kernel of their own, which the launch count carries too."""
+    from moeplan.cost_models.host import quantize_launches
+    from moeplan.cost_models.layers import _cast_bytes
+
+    ctx = ctx_for("llama3-8b", Layout(dp=1), precision=precision,
+                  cluster="gb200-nvl72" if precision in ("mxfp8", "nvfp4") else "h100")
+    assert _cast_bytes(ctx, 1000.0) == pytest.approx(1000.0 * per_element)
+    kernels = quantize_launches(precision)[0]
+    assert kernels == {"bf16": 0, "fp8-tensorwise": 3, "nvfp4": 2}.get(precision, 1)
+
+
 def test_flex_dispatcher_sends_fewer_bytes_across_domains_than_alltoall():
     L = dict(dp=64, ep=64)
     a2a = moe_layer(ctx_for("deepseek-v3", Layout(**L)))
