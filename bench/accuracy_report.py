@@ -1010,8 +1010,9 @@ GAPS = """- Megatron-FSDP/FSDP2 rows ({fsdp_rows}) are skipped: not modelled.
   not scale with the datasheet: GB300 lists 1.5× GB200's FP4 rate and the same FP8 rate, yet
   Llama-3.1-405B's NVFP4 runs measure {fp4_gb200}× their MXFP8 twin on GB200 (R0038 over
   R0037, 26.06) and {fp4_gb300}× on GB300 (R0083 at TP 4 over R0082 at TP 2, 26.04). The FP4
-  recipe's own work (random Hadamard transforms, 16-element scales, the layers it keeps in
-  BF16) is not priced as such, so the fit splits the difference: the shipped profile prices
+  recipe's own work beyond its quantize traffic (where its 16-element scales and its amax
+  pass are priced), the random Hadamard transforms and the layers it keeps in BF16, is not
+  priced as such, so the fit splits the difference: the shipped profile prices
   those NVFP4 rows {fp4_gb200_err} on GB200 and {fp4_gb300_err} on GB300.
 - Megatron-Bridge's 25.09 DeepSeek-V3 rows print PP·VP = 16, but that release's run script
   passed the 32-stage layout `Et|(tt|)*30mL` whatever PP and VP it set, which 16 stages cannot
