@@ -1064,11 +1064,10 @@ def quantize_figures(cal: dict[str, Any]) -> dict[str, str]:
     """The bytes per quantized element each recipe moves now (`layers._cast_bytes`), the
     constants the refit moved against PREVIOUS's, and Megatron-LM's MXFP8-over-BF16 pair of
     Qwen3-30B-A3B recipes (MLR13 over MLR12) as measured and as priced."""
-    from moeplan.cost_models.host import AMAX_PASS
-    from moeplan.cost_models.layers import BF16, QUANTIZED_BYTES
+    from moeplan.cost_models.layers import cast_bytes
 
     def nbytes(p: str) -> str:
-        return f"{BF16 * (2 if p in AMAX_PASS else 1) + 2 * QUANTIZED_BYTES[p]:.4g}"
+        return f"{cast_bytes(p):.4g}"
 
     cast = (f"{nbytes('mxfp8')} bytes under MXFP8 and blockwise FP8 (a read, two copies of one "
             f"byte with their scales), {nbytes('fp8-delayed')} under delayed scaling, "
@@ -1112,7 +1111,7 @@ def tuned_figures(cv: dict[str, Any]) -> dict[str, str]:
     h100 = load_cluster("h100", 256)
     cal = calibration_for(h100.calibration)
     return {"tuned_before": "; ".join(before) + " (its leave-one-model-out error)",
-            "tuned_now": "; ".join(now), "room": f"{h100.hbm_gb - cal.reserve_gb:g}",
+            "tuned_now": "; ".join(now), "room": f"{U.gpu_room_gb(h100, cal):g}",
             "budget": f"{U.max_peak_gb(h100, cal):.1f}", "r0451": read("R0451")}
 
 

@@ -296,23 +296,27 @@ def _norm_add(ctx: Context) -> float:
     return _mem(ctx, per * ctx.n_elem * ctx.model.hidden_size)
 
 
-def _cast_bytes(ctx: Context, elems: float) -> float:
-    """HBM bytes of quantising `elems` GEMM-input elements under FP8/FP4: the bf16 input read,
-    once more first where the recipe's scale needs the tensor's amax (`host.AMAX_PASS`), and
-    both quantized copies written (`_quantized_copies`)."""
-    if not ctx.lowp:
+def cast_bytes(precision: str) -> float:
+    """HBM bytes of quantising one GEMM-input element under `precision` (0 under BF16): the
+    bf16 input read, once more first where the recipe's scale needs the tensor's amax
+    (`host.AMAX_PASS`), and both quantized copies written (`copy_bytes`)."""
+    if precision not in QUANTIZED_BYTES:
         return 0.0
-    reads = 2 if ctx.training.precision in AMAX_PASS else 1
-    return elems * reads * BF16 + _quantized_copies(ctx, elems)
+    return (2 if precision in AMAX_PASS else 1) * BF16 + copy_bytes(precision)
 
 
-def _quantized_copies(ctx: Context, elems: float) -> float:
-    """HBM bytes of writing `elems` quantized GEMM-operand elements as training needs them: a
-    row-wise copy for the forward (or data-gradient) GEMM and a column-wise one for the
-    weight-gradient GEMM, each with its scales (QUANTIZED_BYTES). Transformer Engine's quantizer
-    makes both in one pass whenever the weight needs a gradient (FP8's cast-transpose, MXFP8's
-    and NVFP4's row-wise and column-wise scaling)."""
-    return 2.0 * elems * QUANTIZED_BYTES[ctx.training.precision]
+def copy_bytes(precision: str) -> float:
+    """HBM bytes of writing one quantized GEMM-operand element as training needs it: a row-wise
+    copy for the forward (or data-gradient) GEMM and a column-wise one for the weight-gradient
+    GEMM, each with its scales (QUANTIZED_BYTES). Transformer Engine's quantizer makes both in
+    one pass whenever the weight needs a gradient (FP8's cast-transpose, MXFP8's and NVFP4's
+    row-wise and column-wise scaling)."""
+    return 2.0 * QUANTIZED_BYTES[precision]
+
+
+def _cast_bytes(ctx: Context, elems: float) -> float:
+    """HBM bytes of quantising `elems` GEMM-input elements (`cast_bytes`)."""
+    return elems * cast_bytes(ctx.training.precision)
 
 
 def _tp_ring(ctx: Context, nbytes: float) -> float:
@@ -627,7 +631,7 @@ def _expert_act(ctx: Context, routed: float, f: float, act: float) -> tuple[floa
     quantize kernel per GEMM operand reads bf16 and writes its quantized copies (`_cast_bytes`).
     The fused grouped MLP keeps the fc1 operand's grouped quantize and writes the activated
     output once, already quantized, from the fc1 GEMM's epilogue: the row-wise and column-wise
-    copies (the fc2 GEMM's and its weight gradient's, `_quantized_copies`), and nothing else
+    copies (the fc2 GEMM's and its weight gradient's, `copy_bytes`), and nothing else
     (Transformer Engine `ops/fused/grouped_mlp.py`: `fc1_kernel_out` `d_tensor` and
     `d_col_tensor`; the backward's activation gradient and quantisation sit in the fc2
     data-gradient GEMM's epilogue the same way)."""
@@ -635,7 +639,7 @@ def _expert_act(ctx: Context, routed: float, f: float, act: float) -> tuple[floa
     if not fused_grouped_mlp(ctx):
         return act, q2
     h = ctx.model.hidden_size
-    return _mem(ctx, _cast_bytes(ctx, routed * h) + _quantized_copies(ctx, routed * f)), 0.0
+    return _mem(ctx, _cast_bytes(ctx, routed * h) + copy_bytes(ctx.training.precision) * routed * f), 0.0
 
 
 def paged_stash_factor(ctx: Context) -> float:

@@ -228,7 +228,14 @@ def max_peak_gb(cluster: ClusterSpec, cal: Calibration,
     """The largest predicted peak that still fits: HBM − peak ≥ margin(peak), solved for the
     peak. The one memory budget estimate, the search bounds and the MILP all use."""
     p = profile or default_profile()
-    return (cluster.hbm_gb - cal.reserve_gb) / (1.0 + p.memory_rel_error)
+    return gpu_room_gb(cluster, cal) / (1.0 + p.memory_rel_error)
+
+
+def gpu_room_gb(cluster: ClusterSpec, cal: Calibration) -> float:
+    """HBM less the reserve: the largest peak that runs at all, with no margin for the memory
+    model's error. What a reading of a run that happened may assume (`validation.scoring.
+    fastest`); a plan keeps `max_peak_gb`."""
+    return cluster.hbm_gb - cal.reserve_gb
 
 
 def static_activation_budget_bytes(cluster: ClusterSpec, cal: Calibration,

@@ -106,10 +106,10 @@ def fastest(case: RunCase, calibration: dict[str, Any] | None = None
     memory model's error, not the run's)."""
     from ..cost_models.calibration import calibration_for
     from ..cost_models.estimate import estimate
+    from ..cost_models.uncertainty import gpu_room_gb
 
     cluster, best, rank = cluster_of(case), case.layout, None
-    room = cluster.hbm_gb - calibration_for({**cluster.calibration,
-                                             **(calibration or {})}).reserve_gb
+    room = gpu_room_gb(cluster, calibration_for({**cluster.calibration, **(calibration or {})}))
     for lay in case.layouts():
         try:
             est = estimate(case.model, cluster, case.training, lay, case.choices,
