@@ -982,7 +982,13 @@ GAPS = """- Megatron-FSDP/FSDP2 rows ({fsdp_rows}) are skipped: not modelled.
   moeplan prices no straggler or scale-dependent collective effect beyond the α–β rings.
 - The host floor's kernel counts are read from Megatron Core's and Transformer Engine's module
   structure, not traced; the launch time per host CPU is fitted (bounded 2–40 µs, Grace at or
-  above x86) because no `moeplan calibrate` run on a GPU host has measured it yet.
+  above x86) because no `moeplan calibrate` run on a GPU host has measured it yet. Where a
+  trace exists, the counts differ: moeplan counts six forward kernels for an MoE layer's router
+  and EP preprocess, NVIDIA's Nsight Systems traces of DeepSeek-V3 (Megatron-LM's GB200 guide,
+  §2.1.4 and §2.2.1) 31 with the all-to-all dispatcher and 17 with the flex one. Pricing the
+  traced counts, with the host's lead carried from one layer's experts into the next layer's
+  router, fit the published rows better but cross-validated worse, both by model and by
+  release, so the counts stay as read and the fitted launch time stands in for the difference.
 - Megatron-Bridge's MXFP8 MoE recipes from 26.06 also run FP8 attention, which moeplan does
   not price: their attention runs at the BF16 rate (their fused grouped MLP is priced:
   Qwen3-30B-A3B on 8 GB200, MBS 4, EP8, with the whole-step graph: {qwen30_now} in the shipped
