@@ -172,3 +172,10 @@ def calibration_for(overrides: dict[str, Any] | None) -> Calibration:
     if not overrides:
         return default_calibration()
     return _overlaid(_freeze(overrides))
+
+
+def calibration_on(cluster: Any, overrides: dict[str, Any] | None = None) -> Calibration:
+    """The profile an estimate prices `cluster` with: the cluster's overrides, then a caller's
+    (a fit's trial constants) on top. Whatever reads an estimate's own constants beside it
+    (the memory a run could use) takes them from here, so the two never disagree."""
+    return calibration_for({**(cluster.calibration or {}), **(overrides or {})})

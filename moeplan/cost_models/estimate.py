@@ -24,7 +24,7 @@ from ..specs.training import TrainingSpec
 from . import comm as C
 from . import uncertainty as U
 from .breakdown import Breakdown, ChunkCost, RankCost, StepExtras
-from .calibration import Calibration, calibration_for
+from .calibration import Calibration, calibration_for, calibration_on
 from .compute import (
     adam_step_bytes,
     attention_length_ceiling,
@@ -421,7 +421,7 @@ def estimate_breakdown(
     if check:
         check_layout(model, training, layout, cluster.num_gpus or layout.world_size, choices,
                      cluster, target)
-    cal = calibration_for({**cluster.calibration, **(calibration or {})})
+    cal = calibration_on(cluster, calibration)
     terms = stage_terms(model, cluster, training, layout, cal, imbalance, routing_histogram,
                         table)
     stages = plan_stages(model, layout, choices)

@@ -639,7 +639,8 @@ def _expert_act(ctx: Context, routed: float, f: float, act: float) -> tuple[floa
     if not fused_grouped_mlp(ctx):
         return act, q2
     h = ctx.model.hidden_size
-    return _mem(ctx, _cast_bytes(ctx, routed * h) + copy_bytes(ctx.training.precision) * routed * f), 0.0
+    written = copy_bytes(ctx.training.precision) * routed * f
+    return _mem(ctx, _cast_bytes(ctx, routed * h) + written), 0.0
 
 
 def paged_stash_factor(ctx: Context) -> float:

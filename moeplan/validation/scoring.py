@@ -104,12 +104,12 @@ def fastest(case: RunCase, calibration: dict[str, Any] | None = None
     search also keeps the memory model's margin (`uncertainty.max_peak_gb`), a reading of a
     run that happened does not. Where none of them fits as priced, the fastest of all (the
     memory model's error, not the run's)."""
-    from ..cost_models.calibration import calibration_for
+    from ..cost_models.calibration import calibration_on
     from ..cost_models.estimate import estimate
     from ..cost_models.uncertainty import gpu_room_gb
 
     cluster, best, rank = cluster_of(case), case.layout, None
-    room = gpu_room_gb(cluster, calibration_for({**cluster.calibration, **(calibration or {})}))
+    room = gpu_room_gb(cluster, calibration_on(cluster, calibration))
     for lay in case.layouts():
         try:
             est = estimate(case.model, cluster, case.training, lay, case.choices,
