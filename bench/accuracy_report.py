@@ -672,9 +672,14 @@ def unseen_section() -> list[str]:
             "the baseline's main problem, and moeplan's host floor does not bind on this layout "
             "at the fitted launch time, so neither the CUDA graphs (measured "
             f"{f['graphs_step']}) nor the CPU-side work ({f['cpu_steps']}) moves the "
-            "prediction. A user on an older stack can say so with `--stack` (the MoE fusions, "
-            "attention kernels, DP overlap), `--flex-backend deepep` and a measured launch time "
-            "(`moeplan calibrate`, `--calibration`), not yet with each of these steps.",
+            "prediction. The first CPU-side step (7) bound each rank to its GPU's NUMA node, "
+            "as NVIDIA's Megatron-Bridge performance launches bind the ranks of the runs the "
+            "launch time is fitted on; moeplan's launches (`moeplan run`, the `megatron` and "
+            "`torchrun` exports) bind them so too, and `moeplan calibrate` measures the launch "
+            "time bound (docs/RUNTIME.md, \"CPU binding\"). A user on an older stack can say so "
+            "with `--stack` (the MoE fusions, attention kernels, DP overlap), `--flex-backend "
+            "deepep` and a measured launch time (`moeplan calibrate`, `--calibration`), not yet "
+            "with each of these steps.",
             "", held_out_groups("deepseek_v3_gb200_steps.csv")]
     return out
 

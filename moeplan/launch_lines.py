@@ -37,6 +37,32 @@ class ShellRef(str):
 MASTER_ENDPOINT = ShellRef("$MASTER_ADDR:$MASTER_PORT")
 SLURM_JOB_ID = ShellRef("$SLURM_JOB_ID")
 
+NUMA_BINDING = ("--numa-binding", "node")
+"""torchrun's flag (PyTorch ≥ 2.9) that starts each GPU worker under numactl, bound to the CPUs
+of its GPU's NUMA node. NVIDIA's Megatron-Bridge performance launches bind every rank so
+(`numactl --cpunodebind --membind` in scripts/performance/utils/executors.py since 2025-08), and
+the published rows the host floor's launch time is fitted on ran there; Megatron-LM's DeepSeek-V3
+GB200 guide measured the binding at +10% end to end on a host-bound layout (its section 2.4).
+A GPU launch binds its ranks so, or it is not the job the estimate priced."""
+
+NUMA_SETUP = (
+    "# each rank bound to the CPUs of its GPU's NUMA node (torchrun --numa-binding, PyTorch "
+    ">= 2.9, through numactl), as the published runs moeplan's host launch time is fitted on",
+    "NUMA_BINDING=(--numa-binding node)",
+    "if ! command -v numactl >/dev/null 2>&1; then",
+    '  echo "numactl not found: the ranks run unbound, slower than priced wherever kernel '
+    'launches bound the step; install numactl to bind them" >&2',
+    "  NUMA_BINDING=()",
+    "fi",
+)
+"""Shell lines a GPU launch script runs before torchrun: the binding where numactl is present
+(torch's binding needs it), else one line saying the run is not the one priced. Literal text: no
+input reaches it."""
+
+NUMA_ARG = '${NUMA_BINDING[@]+"${NUMA_BINDING[@]}"}'
+"""The torchrun argument NUMA_SETUP leaves: the binding's two tokens, or none (the `+` form
+expands an empty array under `set -u` on every bash)."""
+
 
 def quote(token: str) -> str:
     """Shell-quote a token: ShellRefs in double quotes (expanded), all else literal."""
@@ -86,10 +112,13 @@ def split_procs(world: int, gpus_per_node: int, nnodes: int | None = None,
 
 def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str | None = None,
                   rdzv_backend: str = "c10d", rdzv_id: str = "moeplan",
-                  node_rank: int | None = None, max_restarts: int = 0) -> list[str]:
+                  node_rank: int | None = None, max_restarts: int = 0,
+                  numa_binding: bool = False) -> list[str]:
     """torchrun's launcher flags (before `-m MODULE`): one node without an endpoint runs
-    `--standalone`; otherwise every node meets at `rdzv_endpoint` (the same line on each)."""
-    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
+    `--standalone`; otherwise every node meets at `rdzv_endpoint` (the same line on each).
+    `numa_binding`: each worker bound to its GPU's NUMA node (NUMA_BINDING)."""
+    args = [*NUMA_BINDING] if numa_binding else []
+    args += ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
     if nnodes == 1 and rdzv_endpoint is None:
         args.append("--standalone")
     else:

@@ -275,3 +275,35 @@ def test_the_launch_time_per_eager_kernel_is_a_few_microseconds_of_host_time():
 
     us = launch_us(torch.device("cpu"), n=500)
     assert 0.05 < us < 500.0
+
+
+def test_the_gpus_numa_cpus_are_read_from_sysfs_as_torchrun_binds_them(tmp_path):
+    """`moeplan calibrate` measures the launch time bound to the GPU's NUMA node, as `moeplan
+    run` binds its workers (torchrun --numa-binding node): the node of the GPU's PCI address,
+    -1 (a machine of one node) read as node 0, as torch reads it."""
+    from moeplan.calibrate.micro import cpu_list, numa_cpus
+
+    assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and cpu_list("") == set()
+    for node, cpus in ((0, "0-3\n"), (1, "4-7,12\n")):
+        d = tmp_path / f"devices/system/node/node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus)
+    for bus, node in (("0000:1b:00.0", "1\n"), ("0000:dc:00.0", "-1\n")):
+        d = tmp_path / "bus/pci/devices" / bus
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(node)
+    assert numa_cpus("0000:1B:00.0", tmp_path) == {4, 5, 6, 7, 12}
+    assert numa_cpus("0000:dc:00.0", tmp_path) == {0, 1, 2, 3}
+    assert numa_cpus("0000:99:00.0", tmp_path) == set()  # no such device: unbound
+
+
+def test_a_cpu_calibration_measures_its_launches_unbound():
+    import os
+
+    import torch
+
+    from moeplan.calibrate.micro import near_gpu
+
+    before = os.sched_getaffinity(0)
+    with near_gpu(torch.device("cpu")) as bound:
+        assert bound is False and os.sched_getaffinity(0) == before

@@ -392,6 +392,45 @@ def test_torchrun_defaults_and_errors():
         torchrun_argv(plan, nnodes=3)
 
 
+def _launched_torchrun_args(script: str, tmp_path, with_numactl: bool) -> tuple[list[str], str]:
+    """Run a launch script under bash with stand-ins for torchrun (which writes down its
+    arguments) and, when asked, numactl on an otherwise empty PATH: what torchrun was given,
+    and what the script said on stderr."""
+    bin_dir = tmp_path / ("with" if with_numactl else "without")
+    bin_dir.mkdir()
+    got = bin_dir / "args"
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {got}\n')
+    names = ["torchrun", "numactl"] if with_numactl else ["torchrun"]
+    if with_numactl:
+        (bin_dir / "numactl").write_text("#!/bin/bash\nexit 0\n")
+    for name in names:
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": str(bin_dir), "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+           **{k: "x" for k in ("DATA_PATH", "TOKENIZER_MODEL", "CHECKPOINT_DIR", "DATA",
+                               "STEPS", "CKPT_DIR")}}
+    r = subprocess.run(["/bin/bash", "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return got.read_text().splitlines(), r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "torchrun"])
+def test_gpu_launches_bind_each_rank_to_its_gpus_numa_node_where_numactl_is(fmt, tmp_path):
+    """The runs the host launch time is fitted on bound every rank to its GPU's NUMA node
+    (NVIDIA's performance launches); the exported launch does so through torchrun's own flag,
+    which torch's parser takes, and without numactl (which torch binds through) says so in one
+    line and runs unbound."""
+    script = moeplan.export(deepseek_plan(), fmt)["launch" if fmt == "megatron" else "script"]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    bound, said = _launched_torchrun_args(script, tmp_path, with_numactl=True)
+    assert bound[:3] == ["--numa-binding", "node", "--nnodes"] and said == ""
+    run = pytest.importorskip("torch.distributed.run")
+    ns = run.get_args_parser().parse_args(bound)
+    assert str(getattr(ns.numa_binding, "value", ns.numa_binding)) == "node"
+    unbound, said = _launched_torchrun_args(script, tmp_path, with_numactl=False)
+    assert unbound == bound[2:]
+    assert said.count("\n") == 1 and "numactl not found" in said
+
+
 def test_slurm_script_contents():
     script = to_slurm(deepseek_plan(), nnodes=32, plan_path="ds.json")
     assert script.startswith("#!/bin/bash\n")

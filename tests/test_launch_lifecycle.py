@@ -28,7 +28,7 @@ from moeplan.runtime.guard import (
     price_ranks,
     shortfall,
 )
-from moeplan.runtime.launch import RunOptions, guard_memory
+from moeplan.runtime.launch import RunOptions, guard_memory, numa_binding, torchrun_command
 from moeplan.runtime.lifecycle import INTERRUPTED_EXIT
 from moeplan.runtime.support import features_not_executed
 from moeplan.specs import (
@@ -245,6 +245,25 @@ def test_the_guard_offers_more_nodes_only_when_one_rank_alone_fits():
         guard_memory(small, RunOptions(scale_down=True), nproc=2, devices=tight)
     assert "--nnodes 2 --nproc-per-node 1" in str(e.value)
     assert "cannot help" not in str(e.value)
+
+
+def test_gpu_workers_are_bound_to_their_gpus_numa_nodes_as_the_priced_runs_were(tmp_path):
+    """On GPUs `moeplan run` starts torchrun with `--numa-binding node` (torch binds each worker
+    through numactl), as NVIDIA's performance launches bind the ranks the host launch time is
+    fitted on; without numactl it says in one line that the run is not the one priced; a CPU
+    run has no GPU to bind near."""
+    gpus = Devices("cuda", (80.0,) * 8)
+    assert numa_binding(gpus, 8, "/usr/bin/numactl") == (True, None)
+    bound, note = numa_binding(gpus, 8, None)
+    assert not bound and "numactl not found" in note and "install numactl" in note
+    assert numa_binding(Devices("cpu", (23.0,)), 2, "/usr/bin/numactl") == (False, None)
+    assert numa_binding(Devices("cuda", (80.0,) * 2), 4, "/usr/bin/numactl")[0] is False
+    argv = torchrun_command(RunOptions(), tmp_path, 8, numa=True)
+    agent = argv.index("moeplan.runtime.agent")
+    ns = pytest.importorskip("torch.distributed.run").parse_args(argv[agent + 1:])
+    assert str(getattr(ns.numa_binding, "value", ns.numa_binding)) == "node"
+    unbound = torchrun_command(RunOptions(), tmp_path, 8)
+    assert "--numa-binding" not in unbound
 
 
 def test_every_node_is_priced_when_the_rendezvous_decides_the_node_rank():

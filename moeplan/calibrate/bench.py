@@ -133,7 +133,9 @@ def measure_kernels(grid: Grid, device: torch.device, dtype: str, threads: int,
         progress("per-layer and per-step overheads")
         res["layer_overhead_s"], res["step_overhead_s"] = measure_overheads(device, dtype,
                                                                           grid.min_s)
-        res["launch_us"] = micro.launch_us(device)
+        with micro.near_gpu(device) as bound:
+            res["launch_us"] = micro.launch_us(device)
+        res["launch_numa_bound"] = bound
         res["seconds"]["kernels"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)

@@ -46,6 +46,7 @@ class Measurements:
     layer_overhead_s: float | None = None
     step_overhead_s: float | None = None
     launch_us: float | None = None
+    launch_numa_bound: bool = False  # measured bound to the GPU's NUMA node, as runs are
     seconds: dict[str, float] = field(default_factory=dict)
     load_average: list[float] = field(default_factory=list)   # 1-min load before and after
 
@@ -106,6 +107,7 @@ def measure(grid: Grid, nproc: int, dtype: str | None = None, device: torch.devi
     for key in ("gemm", "grouped_gemm", "attention", "memory", "layer_overhead_s",
                 "step_overhead_s", "launch_us"):
         setattr(res, key, kernels.get(key))
+    res.launch_numa_bound = bool(kernels.get("launch_numa_bound"))
     res.seconds.update(kernels["seconds"])
     res.seconds["processes"] = time.perf_counter() - t0   # spawn + (CPU) kernels + collectives
     res.load_average.append(_load())
@@ -247,7 +249,10 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
             "launch_us": (f"{m.launch_us:.3g} µs per eager kernel launch measured; a CPU's "
                           "cores launch and compute, so no host floor (0)"
                           if m.device == "cpu" else "eager one-element adds, host time per "
-                          "launch") if m.launch_us is not None else "not measured",
+                          "launch, " + ("bound to the GPU's NUMA node as `moeplan run` binds "
+                                        "its workers" if m.launch_numa_bound else
+                                        "unbound (the GPU's NUMA node is not known here)"))
+            if m.launch_us is not None else "not measured",
             **({"tp_overlap_hidden": "gloo collectives run on the cores that compute: TP and EP "
                 "communication is all exposed"} if m.device == "cpu" else {}),
             "measured": f"moeplan calibrate, {m.dtype} compute, torch {torch.__version__}, "

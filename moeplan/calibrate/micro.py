@@ -7,9 +7,12 @@ first-call or noisy-neighbour cost. Shapes in comments are tensor dims.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,53 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs of a sysfs cpulist ("0-71,144-215"); an empty text, none."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_cpus(pci_bus_id: str, sysfs: str | Path = "/sys") -> set[int]:
+    """The CPUs of the NUMA node a PCI device (a GPU, "0000:1b:00.0") hangs off, read from
+    sysfs: the node torchrun's `--numa-binding node` binds that GPU's worker to (a machine of one
+    node reports -1, read as node 0, as torch reads it). No such device: an empty set."""
+    root = Path(sysfs)
+    try:
+        node = int((root / "bus/pci/devices" / pci_bus_id.lower() / "numa_node").read_text())
+        return cpu_list((root / f"devices/system/node/node{max(node, 0)}/cpulist").read_text())
+    except (OSError, ValueError):
+        return set()
+
+
+@contextlib.contextmanager
+def near_gpu(device: torch.device) -> Iterator[bool]:
+    """This process bound, while inside, to the CPUs of its GPU's NUMA node, as `moeplan run`
+    binds each worker (torchrun --numa-binding node): the host time per launch it measures is
+    the one a run's ranks pay. Yields whether it is bound (a CPU device, or a GPU whose node is
+    unknown, is measured as it runs)."""
+    cpus: set[int] = set()
+    if device.type == "cuda" and hasattr(os, "sched_setaffinity"):
+        p = torch.cuda.get_device_properties(device)
+        bus = getattr(p, "pci_bus_id", None)
+        if bus is not None:
+            ident = f"{p.pci_domain_id:04x}:{bus:02x}:{p.pci_device_id:02x}.0"
+            cpus = numa_cpus(ident) & os.sched_getaffinity(0)
+    if not cpus:
+        yield False
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield True
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def launch_us(device: torch.device, n: int = 2000) -> float:

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 from ..errors import LayoutError, SpecError
 from ..launch_lines import (
     MASTER_ENDPOINT,
+    NUMA_ARG,
+    NUMA_SETUP,
     ShellRef,
     format_lines,
     quote,
@@ -866,7 +868,7 @@ def megatron_launch(plan: Plan, args: Sequence[str], comments: Sequence[str] = (
     argv = megatron_launch_argv(plan, args, nnodes, nproc_per_node)
     at = argv.index("pretrain_gpt.py")
     body = format_lines(argv[1:at]) + ["pretrain_gpt.py"] + format_lines(argv[at + 1:])
-    lines.append(" \\\n  ".join(["torchrun", *body]))
+    lines += [*NUMA_SETUP, " \\\n  ".join(["torchrun", NUMA_ARG, *body])]
     return "\n".join(lines) + "\n"
 
 
@@ -926,10 +928,12 @@ def _run_comments() -> list[str]:
             *(f"  {k}  {v}" for k, v in RUN_PLACEHOLDERS.items())]
 
 
-def _format_command(argv: Sequence[str], indent: str = "  ") -> str:
+def _format_command(argv: Sequence[str], indent: str = "  ", raw: Sequence[str] = ()) -> str:
+    """argv as a command over several lines; `raw`: moeplan's own literal shell text (never
+    input), placed after the command's name unquoted."""
     head, rest = argv[0], list(argv[1:])
     mod = rest.index("-m")
-    lines = format_lines(rest[:mod], indent)
+    lines = [indent + r for r in raw] + format_lines(rest[:mod], indent)
     lines.append(indent + " ".join(quote(t) for t in rest[mod:]))
     return " \\\n".join([head, *lines])
 
@@ -941,8 +945,11 @@ def to_torchrun(plan: Plan, nnodes: int | None = None, nproc_per_node: int | Non
     comment naming the placeholders to set."""
     check_exportable(plan, "moeplan")
     head = "".join(f"# {_comment(c)}\n" for c in _run_comments())
-    return head + _format_command(torchrun_argv(plan, nnodes, nproc_per_node, plan_path,
-                                                **kw)) + "\n"
+    argv = torchrun_argv(plan, nnodes, nproc_per_node, plan_path, **kw)
+    if plan.cluster.architecture == "cpu":  # no GPU to bind a rank near
+        return head + _format_command(argv) + "\n"
+    numa = "".join(f"{line}\n" for line in NUMA_SETUP)
+    return head + numa + _format_command(argv, raw=[NUMA_ARG]) + "\n"
 
 
 def _summary(plan: Plan) -> str:

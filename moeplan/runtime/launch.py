@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -295,7 +296,13 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
 
         print(describe_scale_down(given, running, keeps_vocabulary(opts)), file=sys.stderr,
               flush=True)
-    guard_memory(running, opts, nproc)
+    from . import guard
+
+    devices = guard.detect_devices()
+    guard_memory(running, opts, nproc, devices)
+    bind, note = numa_binding(devices, nproc, shutil.which("numactl"))
+    if note:
+        print(note, file=sys.stderr, flush=True)
     with contextlib.ExitStack() as held:
         env = dict(os.environ)
         env.pop(LOCKED_ENV, None)
@@ -311,7 +318,7 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         env.setdefault("OMP_NUM_THREADS", str(max(1, limits.usable_cpus() // nproc)))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         started = time.time()
-        code, signum = _run_agent(torchrun_command(opts, out, nproc), env)
+        code, signum = _run_agent(torchrun_command(opts, out, nproc, bind), env)
     summary_path = out / "summary.json"
     fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
     summary = _read_summary(summary_path) if fresh else None
@@ -414,15 +421,32 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     return code, (got[0] if got else None)
 
 
-def torchrun_command(opts: RunOptions, out: Path, nproc: int) -> list[str]:
+def numa_binding(devices, nproc: int, numactl: str | None) -> tuple[bool, str | None]:
+    """Whether torchrun binds each worker to the CPUs of its GPU's NUMA node
+    (`launch_lines.NUMA_BINDING`, as the runs the host launch time is priced on were bound), and
+    the one line to print when a GPU run cannot be: torch binds through numactl. A CPU run has
+    no GPU to bind near; its ranks share the cores OMP_NUM_THREADS divides."""
+    if devices.kind != "cuda" or len(devices.free_gb) < nproc:
+        return False, None
+    if numactl is None:
+        return False, ("numactl not found: the workers run unbound to their GPUs' NUMA nodes, "
+                       "slower than priced wherever kernel launches bound the step; install "
+                       "numactl to bind them.")
+    return True, None
+
+
+def torchrun_command(opts: RunOptions, out: Path, nproc: int,
+                     numa: bool = False) -> list[str]:
     """The torchrun line that starts `nproc` workers on this node (torchrun's own agent, run
     through `moeplan.runtime.agent`: same arguments, see agent.py); each worker trains the run
-    prepared in `out` (OUT/run.json, `PreparedRun`)."""
+    prepared in `out` (OUT/run.json, `PreparedRun`). `numa`: bound to their GPUs' NUMA nodes
+    (`numa_binding`)."""
     flags = torchrun_args(opts.nnodes, nproc, opts.rdzv_endpoint, opts.rdzv_backend,
-                          opts.rdzv_id or "moeplan", opts.node_rank, opts.max_restarts)
+                          opts.rdzv_id or "moeplan", opts.node_rank, opts.max_restarts, numa)
     return [sys.executable, "-m", "moeplan.runtime.agent", *flags,
             "-m", "moeplan.runtime.worker", str(out)]
 
 
 __all__ = ["MoeplanError", "PreparedRun", "RunFailed", "RunOptions", "Stopped", "check_resume",
-           "guard_memory", "prepare_plan", "run", "torchrun_command", "verified_resume"]
+           "guard_memory", "numa_binding", "prepare_plan", "run", "torchrun_command",
+           "verified_resume"]
