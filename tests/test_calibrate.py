@@ -278,10 +278,15 @@ def test_the_launch_time_per_eager_kernel_is_a_few_microseconds_of_host_time():
 
 
 def test_the_gpus_numa_cpus_are_read_from_sysfs_as_torchrun_binds_them(tmp_path):
-    """`moeplan calibrate` measures the launch time bound to the GPU's NUMA node, as `moeplan
-    run` binds its workers (torchrun --numa-binding node): the node of the GPU's PCI address,
-    -1 (a machine of one node) read as node 0, as torch reads it."""
-    from moeplan.calibrate.micro import cpu_list, numa_cpus
+    """`moeplan run` binds each worker to its GPU's NUMA node (torchrun --numa-binding node) and
+    `moeplan calibrate` measures the launch time so: the node of the GPU's PCI address (-1, a
+    machine of one node, read as node 0, as torch reads it), less the CPUs the job may not use;
+    nvidia-smi's 8-digit PCI domain is read as sysfs names it."""
+    from moeplan.runtime.guard import sysfs_bus
+
+    assert sysfs_bus("00000000:1B:00.0") == "0000:1b:00.0"
+    assert sysfs_bus("00000001:DC:00.0\n") == "0001:dc:00.0"
+    from moeplan.runtime.guard import cpu_list, numa_cpus
 
     assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and cpu_list("") == set()
     for node, cpus in ((0, "0-3\n"), (1, "4-7,12\n")):
@@ -292,9 +297,11 @@ def test_the_gpus_numa_cpus_are_read_from_sysfs_as_torchrun_binds_them(tmp_path)
         d = tmp_path / "bus/pci/devices" / bus
         d.mkdir(parents=True)
         (d / "numa_node").write_text(node)
-    assert numa_cpus("0000:1B:00.0", tmp_path) == {4, 5, 6, 7, 12}
-    assert numa_cpus("0000:dc:00.0", tmp_path) == {0, 1, 2, 3}
-    assert numa_cpus("0000:99:00.0", tmp_path) == set()  # no such device: unbound
+    every = set(range(16))
+    assert numa_cpus("0000:1B:00.0", tmp_path, every) == {4, 5, 6, 7, 12}
+    assert numa_cpus("0000:dc:00.0", tmp_path, every) == {0, 1, 2, 3}
+    assert numa_cpus("0000:99:00.0", tmp_path, every) == set()  # no such device: unbound
+    assert numa_cpus("0000:1b:00.0", tmp_path, {0, 1, 12}) == {12}  # only the CPUs allowed
 
 
 def test_a_cpu_calibration_measures_its_launches_unbound():

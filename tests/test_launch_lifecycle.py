@@ -201,14 +201,16 @@ def test_gpus_are_read_from_nvidia_smi_as_cuda_visible_devices_leaves_them(tmp_p
     """A stand-in nvidia-smi (same query, same CSV) on PATH: GPU 1 is the only visible one, so
     a 2-rank node is refused, and the one rank of a world-1 plan is priced against its 70 GB."""
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,name,memory.free ] || exit 9\n"
-                   "echo '0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81000'\n"
-                   "echo '1, GPU-bbbb, NVIDIA H100 80GB HBM3, 66758'\n")
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,name,memory.free,pci.bus_id ]"
+                   " || exit 9\n"
+                   "echo '0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81000, 00000000:1B:00.0'\n"
+                   "echo '1, GPU-bbbb, NVIDIA H100 80GB HBM3, 66758, 00000000:43:00.0'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
     devices = detect_devices()
     assert devices.kind == "cuda" and devices.names == ("NVIDIA H100 80GB HBM3",)
+    assert devices.buses == ("0000:43:00.0",)  # as sysfs names it, for the NUMA binding
     assert devices.free_gb == pytest.approx((66758 * 2**20 / 1e9,))
     with pytest.raises(SpecError, match="only 1 GPUs are visible"):
         guard_memory(_qwen_plan(2, ep=2), RunOptions(), nproc=2, devices=devices)
@@ -252,12 +254,19 @@ def test_gpu_workers_are_bound_to_their_gpus_numa_nodes_as_the_priced_runs_were(
     through numactl), as NVIDIA's performance launches bind the ranks the host launch time is
     fitted on; without numactl it says in one line that the run is not the one priced; a CPU
     run has no GPU to bind near."""
-    gpus = Devices("cuda", (80.0,) * 8)
-    assert numa_binding(gpus, 8, "/usr/bin/numactl") == (True, None)
-    bound, note = numa_binding(gpus, 8, None)
+    buses = tuple(f"0000:{b:02x}:00.0" for b in range(8))
+    gpus = Devices("cuda", (80.0,) * 8, buses=buses)
+    near = {bus: ({0, 1} if i < 4 else {2, 3}) for i, bus in enumerate(buses)}.get
+    assert numa_binding(gpus, 8, "/usr/bin/numactl", near) == (True, None)
+    bound, note = numa_binding(gpus, 8, None, near)
     assert not bound and "numactl not found" in note and "install numactl" in note
+    # a job whose CPU mask leaves GPU 5's node no CPU: torch would fail the launch, so unbound
+    masked = {**{b: near(b) for b in buses}, buses[5]: set()}.get
+    bound, note = numa_binding(gpus, 8, "/usr/bin/numactl", masked)
+    assert not bound and "GPU 5's NUMA node has none of the CPUs this job may use" in note
     assert numa_binding(Devices("cpu", (23.0,)), 2, "/usr/bin/numactl") == (False, None)
-    assert numa_binding(Devices("cuda", (80.0,) * 2), 4, "/usr/bin/numactl")[0] is False
+    assert numa_binding(Devices("cuda", (80.0,) * 2, buses=buses[:2]), 4,
+                        "/usr/bin/numactl", near)[0] is False
     argv = torchrun_command(RunOptions(), tmp_path, 8, numa=True)
     agent = argv.index("moeplan.runtime.agent")
     ns = pytest.importorskip("torch.distributed.run").parse_args(argv[agent + 1:])

@@ -12,12 +12,12 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.torch_backend import TorchBackend
+from ..runtime.guard import numa_cpus
 from .fit import GemmSample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -26,29 +26,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cpu_list(text: str) -> set[int]:
-    """CPUs of a sysfs cpulist ("0-71,144-215"); an empty text, none."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def numa_cpus(pci_bus_id: str, sysfs: str | Path = "/sys") -> set[int]:
-    """The CPUs of the NUMA node a PCI device (a GPU, "0000:1b:00.0") hangs off, read from
-    sysfs: the node torchrun's `--numa-binding node` binds that GPU's worker to (a machine of one
-    node reports -1, read as node 0, as torch reads it). No such device: an empty set."""
-    root = Path(sysfs)
-    try:
-        node = int((root / "bus/pci/devices" / pci_bus_id.lower() / "numa_node").read_text())
-        return cpu_list((root / f"devices/system/node/node{max(node, 0)}/cpulist").read_text())
-    except (OSError, ValueError):
-        return set()
 
 
 @contextlib.contextmanager
@@ -63,7 +40,7 @@ def near_gpu(device: torch.device) -> Iterator[bool]:
         bus = getattr(p, "pci_bus_id", None)
         if bus is not None:
             ident = f"{p.pci_domain_id:04x}:{bus:02x}:{p.pci_device_id:02x}.0"
-            cpus = numa_cpus(ident) & os.sched_getaffinity(0)
+            cpus = numa_cpus(ident)
     if not cpus:
         yield False
         return

@@ -43,6 +43,7 @@ class Devices:
     kind: str  # "cpu" | "cuda"
     free_gb: tuple[float, ...]  # cpu: (MemAvailable,); cuda: per visible GPU, in index order
     names: tuple[str, ...] = ()
+    buses: tuple[str, ...] = ()  # cuda: each visible GPU's PCI address as sysfs names it
 
 
 @dataclass(frozen=True)
@@ -82,18 +83,56 @@ def detect_devices() -> Devices:
     smi = shutil.which("nvidia-smi")
     if smi and mask not in ("", "-1"):
         try:
-            out = subprocess.run([smi, "--query-gpu=index,uuid,name,memory.free",
+            out = subprocess.run([smi, "--query-gpu=index,uuid,name,memory.free,pci.bus_id",
                                   "--format=csv,noheader,nounits"], capture_output=True,
                                  text=True, timeout=15, check=True).stdout
             rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line]
-            rows = [r for r in rows if len(r) == 4 and (mask is None or _visible(r[0], r[1], mask))]
+            rows = [r for r in rows if len(r) == 5 and (mask is None or _visible(r[0], r[1], mask))]
             if rows:
                 return Devices("cuda", tuple(float(r[3]) * 2**20 / GB for r in rows),
-                               tuple(r[2] for r in rows))
+                               tuple(r[2] for r in rows), tuple(sysfs_bus(r[4]) for r in rows))
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
     avail = mem_available_gb()
     return Devices("cpu", (avail,) if avail is not None else ())
+
+
+def sysfs_bus(smi_bus_id: str) -> str:
+    """nvidia-smi's PCI address ("00000000:1B:00.0", an 8-digit domain) as sysfs names the
+    device ("0000:1b:00.0")."""
+    domain, _, rest = smi_bus_id.strip().partition(":")
+    try:
+        return f"{int(domain, 16):04x}:{rest.lower()}"
+    except ValueError:
+        return smi_bus_id.strip().lower()
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs of a sysfs cpulist ("0-71,144-215"); an empty text, none."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_cpus(pci_bus_id: str, sysfs: str | Path = "/sys",
+              allowed: set[int] | None = None) -> set[int]:
+    """The CPUs of the NUMA node a PCI device (a GPU, "0000:1b:00.0") hangs off that this
+    process may run on (`allowed`, default its affinity), read from sysfs: what torchrun's
+    `--numa-binding node` binds that GPU's worker to (a machine of one node reports -1, read as
+    node 0, as torch reads it). No such device, or none of its CPUs allowed: an empty set."""
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    root = Path(sysfs)
+    try:
+        node = int((root / "bus/pci/devices" / pci_bus_id.lower() / "numa_node").read_text())
+        cpus = cpu_list((root / f"devices/system/node/node{max(node, 0)}/cpulist").read_text())
+        return cpus & allowed
+    except (OSError, ValueError):
+        return set()
 
 
 def run_dtype(opts_dtype: str | None, devices: Devices) -> str:

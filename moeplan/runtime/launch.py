@@ -421,17 +421,32 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     return code, (got[0] if got else None)
 
 
-def numa_binding(devices, nproc: int, numactl: str | None) -> tuple[bool, str | None]:
+def numa_binding(devices, nproc: int, numactl: str | None,
+                 cpus_near=None) -> tuple[bool, str | None]:
     """Whether torchrun binds each worker to the CPUs of its GPU's NUMA node
     (`launch_lines.NUMA_BINDING`, as the runs the host launch time is priced on were bound), and
-    the one line to print when a GPU run cannot be: torch binds through numactl. A CPU run has
-    no GPU to bind near; its ranks share the cores OMP_NUM_THREADS divides."""
+    the one line to print when a GPU run cannot be. torch binds through numactl, and fails the
+    launch when a GPU's node has none of the CPUs this job may use (a cgroup or Slurm CPU mask),
+    so that is checked first, per local GPU (`cpus_near`: a PCI address to the CPUs allowed
+    near it, `guard.numa_cpus`). A CPU run has no GPU to bind near; its ranks share the cores
+    OMP_NUM_THREADS divides."""
+    from .guard import numa_cpus
+
     if devices.kind != "cuda" or len(devices.free_gb) < nproc:
         return False, None
+    unbound = "the workers run unbound to their GPUs' NUMA nodes, slower than priced wherever "
     if numactl is None:
-        return False, ("numactl not found: the workers run unbound to their GPUs' NUMA nodes, "
-                       "slower than priced wherever kernel launches bound the step; install "
+        return False, (f"numactl not found: {unbound}kernel launches bound the step; install "
                        "numactl to bind them.")
+    near = cpus_near or numa_cpus
+    buses = devices.buses[:nproc]
+    cut = [i for i, bus in enumerate(buses) if not near(bus)]
+    if len(buses) < nproc or cut:
+        which = f"GPU {cut[0]}'s NUMA node has none of the CPUs this job may use" if cut else \
+            "the GPUs' PCI addresses are not known"
+        return False, (f"cannot bind the workers to their GPUs' NUMA nodes ({which}): "
+                       f"{unbound}kernel launches bound the step; give the job those CPUs "
+                       "(e.g. srun --cpu-bind=none, or the whole node) to bind them.")
     return True, None
 
 
