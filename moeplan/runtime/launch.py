@@ -28,7 +28,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import limits
 from ..errors import (
@@ -55,6 +57,9 @@ from .storage import (
     verify_step,
 )
 from .support import features_not_executed, settings_not_executed, without_speed_settings
+
+if TYPE_CHECKING:
+    from .guard import Devices
 
 STOP_GRACE_S = 120.0  # after a stop signal: time for the step in flight and its checkpoint
 
@@ -421,8 +426,8 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     return code, (got[0] if got else None)
 
 
-def numa_binding(devices, nproc: int, numactl: str | None,
-                 cpus_near=None) -> tuple[bool, str | None]:
+def numa_binding(devices: Devices, nproc: int, numactl: str | None,
+                 cpus_near: Callable[[str], set[int]] | None = None) -> tuple[bool, str | None]:
     """Whether torchrun binds each worker to the CPUs of its GPU's NUMA node
     (`launch_lines.NUMA_BINDING`, as the runs the host launch time is priced on were bound), and
     the one line to print when a GPU run cannot be. torch binds through numactl, and fails the
@@ -445,8 +450,9 @@ def numa_binding(devices, nproc: int, numactl: str | None,
         which = f"GPU {cut[0]}'s NUMA node has none of the CPUs this job may use" if cut else \
             "the GPUs' PCI addresses are not known"
         return False, (f"cannot bind the workers to their GPUs' NUMA nodes ({which}): "
-                       f"{unbound}kernel launches bound the step; give the job those CPUs "
-                       "(e.g. srun --cpu-bind=none, or the whole node) to bind them.")
+                       f"{unbound}kernel launches bound the step; give the job the CPUs of "
+                       "its GPUs' nodes (a whole node, as sbatch --exclusive does) to bind "
+                       "them.")
     return True, None
 
 
