@@ -49,15 +49,17 @@ NUMA_SETUP = (
     "# each rank bound to the CPUs of its GPU's NUMA node (torchrun --numa-binding, PyTorch "
     ">= 2.9, through numactl), as the published runs moeplan's host launch time is fitted on",
     "NUMA_BINDING=(--numa-binding node)",
-    "if ! command -v numactl >/dev/null 2>&1; then",
-    '  echo "numactl not found: the ranks run unbound, slower than priced wherever kernel '
-    'launches bound the step; install numactl to bind them" >&2',
+    'if ! command -v numactl >/dev/null 2>&1 || [[ "$(torchrun --help 2>&1)" != '
+    '*--numa-binding* ]]; then',
+    '  echo "numactl, or a torchrun with --numa-binding (PyTorch >= 2.9), not found: the ranks '
+    'run unbound, slower than priced wherever kernel launches bound the step" >&2',
     "  NUMA_BINDING=()",
     "fi",
 )
 """Shell lines a GPU launch script runs before torchrun: the binding where numactl is present
-(torch's binding needs it), else one line saying the run is not the one priced. Literal text: no
-input reaches it."""
+(torch binds through it) and the torchrun on PATH takes the flag (it asks torchrun itself, so an
+older PyTorch launches instead of refusing an unknown argument), else one line saying the run is
+not the one priced. Literal text: no input reaches it."""
 
 NUMA_ARG = '${NUMA_BINDING[@]+"${NUMA_BINDING[@]}"}'
 """The torchrun argument NUMA_SETUP leaves: the binding's two tokens, or none (the `+` form

@@ -392,14 +392,19 @@ def test_torchrun_defaults_and_errors():
         torchrun_argv(plan, nnodes=3)
 
 
-def _launched_torchrun_args(script: str, tmp_path, with_numactl: bool) -> tuple[list[str], str]:
+def _launched_torchrun_args(script: str, tmp_path, with_numactl: bool,
+                            binding_torchrun: bool = True) -> tuple[list[str], str]:
     """Run a launch script under bash with stand-ins for torchrun (which writes down its
-    arguments) and, when asked, numactl on an otherwise empty PATH: what torchrun was given,
-    and what the script said on stderr."""
-    bin_dir = tmp_path / ("with" if with_numactl else "without")
+    arguments; its --help lists --numa-binding unless it stands for a PyTorch before 2.9) and,
+    when asked, numactl on an otherwise empty PATH: what torchrun was given, and what the script
+    said on stderr."""
+    bin_dir = tmp_path / f"numactl-{with_numactl}-binding-{binding_torchrun}"
     bin_dir.mkdir()
     got = bin_dir / "args"
-    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {got}\n')
+    usage = "[--numa-binding {node,socket}] " if binding_torchrun else ""
+    (bin_dir / "torchrun").write_text(
+        f'#!/bin/bash\n[ "$1" = --help ] && {{ echo "usage: torchrun {usage}[--nnodes]"; '
+        f'exit 0; }}\nprintf "%s\\n" "$@" > {got}\n')
     names = ["torchrun", "numactl"] if with_numactl else ["torchrun"]
     if with_numactl:
         (bin_dir / "numactl").write_text("#!/bin/bash\nexit 0\n")
@@ -417,8 +422,8 @@ def _launched_torchrun_args(script: str, tmp_path, with_numactl: bool) -> tuple[
 def test_gpu_launches_bind_each_rank_to_its_gpus_numa_node_where_numactl_is(fmt, tmp_path):
     """The runs the host launch time is fitted on bound every rank to its GPU's NUMA node
     (NVIDIA's performance launches); the exported launch does so through torchrun's own flag,
-    which torch's parser takes, and without numactl (which torch binds through) says so in one
-    line and runs unbound."""
+    which torch's parser takes, and without numactl (which torch binds through) or with a
+    torchrun older than the flag says so in one line and runs unbound."""
     script = moeplan.export(deepseek_plan(), fmt)["launch" if fmt == "megatron" else "script"]
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     bound, said = _launched_torchrun_args(script, tmp_path, with_numactl=True)
@@ -428,7 +433,9 @@ def test_gpu_launches_bind_each_rank_to_its_gpus_numa_node_where_numactl_is(fmt,
     assert str(getattr(ns.numa_binding, "value", ns.numa_binding)) == "node"
     unbound, said = _launched_torchrun_args(script, tmp_path, with_numactl=False)
     assert unbound == bound[2:]
-    assert said.count("\n") == 1 and "numactl not found" in said
+    assert said.count("\n") == 1 and "not found: the ranks run unbound" in said
+    older, said = _launched_torchrun_args(script, tmp_path, True, binding_torchrun=False)
+    assert older == bound[2:] and "PyTorch >= 2.9" in said  # launched, not refused
 
 
 def test_slurm_script_contents():

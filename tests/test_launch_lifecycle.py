@@ -27,6 +27,7 @@ from moeplan.runtime.guard import (
     node_ranks,
     price_ranks,
     shortfall,
+    torchrun_binds_numa,
 )
 from moeplan.runtime.launch import RunOptions, guard_memory, numa_binding, torchrun_command
 from moeplan.runtime.lifecycle import INTERRUPTED_EXIT
@@ -257,16 +258,21 @@ def test_gpu_workers_are_bound_to_their_gpus_numa_nodes_as_the_priced_runs_were(
     buses = tuple(f"0000:{b:02x}:00.0" for b in range(8))
     gpus = Devices("cuda", (80.0,) * 8, buses=buses)
     near = {bus: ({0, 1} if i < 4 else {2, 3}) for i, bus in enumerate(buses)}.get
-    assert numa_binding(gpus, 8, "/usr/bin/numactl", near) == (True, None)
-    bound, note = numa_binding(gpus, 8, None, near)
+    assert numa_binding(gpus, 8, "/usr/bin/numactl", cpus_near=near) == (True, None)
+    bound, note = numa_binding(gpus, 8, None, cpus_near=near)
     assert not bound and "numactl not found" in note and "install numactl" in note
+    bound, note = numa_binding(gpus, 8, "/usr/bin/numactl", False, near)  # torch before 2.9
+    assert not bound and "has no --numa-binding" in note
+    parser = pytest.importorskip("torch.distributed.run").get_args_parser()
+    takes = "numa_binding" in vars(parser.parse_args(["train.py"]))
+    assert torchrun_binds_numa() is takes  # read from its source, as its parser says
     # a job whose CPU mask leaves GPU 5's node no CPU: torch would fail the launch, so unbound
     masked = {**{b: near(b) for b in buses}, buses[5]: set()}.get
-    bound, note = numa_binding(gpus, 8, "/usr/bin/numactl", masked)
+    bound, note = numa_binding(gpus, 8, "/usr/bin/numactl", cpus_near=masked)
     assert not bound and "GPU 5's NUMA node has none of the CPUs this job may use" in note
     assert numa_binding(Devices("cpu", (23.0,)), 2, "/usr/bin/numactl") == (False, None)
     assert numa_binding(Devices("cuda", (80.0,) * 2, buses=buses[:2]), 4,
-                        "/usr/bin/numactl", near)[0] is False
+                        "/usr/bin/numactl", cpus_near=near)[0] is False
     argv = torchrun_command(RunOptions(), tmp_path, 8, numa=True)
     agent = argv.index("moeplan.runtime.agent")
     ns = pytest.importorskip("torch.distributed.run").parse_args(argv[agent + 1:])

@@ -135,6 +135,22 @@ def numa_cpus(pci_bus_id: str, sysfs: str | Path = "/sys",
         return set()
 
 
+def torchrun_binds_numa() -> bool:
+    """Whether the installed torch's torchrun takes `--numa-binding` (PyTorch 2.9 on), read from
+    its argument parser's own source (torch/distributed/run.py, the first MiB) without importing
+    torch, so the launcher stays instant; an older torch would refuse the flag."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        with open(Path(spec.origin).parent / "distributed" / "run.py", "rb") as f:
+            return b"--numa-binding" in f.read(1 << 20)
+    except OSError:
+        return False
+
+
 def run_dtype(opts_dtype: str | None, devices: Devices) -> str:
     """The dtype the workers will train in (worker.py: bf16 on GPU, fp32 on CPU by default)."""
     return opts_dtype or ("bf16" if devices.kind == "cuda" else "fp32")

@@ -305,7 +305,8 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
 
     devices = guard.detect_devices()
     guard_memory(running, opts, nproc, devices)
-    bind, note = numa_binding(devices, nproc, shutil.which("numactl"))
+    bind, note = numa_binding(devices, nproc, shutil.which("numactl"),
+                              guard.torchrun_binds_numa())
     if note:
         print(note, file=sys.stderr, flush=True)
     with contextlib.ExitStack() as held:
@@ -426,11 +427,12 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     return code, (got[0] if got else None)
 
 
-def numa_binding(devices: Devices, nproc: int, numactl: str | None,
+def numa_binding(devices: Devices, nproc: int, numactl: str | None, torchrun_binds: bool = True,
                  cpus_near: Callable[[str], set[int]] | None = None) -> tuple[bool, str | None]:
     """Whether torchrun binds each worker to the CPUs of its GPU's NUMA node
     (`launch_lines.NUMA_BINDING`, as the runs the host launch time is priced on were bound), and
-    the one line to print when a GPU run cannot be. torch binds through numactl, and fails the
+    the one line to print when a GPU run cannot be: a torch before 2.9 has no such flag
+    (`torchrun_binds`, `guard.torchrun_binds_numa`). torch binds through numactl, and fails the
     launch when a GPU's node has none of the CPUs this job may use (a cgroup or Slurm CPU mask),
     so that is checked first, per local GPU (`cpus_near`: a PCI address to the CPUs allowed
     near it, `guard.numa_cpus`). A CPU run has no GPU to bind near; its ranks share the cores
@@ -440,6 +442,9 @@ def numa_binding(devices: Devices, nproc: int, numactl: str | None,
     if devices.kind != "cuda" or len(devices.free_gb) < nproc:
         return False, None
     unbound = "the workers run unbound to their GPUs' NUMA nodes, slower than priced wherever "
+    if not torchrun_binds:
+        return False, (f"this torch's torchrun has no --numa-binding (PyTorch 2.9 on): {unbound}"
+                       "kernel launches bound the step; upgrade torch to bind them.")
     if numactl is None:
         return False, (f"numactl not found: {unbound}kernel launches bound the step; install "
                        "numactl to bind them.")
