@@ -282,9 +282,13 @@ def test_the_gpus_numa_cpus_are_read_from_sysfs_as_torchrun_binds_them(tmp_path)
     `moeplan calibrate` measures the launch time so: the node of the GPU's PCI address (-1, a
     machine of one node, read as node 0, as torch reads it), less the CPUs the job may not use;
     nvidia-smi's 8-digit PCI domain is read as sysfs names it."""
-    from moeplan.runtime.guard import sysfs_bus
+    from types import SimpleNamespace
+
+    from moeplan.runtime.guard import pci_address, sysfs_bus
 
     assert sysfs_bus("00000000:1B:00.0") == "0000:1b:00.0"
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)  # torch's ids
+    assert pci_address(props) == "0000:1b:00.0" and pci_address(object()) is None
     assert sysfs_bus("00000001:DC:00.0\n") == "0001:dc:00.0"
     from moeplan.runtime.guard import cpu_list, numa_cpus
 

@@ -64,6 +64,7 @@ def test_run_writes_spec_outputs_and_appends_metrics(cli, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["measured"]["step_time_s"] > 0
     assert summary["predicted"]["step_time_s"] == 0.5  # measured next to the plan's forecast
+    assert summary["numa_bound"] is None  # a CPU run: no GPU to be bound near
     assert "step time" in r.stderr and "loss" in r.stderr  # progress and the summary table
 
     # a second run into the same directory appends; the world-1 plan gives the same losses

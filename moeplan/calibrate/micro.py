@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.torch_backend import TorchBackend
-from ..runtime.guard import numa_cpus
+from ..runtime.guard import numa_cpus, pci_address
 from .fit import GemmSample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -36,11 +36,9 @@ def near_gpu(device: torch.device) -> Iterator[bool]:
     unknown, is measured as it runs)."""
     cpus: set[int] = set()
     if device.type == "cuda" and hasattr(os, "sched_setaffinity"):
-        p = torch.cuda.get_device_properties(device)
-        bus = getattr(p, "pci_bus_id", None)
+        bus = pci_address(torch.cuda.get_device_properties(device))
         if bus is not None:
-            ident = f"{p.pci_domain_id:04x}:{bus:02x}:{p.pci_device_id:02x}.0"
-            cpus = numa_cpus(ident)
+            cpus = numa_cpus(bus)
     if not cpus:
         yield False
         return

@@ -107,6 +107,17 @@ def sysfs_bus(smi_bus_id: str) -> str:
         return smi_bus_id.strip().lower()
 
 
+def pci_address(props: object) -> str | None:
+    """A CUDA device's PCI address as sysfs names it ("0000:1b:00.0"), from torch's device
+    properties (its domain, bus and device ids, as torch's own NUMA binding reads them); None
+    where this torch does not report them."""
+    try:
+        return (f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"  # type: ignore[attr-defined]
+                f"{props.pci_device_id:02x}.0")  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def cpu_list(text: str) -> set[int]:
     """CPUs of a sysfs cpulist ("0-71,144-215"); an empty text, none."""
     cpus: set[int] = set()

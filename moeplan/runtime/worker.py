@@ -245,6 +245,19 @@ class _StopOnSignal:
         return int(self.flag.item())
 
 
+def numa_bound(device: torch.device) -> bool | None:
+    """Whether this worker runs only on CPUs of its GPU's NUMA node, as `moeplan run` binds its
+    workers and the runs the host launch time is priced on were bound (`launch.numa_binding`);
+    None on a CPU, which has no GPU to be near."""
+    from .guard import numa_cpus, pci_address
+
+    if device.type != "cuda" or not hasattr(os, "sched_getaffinity"):
+        return None
+    bus = pci_address(torch.cuda.get_device_properties(device))
+    mine = os.sched_getaffinity(0)
+    return bus is not None and bool(mine) and numa_cpus(bus, allowed=mine) == mine
+
+
 def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: list[float],
              device: torch.device, dtype: torch.dtype, opts: RunOptions) -> dict:
     """Measured figures (median step after the first) next to the plan's predictions, and
@@ -269,13 +282,17 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
         if est is not None and est.interval is not None:
             predicted["step_time_interval_s"] = list(est.interval.step_time_s)
     notes = [objective_line(running), *notes]
+    bound = numa_bound(device)
+    if bound is False:
+        notes.append("rank 0 ran unbound to its GPU's NUMA node: the predicted step prices the "
+                     "host's kernel launches from bound ranks (docs/RUNTIME.md, CPU binding)")
     if opts.init_from:
         notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
     band = (predicted or {}).get("step_time_interval_s")
     return {
         "model": running.model.name, "world_size": world, "layout": running.summary(),
         "steps": opts.steps, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-        "seed": opts.seed, "scaled_down": opts.scale_down,
+        "seed": opts.seed, "scaled_down": opts.scale_down, "numa_bound": bound,
         "measured": {
             "step_time_s": step_s, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_gpu": tokens / step_s / world,
