@@ -48,9 +48,9 @@ A GPU launch binds its ranks so, or it is not the job the estimate priced."""
 NUMA_SETUP = (
     "# each rank bound to the CPUs of its GPU's NUMA node (torchrun --numa-binding, PyTorch "
     ">= 2.9, through numactl), as the published runs moeplan's host launch time is fitted on",
-    "NUMA_BINDING=(--numa-binding node)",
+    f"NUMA_BINDING=({' '.join(NUMA_BINDING)})",
     'if ! command -v numactl >/dev/null 2>&1 || [[ "$(torchrun --help 2>&1)" != '
-    '*--numa-binding* ]]; then',
+    f'*{NUMA_BINDING[0]}* ]]; then',
     '  echo "numactl, or a torchrun with --numa-binding (PyTorch >= 2.9), not found: the ranks '
     'run unbound, slower than priced wherever kernel launches bound the step" >&2',
     "  NUMA_BINDING=()",

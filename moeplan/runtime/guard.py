@@ -24,6 +24,7 @@ from pathlib import Path
 from ..cost_models.calibration import calibration_for
 from ..cost_models.estimate import estimate_breakdown
 from ..errors import SpecError
+from ..launch_lines import NUMA_BINDING
 from ..specs import ClusterSpec, Plan, load_cluster
 from ..specs.grid import RankGrid
 
@@ -157,7 +158,7 @@ def torchrun_binds_numa() -> bool:
         return False
     try:
         with open(Path(spec.origin).parent / "distributed" / "run.py", "rb") as f:
-            return b"--numa-binding" in f.read(1 << 20)
+            return NUMA_BINDING[0].encode() in f.read(1 << 20)
     except OSError:
         return False
 
