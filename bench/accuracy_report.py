@@ -1225,7 +1225,7 @@ def main() -> None:
         "python bench/cross_validate.py --by model --refit quick --jobs 2  # the CLI's refit",
         "python bench/fit_intervals.py          # moeplan/cost_models/intervals.json",
         "python bench/accuracy_report.py        # this file",
-        "moeplan validate --cv model --json     # leave one model out, quick refit, per family",
+        "moeplan validate --cv model --jobs 2 --json  # leave one model out, quick refit, per family",
         "moeplan validate RUNS.csv              # runs no fit saw, scored as new runs",
         "python bench/korthikanti_table5.py     # Table 5 runs (dense A100)", "```", "",
         f"Code at commit `{commit}` plus the working tree at the time of writing.", "",

@@ -18,34 +18,25 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from moeplan.fsio import write_json
 from moeplan.validation import read_rows
-from moeplan.validation.crossval import assemble, cases_of, folds_of, run_fold
+from moeplan.validation.crossval import assemble, cases_of, folds_of, run_folds
+from moeplan.validation.fit import scored
 
 OUT = Path(__file__).resolve().parent / "data" / "crossval.json"
 
 
-def _fold(args: tuple) -> Any:
-    csv, by, group, refit = args
-    return run_fold(cases_of(read_rows(csv)), by, group, refit)
-
-
 def run(csv: str | None, by: str, refit: str, jobs: int) -> dict[str, Any]:
-    cases = cases_of(read_rows(csv))
-    groups = folds_of(cases, by)  # type: ignore[arg-type]
-    t0 = time.process_time()
-    work = [(csv, by, g, refit) for g in groups]
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            folds = list(pool.map(_fold, work))
-    else:
-        folds = [_fold(w) for w in work]
+    """The folds of `by`, `jobs` at a time in worker processes (`crossval.run_folds`: the
+    same folds as one after another), and their rows and summary."""
+    cases = scored(cases_of(read_rows(csv)))
+    t0 = time.monotonic()
+    folds = run_folds(cases, by, folds_of(cases, by), refit, jobs=jobs)  # type: ignore[arg-type]
     res = assemble(cases, by, refit, folds)  # type: ignore[arg-type]
-    res["process_seconds"] = round(time.process_time() - t0, 1)
+    res["wall_seconds"] = round(time.monotonic() - t0, 1)
     return res
 
 
@@ -54,7 +45,8 @@ def main() -> None:
     ap.add_argument("csv", nargs="?", default=None,
                     help="published-runs CSV (default: the shipped moeplan/validation/data copy)")
     ap.add_argument("--by", default="model,release,config")
-    ap.add_argument("--jobs", type=int, default=1, help="folds run in parallel processes")
+    ap.add_argument("--jobs", type=int, default=1, help="folds refitted at once, each in a "
+                    "worker process")
     ap.add_argument("--refit", choices=("full", "quick"), default="full")
     ap.add_argument("-o", "--out", default=None)
     args = ap.parse_args()

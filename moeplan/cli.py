@@ -465,6 +465,9 @@ def validate(
                   "(leave one model out) or release (leave one software release out); each "
                   "fold refits the calibration without its rows (a quick refit: one sweep).")
                   ] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, max=limits.MAX_JOBS, help="With --cv: "
+                    "folds refitted at once, each in a process of its own (the result does not "
+                    "depend on it).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict published runs and report the error per row: runs the shipped calibration was
@@ -472,8 +475,12 @@ def validate(
     from .validation import read_rows, validate_rows
 
     if cv is not None:
-        _validate_cv(runs_csv, cv, as_json)
+        _validate_cv(runs_csv, cv, as_json, jobs)
         return
+    if jobs != 1:
+        raise SpecError(f"--jobs {jobs}: sets how many cross-validation folds run at once; "
+                        "pass it with --cv model or --cv release (a plain validate prices "
+                        "every run under the shipped calibration, with no refit to spread).")
     rows = read_rows(runs_csv)
     with progress_line(2.0) as bar:
         res = validate_rows(rows, progress=lambda done, total: bar.update(
@@ -592,7 +599,7 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
     return notes
 
 
-def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
+def _validate_cv(runs_csv: str | None, by: str, as_json: bool, jobs: int = 1) -> None:
     """`validate --cv`: leave-one-model-out or leave-one-release-out error per family."""
     from .validation import read_rows
     from .validation.crossval import CLI_CHOICES, cross_validate_rows
@@ -601,7 +608,8 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool) -> None:
         raise SpecError(f"--cv {limits.excerpt(by)}: takes {' or '.join(CLI_CHOICES)} (leave one model "
                         "out, or one software release out).")
     res = cross_validate_rows(read_rows(runs_csv), by, "quick",  # type: ignore[arg-type]
-                              log=lambda m: err.print(m, highlight=False, markup=False))
+                              log=lambda m: err.print(m, highlight=False, markup=False),
+                              jobs=jobs)
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"

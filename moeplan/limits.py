@@ -25,6 +25,7 @@ MAX_GLOBAL_BATCH = 16_777_216  # sequences per step
 MAX_SWEEP_POINTS = 1024  # whatif: clusters × GPU counts × seqs × batches × precisions
 
 MAX_TOP_PLANS = 1000  # search/whatif --top
+MAX_JOBS = 256  # validate --cv --jobs: worker processes one command starts at once
 MAX_TRAIN_ITERS = 10**9  # any iteration count: --train-iters, --lr-decay-iters, --eval-iters, ...
 
 # ---------------------------------------------------------------- model shape (specs/model.py)

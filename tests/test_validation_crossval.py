@@ -113,3 +113,100 @@ def test_the_fit_keeps_the_grace_launch_time_at_or_above_the_x86_one():
     set_key(over, "launch_us.grace", 35.0)
     assert not keep_order(over, "launch_us.grace")
     assert (get_key(over, "launch_us.x86"), get_key(over, "launch_us.grace")) == (25.0, 35.0)
+
+
+def test_folds_refitted_in_worker_processes_equal_the_folds_of_one_process(rows):
+    """`--jobs` changes where the folds run, never what they predict: every fold's refit, its
+    objective and each left-out row's prediction come back bit for bit through JSON."""
+    one = cross_validate_rows(rows, "model")
+    three = cross_validate_rows(rows, "model", jobs=3)
+    assert three == one
+    assert len(one["folds"]) == 3
+
+
+def test_validate_cv_jobs_prints_what_one_process_prints(rows, tmp_path, capsys):
+    import csv
+
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    docs = []
+    for jobs in ("1", "2"):
+        assert main(["validate", str(path), "--cv", "release", "--jobs", jobs, "--json"]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    assert docs[0] == docs[1] and docs[0]["rows"]
+
+
+def test_jobs_without_cv_is_refused_naming_the_flag(capsys):
+    assert main(["validate", "--jobs", "4"]) == 2
+    msg = capsys.readouterr().err
+    assert "--jobs 4" in msg and "--cv" in msg and "Traceback" not in msg
+
+
+def test_a_fold_that_fails_in_its_worker_stops_the_run_and_leaves_no_process(rows):
+    """A worker that dies reports its fold and its error; the others are killed, not left
+    running."""
+    import os
+
+    from moeplan.runtime.lifecycle import child_pids
+    from moeplan.validation.crossval import run_folds
+
+    cases = cases_of(rows)
+    with pytest.raises(RuntimeError, match="fold 'a' failed in its worker process") as err:
+        run_folds(cases, "no-such-grouping", ["a", "b", "c"], "quick", jobs=2)  # type: ignore[arg-type]
+    assert "KeyError" in str(err.value)
+    assert child_pids(os.getpid()) == []
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
+                    reason="parent-death signals are Linux's")
+def test_fold_workers_die_with_a_cross_validation_killed_outright(tmp_path):
+    """SIGKILL leaves the parent no cleanup to run; the workers go anyway (their parent-death
+    signal), so no refit keeps burning CPU after the command that started it is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from moeplan.runtime.lifecycle import child_pids
+
+    script = ("from moeplan.validation import read_rows\n"
+              "from moeplan.validation.crossval import cases_of, folds_of, run_folds\n"
+              "from moeplan.validation.fit import scored\n"
+              "cases = scored(cases_of(read_rows()))\n"
+              "run_folds(cases, 'model', folds_of(cases, 'model')[:2], 'full', jobs=2)\n")
+    import os
+
+    # the killed parent cannot remove its scratch directory: keep it in the test's own
+    parent = subprocess.Popen([sys.executable, "-c", script],
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = child_pids(parent.pid)
+            time.sleep(0.1)
+        assert len(workers) == 2, "the fold workers did not start"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in workers if _running(p)]
+        assert alive == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

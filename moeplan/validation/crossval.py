@@ -71,6 +71,27 @@ class Fold:
     predictions: dict[str, float]  # case id -> predicted tokens/s/GPU
 
 
+WORKER_MODULE = "moeplan.validation.fold_worker"
+"""What `run_folds` runs each fold in when it runs several at once (`python -m`)."""
+PARENT_PID_ENV = "MOEPLAN_CV_PARENT_PID"
+"""The pid of the process that started a fold worker: the worker exits at once when its parent
+is already gone, and dies with it otherwise (`runtime.lifecycle.set_parent_death_signal`)."""
+ROWS_LIMIT_BYTES = 64 * 1024 * 1024
+"""Bound on the rows and fold files a worker and its parent read: the rows come from a CSV of at
+most `limits.MAX_FILE_BYTES` (8 MiB), and JSON's quoting cannot grow that eightfold."""
+
+
+def fold_document(fold: Fold) -> dict[str, Any]:
+    """A fold as the JSON a worker hands back (`fold_of_document` reads it)."""
+    return {"group": fold.group, "train_rows": fold.train_rows, "objective": fold.objective,
+            "predictions": dict(fold.predictions)}
+
+
+def fold_of_document(doc: dict[str, Any]) -> Fold:
+    return Fold(str(doc["group"]), int(doc["train_rows"]), float(doc["objective"]),
+                {str(k): float(v) for k, v in doc["predictions"].items()})
+
+
 def run_fold(cases: Sequence[RunCase], by: By, group: str, refit: Refit = "full",
              log: Callable[[str], None] | None = None, train_split: str = "all") -> Fold:
     """Refit without `group`'s rows and predict them; `train_split` "fit" keeps only the
@@ -94,18 +115,94 @@ def folds_of(cases: Sequence[RunCase], by: By) -> list[str]:
 
 
 def cross_validate(cases: Sequence[RunCase], by: By, refit: Refit = "full",
-                   log: Callable[[str], None] | None = None, train_split: str = "all"
-                   ) -> dict[str, Any]:
+                   log: Callable[[str], None] | None = None, train_split: str = "all",
+                   jobs: int = 1) -> dict[str, Any]:
     """Every fold of `by`, and the scored rows each predicted: {"by", "refit", "folds",
     "rows": [{"id", "group", "family", "model", "gpu", "gpu_family", "precision", "published",
-    "predicted", "error"}], and the summary of `summarise`."""
+    "predicted", "error"}], and the summary of `summarise`. `jobs`: folds run at once, each in
+    a process of its own (`run_folds`); the result does not depend on it."""
     cases = scored(cases)
-    folds = []
-    for g in folds_of(cases, by):
-        if log:
-            log(f"fold {g}")
-        folds.append(run_fold(cases, by, g, refit, log, train_split))
+    folds = run_folds(cases, by, folds_of(cases, by), refit, log, train_split, jobs)
     return assemble(cases, by, refit, folds)
+
+
+def run_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit: Refit = "full",
+              log: Callable[[str], None] | None = None, train_split: str = "all",
+              jobs: int = 1) -> list[Fold]:
+    """The fold of each of `groups`, in their order: one after another in this process, or,
+    with `jobs` > 1, up to `jobs` at a time in worker processes (`fold_worker`).
+
+    A fold's refit is a pure function of its training rows, so where it runs changes nothing
+    but the wall time: the workers rebuild the cases from the same CSV rows (written once as
+    JSON) and hand their fold back as JSON, never as a pickle. A worker that fails stops the
+    rest, and no worker outlives this call: an error or an interrupt kills the ones still
+    running, and each dies with this process if it is killed outright."""
+    if jobs <= 1 or len(groups) <= 1:
+        out = []
+        for g in groups:
+            if log:
+                log(f"fold {g}")
+            out.append(run_fold(cases, by, g, refit, log, train_split))
+        return out
+    return _worker_folds(cases, by, groups, refit, log, train_split, jobs)
+
+
+def _worker_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit: Refit,
+                  log: Callable[[str], None] | None, train_split: str, jobs: int
+                  ) -> list[Fold]:
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from ..fsio import loads_json, read_regular, write_json
+
+    columns = list(dict.fromkeys(k for c in cases for k in c.row))
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid()),
+           "PYTHONPATH": os.pathsep.join(filter(None, (package_root,
+                                                        os.environ.get("PYTHONPATH"))))}
+    done: dict[int, Fold] = {}
+    running: dict[int, tuple[subprocess.Popen, Path]] = {}
+    with tempfile.TemporaryDirectory(prefix="moeplan-cv-") as tmp:
+        rows = Path(tmp) / "rows.json"
+        write_json(rows, {"columns": columns,
+                          "rows": [[c.row.get(k, "") for k in columns] for c in cases]}, None)
+        pending = list(enumerate(groups))
+        try:
+            while pending or running:
+                while pending and len(running) < jobs:
+                    i, g = pending.pop(0)
+                    if log:
+                        log(f"fold {g}")
+                    with (Path(tmp) / f"fold-{i}.err").open("xb") as err:
+                        proc = subprocess.Popen(
+                            [sys.executable, "-m", WORKER_MODULE, str(rows),
+                             by, g, refit, train_split, str(Path(tmp) / f"fold-{i}.json")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                            env=env)
+                    running[i] = (proc, Path(tmp) / f"fold-{i}.err")
+                for i, (proc, err_path) in list(running.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del running[i]
+                    if code != 0:
+                        tail = err_path.read_text(errors="replace").strip()[-2000:]
+                        raise RuntimeError(f"cross-validation fold {groups[i]!r} failed in its "
+                                           f"worker process (exit {code}): {tail}")
+                    doc = loads_json(read_regular(Path(tmp) / f"fold-{i}.json",
+                                                  ROWS_LIMIT_BYTES))
+                    done[i] = fold_of_document(doc)
+                if running:
+                    time.sleep(0.05)
+        finally:
+            for proc, _ in running.values():
+                proc.kill()
+                proc.wait()
+    return [done[i] for i in range(len(groups))]
 
 
 def assemble(cases: Sequence[RunCase], by: By, refit: Refit, folds: Sequence[Fold]
@@ -168,6 +265,7 @@ def cases_of(rows: Sequence[dict[str, str]]) -> list[RunCase]:
 
 
 def cross_validate_rows(rows: Sequence[dict[str, str]], by: By, refit: Refit = "quick",
-                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                        log: Callable[[str], None] | None = None, jobs: int = 1
+                        ) -> dict[str, Any]:
     """`cross_validate` of a CSV's rows (what `moeplan validate --cv` prints)."""
-    return cross_validate(cases_of(rows), by, refit, log)
+    return cross_validate(cases_of(rows), by, refit, log, jobs=jobs)
