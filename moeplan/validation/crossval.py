@@ -88,6 +88,7 @@ def fold_document(fold: Fold) -> dict[str, Any]:
 
 
 def fold_of_document(doc: dict[str, Any]) -> Fold:
+    """The fold a worker's JSON describes (`fold_document` writes it)."""
     return Fold(str(doc["group"]), int(doc["train_rows"]), float(doc["objective"]),
                 {str(k): float(v) for k, v in doc["predictions"].items()})
 
@@ -133,8 +134,9 @@ def run_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit: Re
     with `jobs` > 1, up to `jobs` at a time in worker processes (`fold_worker`).
 
     A fold's refit is a pure function of its training rows, so where it runs changes nothing
-    but the wall time: the workers rebuild the cases from the same CSV rows (written once as
-    JSON) and hand their fold back as JSON, never as a pickle. A worker that fails stops the
+    but the wall time: the workers rebuild the cases from the same CSV rows (`cases_of` of
+    each case's `row`, written once as JSON) and hand their fold back as JSON, never as a
+    pickle. A worker that fails stops the
     rest, and no worker outlives this call: an error or an interrupt kills the ones still
     running, and each dies with this process if it is killed outright."""
     if jobs <= 1 or len(groups) <= 1:
