@@ -141,9 +141,9 @@ def run_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit: Re
     running, and each dies with this process if it is killed outright."""
     if jobs <= 1 or len(groups) <= 1:
         out = []
-        for g in groups:
+        for k, g in enumerate(groups, 1):
             if log:
-                log(f"fold {g}")
+                log(f"fold {g} ({k} of {len(groups)})")
             out.append(run_fold(cases, by, g, refit, log, train_split))
         return out
     return _worker_folds(cases, by, groups, refit, log, train_split, jobs)
@@ -178,7 +178,7 @@ def _worker_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit
                 while pending and len(running) < jobs:
                     i, g = pending.pop(0)
                     if log:
-                        log(f"fold {g}")
+                        log(f"fold {g} ({i + 1} of {len(groups)}, {len(running) + 1} running)")
                     with (Path(tmp) / f"fold-{i}.err").open("xb") as err:
                         proc = subprocess.Popen(
                             [sys.executable, "-m", WORKER_MODULE, str(rows),
