@@ -154,7 +154,8 @@ def test_a_fold_that_fails_in_its_worker_stops_the_run_and_leaves_no_process(row
     from moeplan.validation.crossval import run_folds
 
     cases = cases_of(rows)
-    with pytest.raises(RuntimeError, match="fold 'a' failed in its worker process") as err:
+    # both running workers fail; whichever exits first is the one reported
+    with pytest.raises(RuntimeError, match="fold '[ab]' failed in its worker process") as err:
         run_folds(cases, "no-such-grouping", ["a", "b", "c"], "quick", jobs=2)  # type: ignore[arg-type]
     assert "KeyError" in str(err.value)
     assert child_pids(os.getpid()) == []
