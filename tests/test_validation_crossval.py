@@ -24,6 +24,19 @@ def rows() -> list[dict[str, str]]:
     return out
 
 
+@pytest.fixture
+def runs_csv(rows, tmp_path):
+    """The fixture's rows as a CSV file, what `moeplan validate RUNS.csv --cv` reads."""
+    import csv
+
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
 def _preds(res: dict) -> dict[str, float]:
     return {r["id"]: r["predicted"] for r in res["rows"]}
 
@@ -49,15 +62,8 @@ def test_bridge_releases_are_separate_folds():
             "NVIDIA Megatron-Bridge performance summary 26.06"} <= by_label
 
 
-def test_validate_cv_reports_every_row_once_with_per_family_errors(rows, tmp_path, capsys):
-    import csv
-
-    path = tmp_path / "runs.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    assert main(["validate", str(path), "--cv", "model", "--json"]) == 0
+def test_validate_cv_reports_every_row_once_with_per_family_errors(rows, runs_csv, capsys):
+    assert main(["validate", str(runs_csv), "--cv", "model", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["by"] == "model" and doc["refit"] == "quick"
     assert sorted(r["id"] for r in doc["rows"]) == sorted(r["id"] for r in rows)
@@ -81,17 +87,10 @@ def test_validate_cv_refuses_an_unknown_grouping(capsys):
     assert "--cv" in capsys.readouterr().err
 
 
-def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(rows, tmp_path):
-    import csv
-
+def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(runs_csv):
     from .test_cli_terminal import assert_fits_and_whole, json_of, render_in_pty
 
-    path = tmp_path / "runs.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    args = ("validate", str(path), "--cv", "model")
+    args = ("validate", str(runs_csv), "--cv", "model")
     doc = json_of(args)
     nums = [f"{v['mape']:.1%}" for v in doc["by_family"].values()]
     nums += [f"{v['bias']:+.1%}" for v in doc["by_family"].values()] + [f"{doc['mape']:.1%}"]
@@ -124,17 +123,11 @@ def test_folds_refitted_in_worker_processes_equal_the_folds_of_one_process(rows)
     assert len(one["folds"]) == 3
 
 
-def test_validate_cv_jobs_prints_what_one_process_prints(rows, tmp_path, capsys):
-    import csv
-
-    path = tmp_path / "runs.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+def test_validate_cv_jobs_prints_what_one_process_prints(runs_csv, capsys):
     docs = []
     for jobs in ("1", "2"):
-        assert main(["validate", str(path), "--cv", "release", "--jobs", jobs, "--json"]) == 0
+        assert main(["validate", str(runs_csv), "--cv", "release", "--jobs", jobs,
+                     "--json"]) == 0
         docs.append(json.loads(capsys.readouterr().out))
     assert docs[0] == docs[1] and docs[0]["rows"]
 
