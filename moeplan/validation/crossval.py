@@ -136,9 +136,9 @@ def run_folds(cases: Sequence[RunCase], by: By, groups: Sequence[str], refit: Re
     A fold's refit is a pure function of its training rows, so where it runs changes nothing
     but the wall time: the workers rebuild the cases from the same CSV rows (`cases_of` of
     each case's `row`, written once as JSON) and hand their fold back as JSON, never as a
-    pickle. A worker that fails stops the
-    rest, and no worker outlives this call: an error or an interrupt kills the ones still
-    running, and each dies with this process if it is killed outright."""
+    pickle. A worker that fails stops the rest, and no worker outlives this call: an error or
+    an interrupt kills the ones still running, and each dies with this process if it is killed
+    outright."""
     if jobs <= 1 or len(groups) <= 1:
         out = []
         for k, g in enumerate(groups, 1):
