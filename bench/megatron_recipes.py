@@ -1,6 +1,6 @@
-"""Runs no fit saw: Megatron-LM's own MoE recipes and its DeepSeek-V3 GB200 optimisation steps.
+"""Runs no fit saw: Megatron-LM's MoE recipes and GB200 steps, and Megatron-MoE-ModelZoo's runs.
 
-Two sets of published measurements that neither `shared/data` nor any fit contains, priced
+Three sets of published measurements that neither `shared/data` nor any fit contains, priced
 with the settings each run documents (the dispatcher, EP overlap, CUDA graphs, recomputed and
 offloaded modules, stage layout, FP8 parameter gather, bf16 Adam moments, read from its row
 by `moeplan.validation`, as for every published row):
@@ -16,6 +16,10 @@ by `moeplan.validation`, as for every published row):
   494 to 970 TFLOPS/GPU. A step that changes a setting moeplan names (dispatcher, recompute,
   CUDA graphs) is priced with it; the others (kernel fusions, CPU-side work) are inside the
   `current` software stack every estimate assumes, so their predictions do not move.
+- `bench/data/modelzoo_qwen3_h100.csv`: Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs on 256
+  H100 (`best_practice/Qwen3/readme.md`, commit c1ad0b5c89): five layouts of one batch, with
+  their step times, measured 65% apart (the Megatron-FSDP one is not modelled and is listed
+  as skipped), and four long-context runs, 16K to 128K tokens with CP 1 to 8, in TFLOPS.
 - NVIDIA's technical blog "Boosting MoE Training Throughput with Advanced Fusion Kernels"
   (2026-06-15) measures what Transformer Engine's fused grouped MLP (the CuTe DSL kernels:
   activation and quantization in the GEMMs' epilogues, token counts kept on the device so the
@@ -48,6 +52,11 @@ from moeplan.validation.scoring import cluster_of, priced_layout
 DATA = Path(__file__).parent / "data"
 RECIPES = DATA / "megatron_lm_moe_recipes.csv"
 STEPS = DATA / "deepseek_v3_gb200_steps.csv"
+ZOO = DATA / "modelzoo_qwen3_h100.csv"
+
+ZOO_SKIPPED = ("MZQ03",)
+"""The Model Zoo run moeplan does not price: Megatron-FSDP instead of the distributed
+optimizer."""
 
 FUSED_MLP_GAINS = (
     ("gpt-oss-120b", 1.93, None, "R0006"),
@@ -57,18 +66,33 @@ FUSED_MLP_GAINS = (
 row whose layout prices it (None: the shipped published runs), that row's id)."""
 
 
-def priced(path: Path) -> list[dict[str, object]]:
-    """Per run: id, what it is, published and predicted tokens/s/GPU, the signed error."""
+def run_name(row: dict[str, str]) -> str:
+    """What a run is, in its source's terms: the optimisation step, the recipe file, or the
+    layout and sequence of a Model Zoo table row."""
+    detail = row["source_detail"]
+    if "; step " in detail:
+        return detail.split("step ", 1)[1]
+    if "recipe examples/moe_recipes/" in detail:
+        return detail.split("recipe examples/moe_recipes/", 1)[1].split(";")[0]
+    sizes = " ".join(f"{k.upper()}{row[k]}" for k in ("tp", "pp", "vpp", "ep", "cp")
+                     if row[k] and row[k] != "1")
+    notes = row["other_notes"].split(";")
+    return f"{sizes}, MBS {row['micro_batch']}, {int(row['seq_len']) // 1024}K; " + "; ".join(
+        n.strip() for n in notes if "dispatcher" in n or "overlap" in n)
+
+
+def priced(path: Path, skips: tuple[str, ...] = ()) -> list[dict[str, object]]:
+    """Per run: id, what it is, published and predicted tokens/s/GPU, the signed error.
+    `skips`: the runs expected to be skipped (a setting moeplan does not model); any other
+    skipped run stops the script."""
     rows = {r["id"]: r for r in read_rows(path)}
     out = validate_rows(list(rows.values()))
-    if out["skipped"]:
+    if sorted(s["id"] for s in out["skipped"]) != sorted(skips):
         raise SystemExit(f"{path.name}: runs that cannot be priced: {out['skipped']}")
     res = []
     for r in out["rows"]:
         row = rows[r["id"]]
-        detail = row["source_detail"]
-        what = (detail.split("step ", 1)[1] if "; step " in detail
-                else detail.split("recipe examples/moe_recipes/", 1)[1].split(";")[0])
+        what = run_name(row)
         pub, pred = r["published_tokens_per_s_per_gpu"], r["predicted_tokens_per_s_per_gpu"]
         lo, hi = r["predicted_interval_tokens_per_s_per_gpu"]
         res.append({"id": r["id"], "run": what, "published_tflops": float(row["tflops_per_gpu"]),
@@ -121,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args(argv)
     recipes, steps, fused = priced(RECIPES), priced(STEPS), fused_mlp_gains()
+    zoo = priced(ZOO, ZOO_SKIPPED)
     first, last = steps[0], steps[-1]
     summary = {
         "recipes_mape_percent": mape(recipes),
@@ -129,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         "steps_predicted_gain": float(last["predicted"]) / float(first["predicted"]),
         "steps_last_error_percent": 100 * float(last["error"]),
         "recipes_interval_coverage": sum(bool(r["in_interval"]) for r in recipes) / len(recipes),
+        "zoo_mape_percent": mape(zoo),
     }
     if args.json:
-        print(json.dumps({"recipes": recipes, "steps": steps, "fused_mlp_gains": fused,
-                          **summary}, indent=1))
+        print(json.dumps({"recipes": recipes, "steps": steps, "model_zoo": zoo,
+                          "fused_mlp_gains": fused, **summary}, indent=1))
         return 0
     for title, rows in (("Megatron-LM MoE recipes", recipes),
-                        ("DeepSeek-V3 on 256 GB200, optimisation steps", steps)):
+                        ("DeepSeek-V3 on 256 GB200, optimisation steps", steps),
+                        ("Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 H100", zoo)):
         print(title)
         print(f"{'id':<6} {'published':>10} {'predicted':>10} {'error':>8}  run")
         for r in rows:
@@ -152,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recipes: MAPE {summary['recipes_mape_percent']:.1f}%, mean error "
           f"{summary['recipes_mean_error_percent']:+.1f}% over {len(recipes)} runs (tokens/s/GPU); "
           f"80% interval coverage {100 * summary['recipes_interval_coverage']:.0f}%")
+    print(f"model zoo: MAPE {summary['zoo_mape_percent']:.1f}% over {len(zoo)} runs")
     print(f"steps: measured {summary['steps_measured_gain']:.2f}x from first to last, predicted "
           f"{summary['steps_predicted_gain']:.2f}x; last step {summary['steps_last_error_percent']:+.1f}%")
     return 0

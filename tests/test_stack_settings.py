@@ -602,6 +602,10 @@ def test_a_whatif_prices_every_point_on_the_stack_it_was_given():
     ("CUDA graphs disabled", {"cuda_graphs": False}),
     ("DP/TP/PP/CP overlap enabled", {"tp_comm_overlap": True}),
     ("1F1B A2A overlap (--overlap-moe-expert-parallel-comm)", {"ep_overlap": True}),
+    ("DeepEP dispatcher; +1f1b overlap", {"dispatcher": "flex", "flex_backend": "deepep",
+                                          "ep_overlap": True}),  # Megatron-MoE-ModelZoo
+    ("A2A dispatcher; intra-node EP strategy", {"dispatcher": "alltoall"}),
+    ("interleaved 1F1B with 6 virtual stages", {}),  # a pipeline schedule, not EP overlap
     ("MoE benchmarks force-balance tokens across experts, dropless", {}),
     ("pipeline step overlap with the optimizer", {}),  # "ep" inside a word is not EP
 ])

@@ -5,6 +5,8 @@ import csv
 import json
 from importlib import resources
 
+import pytest
+
 from moeplan.cli import main
 from moeplan.validation import read_rows, shipped_runs
 
@@ -116,6 +118,47 @@ def test_a_rows_documented_modules_offloads_layout_and_numerics_are_priced_as_wr
     plain = case_of({**row, "recompute": "selective", "other_notes": ""}, list_presets())
     assert plain.choices.for_rank(0) == (["core_attn"], []) and plain.choices.stage_layout is None
     assert not plain.training.fp8_param_gather
+
+
+@pytest.mark.parametrize("cell, modules", [
+    ("norm, act", ["layernorm", "moe_act"]),            # Megatron-MoE-ModelZoo's words
+    ("norm, act, shared_expert", ["layernorm", "moe_act", "shared_experts"]),
+    ("selective: layernorm moe", ["layernorm", "moe"]),
+    ("selective activation checkpointing", ["core_attn"]),  # "activation" is not "act"
+    ("full activation recomputation", ["full"]),
+    ("", []),
+])
+def test_a_recompute_cell_naming_modules_in_its_sources_words_is_read_as_those_modules(
+        cell, modules):
+    from moeplan.validation.cases import published_recompute
+
+    assert published_recompute({"recompute": cell}).for_rank(0)[0] == modules
+
+
+def test_model_zoo_layouts_no_fit_saw_are_read_as_documented_and_ordered_as_measured():
+    """Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs on 256 H100 (in no fit): each layout is
+    read as its table documents it (dispatcher, the 1F1B EP overlap, the recompute modules in
+    its words), the four layouts are priced in the order their step times were measured, and
+    the long-context runs gain TFLOPS with the sequence as measured."""
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of, validate_rows
+
+    rows = _external("modelzoo_qwen3_h100.csv")
+    cases = {r["id"]: case_of(r, list_presets()) for r in rows}
+    assert isinstance(cases["MZQ03"], str) and "FSDP" in cases["MZQ03"]  # not modelled
+    one, two, deep = cases["MZQ01"], cases["MZQ02"], cases["MZQ04"]
+    assert (one.layout.dispatcher, one.layout.flex_backend, one.layout.ep_overlap) == (
+        "flex", "deepep", False)
+    assert two.layout.ep_overlap and deep.layout.dispatcher == "alltoall"
+    assert one.choices.for_rank(0)[0] == ["layernorm", "moe_act"]
+    out = {r["id"]: r for r in validate_rows(rows)["rows"]}
+
+    def order(key):
+        return sorted(("MZQ01", "MZQ02", "MZQ04", "MZQ05"), key=lambda i: -out[i][key])
+
+    assert order("predicted_tokens_per_s_per_gpu") == order("published_tokens_per_s_per_gpu")
+    tflops = [out[f"MZQ0{i}"]["predicted_tflops_per_gpu"] for i in (6, 7, 8, 9)]
+    assert tflops == sorted(tflops) and tflops[-1] > 1.2 * tflops[0]
 
 
 def test_megatron_lms_own_recipes_no_fit_saw_are_priced_within_20_percent():

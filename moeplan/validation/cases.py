@@ -149,19 +149,27 @@ STAGE_LAYOUT_PAT = re.compile(r"\blayout ([Etm|L()*0-9,]*\|[Etm|L()*0-9,]*)")
 OFFLOAD_PAT = re.compile(r"activation offload: ([a-z0-9_ ]+)")
 
 
+RECOMPUTE_WORDS = {"norm": "layernorm", "act": "moe_act", "shared_expert": "shared_experts"}
+"""Selective-recompute modules as Megatron-MoE-ModelZoo's tables name them (its recompute
+column "norm, act" is `--recompute-modules layernorm moe_act`): a recompute cell that names
+modules, in these words or Megatron's own, documents selective recompute of those modules."""
+
+
 def published_recompute(row: dict[str, str]) -> Choices:
     """The recompute, activation offload and stage layout a row documents: full recomputation
     (Megatron's `--recompute-granularity full`); the selective modules it names in Megatron's
-    words (`selective: mla_up_proj mlp`), or selective alone (Megatron's default module, core
-    attention); the modules its notes offload (`activation offload: expert_fc1`); the
+    words (`selective: mla_up_proj mlp`) or in RECOMPUTE_WORDS (`norm, act`), or selective
+    alone (Megatron's default module, core attention); the modules its notes offload (`activation offload: expert_fc1`); the
     `--pipeline-model-parallel-layout` its notes print (`layout Et*4|(tttt|)*14tmL`)."""
     text = (row.get("recompute") or "").lower()
     notes = row.get("other_notes") or ""
     picked: dict[str, Any] = {}
+    named = [m for m in RECOMPUTE_MODULES if m != "full" and re.search(rf"\b{m}\b", text)]
+    named += [m for word, m in RECOMPUTE_WORDS.items()
+              if re.search(rf"\b{word}\b", text) and m not in named]
     if "full" in text:
         picked["recompute"] = ["full"]
-    elif "selective" in text:
-        named = [m for m in RECOMPUTE_MODULES if m != "full" and re.search(rf"\b{m}\b", text)]
+    elif "selective" in text or named:
         picked["recompute"] = named or ["core_attn"]
     off = OFFLOAD_PAT.search(notes.lower())
     if off:

@@ -231,10 +231,12 @@ NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     (r"deep-?ep|hybrid-?ep|flex (?:token )?dispatcher", "dispatcher", "flex"),
     (r"deep-?ep", "flex_backend", "deepep"),
     (r"hybrid-?ep", "flex_backend", "hybridep"),
-    (r"all-?to-?all (?:token )?dispatcher", "dispatcher", "alltoall"),
+    (r"(?:all-?to-?all|\ba2a) (?:token )?dispatcher", "dispatcher", "alltoall"),
     (r"all-?gather (?:token )?dispatcher", "dispatcher", "allgather"),
     (r"\b(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
-     r"overlap|overlap-moe-expert-parallel-comm|moe_a2a_overlap", "ep_overlap", True),
+     r"overlap|overlap-moe-expert-parallel-comm|moe_a2a_overlap"
+     # Megatron-MoE-ModelZoo's name for the same schedule ("+1f1b overlap")
+     r"|\b1f1b overlap", "ep_overlap", True),
     (r"\btp(?:/[a-z]{2})*(?: comm(?:unication)?)? overlap|(?:[a-z]{2}/)+tp(?:/[a-z]{2})* "
      r"overlap|tp_comm_overlap", "tp_comm_overlap", True),
     (r"cuda[- ]?graphs?", "cuda_graphs", True),
