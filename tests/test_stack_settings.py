@@ -605,6 +605,10 @@ def test_a_whatif_prices_every_point_on_the_stack_it_was_given():
     ("DeepEP dispatcher; +1f1b overlap", {"dispatcher": "flex", "flex_backend": "deepep",
                                           "ep_overlap": True}),  # Megatron-MoE-ModelZoo
     ("A2A dispatcher; intra-node EP strategy", {"dispatcher": "alltoall"}),
+    ("dispatcher: A2A", {"dispatcher": "alltoall"}),
+    ("Dispatcher=DeepEP; A2A_OVERLAP=0", {"dispatcher": "flex", "flex_backend": "deepep",
+                                          "ep_overlap": False}),
+    ("A2A_OVERLAP=1", {"ep_overlap": True}),
     ("interleaved 1F1B with 6 virtual stages", {}),  # a pipeline schedule, not EP overlap
     ("MoE benchmarks force-balance tokens across experts, dropless", {}),
     ("pipeline step overlap with the optimizer", {}),  # "ep" inside a word is not EP

@@ -231,8 +231,12 @@ NOTE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     (r"deep-?ep|hybrid-?ep|flex (?:token )?dispatcher", "dispatcher", "flex"),
     (r"deep-?ep", "flex_backend", "deepep"),
     (r"hybrid-?ep", "flex_backend", "hybridep"),
-    (r"(?:all-?to-?all|\ba2a) (?:token )?dispatcher", "dispatcher", "alltoall"),
+    (r"(?:all-?to-?all|\ba2a) (?:token )?dispatcher|dispatcher(?: type)?\s*[:=]?\s*"
+     r"(?:a2a|all-?to-?all)\b", "dispatcher", "alltoall"),
     (r"all-?gather (?:token )?dispatcher", "dispatcher", "allgather"),
+    # Megatron-MoE-ModelZoo's launch switch for it (A2A_OVERLAP=1 or 0)
+    (r"\ba2a_overlap\s*=\s*(?:1|true)\b", "ep_overlap", True),
+    (r"\ba2a_overlap\s*=\s*(?:0|false)\b", "ep_overlap", False),
     (r"\b(?:ep|a2a|all-?to-?all|expert[- ]parallel(?:ism)?|moe)(?: comm(?:unication)?)? "
      r"overlap|overlap-moe-expert-parallel-comm|moe_a2a_overlap"
      # Megatron-MoE-ModelZoo's name for the same schedule ("+1f1b overlap")
