@@ -16,10 +16,13 @@ by `moeplan.validation`, as for every published row):
   494 to 970 TFLOPS/GPU. A step that changes a setting moeplan names (dispatcher, recompute,
   CUDA graphs) is priced with it; the others (kernel fusions, CPU-side work) are inside the
   `current` software stack every estimate assumes, so their predictions do not move.
-- `bench/data/modelzoo_qwen3_h100.csv`: Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs on 256
-  H100 (`best_practice/Qwen3/readme.md`, commit c1ad0b5c89): five layouts of one batch, with
-  their step times, measured 65% apart (the Megatron-FSDP one is not modelled and is listed
-  as skipped), and four long-context runs, 16K to 128K tokens with CP 1 to 8, in TFLOPS.
+- `bench/data/modelzoo_qwen3.csv`: Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs
+  (`best_practice/qwen3/readme.md`, commits c1ad0b5c89 and 020b8136b3): on 256 H100, five
+  layouts of one batch with their step times, measured 65% apart, and four long-context runs,
+  16K to 128K tokens with CP 1 to 8; on 256 GB200 a BF16 and an MXFP8 layout; on 128 GB300 a
+  128K-token run with CP 4. The Megatron-FSDP layout and Qwen3-Next-80B-A3B (no preset) are
+  listed as skipped; the GB300 4K run is left out, being the run Megatron-Bridge publishes
+  (R0192, R0229: same layout, same 974 TFLOPS), which the fit has.
 - NVIDIA's technical blog "Boosting MoE Training Throughput with Advanced Fusion Kernels"
   (2026-06-15) measures what Transformer Engine's fused grouped MLP (the CuTe DSL kernels:
   activation and quantization in the GEMMs' epilogues, token counts kept on the device so the
@@ -52,11 +55,11 @@ from moeplan.validation.scoring import cluster_of, priced_layout
 DATA = Path(__file__).parent / "data"
 RECIPES = DATA / "megatron_lm_moe_recipes.csv"
 STEPS = DATA / "deepseek_v3_gb200_steps.csv"
-ZOO = DATA / "modelzoo_qwen3_h100.csv"
+ZOO = DATA / "modelzoo_qwen3.csv"
 
-ZOO_SKIPPED = ("MZQ03",)
-"""The Model Zoo run moeplan does not price: Megatron-FSDP instead of the distributed
-optimizer."""
+ZOO_SKIPPED = ("MZQ03", "MZQ13")
+"""The Model Zoo runs moeplan does not price: Megatron-FSDP instead of the distributed
+optimizer; Qwen3-Next-80B-A3B, whose architecture (gated DeltaNet layers) has no preset."""
 
 FUSED_MLP_GAINS = (
     ("gpt-oss-120b", 1.93, None, "R0006"),
@@ -77,8 +80,9 @@ def run_name(row: dict[str, str]) -> str:
     sizes = " ".join(f"{k.upper()}{row[k]}" for k in ("tp", "pp", "vpp", "ep", "cp")
                      if row[k] and row[k] != "1")
     notes = row["other_notes"].split(";")
-    return f"{sizes}, MBS {row['micro_batch']}, {int(row['seq_len']) // 1024}K; " + "; ".join(
-        n.strip() for n in notes if "dispatcher" in n or "overlap" in n)
+    return (f"{row['num_gpus']} {row['gpu']} {row['precision']}: {sizes}, MBS "
+            f"{row['micro_batch']}, {int(row['seq_len']) // 1024}K; " + "; ".join(
+                n.strip() for n in notes if "dispatcher" in n or "overlap" in n))
 
 
 def priced(path: Path, skips: tuple[str, ...] = ()) -> list[dict[str, object]]:
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for title, rows in (("Megatron-LM MoE recipes", recipes),
                         ("DeepSeek-V3 on 256 GB200, optimisation steps", steps),
-                        ("Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 H100", zoo)):
+                        ("Megatron-MoE-ModelZoo, Qwen3-235B-A22B", zoo)):
         print(title)
         print(f"{'id':<6} {'published':>10} {'predicted':>10} {'error':>8}  run")
         for r in rows:

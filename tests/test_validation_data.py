@@ -136,16 +136,20 @@ def test_a_recompute_cell_naming_modules_in_its_sources_words_is_read_as_those_m
 
 
 def test_model_zoo_layouts_no_fit_saw_are_read_as_documented_and_ordered_as_measured():
-    """Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs on 256 H100 (in no fit): each layout is
-    read as its table documents it (dispatcher, the 1F1B EP overlap, the recompute modules in
-    its words), the four layouts are priced in the order their step times were measured, and
-    the long-context runs gain TFLOPS with the sequence as measured."""
+    """Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs (in no fit): each is read as its table and
+    command document it (dispatcher, the 1F1B EP overlap, offloads, the recompute modules in
+    its words), the four H100 layouts are priced in the order their step times were measured,
+    and the H100 long-context runs gain TFLOPS with the sequence as measured."""
     from moeplan.specs import list_presets
     from moeplan.validation import case_of, validate_rows
 
-    rows = _external("modelzoo_qwen3_h100.csv")
+    rows = _external("modelzoo_qwen3.csv")
     cases = {r["id"]: case_of(r, list_presets()) for r in rows}
     assert isinstance(cases["MZQ03"], str) and "FSDP" in cases["MZQ03"]  # not modelled
+    assert isinstance(cases["MZQ13"], str)  # Qwen3-Next-80B-A3B: no preset
+    recompute, offload = cases["MZQ11"].choices.for_rank(0)
+    assert cases["MZQ11"].layout.ep_overlap  # A2A_OVERLAP=1
+    assert sorted(recompute) == ["layernorm", "moe_act"] and offload == ["expert_fc1", "moe_act"]
     one, two, deep = cases["MZQ01"], cases["MZQ02"], cases["MZQ04"]
     assert (one.layout.dispatcher, one.layout.flex_backend, one.layout.ep_overlap) == (
         "flex", "deepep", False)
