@@ -159,8 +159,9 @@ def published_recompute(row: dict[str, str]) -> Choices:
     """The recompute, activation offload and stage layout a row documents: full recomputation
     (Megatron's `--recompute-granularity full`); the selective modules it names in Megatron's
     words (`selective: mla_up_proj mlp`) or in RECOMPUTE_WORDS (`norm, act`), or selective
-    alone (Megatron's default module, core attention); the modules its notes offload (`activation offload: expert_fc1`); the
-    `--pipeline-model-parallel-layout` its notes print (`layout Et*4|(tttt|)*14tmL`)."""
+    alone (Megatron's default module, core attention); the modules its notes offload
+    (`activation offload: expert_fc1`); the `--pipeline-model-parallel-layout` its notes print
+    (`layout Et*4|(tttt|)*14tmL`)."""
     text = (row.get("recompute") or "").lower()
     notes = row.get("other_notes") or ""
     picked: dict[str, Any] = {}
