@@ -7,7 +7,6 @@ documents `moeplan specs show` and `moeplan specs validate` print.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from pydantic import ValidationError
 
 from .errors import SpecError
 from .fsio import is_file
-from .limits import clip, excerpt
+from .limits import check_imbalance, clip, excerpt
 from .specs import (
     Choices,
     ClusterSpec,
@@ -184,9 +183,7 @@ def estimate(
         m, c, t, lay, ch = load_model(model), load_cluster(cluster), training, layout, choices
         if c.num_gpus is None:
             c = c.with_gpus(lay.world_size)
-    if not 1.0 <= imbalance < math.inf:  # also refuses NaN, which compares false
-        raise SpecError(f"--imbalance {imbalance}: the busiest rank gets at least the mean, so "
-                        "the factor must be a finite number ≥ 1.0.")
+    check_imbalance(imbalance)
     hist = (load_routing_histogram(routing_histogram)
             if isinstance(routing_histogram, (str, Path)) else routing_histogram)
     return _estimate(m, c, t, lay, ch, imbalance=imbalance, routing_histogram=hist,

@@ -122,7 +122,17 @@ PadOpt = Annotated[bool, typer.Option(
     "--moe-pad-expert-input-to-capacity, as Megatron-Bridge's token-drop recipes run): static "
     "shapes, no routing sync, and CUDA graphs capture the whole MoE layer; needs "
     "--capacity-factor and the alltoall dispatcher.")]
-ReportOpt = Annotated[str | None, typer.Option("--report", help=REPORT_HELP)]
+def _path(param: typer.CallbackParam, value: str | None) -> str | None:
+    """A path flag's value, refused when given but blank (`-o ''` would otherwise write
+    nothing and exit 0)."""
+    if value is not None and not value.strip():
+        flag = max(param.opts, key=len) if param.opts else str(param.name)
+        raise SpecError(f"{flag} was given an empty value; give a file or directory name, or "
+                        "leave the option out.")
+    return value
+
+
+ReportOpt = Annotated[str | None, typer.Option("--report", help=REPORT_HELP, callback=_path)]
 StackOpt = Annotated[str, typer.Option("--stack", help="The software stack the plans are "
                      "priced on, and run no feature it predates: " + "; ".join(
                          f"{k} ({w})" for k, w in STACKS.items()) + ".")]
@@ -346,7 +356,7 @@ def estimate(
     routing_histogram: Annotated[str | None, typer.Option(
         "--routing-histogram", help="routing.json: per-layer tokens per expert.")] = None,
     calibration: CalibrationOpt = None,
-    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.")
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the Plan JSON.", callback=_path)
                       ] = None,
     report: ReportOpt = None,
     target: Annotated[str | None, typer.Option(
@@ -649,7 +659,7 @@ def search(
     imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
                          "busiest EP rank over the mean.")] = 1.0,
     calibration: CalibrationOpt = None,
-    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.")
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.", callback=_path)
                       ] = None,
     report: ReportOpt = None,
     objective: Annotated[str, typer.Option("--objective", help="robust: rank by the low end of "
@@ -797,7 +807,7 @@ def whatif(
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes searching "
                        "points at once (0: one per CPU core for four points or more).")] = 0,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write report.md or "
-                      "report.html (self-contained, with plots).")] = None,
+                      "report.html (self-contained, with plots).", callback=_path)] = None,
     stack: StackOpt = "current",
     as_json: JsonOpt = False,
 ) -> None:
@@ -917,13 +927,13 @@ def run(
         "default 1).")] = None,
     tensorboard_dir: Annotated[str | None, typer.Option(
         "--tensorboard-dir", help="Write TensorBoard event files here (loss, lr, grad norm, "
-        "throughput, MFU, memory, expert load).")] = None,
+        "throughput, MFU, memory, expert load).", callback=_path)] = None,
     seed: Annotated[int | None, typer.Option(
         "--seed", help="Same seed: same data and weights (default 0).")] = None,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="fp32|bf16 (default: bf16 on GPU, fp32 on CPU).")] = None,
     out_dir: Annotated[str | None, typer.Option(
-        "--out", help="Output directory (default runs/PLAN-STEM).")] = None,
+        "--out", help="Output directory (default runs/PLAN-STEM).", callback=_path)] = None,
     scale_down: Annotated[bool, typer.Option(
         "--scale-down", help="Shrink the model and batch, keeping every parallel degree.")] = False,
     nproc_per_node: Annotated[int | None, typer.Option(
@@ -995,9 +1005,10 @@ def run(
                                 ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
                                 ("tflops_per_gpu", "TFLOPS/GPU", "{:.3g}"),
                                 ("peak_mem_gb", "peak memory (GB)", "{:.3g}")):
-            pred_s = fmt.format(pred[key]) if key in pred else "—"
-            pairs.append((label, f"{fmt.format(meas[key])} measured, {pred_s} predicted"))
-        pairs.append(("loss", f"{meas['first_loss']:.4f} → {meas['final_loss']:.4f}"))
+            pred_s = fmt.format(pred[key]) if pred.get(key) is not None else "—"
+            pairs.append((label, f"{_shown(meas.get(key), fmt)} measured, {pred_s} predicted"))
+        pairs.append(("loss", f"{_shown(meas.get('first_loss'), '{:.4f}')} → "
+                              f"{_shown(meas.get('final_loss'), '{:.4f}')}"))
         print_lines(pairs_lines(f"moeplan run: {summary['model']}", pairs, _width(err)), err)
         band = pred.get("step_time_interval_s")
         if band:
@@ -1009,6 +1020,14 @@ def run(
             err.print(f"note: {note}", highlight=False, markup=False)
 
     emit(summary, as_json, render)
+
+
+def _shown(value: float | None, fmt: str) -> str:
+    """A measured figure for the run's summary; a loss that was NaN or infinite is recorded as
+    null (`fsio.finite_or_null`) and shown as such."""
+    if value is None:
+        return "not finite"
+    return fmt.format(value)
 
 
 def require_torch(command: str) -> None:
@@ -1153,7 +1172,8 @@ def calibrate(
     runs: Annotated[list[str] | None, typer.Argument(
         metavar="[DIR]...", help="More run directories for --from-runs.")] = None,
     output: Annotated[str | None, typer.Option(
-        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it).")] = None,
+        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it).",
+        callback=_path)] = None,
     quick: Annotated[bool | None, typer.Option(
         "--quick/--full", help="Small grid, under two minutes (default on CPU) or the full one "
         "(default on GPU).")] = None,
@@ -1311,7 +1331,8 @@ def checkpoint_list(
 def checkpoint_export(
     ckpt_dir: Annotated[str, typer.Argument(help="A --ckpt-dir of `moeplan run`.")],
     to: Annotated[str, typer.Option("--to", help="Target format: hf (Hugging Face).")],
-    output: Annotated[str, typer.Option("-o", "--output", help="New directory to write.")],
+    output: Annotated[str, typer.Option("-o", "--output", help="New directory to write.",
+                                        callback=_path)],
     step: Annotated[int | None, typer.Option("--step", help="Step (default: newest).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -1334,7 +1355,7 @@ def data_prepare(
         "--tokenizer-model", help="A Hugging Face tokenizer.json, or a directory holding one.")],
     output: Annotated[str, typer.Option(
         "-o", "--output-prefix", help="Writes PREFIX.bin and PREFIX.idx (pass PREFIX to "
-        "`run --data`).")],
+        "`run --data`).", callback=_path)],
     json_key: Annotated[str, typer.Option(
         "--json-key", help="The JSONL field holding a document's text.")] = "text",
     document_per: Annotated[str, typer.Option(

@@ -180,9 +180,18 @@ def check_writable(path: str | Path) -> Path:
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     try:
+        if not str(path).strip():
+            raise SpecError("cannot write to an empty path. Give a file name (e.g. "
+                            "out.json).")
         if target.is_dir():
             raise SpecError(f"cannot write {target}: it is a directory. Give a file name "
                             f"(e.g. {target / 'out.json'}).")
+        mode = target.stat().st_mode if target.exists() else None
+        if mode is not None and not stat.S_ISREG(mode):
+            # the write renames a new file over the target: a device (/dev/null), a named
+            # pipe or a socket would be replaced by a plain file
+            raise SpecError(f"cannot write {target}: it is {_kind(mode)}, not a regular file, "
+                            "and the write would replace it. Give the path of a regular file.")
         if not directory.is_dir():
             raise SpecError(f"cannot write {target}: the directory {directory} does not exist "
                             "(or is not a directory). Create it first or choose another path.")
@@ -265,7 +274,11 @@ def loads_json(text: str | bytes, allow_nonfinite: bool = False) -> Any:
     its own words (the spec loader)."""
     if isinstance(text, bytes):
         text = text.decode("utf-8")  # UnicodeDecodeError is a ValueError
-    data = json.loads(text, object_pairs_hook=_unique_keys)
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("the document nests deeper than a JSON reader can follow; "
+                         "flatten it") from None
     if not allow_nonfinite:
         bad = first_nonfinite(data)
         if bad is not None:

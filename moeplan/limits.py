@@ -36,6 +36,12 @@ MAX_HEADS = 4096
 MAX_EXPERTS = 16_384  # routed experts per MoE layer (Kimi K2: 384)
 MAX_VOCAB = 4_194_304  # largest published vocabulary: 262k (Gemma 3)
 MAX_MTP_LAYERS = 64
+MAX_TOKENS = 1e18  # whatif --tokens: a quintillion, 50,000x today's largest pretraining runs
+MAX_GPU_HOUR_USD = 1e6  # whatif --gpu-hour-price, per GPU-hour
+MAX_BUDGET_USD = 1e15  # whatif --budget
+MAX_DAYS = 1e6  # whatif --days
+MAX_IMBALANCE = 1024.0  # --imbalance: the busiest EP rank's tokens over the mean (measured: <3)
+MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)  # beyond E/k every expert can take every token
 MAX_POSITIONS = MAX_SEQ_LEN
 
 # ---------------------------------------------------------------- files and processes
@@ -100,3 +106,13 @@ def check(field: str, value: int, limit: int, fix: str) -> None:
     """Refuse `value` above `limit` with a message naming the field, the limit and the fix."""
     if value > limit:
         raise SpecError(f"{field} {value:,} is above the limit of {limit:,}; {fix}.")
+
+
+def check_imbalance(value: float, field: str = "--imbalance") -> float:
+    """Refuse an EP load imbalance outside 1..MAX_IMBALANCE, NaN included: the busiest rank
+    gets at least the mean, and a factor beyond the limit (1e200) is no routing anyone ran."""
+    if not 1.0 <= value <= MAX_IMBALANCE:  # NaN compares false
+        raise SpecError(f"{field} {value!r}: the busiest EP rank's tokens over the mean must be "
+                        f"a number from 1.0 (forced balance) to {MAX_IMBALANCE:g}; measured "
+                        "dropless routing is below 3.")
+    return value

@@ -505,7 +505,7 @@ def test_the_launcher_passes_the_verified_step_to_the_workers(tmp_path):
     given, running = prepare_plan(write_plan(tmp_path / "plan.json", 2, tp=2), opts)
     PreparedRun(given, running, opts).write(tmp_path / "out")
     cmd = torchrun_command(opts, tmp_path / "out", 2)
-    assert cmd[-3:] == ["-m", "moeplan.runtime.worker", str(tmp_path / "out")]
+    assert cmd[-2:] == ["moeplan.runtime.worker", str(tmp_path / "out")]
     back = PreparedRun.read(tmp_path / "out")
     assert (back.options.resume_step, back.options.resume_manifest) == (3, "ab")
     assert back.running == running and back.given == given and running != given
@@ -597,7 +597,8 @@ def _worker_pids(marker: str) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if cmd.split()[1:3] == ["-u", "-m"] and "moeplan.runtime.worker" in cmd and marker in cmd:
+        argv = cmd.split(" ", 3)  # python -u -c BOOTSTRAP moeplan.runtime.worker OUT
+        if argv[1:3] == ["-u", "-c"] and "moeplan.runtime.worker" in cmd and marker in cmd:
             pids.append(int(entry.name))
     return pids
 

@@ -152,6 +152,43 @@ def test_a_signal_to_one_worker_stops_the_run_with_its_exit_code_and_one_line(
     assert _agree(ckpt, plans, tmp_path, {at}) == at
 
 
+def test_a_stop_before_the_workers_start_stops_them_at_their_first_step(plans, tmp_path):
+    """A SIGTERM that reaches the agent before torchrun has started the workers is kept in its
+    environment (`lifecycle.STOP_ENV`), which the workers inherit: they train one step,
+    checkpoint it and stop, and the run exits 75, where the stop used to be lost and the run
+    trained on until the launcher's grace period killed it."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    env = {**os.environ, "MOEPLAN_STOP_SIGNAL": str(int(signal.SIGTERM))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moeplan", "run", plans["ep2"], "--steps", "1000", "--seed", SEED,
+         "--out", str(out), "--ckpt-dir", str(ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 75, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["preempted_at"] == 1
+    assert complete_steps(ckpt) == [1]
+
+
+def test_a_stop_while_python_starts_a_process_is_recorded_not_fatal(tmp_path):
+    """The agent and the workers start through `lifecycle.BOOTSTRAP`: a SIGTERM that arrives
+    before the module's own handlers exist (while Python imports it) is recorded for them
+    instead of killing the process (exit 143) or raising KeyboardInterrupt (SIGINT)."""
+    from moeplan.runtime.lifecycle import bootstrap_command
+
+    (tmp_path / "slow_start.py").write_text(
+        "import os, signal\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"   # a stop during the module's import
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "from moeplan.runtime.lifecycle import pending_stop\n"
+        "print(pending_stop())\n")
+    done = subprocess.run(bootstrap_command("slow_start"), capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(int(signal.SIGTERM))  # the larger of 15 and 2
+
+
 # ------------------------------------------------------------------------ SIGKILL during a save
 def test_sigkill_during_a_save_loses_no_sealed_step(plans, tmp_path):
     """Rank 0 (the process that seals a step: manifest, rename, `latest`, prune) is SIGKILLed

@@ -20,6 +20,7 @@ from ..cost_models.calibration import calibration_for
 from ..cost_models.memory import GB
 from ..cost_models.uncertainty import static_activation_budget_bytes
 from ..errors import InfeasibleError, SpecError
+from ..limits import check_imbalance
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from ..specs.layout import check_layout
 from ..specs.rules import STACK_FEATURES, TARGETS, Facts, check_target, rules_for, stack_lacks
@@ -165,6 +166,7 @@ def search(
     and module sets (`SearchCache`).
     """
     rank = objective_for(objective)
+    check_imbalance(imbalance)
     start = time.perf_counter()
     world = gpus or cluster.num_gpus
     if not world:

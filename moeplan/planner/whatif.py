@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import InfeasibleError, SpecError
+from ..limits import MAX_BUDGET_USD, MAX_DAYS, MAX_GPU_HOUR_USD, MAX_TOKENS
 from ..specs import ClusterSpec, ModelSpec, Plan, load_cluster, load_model, load_training
 from ..specs.loader import check_stack
 from .enumerate import SearchSpace
@@ -239,8 +240,10 @@ def _prices(clusters: Sequence[str], prices: float | Sequence[float] | None
     """One price per cluster kind: a single value for all, or a list in --cluster order."""
     if prices is None:
         return dict.fromkeys(clusters)
-    if any(p < 0 for p in ([prices] if isinstance(prices, (int, float)) else prices)):
-        raise SpecError("--gpu-hour-price takes prices of zero or more (USD per GPU-hour).")
+    if any(not 0 <= p <= MAX_GPU_HOUR_USD
+           for p in ([prices] if isinstance(prices, (int, float)) else prices)):
+        raise SpecError(f"--gpu-hour-price takes prices from zero to {MAX_GPU_HOUR_USD:g} USD "
+                        "per GPU-hour.")
     if isinstance(prices, (int, float)):
         return dict.fromkeys(clusters, float(prices))
     prices = list(prices)
@@ -495,10 +498,15 @@ def whatif(
         clusters = [c.strip() for c in clusters.split(",") if c.strip()]
     if not clusters:
         raise SpecError("--cluster needs at least one cluster preset or file.")
-    if tokens <= 0:
-        raise SpecError(f"--tokens takes a positive number of tokens (e.g. 15e12), got {tokens}.")
-    if days is not None and days <= 0:
-        raise SpecError(f"--days takes a positive number of days, got {days}.")
+    if not 0 < tokens <= MAX_TOKENS:
+        raise SpecError(f"--tokens takes a positive number of tokens up to {MAX_TOKENS:g} "
+                        f"(e.g. 15e12), got {tokens}.")
+    if days is not None and not 0 < days <= MAX_DAYS:
+        raise SpecError(f"--days takes a positive number of days up to {MAX_DAYS:g}, got "
+                        f"{days}.")
+    if budget_usd is not None and not 0 < budget_usd <= MAX_BUDGET_USD:
+        raise SpecError(f"--budget takes a positive number of USD up to {MAX_BUDGET_USD:g}, got "
+                        f"{budget_usd}.")
     if budget_usd is not None and gpu_hour_price is None:
         raise SpecError("--budget needs --gpu-hour-price to turn GPU-hours into dollars.")
     if not gpus and days is None:

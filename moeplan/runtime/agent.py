@@ -4,8 +4,11 @@ The same elastic agent as `torchrun` (same arguments, rendezvous and restarts), 
 differences a launcher needs:
 - it dies with the launcher (parent-death signal), and its workers die with it (each worker
   sets its own, see `worker.main`), so no worker outlives a SIGKILLed `moeplan run`;
-- SIGTERM and SIGINT are passed on to the workers as they are, and nothing else happens: the
-  workers agree on a step boundary, checkpoint, and exit 0, after which the agent exits 0 too
+- SIGTERM and SIGINT are passed on to the workers as they are (to workers not started yet
+  through their environment, `lifecycle.STOP_ENV`; the agent itself starts under
+  `lifecycle.BOOTSTRAP`, which records a stop from its first instruction), and nothing else
+  happens: the workers agree on a step boundary, checkpoint, and exit 0, after which the agent
+  exits 0 too
   (torchrun itself would shut the workers down after 30 s and raise with a traceback). torchrun
   is told to handle only SIGQUIT, the hard stop;
 - a failed worker is reported in one line (rank, exit code or signal) instead of torchrun's
@@ -21,13 +24,22 @@ import logging
 import signal
 import sys
 
-from .lifecycle import AGENT_PID_ENV, LAUNCHER_PID_ENV, set_parent_death_signal, signal_children
+from .lifecycle import (
+    AGENT_PID_ENV,
+    LAUNCHER_PID_ENV,
+    record_stop,
+    set_parent_death_signal,
+    signal_children,
+)
 
 HARD_STOP = "SIGQUIT"  # the one signal left to torchrun: stop the workers now
 REFUSED = 2  # a worker's exit code for bad input (MoeplanError), explained by rank 0
 
 
 def _forward(signum: int, _frame: object) -> None:
+    # the workers now running get it as a signal; those torchrun starts later (a stop before
+    # they were spawned, a restart) inherit it from this process's environment
+    record_stop(signum)
     signal_children(signum)
 
 

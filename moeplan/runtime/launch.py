@@ -44,7 +44,7 @@ from ..errors import (
 from ..fsio import FileRefused, loads_json, read_regular
 from ..launch_lines import torchrun_args
 from ..specs import Plan, check_layout, load_plan
-from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, stop_exit_code
+from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, bootstrap_command, stop_exit_code
 from .options import PreparedRun, RunOptions
 from .settings import apply_settings, check_run_inputs, keeps_vocabulary
 from .storage import (
@@ -254,6 +254,13 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     when SIGINT/SIGTERM stopped the run, RunFailed when workers failed.
     """
     opts = RunOptions(**options)  # type: ignore[arg-type]
+    joined = _joined_environment(opts)
+    if joined is not None:
+        from .lifecycle import START_PPID_ENV, set_parent_death_signal
+
+        # this process is a rank: it dies with its launcher, armed before the plan is
+        # prepared and a resume verified (seconds), and gone at once if the launcher already is
+        set_parent_death_signal(START_PPID_ENV)
     given, running = prepare_plan(plan, opts)
     if opts.cluster:
         from .guard import check_cluster_ref
@@ -263,7 +270,6 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
     out = Path(opts.out) if opts.out else default_out(plan)
     opts.out = str(out)
     check_outputs(out)
-    joined = _joined_environment(opts)
     if joined is not None:
         if int(joined["WORLD_SIZE"]) != world:
             raise SpecError(f"the plan needs {world} processes (tp·cp·dp·pp) but this launch "
@@ -278,10 +284,8 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         os.environ.update(joined)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
         os.environ.setdefault("MASTER_PORT", "29500")
-        from .lifecycle import set_parent_death_signal
         from .worker import run_worker
 
-        set_parent_death_signal()  # this process is a rank: it dies with its launcher
         signum = run_worker(prepared, out)  # in this process: the plan is prepared already
         rank0 = joined.get("RANK", "0") == "0"
         summary = _read_summary(out / "summary.json") if rank0 else None
@@ -469,8 +473,10 @@ def torchrun_command(opts: RunOptions, out: Path, nproc: int,
     (`numa_binding`)."""
     flags = torchrun_args(opts.nnodes, nproc, opts.rdzv_endpoint, opts.rdzv_backend,
                           opts.rdzv_id or "moeplan", opts.node_rank, opts.max_restarts, numa)
-    return [sys.executable, "-m", "moeplan.runtime.agent", *flags,
-            "-m", "moeplan.runtime.worker", str(out)]
+    # both started through lifecycle.BOOTSTRAP: a stop that arrives while Python imports
+    # moeplan is recorded, not fatal (torchrun's --no-python runs the worker line as given)
+    return [*bootstrap_command("moeplan.runtime.agent"), *flags, "--no-python",
+            *bootstrap_command("moeplan.runtime.worker", str(out), unbuffered=True)]
 
 
 __all__ = ["MoeplanError", "PreparedRun", "RunFailed", "RunOptions", "Stopped", "check_resume",

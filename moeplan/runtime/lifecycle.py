@@ -28,6 +28,44 @@ STOP_EXIT_CODES = {signal.SIGTERM: PREEMPTED_EXIT, signal.SIGINT: INTERRUPTED_EX
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "MOEPLAN_LAUNCHER_PID"  # set by the launcher for the agent
 AGENT_PID_ENV = "MOEPLAN_AGENT_PID"  # set by the agent for its workers
+START_PPID_ENV = "MOEPLAN_START_PPID"  # set by `python -m moeplan` (__main__) as it starts
+STOP_ENV = "MOEPLAN_STOP_SIGNAL"
+"""The stop signal (SIGTERM or SIGINT, as a number) a process received before it could pass it
+on: a stop that reached the agent before its workers existed, or a worker before its handlers.
+Set in the process's own environment, so the workers the agent starts afterwards inherit it and
+stop at their first step boundary instead of never hearing of it."""
+
+BOOTSTRAP = (
+    "import os, runpy, signal, sys\n"
+    "def _stop(signum, _frame):\n"
+    f"    seen = int(os.environ.get('{STOP_ENV}') or 0)\n"
+    f"    os.environ['{STOP_ENV}'] = str(max(seen, signum))\n"
+    "for _s in (signal.SIGTERM, signal.SIGINT):\n"
+    "    signal.signal(_s, _stop)\n"
+    "sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+"""What `python -c BOOTSTRAP MODULE ARGS...` runs: SIGTERM and SIGINT recorded (`STOP_ENV`)
+from the interpreter's first instruction, then MODULE as `python -m MODULE ARGS...` would run
+it. `-m` would import the moeplan package (a second of pydantic models) before any handler of
+the module could be installed, and a stop in that second would kill the process outright."""
+
+
+def bootstrap_command(module: str, *args: str, unbuffered: bool = False) -> list[str]:
+    """The command line that runs `module` as `python -m` does, with stops recorded from the
+    start (`BOOTSTRAP`); `unbuffered` as `python -u` (torchrun's own worker line)."""
+    return [sys.executable, *(["-u"] if unbuffered else []), "-c", BOOTSTRAP, module, *args]
+
+
+def pending_stop() -> int:
+    """The stop signal recorded before this process's own handlers were installed (0: none)."""
+    value = os.environ.get(STOP_ENV, "")
+    return int(value) if value.isdigit() else 0
+
+
+def record_stop(signum: int) -> None:
+    """Record a stop signal in this process's environment (`STOP_ENV`), for the processes it
+    starts from now on."""
+    os.environ[STOP_ENV] = str(max(pending_stop(), int(signum)))
 
 
 def set_parent_death_signal(expected_parent_env: str | None = None,

@@ -27,7 +27,7 @@ from ..specs import Plan
 from ..specs.grid import RankGrid
 from . import checkpoint
 from .groups import build_groups
-from .lifecycle import AGENT_PID_ENV, set_parent_death_signal
+from .lifecycle import AGENT_PID_ENV, pending_stop, set_parent_death_signal, stop_exit_code
 from .options import PreparedRun, RunOptions
 from .runlog import RunLog, eval_due, peak_tflops
 from .storage import LOCKED_ENV, CkptLock, manifest_sha256, newest_checkpoint, step_dir
@@ -226,7 +226,9 @@ class _StopOnSignal:
     step instead of killing the process mid-initialisation."""
 
     def __init__(self) -> None:
-        self.seen = 0
+        # a stop this process got before now (`lifecycle.BOOTSTRAP` records it from the
+        # interpreter's start), or that reached the agent before it started this worker
+        self.seen = pending_stop()
         self.flag: torch.Tensor | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -235,6 +237,10 @@ class _StopOnSignal:
         self.flag = torch.zeros(1, device=device)
 
     def _handle(self, signum: int, _frame: object) -> None:
+        if self.seen and self.flag is None:
+            # a second stop while still setting up (a rendezvous whose peers never come):
+            # no step boundary may ever arrive, so this one is obeyed at once
+            os._exit(stop_exit_code(signum))
         self.seen = max(self.seen, int(signum))
 
     def agreed(self) -> int:

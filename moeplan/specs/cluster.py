@@ -28,6 +28,16 @@ def _constant(v: Any) -> bool:
             and v >= 0)
 
 
+MIN_RATE = 1e-6
+"""The least peak, bandwidth or memory size a cluster figure may state (a millionth of a
+TFLOPS, GB/s or GB): a CPU host measured by `moeplan calibrate` is far above it, and a figure
+below it (1e-308) would overflow the step time to infinity."""
+MAX_TFLOPS = 1e5           # 100 PFLOPS per GPU: 20x today's densest FP4 part
+MAX_MEMORY_GB = 1e5        # 100 TB per GPU, HBM or host
+MAX_BANDWIDTH_GB_S = 1e6   # 1 PB/s per GPU, any link or memory
+MAX_LATENCY_US = 1e6       # one second per message
+
+
 class ClusterSpec(BaseModel):
     """A homogeneous GPU cluster: datasheet peaks per GPU, links, and where GPUs sit.
 
@@ -49,28 +59,38 @@ class ClusterSpec(BaseModel):
         None, gt=0, le=limits.MAX_GPUS,
         description="GPUs in the cluster (None: given on the command line by --gpus)."
     )
-    bf16_tflops: float = Field(gt=0, description="Dense BF16 tensor-core peak per GPU.")
-    fp8_tflops: float | None = Field(None, gt=0, description="Dense FP8 peak (None: no FP8).")
-    fp4_tflops: float | None = Field(None, gt=0, description="Dense FP4 peak (None: no FP4).")
+    bf16_tflops: float = Field(ge=MIN_RATE, le=MAX_TFLOPS,
+                               description="Dense BF16 tensor-core peak per GPU.")
+    fp8_tflops: float | None = Field(None, ge=MIN_RATE, le=MAX_TFLOPS,
+                                     description="Dense FP8 peak (None: no FP8).")
+    fp4_tflops: float | None = Field(None, ge=MIN_RATE, le=MAX_TFLOPS,
+                                     description="Dense FP4 peak (None: no FP4).")
     fp32_tflops: float | None = Field(
-        None, gt=0, description="Dense FP32 GEMM peak (measured by `moeplan calibrate`; the cost "
+        None, ge=MIN_RATE, le=MAX_TFLOPS, description="Dense FP32 GEMM peak (measured by `moeplan calibrate`; the cost "
         "models price GEMMs against bf16_tflops, so it is for reference).")
-    hbm_gb: float = Field(gt=0, description="Usable HBM per GPU, GB (10^9 bytes).")
-    hbm_tb_s: float = Field(gt=0, description="HBM bandwidth per GPU, TB/s.")
-    nvlink_gb_s: float = Field(gt=0, description="NVLink bandwidth per GPU per direction, GB/s.")
+    hbm_gb: float = Field(ge=MIN_RATE, le=MAX_MEMORY_GB,
+                          description="Usable HBM per GPU, GB (10^9 bytes).")
+    hbm_tb_s: float = Field(ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S / 1000,
+                            description="HBM bandwidth per GPU, TB/s.")
+    nvlink_gb_s: float = Field(ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S,
+                               description="NVLink bandwidth per GPU per direction, GB/s.")
     nvlink_domain_gpus: int = Field(gt=0, le=limits.MAX_GPUS,
                                     description="GPUs sharing one NVLink/NVSwitch domain.")
     gpus_per_node: int = Field(gt=0, le=limits.MAX_GPUS,
                                description="GPUs per server (tray for NVL72).")
-    scaleout_gb_s: float = Field(gt=0, description="Scale-out network bandwidth per GPU, GB/s.")
-    scaleout_latency_us: float = Field(5.0, ge=0, description="Scale-out α per message, µs.")
-    nvlink_latency_us: float = Field(2.0, ge=0, description="NVLink α per message, µs.")
-    host_memory_gb: float = Field(gt=0, description="Host (CPU) memory per GPU, GB.")
+    scaleout_gb_s: float = Field(ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S,
+                                 description="Scale-out network bandwidth per GPU, GB/s.")
+    scaleout_latency_us: float = Field(5.0, ge=0, le=MAX_LATENCY_US,
+                                       description="Scale-out α per message, µs.")
+    nvlink_latency_us: float = Field(2.0, ge=0, le=MAX_LATENCY_US,
+                                     description="NVLink α per message, µs.")
+    host_memory_gb: float = Field(ge=MIN_RATE, le=MAX_MEMORY_GB,
+                                  description="Host (CPU) memory per GPU, GB.")
     host_link_gb_s: float = Field(
-        gt=0, description="GPU↔host bandwidth per direction, GB/s (PCIe or NVLink-C2C)."
+        ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S, description="GPU↔host bandwidth per direction, GB/s (PCIe or NVLink-C2C)."
     )
     host_memory_bw_gb_s: float = Field(
-        50.0, gt=0, description="Host memory bandwidth per GPU, GB/s (the node's DRAM "
+        50.0, ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S, description="Host memory bandwidth per GPU, GB/s (the node's DRAM "
         "bandwidth over its GPUs): the host Adam step of optimizer offload is bound by it. The "
         "default is a conservative two-socket DDR5 server shared by 8 GPUs; `moeplan calibrate` "
         "measures it.")
@@ -92,6 +112,15 @@ class ClusterSpec(BaseModel):
         "(written by `moeplan calibrate`).",
     )
     sources: dict[str, str] = Field(default_factory=dict, description="Where each figure is from.")
+
+    @field_validator("mamf_tflops")
+    @classmethod
+    def _mamf_range(cls, mamf: dict[str, float]) -> dict[str, float]:
+        for fmt, value in mamf.items():
+            if not MIN_RATE <= value <= MAX_TFLOPS:
+                raise ValueError(f"`{fmt}` must be from {MIN_RATE:g} to {MAX_TFLOPS:g} TFLOPS, "
+                                 f"got {value:g}")
+        return mamf
 
     @field_validator("calibration")
     @classmethod

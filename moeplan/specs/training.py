@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from ..limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TRAIN_ITERS
+from ..limits import MAX_CAPACITY_FACTOR, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TRAIN_ITERS
 
 Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 SoftwareStack = Literal["current", "mcore-2024", "megatron-2023", "megatron-2022",
@@ -122,7 +122,7 @@ class TrainingSpec(BaseModel):
     moe_aux_loss_coeff: float = Field(1e-3, ge=0, description="Load-balancing aux-loss weight.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss.")
     moe_capacity_factor: float | None = Field(
-        None, gt=0, description="Expert capacity as a multiple of the even share T·k/E; copies "
+        None, gt=0, le=MAX_CAPACITY_FACTOR, description="Expert capacity as a multiple of the even share T·k/E; copies "
         "over capacity are dropped (Megatron --moe-expert-capacity-factor). None: dropless."
     )
     moe_pad_expert_input_to_capacity: bool = Field(
