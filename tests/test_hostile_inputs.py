@@ -721,3 +721,64 @@ def test_a_named_pipe_as_a_datasets_index_or_a_tokenizer_is_refused_not_waited_o
     with pytest.raises(SpecError, match="named pipe"):
         load_tokenizer(tmp_path / "tokenizer.json")
     assert time.perf_counter() - t0 < 5
+
+
+# ------------------------------------------------------------------------ round 4
+@pytest.mark.parametrize("kind", ["fifo", "empty"])
+def test_output_onto_a_pipe_or_an_empty_path_is_refused_and_nothing_is_replaced(kind, tmp_path,
+                                                                              capsys):
+    """`-o` renames a new file over its target: a named pipe (or /dev/null, as root) would be
+    replaced by a plain file, so it is refused; `-o ''` would write nothing and exit 0."""
+    target = tmp_path / "pipe"
+    if kind == "fifo":
+        os.mkfifo(target)
+    path = str(target) if kind == "fifo" else ""
+    refused([*EST, "-o", path], capsys, "--output" if kind == "empty" else "named pipe")
+    if kind == "fifo":
+        assert stat.S_ISFIFO(target.lstat().st_mode)
+    refused([*EST, "--report", ""], capsys, "--report")
+
+
+@pytest.mark.parametrize("layout", ["Et*99999999999|L", "((((t*99)*99)*99)*99)|L",
+                                    "E" + "t" * 20000 + "|L"])
+def test_a_stage_layout_that_would_unroll_past_any_model_is_refused_before_it_unrolls(
+        layout, capsys):
+    err = refused([*EST, "--stage-layout", layout], capsys, "unrolls to more than")
+    assert len(err) < 1000
+
+
+@pytest.mark.parametrize("field, value", [("nvlink_gb_s", 1e-308), ("bf16_tflops", 1e-308),
+                                          ("hbm_gb", 1e308), ("scaleout_latency_us", 1e300)])
+def test_cluster_figures_outside_a_physical_range_are_refused_by_name(field, value, tmp_path,
+                                                                      capsys):
+    plan = tmp_path / "p.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    doc = json.loads(plan.read_text())
+    doc["cluster"][field] = value
+    plan.write_text(json.dumps(doc))
+    capsys.readouterr()
+    refused(["estimate", str(plan), "--json"], capsys, f"cluster.{field}")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--imbalance", "1e308"], "--imbalance"),
+    (["--capacity-factor", "1e308", "--pad-to-capacity"], "moe_capacity_factor"),
+])
+def test_routing_factors_beyond_their_limits_are_refused(args, needle, capsys):
+    moe = ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16", "--seq",
+           "4096", "--gbs", "64", "--ep", "8"]
+    refused([*moe, *args], capsys, needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tokens", "1e308"], "--tokens"), (["--gpu-hour-price", "1e308"], "--gpu-hour-price"),
+    (["--days", "1e300"], "--days"), (["--gpu-hour-price", "2", "--budget", "1e300"], "--budget"),
+])
+def test_whatif_quantities_beyond_their_limits_are_refused_before_the_sweep(args, needle, capsys):
+    refused(["whatif", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", *args],
+            capsys, needle)
+
+
+def test_a_json_document_nested_past_the_reader_is_a_refusal():
+    with pytest.raises(ValueError, match="nests deeper"):
+        fsio.loads_json("[" * 100_000 + "]" * 100_000)
