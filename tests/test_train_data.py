@@ -163,3 +163,21 @@ def json_ids(tok_path: str, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(tok_path).encode(text).ids
+
+
+def test_a_blend_member_of_weight_zero_or_with_no_windows_in_the_split_is_never_sampled(tmp_path):
+    """Megatron's blending rule breaks its first tie toward the lowest index, which samples a
+    weight-0 dataset listed first once per block; a dataset with no windows in a split (its
+    size-proportional weight is 0) was then sampled too, and finding a window among none never
+    ended. Neither is ever drawn, and both blends answer at once."""
+    from moeplan.data.corpus import Corpus
+    from moeplan.data.indexed import write_documents
+
+    write_documents(tmp_path / "small", [np.full(20, 3)] * 30, np.uint16)
+    write_documents(tmp_path / "big", [np.arange(400) % 500] * 100, np.uint16)
+    g = np.arange(30_000)
+    valid = Corpus(f"{tmp_path / 'small'} {tmp_path / 'big'}", None, "valid", 32, 0, 512)
+    assert valid.parts[0].windows == 0 and set(valid.locate(g)[0]) == {1}
+    zero = Corpus(f"0 {tmp_path / 'small'} 1 {tmp_path / 'big'}", "100,0,0", "train", 32, 0, 512)
+    assert set(zero.locate(g)[0]) == {1}
+    assert zero.samples(np.arange(4)).shape == (4, 33)

@@ -176,11 +176,15 @@ class Part:
 def _blend_pattern(weights: np.ndarray, block: int) -> np.ndarray:
     """Dataset of each of `block` samples by Megatron's rule (`helpers.cpp`,
     `build_blending_indices`): sample i goes to the dataset with the largest
-    w_d · max(i, 1) − count_d."""
+    w_d · max(i, 1) − count_d. A dataset of weight 0 is never chosen: Megatron's rule breaks
+    the tie at i = 1 toward the lowest index, which samples a weight-0 dataset listed first
+    once per block (and one with no windows in this split, whose size-proportional weight is
+    0, without end)."""
     counts = np.zeros(len(weights), dtype=np.float64)
     out = np.empty(block, dtype=np.int32)
+    never = np.where(weights > 0, 0.0, -np.inf)
     for i in range(block):
-        d = int(np.argmax(weights * max(i, 1) - counts))
+        d = int(np.argmax(weights * max(i, 1) - counts + never))
         out[i] = d
         counts[d] += 1
     return out
