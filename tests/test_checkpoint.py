@@ -227,12 +227,31 @@ def test_a_step_without_a_manifest_is_passed_over_by_name_and_replaced_at_the_ne
     ({"resume": False}, "already holds checkpoints"),  # a fresh run would mix two runs
     ({"resume": True, "seed": 6}, "same seed"),
     ({"resume": True, "steps": 3}, "nothing to train"),
+    ({"resume": True, "data": "corpus/docs"}, "same data and split"),  # trained on synthetic
+    ({"resume": True, "split": "90,10,0"}, "same data and split"),
+    ({"resume": True, "gbs": 2}, "same batch and sequence length"),  # data position s × gbs
 ])
 def test_resume_refuses_what_would_silently_diverge(saved, opts, needle):
     ckpt = saved / "ckpt"
     plan = load_plan(ckpt / "step_00000003" / "plan.json")
+    if "gbs" in opts:
+        gbs = opts.pop("gbs")
+        plan = plan.model_copy(update={"training": plan.training.model_copy(
+            update={"global_batch_size": gbs})})
     with pytest.raises(SpecError, match=needle):
         check_resume(plan, RunOptions(ckpt_dir=str(ckpt), **{"steps": 6, "seed": 5, **opts}))
+
+
+def test_resume_without_a_checkpoint_says_it_starts_at_step_zero(tmp_path, capsys):
+    """A job that always passes --resume starts from nothing the first time; so does one whose
+    --ckpt-dir is mistyped, so the launcher says which happened."""
+    from moeplan.runtime.launch import verified_resume
+
+    plan = load_plan(write_plan(tmp_path / "plan.json", 1))
+    got = verified_resume(plan, RunOptions(ckpt_dir=str(tmp_path / "none"), resume=True,
+                                           steps=2, seed=5))
+    assert got == (0, None)
+    assert "no checkpoint in" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------- hostile checkpoints (CLI)

@@ -148,8 +148,8 @@ def check_resume(running: Plan, opts: RunOptions) -> int:
 def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
     """(the step a run with `--resume` starts from, 0 if none; the SHA-256 of that step's
     manifest), after verifying the newest checkpoint completely (`storage.verify`) and that it
-    holds the same model and seed; without `--resume`, a --ckpt-dir holding checkpoints is
-    refused.
+    holds the same model and seed, and read the same data at the same positions (`_same_data`);
+    without `--resume`, a --ckpt-dir holding checkpoints is refused.
 
     Runs in the launcher, before any worker starts: a corrupt, tampered or older-format
     checkpoint is refused by file name instead of failing (or silently diverging) inside the
@@ -170,6 +170,10 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
               + (f" for {path.name}" if path else "") + " and removed at the next save.",
               file=sys.stderr)
     if path is None:
+        # a job script that always passes --resume starts here the first time; a mistyped
+        # --ckpt-dir does too, so it is said
+        print(f"--resume: no checkpoint in {opts.ckpt_dir} yet; starting at step 0.",
+              file=sys.stderr, flush=True)
         return 0, None
     v = verify_step(path.parent, step_of(path.name) or 0)  # the rule list and export use
     saved = load_plan(path / "plan.json")
@@ -180,10 +184,47 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
     if v.meta["seed"] != opts.seed:
         raise SpecError(f"checkpoint {path} was trained with --seed {v.meta['seed']}; resume "
                         f"with the same seed (got {opts.seed}), or the data order would change.")
+    _same_data(path, v.meta, saved, running, opts)
     if v.step >= opts.steps:
         raise SpecError(f"checkpoint {path} is already at step {v.step}; --steps {opts.steps} "
                         "is the step to reach, so there is nothing to train.")
     return v.step, v.manifest_sha256
+
+
+FROM_WEIGHTS = "`moeplan checkpoint export DIR --to hf -o HF`, then `--init-from HF`"
+
+
+def _data_key(data: str) -> tuple[str, ...]:
+    """A --data value as the data it names: weights as numbers, prefixes as absolute paths
+    (relative to where the run is launched), so the same blend spelled alike compares equal."""
+    out = []
+    for token in data.split():
+        try:
+            out.append(repr(float(token)))
+        except ValueError:
+            out.append(os.path.normpath(os.path.abspath(token)) if token != "synthetic"
+                       else token)
+    return tuple(out)
+
+
+def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOptions) -> None:
+    """Refuse a resume that would read other samples than the run it continues: another
+    --data or --split (the checkpoint's meta.json), or another global batch or sequence length
+    (the data position of step s is s × global batch windows of seq + 1 tokens)."""
+    was_data, was_split = meta.get("data", "synthetic"), meta.get("split")
+    if _data_key(str(was_data)) != _data_key(opts.data) or was_split != opts.split:
+        raise SpecError(f"checkpoint {path} was trained on --data {limits.clip(str(was_data))} "
+                        f"--split {was_split or 'default'}; resume with the same data and split "
+                        f"(got --data {limits.clip(opts.data)} --split {opts.split or 'default'}),"
+                        f" or start a new --ckpt-dir from its weights ({FROM_WEIGHTS}).")
+    st, rt = saved.training, running.training
+    if (st.global_batch_size, st.seq_len) != (rt.global_batch_size, rt.seq_len):
+        raise SpecError(f"checkpoint {path} was trained at a global batch of "
+                        f"{st.global_batch_size} sequences of {st.seq_len} tokens, this plan "
+                        f"runs {rt.global_batch_size} of {rt.seq_len}: step s reads samples from "
+                        "s × global batch, so resuming would skip or repeat data. Resume under "
+                        "the same batch and sequence length, or start a new --ckpt-dir from its "
+                        f"weights ({FROM_WEIGHTS}).")
 
 
 def _joined_environment(opts: RunOptions) -> dict[str, str] | None:
