@@ -204,6 +204,23 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
+def check_writable_dir(path: str | Path, flag: str) -> Path:
+    """Create the directory `path` (and its parents) and prove a file can be written in it, or
+    refuse (SpecError naming `flag`): a run's output directories are checked before any worker
+    starts, not by the first write of rank 0 minutes later."""
+    target = Path(path)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=target, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SpecError(f"{flag} {clip(str(target))}: cannot write there ({reason}). Choose a "
+                        "writable directory. Nothing was run.") from None
+    return target
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` atomically; raise SpecError (exit 2) naming the path and reason.
 

@@ -782,3 +782,21 @@ def test_whatif_quantities_beyond_their_limits_are_refused_before_the_sweep(args
 def test_a_json_document_nested_past_the_reader_is_a_refusal():
     with pytest.raises(ValueError, match="nests deeper"):
         fsio.loads_json("[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "read-only"])
+def test_a_tensorboard_dir_that_cannot_be_written_is_refused_before_any_worker(where, tmp_path,
+                                                                               capsys):
+    if where == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    plan = _run_plan(tmp_path)
+    if where == "under-a-file":
+        (tmp_path / "afile").write_text("x")
+        tb = tmp_path / "afile" / "tb"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        tb = ro / "tb"
+    refused(["run", plan, "--steps", "1", "--out", str(tmp_path / "out"), "--tensorboard-dir",
+             str(tb)], capsys, "--tensorboard-dir", "cannot write there")

@@ -41,7 +41,7 @@ from ..errors import (
     RunStopped,
     SpecError,
 )
-from ..fsio import FileRefused, loads_json, read_regular
+from ..fsio import FileRefused, check_writable_dir, loads_json, read_regular
 from ..launch_lines import torchrun_args
 from ..specs import Plan, check_layout, load_plan
 from .lifecycle import LAUNCHER_PID_ENV, STOP_EXIT_CODES, bootstrap_command, stop_exit_code
@@ -400,6 +400,7 @@ def check_outputs(out: Path) -> None:
     """Refuse, before anything starts, a run output that would be written somewhere else: the
     appended metrics.jsonl must be a regular file (not a link to a file outside --out, not a
     named pipe); the other outputs are replaced by rename, which never follows a link."""
+    check_writable_dir(out, "--out")
     metrics = out / "metrics.jsonl"
     try:
         mode = metrics.lstat().st_mode

@@ -123,7 +123,9 @@ def check_run_inputs(running: Plan, opts: RunOptions) -> list[str]:
             lines.append(Corpus(opts.data, opts.split, "valid", t.seq_len, opts.seed,
                                 running.model.vocab_size, scan=False).describe())
     if opts.tensorboard_dir is not None:
+        from ..fsio import check_writable_dir
         from .tblog import require_writer
 
         require_writer()
+        check_writable_dir(opts.tensorboard_dir, "--tensorboard-dir")
     return lines
