@@ -133,6 +133,9 @@ def test_prepare_cuts_text_files_into_documents_file_line_or_paragraph(tmp_path)
     ('{"text": "ok"}\nnot json\n', "docs.jsonl:2 is not a JSON object"),
     ('{"body": "ok"}\n', "docs.jsonl:1 has no 'text' field (its keys: body)"),
     ('{"text": 5}\n', "'text' is int, not text"),
+    ('{"text": "ok"}\n{"text": "broken \\ud800 x"}\n', "docs.jsonl:2: 'text' holds"),
+    ('{"text": "x", "d": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "docs.jsonl:1 is not"),
+    ('{"text": "a", "text": "b"}\n', "docs.jsonl:1 is not a JSON object"),  # a key twice
 ])
 def test_prepare_names_the_file_and_line_of_a_bad_record(tmp_path, content, needle):
     tok_path = train_bpe(tmp_path / "tokenizer.json", 300)
@@ -290,3 +293,36 @@ def test_the_data_package_never_imports_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=REPO, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_a_line_past_the_document_bound_is_refused_having_read_only_the_bound(tmp_path,
+                                                                               monkeypatch):
+    """A line is read to at most the bound plus one byte, so a file with no newline in its
+    gigabytes is refused without holding them."""
+    import moeplan.data.prepare as P
+
+    monkeypatch.setattr(P, "MAX_DOCUMENT_BYTES", 64)
+    tok_path = train_bpe(tmp_path / "tokenizer.json", 300)
+    (tmp_path / "docs.jsonl").write_text('{"text": "ok"}\n{"text": "' + "x" * 10_000 + '"}\n')
+    reads: list[int] = []
+    real = open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def readline(self, limit=-1):
+            line = self.f.readline(limit)
+            reads.append(len(line))
+            return line
+
+    monkeypatch.setattr(P, "open", lambda path, mode: Counting(real(path, mode)), raising=False)
+    with pytest.raises(SpecError, match="docs.jsonl:2: a line of more than 64 bytes"):
+        prepare([tmp_path / "docs.jsonl"], tok_path, tmp_path / "out")
+    assert max(reads) == 65

@@ -22,7 +22,6 @@ paragraph` or `line`. The two files appear atomically (`indexed.IndexedWriter`).
 from __future__ import annotations
 
 import collections
-import json
 import multiprocessing
 import os
 import sys
@@ -38,6 +37,7 @@ import numpy as np
 
 from .. import limits
 from ..errors import SpecError
+from ..fsio import loads_json
 from .indexed import IndexedWriter, token_dtype
 from .tokenizer import load_tokenizer
 
@@ -81,11 +81,16 @@ def _documents(path: Path, json_key: str, document_per: str) -> Iterator[tuple[s
                 yield _decode(raw, path, None), len(raw)
                 return
             paragraph: list[str] = []
-            for number, raw in enumerate(f, start=1):
+            number = 0
+            # each line read to at most the bound plus one byte: a file with no newline in its
+            # gigabytes is refused without holding them
+            while raw := f.readline(MAX_DOCUMENT_BYTES + 1):
+                number += 1
                 done += len(raw)
                 if len(raw) > MAX_DOCUMENT_BYTES:
-                    raise SpecError(f"{path}:{number}: a line of {len(raw):,} bytes, more than "
-                                    f"a document may have ({MAX_DOCUMENT_BYTES:,}).")
+                    raise SpecError(f"{path}:{number}: a line of more than "
+                                    f"{MAX_DOCUMENT_BYTES:,} bytes, more than a document may "
+                                    "have; split it into lines of one document each.")
                 line = _decode(raw, path, number)
                 if is_json:
                     if line.strip():
@@ -114,7 +119,7 @@ def _decode(raw: bytes, path: Path, line: int | None) -> str:
 
 def _json_text(line: str, path: Path, number: int, key: str) -> str:
     try:
-        record = json.loads(line)
+        record = loads_json(line)  # a key given twice, NaN or nesting past the parser: refused
     except ValueError as err:
         raise SpecError(f"{path}:{number} is not a JSON object ({limits.clip(str(err), 80)}); "
                         "a .jsonl input holds one object per line.") from None
@@ -125,6 +130,13 @@ def _json_text(line: str, path: Path, number: int, key: str) -> str:
     text = record[key]
     if not isinstance(text, str):
         raise SpecError(f"{path}:{number}: {key!r} is {type(text).__name__}, not text.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape ("\ud800") decodes, but no
+        # tokenizer takes it
+        raise SpecError(f"{path}:{number}: {key!r} holds {err.object[err.start]!r} at character "
+                        f"{err.start:,}, a lone surrogate escape that is not Unicode text; "
+                        "repair or drop that line.") from None
     return text
 
 
@@ -134,8 +146,9 @@ def _batches(inputs: list[Path], json_key: str, document_per: str
     before, batch, size = 0, [], 0
     for path in inputs:
         for text, done in _documents(path, json_key, document_per):
-            if not text.strip():
-                continue  # a document without text is skipped, as Megatron does
+            if not text:
+                continue  # an empty document is skipped; one whose text encodes to no token
+                # too (below), as Megatron's preprocess_data.py keeps any with a token
             batch.append(text)
             size += len(text)
             if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:

@@ -101,9 +101,13 @@ def _config_eos(directory: Path | None) -> str | None:
     if cfg is None or not cfg.exists():
         return None
     try:
-        eos = loads_json(read_regular(cfg, limits.MAX_FILE_BYTES)).get("eos_token")
-    except (FileRefused, ValueError, AttributeError):
-        return None
+        doc = loads_json(read_regular(cfg, limits.MAX_FILE_BYTES))
+    except (FileRefused, ValueError) as err:
+        # its eos_token decides the end-of-document id: a file that cannot be read is said,
+        # not passed over for a guess
+        raise SpecError(f"{cfg} cannot be read ({limits.clip(str(err), 160)}); repair it, or "
+                        "name the end-of-document token with --eod-token.") from None
+    eos = doc.get("eos_token") if isinstance(doc, dict) else None
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos if isinstance(eos, str) else None
