@@ -277,6 +277,7 @@ def specs_show(
     """Show a spec with its derived parameter counts and FLOPs per token."""
     from .api import describe_spec
 
+    limits.check("--seq", seq, limits.MAX_SEQ_LEN, "give a shorter sequence")
     doc = describe_spec(ref, seq)
 
     def render() -> None:

@@ -105,7 +105,8 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
 def check(field: str, value: int, limit: int, fix: str) -> None:
     """Refuse `value` above `limit` with a message naming the field, the limit and the fix."""
     if value > limit:
-        raise SpecError(f"{field} {value:,} is above the limit of {limit:,}; {fix}.")
+        shown = f"{value:,}" if len(str(value)) <= 24 else f"{str(value)[:3]}… ({len(str(value))} digits)"
+        raise SpecError(f"{field} {shown} is above the limit of {limit:,}; {fix}.")
 
 
 def check_imbalance(value: float, field: str = "--imbalance") -> float:
