@@ -231,6 +231,37 @@ def test_bad_csv_cell_exits_2_naming_row_and_column(col, value, tmp_path, capsys
     refused(["validate", str(runs_csv(tmp_path, **{col: value}))], capsys, "r1", col)
 
 
+@pytest.mark.parametrize("col,value", [("tokens_per_s_per_gpu", "1e-308"),
+                                       ("tokens_per_s_per_gpu", "1e300")])
+def test_a_measurement_outside_any_real_range_is_refused_naming_row_and_column(col, value,
+                                                                               tmp_path, capsys):
+    refused(["validate", str(runs_csv(tmp_path, **{col: value}))], capsys, "r1", col,
+            "measurement from")
+
+
+def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
+    path = runs_csv(tmp_path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert main(["validate", str(path), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 1
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "holds no rows"), (HEADER, "holds no rows"),
+    (HEADER.replace(",seq_len", "") + "r1,llama3-8b,h100,8,64,1,1,1,10000,causal_halved\n",
+     "`seq_len`"),
+    (HEADER.replace("tokens_per_s_per_gpu", "note")
+     + "r1,llama3-8b,h100,8,4096,64,1,1,1,10000,causal_halved\n", "`tokens_per_s_per_gpu`"),
+    (HEADER + "r1,llama3-8b,h100,8,4096,64,1,1,1,10000,causal_halved,extra\n", "more cells"),
+    (HEADER + 'r1,llama3-8b,h100,8,4096,64,1,1,1,"10000,causal_halved\n', "not a valid CSV"),
+])
+def test_a_csv_without_rows_columns_or_shape_is_refused_not_scored_as_nothing(text, needle,
+                                                                              tmp_path, capsys):
+    path = tmp_path / "runs.csv"
+    path.write_text(text)
+    refused(["validate", str(path)], capsys, needle)
+
+
 def test_non_utf8_csv_exits_2(tmp_path, capsys):
     path = tmp_path / "runs.csv"
     path.write_bytes(HEADER.encode() + b"r1,\xff\xfe\xfa,h100\n")

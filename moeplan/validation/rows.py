@@ -42,6 +42,11 @@ def bad_cell(row: dict[str, str], col: str, want: str) -> SpecError:
                      "(unpublished).")
 
 
+MIN_MEASURE, MAX_MEASURE = 1e-6, 1e12
+"""The range of a published measurement (tokens/s/GPU, TFLOPS, MFU, GB): any real one is
+inside it by orders of magnitude."""
+
+
 def number(row: dict[str, str], col: str) -> float | None:
     """A published measurement: empty (None) or a finite non-negative number, else SpecError."""
     v = cell(row, col)
@@ -53,6 +58,9 @@ def number(row: dict[str, str], col: str) -> float | None:
         raise bad_cell(row, col, "a number") from None
     if not math.isfinite(x) or x < 0:
         raise bad_cell(row, col, "a finite non-negative number")
+    if x and not MIN_MEASURE <= x <= MAX_MEASURE:  # 1e-308 would overflow every ratio
+        raise bad_cell(row, col, f"a measurement from {MIN_MEASURE:g} to {MAX_MEASURE:g} (or "
+                                 "empty)")
     return x
 
 
@@ -91,9 +99,9 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
     if not is_file(p):
         raise SpecError(f"{excerpt(str(path))} is not a readable CSV file. Pass a file shaped "
                         "like published_runs.csv.")
-    text = read_text(p, "CSV file")
+    text = read_text(p, "CSV file").removeprefix("\ufeff")  # a UTF-8 BOM, as Excel saves
     try:
-        reader = csv.DictReader(io.StringIO(text, newline=""))
+        reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
         header = reader.fieldnames or []
         twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
         if twice is not None:  # DictReader would keep the last column's cells silently
@@ -102,7 +110,24 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
         rows = list(reader)
     except csv.Error as err:
         raise SpecError(f"{p} is not a valid CSV file ({err}); fix the file.") from None
-    if rows and "id" not in rows[0]:
-        raise SpecError(f"{path}: no `id` column; the CSV must have the columns of "
-                        "published_runs.csv (id, model_preset, cluster_preset, tp, pp, ...).")
+    if not rows:
+        raise SpecError(f"{p} holds no rows (an empty file, or a header alone); give a CSV "
+                        "shaped like published_runs.csv, one published run per row.")
+    missing = [" or ".join(f"`{c}`" for c in any_of) for any_of in REQUIRED_COLUMNS
+               if not any(c in header for c in any_of)]
+    if missing:
+        raise SpecError(f"{p}: no {', '.join(missing)} column; the CSV must have the columns "
+                        "of published_runs.csv (id, model_preset, cluster_preset, num_gpus, "
+                        "seq_len, global_batch_seqs, tp, pp, ..., a published figure).")
+    long = next((r for r in rows if None in r), None)
+    if long is not None:  # DictReader files the extra cells under None, read by no one
+        raise SpecError(f"{p}: row {excerpt(long.get('id'))} has more cells than the header "
+                        "has columns; quote cells that hold commas, or fix the row.")
     return rows
+
+
+REQUIRED_COLUMNS = (("id",), ("model_preset", "model"), ("cluster_preset", "gpu"),
+                    ("num_gpus",), ("seq_len",), ("global_batch_seqs",), ("tp",), ("pp",),
+                    ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"))
+"""Columns a CSV of runs must have (each tuple: one of them): without one, every row would be
+skipped or priced at a default, and the command would still exit 0."""
