@@ -205,20 +205,26 @@ def check_writable(path: str | Path) -> Path:
 
 
 def check_writable_dir(path: str | Path, flag: str) -> Path:
-    """Create the directory `path` (and its parents) and prove a file can be written in it, or
-    refuse (SpecError naming `flag`): a run's output directories are checked before any worker
-    starts, not by the first write of rank 0 minutes later."""
-    target = Path(path)
+    """Refuse (SpecError naming `flag`) a directory a run could not write into: the directory,
+    or the nearest of its parents that exists (it would be created there), must be a directory
+    this process may write, on a file system mounted writable (access(2) says EROFS even to
+    root). Nothing is created: a run's output directories are checked before any worker starts,
+    not by the first write of rank 0 minutes later."""
+    target = Path(path).absolute()
+    existing = target
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=target, prefix=".write-test.")
-        os.close(fd)
-        os.unlink(probe)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            reason = f"{existing} is not a directory"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            reason = f"{existing} is not writable"
+        else:
+            return Path(path)
     except (OSError, ValueError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise SpecError(f"{flag} {clip(str(target))}: cannot write there ({reason}). Choose a "
-                        "writable directory. Nothing was run.") from None
-    return target
+    raise SpecError(f"{flag} {clip(str(path))}: cannot write there ({reason}). Choose a "
+                    "writable directory. Nothing was run.")
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

@@ -143,6 +143,8 @@ def test_scale_down_runs_a_real_preset_plan_with_its_parallel_degrees(cli, tmp_p
      "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair given by its PREFIX; "
      "make one with `moeplan data prepare corpus.txt --tokenizer-model TOKENIZER -o corpus`"),
     ("resume", {}, ["--resume"], "--resume needs --ckpt-dir"),
+    ("nproc0", {}, ["--nproc-per-node", "0"], "--nproc-per-node 0: a node runs 1 to"),
+    ("noderank", {}, ["--node-rank", "5"], "--node-rank 5: with --nnodes 1 the node ranks"),
 ])
 def test_run_refuses_before_any_worker_starts(cli, tmp_path, case, axes, extra, needle):
     world = 2 if axes else 1

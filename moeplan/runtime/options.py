@@ -61,6 +61,25 @@ class RunOptions:
     cluster: str | None = None  # ClusterSpec of this machine, for predictions (calibrate -o)
     init_from: str | None = None  # a Hugging Face checkpoint directory (hf_io.load_hf_)
 
+    def __post_init__(self) -> None:
+        """The launch sizes a run cannot start with, refused by flag: no workers on a node,
+        no nodes, a node rank outside them, a negative restart or checkpoint count."""
+        from .. import limits
+
+        if self.nproc_per_node is not None and not 1 <= self.nproc_per_node <= (
+                limits.MAX_DEVICES_PER_NODE):
+            raise SpecError(f"--nproc-per-node {self.nproc_per_node}: a node runs 1 to "
+                            f"{limits.MAX_DEVICES_PER_NODE} workers.")
+        if not 1 <= self.nnodes <= limits.MAX_GPUS:
+            raise SpecError(f"--nnodes {self.nnodes}: give 1 to {limits.MAX_GPUS:,} nodes.")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise SpecError(f"--node-rank {self.node_rank}: with --nnodes {self.nnodes} the node "
+                            f"ranks are 0 to {self.nnodes - 1}.")
+        for flag, value in (("--max-restarts", self.max_restarts),
+                            ("--ckpt-keep", self.ckpt_keep), ("--ckpt-every", self.ckpt_every)):
+            if value < 0:
+                raise SpecError(f"{flag} {value}: give 0 or more.")
+
     @classmethod
     def from_dict(cls, data: object, source: str) -> RunOptions:
         """Options read back from a run file: a mapping of known fields only."""
@@ -95,7 +114,11 @@ class PreparedRun:
 
     def write_plan(self, out: Path) -> str:
         """OUT/plan.json, the plan as given, atomically; returns its SHA-256."""
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SpecError(f"--out {out}: cannot create it ({err.strerror or err}). Choose a "
+                            "writable directory. Nothing was run.") from None
         data = strict_dumps(self.given.model_dump(mode="json")).encode()
         atomic_write_bytes(out / PLAN_FILE, data)
         return sha256(data)
