@@ -831,3 +831,30 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_refused_before_any_worker(w
         tb = ro / "tb"
     refused(["run", plan, "--steps", "1", "--out", str(tmp_path / "out"), "--tensorboard-dir",
              str(tb)], capsys, "--tensorboard-dir", "cannot write there")
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("model", "name", "a\x1b[31mRED"), ("model", "name", "x\u202ey"),
+    ("cluster", "gpu", "H100\x07"), ("cluster", "name", "two\nlines")])
+def test_a_name_holding_a_terminal_escape_or_a_direction_override_is_refused(
+        kind, field, value, tmp_path, capsys):
+    """Names are printed in tables and reports: an ESC would recolour or move the cursor, a
+    U+202E reverse what follows, a newline break the table."""
+    import yaml
+
+    preset = "mixtral-8x7b" if kind == "model" else "h100"
+    root = Path(moeplan.api.__file__).parent / "specs" / "presets" / f"{kind}s"
+    doc = yaml.safe_load((root / f"{preset}.yaml").read_text())
+    doc[field] = value
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(doc))
+    args = (["specs", "show", str(path)] if kind == "model" else
+            ["estimate", "--model", "llama3-8b", "--cluster", str(path), "--gpus", "8",
+             "--seq", "4096", "--gbs", "64"])
+    err = refused(args, capsys, f"`{field}`", "control or formatting character")
+    assert "\x1b" not in err and "\u202e" not in err
+
+
+def test_a_csv_id_holding_a_terminal_escape_is_refused(tmp_path, capsys):
+    refused(["validate", str(runs_csv(tmp_path, id="r\x1b[2J1"))], capsys, "`id`",
+            "control or formatting character")

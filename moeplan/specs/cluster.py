@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import limits
+from .validated import printable_name
 
 PRECISION_PEAK_FIELD = {
     "bf16": "bf16_tflops",
@@ -113,14 +114,10 @@ class ClusterSpec(BaseModel):
     )
     sources: dict[str, str] = Field(default_factory=dict, description="Where each figure is from.")
 
-    @field_validator("mamf_tflops")
+    @field_validator("name", "gpu")
     @classmethod
-    def _mamf_range(cls, mamf: dict[str, float]) -> dict[str, float]:
-        for fmt, value in mamf.items():
-            if not MIN_RATE <= value <= MAX_TFLOPS:
-                raise ValueError(f"`{fmt}` must be from {MIN_RATE:g} to {MAX_TFLOPS:g} TFLOPS, "
-                                 f"got {value:g}")
-        return mamf
+    def _printable(cls, value: str) -> str:
+        return printable_name(value)
 
     @field_validator("calibration")
     @classmethod
@@ -213,8 +210,9 @@ class ClusterSpec(BaseModel):
     @classmethod
     def _mamf_finite(cls, v: dict[str, float]) -> dict[str, float]:
         for fmt, tflops in v.items():
-            if not (math.isfinite(tflops) and 0 < tflops <= 1e6):
-                raise ValueError(f"mamf_tflops.{fmt} must be a positive finite TFLOPS figure")
+            if not (math.isfinite(tflops) and MIN_RATE <= tflops <= MAX_TFLOPS):
+                raise ValueError(f"mamf_tflops.{fmt} must be a finite TFLOPS figure from "
+                                 f"{MIN_RATE:g} to {MAX_TFLOPS:g}")
         return v
 
     def supports(self, precision: str) -> bool:

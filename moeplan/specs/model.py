@@ -11,7 +11,7 @@ import functools
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..limits import (
     MAX_EXPERTS,
@@ -23,6 +23,7 @@ from ..limits import (
     MAX_POSITIONS,
     MAX_VOCAB,
 )
+from .validated import printable_name
 
 Activation = Literal["swiglu", "geglu", "geglu_tanh", "gelu", "squared_relu"]
 GATED = ("swiglu", "geglu", "geglu_tanh")
@@ -198,6 +199,11 @@ class ModelSpec(BaseModel):
         "router_aux_loss_coef); a run uses it unless its training spec sets one.")
 
     # ------------------------------------------------------------------ validation
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        return printable_name(value)
+
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         def fail(field: str, msg: str) -> None:

@@ -15,6 +15,32 @@ from ..errors import SpecError
 
 T = TypeVar("T", bound=BaseModel)
 
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Unicode categories a name may not hold: control characters (ESC starts a terminal escape,
+a newline breaks a table), format characters (U+202E reverses the text after it), surrogates,
+private-use and unassigned code points, line and paragraph separators."""
+
+
+def unprintable(text: str) -> str | None:
+    """The first character of `text` a terminal or a table would not show as itself, as
+    U+XXXX at its position, or None."""
+    import unicodedata
+
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch) in UNPRINTABLE:
+            return f"U+{ord(ch):04X} at position {i}"
+    return None
+
+
+def printable_name(value: str) -> str:
+    """A name printed in tables and reports: refused when it holds an unprintable character
+    (`UNPRINTABLE`), so no spec file can move the cursor, recolour or reorder a terminal."""
+    bad = unprintable(value)
+    if bad is not None:
+        raise ValueError(f"holds a control or formatting character ({bad}); a name is "
+                         "printable text")
+    return value
+
 
 def format_validation_error(err: ValidationError, what: str, source: str) -> str:
     """One paragraph from pydantic's errors: each offending field, what is wrong, what was given."""

@@ -119,6 +119,14 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
         raise SpecError(f"{p}: no {', '.join(missing)} column; the CSV must have the columns "
                         "of published_runs.csv (id, model_preset, cluster_preset, num_gpus, "
                         "seq_len, global_batch_seqs, tp, pp, ..., a published figure).")
+    from ..specs.validated import unprintable
+
+    for r in rows:  # the cells `validate` prints as they are
+        for col in PRINTED_COLUMNS:
+            bad = unprintable(r.get(col) or "")
+            if bad is not None:
+                raise SpecError(f"{p}: row {excerpt(r.get('id'))}, column `{col}` holds a "
+                                f"control or formatting character ({bad}); fix the cell.")
     long = next((r for r in rows if None in r), None)
     if long is not None:  # DictReader files the extra cells under None, read by no one
         raise SpecError(f"{p}: row {excerpt(long.get('id'))} has more cells than the header "
@@ -126,6 +134,9 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
     return rows
 
 
+PRINTED_COLUMNS = ("id", "gpu", "model")
+"""Cells `moeplan validate` prints in its table as they are: no terminal escape may hide in
+one."""
 REQUIRED_COLUMNS = (("id",), ("model_preset", "model"), ("cluster_preset", "gpu"),
                     ("num_gpus",), ("seq_len",), ("global_batch_seqs",), ("tp",), ("pp",),
                     ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"))
