@@ -92,6 +92,19 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def file_problem(path: str | Path) -> str | None:
+    """Why `path` is not a regular file one could read, in a few words ("does not exist", "is
+    a directory, not a regular file"), or None when it is one: a directory, a device or a pipe
+    given for a file is said as such, not reported missing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as err:
+        return _reason(err) if isinstance(err, OSError) else "is not a usable file name"
+    return None if stat.S_ISREG(mode) else f"is {_kind(mode)}, not a regular file"
+
+
 def open_regular(path: str | Path, follow_links: bool = True) -> int:
     """A file descriptor open for reading on `path`, which must be a regular file.
 

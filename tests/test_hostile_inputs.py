@@ -374,7 +374,9 @@ def test_refusals_print_no_traceback_in_a_real_process(args):
 
 # ------------------------------------------------------------------------ shell-safe exports
 HOSTILE_PLAN = "x;$(touch PWNED2).json"
-HOSTILE_MODEL = "mx\ntouch PWNED5\n#"
+# a newline in a name is refused at the door now (`specs.validated.printable_name`); every
+# shell metacharacter a name may hold is still tried
+HOSTILE_MODEL = "mx';touch PWNED5;'$(touch PWNED7)`touch PWNED8`#"
 STUB = """#!/bin/sh
 # stands in for torchrun/srun/scontrol: records its arguments, one per line, and runs nothing
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$STUB_LOG"
@@ -858,3 +860,12 @@ def test_a_name_holding_a_terminal_escape_or_a_direction_override_is_refused(
 def test_a_csv_id_holding_a_terminal_escape_is_refused(tmp_path, capsys):
     refused(["validate", str(runs_csv(tmp_path, id="r\x1b[2J1"))], capsys, "`id`",
             "control or formatting character")
+
+
+def test_a_directory_or_device_given_for_a_file_is_said_as_such_not_reported_missing(tmp_path,
+                                                                                     capsys):
+    refused(["specs", "show", str(tmp_path)], capsys, "is a directory, not a regular file")
+    refused(["specs", "show", "/dev/zero"], capsys, "is a character device")
+    refused(["estimate", str(tmp_path)], capsys, "plan file", "is a directory")
+    (tmp_path / "config.json").write_text("{}")
+    refused(["specs", "show", str(tmp_path)], capsys, "give its")  # an HF checkpoint directory

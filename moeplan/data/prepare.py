@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import limits
 from ..errors import SpecError
-from ..fsio import loads_json
+from ..fsio import file_problem, loads_json
 from .indexed import IndexedWriter, token_dtype
 from .tokenizer import load_tokenizer
 
@@ -189,11 +189,16 @@ def prepare(inputs: list[str | Path], tokenizer: str | Path, out: str | Path,
                         "machine.")
     paths = [Path(p) for p in inputs]
     for p in paths:
-        if not p.is_file():
-            raise SpecError(f"{limits.clip(str(p))}: no such input file.")
+        problem = file_problem(p)
+        if problem is not None:
+            raise SpecError(f"input {limits.clip(str(p))} {problem}; give text or JSONL files.")
     prefix = str(out)
     for suffix in (".bin", ".idx"):
         prefix = prefix.removesuffix(suffix)
+    if not Path(prefix).name or prefix.endswith(("/", os.sep)) or Path(prefix).is_dir():
+        raise SpecError(f"-o {limits.clip(str(out))}: give a prefix, not a directory "
+                        f"(PREFIX.bin and PREFIX.idx are written; e.g. "
+                        f"{limits.clip(str(Path(prefix) / 'corpus'))}).")
     _, info = load_tokenizer(tokenizer, eod_token=eod_token)
     if append_eod and info.eod_id is None:
         raise SpecError(f"--tokenizer-model {info.file}: no end-of-document token found (none "

@@ -15,7 +15,7 @@ import yaml
 
 from .. import limits
 from ..errors import SpecError
-from ..fsio import FileRefused, first_nonfinite, is_file, loads_json, read_regular
+from ..fsio import FileRefused, file_problem, first_nonfinite, is_file, loads_json, read_regular
 from .cluster import ClusterSpec
 from .hf import model_from_hf_config
 from .model import ModelSpec
@@ -288,6 +288,13 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
     noun = "model" if kind == "models" else "cluster"
+    problem = file_problem(path)
+    if problem is not None and problem.startswith("is "):  # there, but not a spec file
+        inside = path / "config.json"
+        hint = (f" (a Hugging Face checkpoint directory: give its {inside})"
+                if kind == "models" and is_file(inside) else "")
+        raise SpecError(f"{noun} {limits.excerpt(ref_s)} {problem}{hint}; give a preset "
+                        f"({names}) or the path of a YAML/JSON {noun} spec.")
     close = did_you_mean(ref_s, kind)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     raise SpecError(f"unknown {noun} {limits.excerpt(ref_s)}: it is neither a preset nor a "
@@ -401,6 +408,7 @@ def load_plan(path: str | Path) -> Plan:
     """A Plan JSON written by `moeplan search -o` or `moeplan estimate -o`."""
     p = Path(path)
     if not is_file(p):
-        raise SpecError(f"plan file {limits.clip(str(p))} does not exist. Write one with `moeplan search -o "
-                        "plan.json` or `moeplan estimate ... -o plan.json`.")
+        raise SpecError(f"plan file {limits.clip(str(p))} {file_problem(p) or 'cannot be read'}. "
+                        "Write one with `moeplan search -o plan.json` or `moeplan estimate ... "
+                        "-o plan.json`.")
     return build(Plan, read_document(p), "plan", str(p))
