@@ -305,8 +305,25 @@ def specs_validate(
                                          f"({doc['path']})"))
 
 
+def ignored_flags(ctx: typer.Context, kept: frozenset[str]) -> list[str]:
+    """The flags given on the command line, other than `kept`, that a command reading its
+    layout from a plan file would not use: each is refused rather than silently ignored."""
+    def given(name: str) -> bool:  # by name: typer may carry a click of its own
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name == "COMMANDLINE"
+
+    return [max(p.opts, key=len) for p in ctx.command.params
+            if p.name not in kept and p.opts and given(str(p.name))]
+
+
+ESTIMATE_WITH_PLAN = frozenset({"plan_file", "calibration", "output", "report", "target",
+                                "imbalance", "routing_histogram", "as_json"})
+"""What `estimate PLAN.json` takes besides the plan: the rest is the plan's own."""
+
+
 @app.command()
 def estimate(
+    ctx: typer.Context,
     plan_file: Annotated[str | None, typer.Argument(
         metavar="[PLAN.json]", help="A plan written by `search -o` or `estimate -o`.")] = None,
     model: MaybeModelOpt = None,
@@ -380,6 +397,11 @@ def estimate(
     if plan_file:
         if model or cluster:
             raise SpecError("give either PLAN.json or --model/--cluster, not both.")
+        extra = ignored_flags(ctx, ESTIMATE_WITH_PLAN)
+        if extra:
+            raise SpecError(f"{', '.join(extra)}: PLAN.json holds its own layout and training, "
+                            "so these would be ignored; drop them, or build another plan from "
+                            "--model and --cluster with them.")
         plan = with_calibration(S.load_plan(plan_file), calibration)
     else:
         if not model or not cluster:
@@ -1079,6 +1101,7 @@ def _check_out_dir(out_dir: str) -> None:
 
 @app.command()
 def groups(
+    ctx: typer.Context,
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="World size.")] = None,
     tp: TpOpt = 1,
@@ -1093,6 +1116,10 @@ def groups(
     """Print the process groups of a layout (identical to Megatron Core's)."""
     from . import groups as layout_groups
 
+    extra = ignored_flags(ctx, frozenset({"plan", "as_json"})) if plan is not None else []
+    if extra:
+        raise SpecError(f"{', '.join(extra)}: the plan holds its own layout, so these would be "
+                        "ignored; drop them, or give the sizes without a plan.")
     if plan is None and gpus is not None:
         if gpus <= 0:
             raise SpecError(f"--gpus {gpus}: the world size must be a positive whole number.")
@@ -1149,6 +1176,9 @@ def export(
     from . import export as export_plan
     from .planner.export import Cadence
 
+    if flags_only and fmt.lower() != "megatron":
+        raise SpecError(f"--flags-only prints pretrain_gpt.py's flags, which only --format "
+                        f"megatron has; drop it with --format {limits.clip(fmt)}.")
     doc = export_plan(plan, fmt.lower(), nnodes=nnodes, nproc_per_node=nproc_per_node,
                       train_iters=train_iters, train_tokens=train_tokens,
                       cadence=Cadence(log_interval, save_interval, eval_interval, eval_iters))

@@ -869,3 +869,16 @@ def test_a_directory_or_device_given_for_a_file_is_said_as_such_not_reported_mis
     refused(["estimate", str(tmp_path)], capsys, "plan file", "is a directory")
     (tmp_path / "config.json").write_text("{}")
     refused(["specs", "show", str(tmp_path)], capsys, "give its")  # an HF checkpoint directory
+
+
+def test_flags_a_plan_file_would_ignore_are_refused_by_name(tmp_path, capsys):
+    """`estimate PLAN.json --tp 4` priced the plan's own layout and said nothing of --tp; each
+    such flag is now refused, by name (the flags that go with a plan are still taken)."""
+    plan = tmp_path / "p.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    refused(["estimate", str(plan), "--tp", "4", "--gpus", "1024", "--recompute", "full"],
+            capsys, "--tp", "--gpus", "--recompute", "would be ignored")
+    refused(["groups", str(plan), "--gpus", "32"], capsys, "--gpus", "would be ignored")
+    refused(["export", str(plan), "--format", "slurm", "--flags-only"], capsys, "--flags-only")
+    assert main(["estimate", str(plan), "--imbalance", "1.0", "--json"]) == 0
