@@ -882,3 +882,18 @@ def test_flags_a_plan_file_would_ignore_are_refused_by_name(tmp_path, capsys):
     refused(["groups", str(plan), "--gpus", "32"], capsys, "--gpus", "would be ignored")
     refused(["export", str(plan), "--format", "slurm", "--flags-only"], capsys, "--flags-only")
     assert main(["estimate", str(plan), "--imbalance", "1.0", "--json"]) == 0
+
+
+@pytest.mark.parametrize("where, field", [("model", "num_layers"), ("layout", "ep"),
+                                          ("cluster", "hbm_gb")])
+def test_true_or_false_where_a_number_belongs_is_refused_not_read_as_one(where, field, tmp_path,
+                                                                         capsys):
+    """pydantic's lax mode read `num_layers: true` as 1 layer and `hbm_gb: true` as 1 GB; the
+    Hugging Face importer already refused the same bool."""
+    plan = tmp_path / "p.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    doc = json.loads(plan.read_text())
+    doc[where][field] = True
+    plan.write_text(json.dumps(doc))
+    refused(["estimate", str(plan)], capsys, f"`{where}.{field}` is true/false")

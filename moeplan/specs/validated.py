@@ -70,11 +70,55 @@ def format_validation_error(err: ValidationError, what: str, source: str) -> str
             + f". Fix the {what} and try again{fix}.")
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a bool as itself (bool, Any, or a union holding one)."""
+    import typing
+
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_takes_bool(a) for a in typing.get_args(annotation))
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class a field holds (itself or inside an Optional), else None."""
+    import typing
+
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def stray_bool(cls: type[BaseModel], data: Any, at: str = "") -> str | None:
+    """The dotted path of the first true/false given to a field that is not a flag (pydantic's
+    lax mode reads `num_layers: true` as 1, `hbm_gb: true` as 1.0), in `data` and the models
+    nested in it; None when there is none."""
+    if not isinstance(data, dict):
+        return None
+    for key, value in data.items():
+        field = cls.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue  # an unknown field: pydantic names it
+        where = f"{at}.{key}" if at else key
+        if isinstance(value, bool) and not _takes_bool(field.annotation):
+            return where
+        inner = _nested_model(field.annotation)
+        if inner is not None:
+            found = stray_bool(inner, value, where)
+            if found:
+                return found
+    return None
+
+
 def build(cls: type[T], data: Any, what: str, source: str) -> T:
     """Validate `data` into `cls`, turning pydantic's errors into one SpecError paragraph."""
     if not isinstance(data, dict):
         raise SpecError(f"invalid {what} in {source}: expected a mapping of fields, got "
                         f"{type(data).__name__}. Write the {what} as YAML or JSON key: value pairs.")
+    bad = stray_bool(cls, data)
+    if bad is not None:
+        raise SpecError(f"invalid {what} in {source}: field `{bad}` is true/false where a "
+                        f"number or a name belongs. Fix the {what} and try again.")
     try:
         return cls.model_validate(data)
     except ValidationError as err:
