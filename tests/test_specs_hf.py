@@ -175,3 +175,19 @@ def test_cli_refuses_wrongly_typed_hf_config_with_exit_2_and_no_traceback(cli, t
     r = cli("specs", "show", str(path))
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and field in r.stderr
+
+
+@pytest.mark.parametrize("layer_types, needle", [
+    (["bogus"] * 36, "'bogus', which is not one of"),
+    (["sliding_attention", "full_attention"] * 2, "lists 4 layers, the config 36"),
+])
+def test_gpt_oss_layer_types_outside_the_known_kinds_or_layers_are_refused(layer_types, needle,
+                                                                            tmp_path):
+    """An unknown kind, or a list of another length than the layers, was read as full attention
+    without a word."""
+    doc = json.loads((DATA / "hf" / "gpt-oss-120b.json").read_text())
+    doc["layer_types"] = layer_types
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        load_model(path)

@@ -355,8 +355,23 @@ def _qwen3(c: Config) -> dict[str, Any]:
     return d
 
 
+LAYER_TYPES = {"sliding_attention": "S", "full_attention": "F"}
+"""The attention kinds a config's `layer_types` may name (transformers' values)."""
+
+
 def _layer_pattern(c: Config, d: dict[str, Any], kinds: list[str]) -> None:
-    pattern = "".join("S" if t == "sliding_attention" else "F" for t in kinds)
+    """Sliding and full attention by layer, as the shortest period that tiles `layer_types`;
+    a kind outside LAYER_TYPES, or a list of another length than the layers, is refused (it
+    was read as full attention without a word)."""
+    unknown = sorted({t for t in kinds if t not in LAYER_TYPES})
+    if unknown:
+        raise SpecError(f"{c.source}: layer_types holds {_show(unknown[0])}, which is not one of "
+                        f"{', '.join(LAYER_TYPES)}; fix it in the config.")
+    layers = d.get("num_layers")
+    if kinds and layers is not None and len(kinds) != layers:
+        raise SpecError(f"{c.source}: layer_types lists {len(kinds)} layers, the config "
+                        f"{layers} (num_hidden_layers); give one entry per layer.")
+    pattern = "".join(LAYER_TYPES[t] for t in kinds)
     for n in range(1, len(pattern) + 1):  # shortest period that tiles the list
         if all(pattern[i] == pattern[i % n] for i in range(len(pattern))):
             pattern = pattern[:n]
