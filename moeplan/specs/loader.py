@@ -153,6 +153,12 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec files "
                         "are flat mappings of fields.") from None
     except (ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
+        if "integer string conversion" in str(err):  # Python's 4,300-digit guard
+            raise SpecError(f"{source} holds a whole number of thousands of digits; no field "
+                            "takes one. Fix the number.") from None
+        if "nests deeper" in str(err):
+            raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec "
+                            "files are flat mappings of fields.") from None
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpecError(f"{source} is not valid {kind}: {limits.clip(first, 160)}. "
                         "Fix the syntax.") from None

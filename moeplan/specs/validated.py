@@ -42,7 +42,8 @@ def printable_name(value: str) -> str:
     return value
 
 
-def format_validation_error(err: ValidationError, what: str, source: str) -> str:
+def format_validation_error(err: ValidationError, what: str, source: str,
+                            file_hint: bool = True) -> str:
     """One paragraph from pydantic's errors: each offending field, what is wrong, what was given."""
     parts = []
     for e in err.errors():
@@ -64,7 +65,7 @@ def format_validation_error(err: ValidationError, what: str, source: str) -> str
             shown = (f" (got {limits.excerpt(got)})" if got is not None
                      and not isinstance(got, dict) else "")
             parts.append(f"field `{loc}`: {msg}{shown}" if loc else msg)
-    fix = ("" if source == "command line" or source.startswith("preset")
+    fix = ("" if not file_hint or source == "command line" or source.startswith("preset")
            else " (`moeplan specs validate FILE` checks a file)")
     return (f"invalid {what} in {source}: " + "; ".join(parts)
             + f". Fix the {what} and try again{fix}.")

@@ -22,8 +22,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..cost_models.uncertainty import model_family
-from ..errors import LayoutError, MoeplanError
+from ..errors import LayoutError, MoeplanError, SpecError
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
@@ -35,6 +37,7 @@ from ..specs import (
 )
 from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
+from ..specs.validated import format_validation_error
 from .recipes import Recipe, contradicts, recipe_for, recipe_stage_layout
 from .rows import number, release_of, size
 from .rules import (
@@ -229,7 +232,10 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     try:
         numerics = training_settings(row)
         training = TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=prec, **numerics)
-    except Exception as err:  # pydantic ValidationError
+    except ValidationError as err:  # one line per field, as every spec error reads
+        return format_validation_error(err, "training settings", f"row {row.get('id', '?')}",
+                                       file_hint=False)
+    except SpecError as err:
         return f"training settings invalid: {err}"
     layout: Layout | None = None
     assumed: dict[str, Any] = {}
