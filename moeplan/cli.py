@@ -677,7 +677,9 @@ def search(
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
     target: Annotated[str, typer.Option("--target", help=TARGET_HELP)] = "megatron",
     time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
-                          "searching after this many seconds and report the best so far.")
+                          "searching after this many seconds and report the best so far (the "
+                          "layouts are enumerated and bounded first, and a first plan that "
+                          "fits is always found, so 'nothing fits' stays a proof).")
                           ] = None,
     imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
                          "busiest EP rank over the mean.")] = 1.0,
