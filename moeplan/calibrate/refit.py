@@ -18,6 +18,7 @@ is the honest one. No torch here.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,13 +59,35 @@ def find_run_dirs(paths: Sequence[str]) -> list[Path]:
         if (p / "summary.json").is_file():
             dirs.append(p)
             continue
-        found = sorted(s.parent for s in p.rglob("summary.json")) if p.is_dir() else []
+        found = _summaries_below(p) if p.is_dir() else []
         if not found:
             raise SpecError(f"--from-runs {p}: no summary.json in it or below it. Pass run "
                             "directories written by `moeplan run --out DIR` after the run "
                             "finished.")
         dirs += found
     return dirs
+
+
+MAX_WALK_DEPTH = 8  # directories below a --from-runs path searched for run directories
+MAX_WALK_ENTRIES = 200_000  # names looked at before the search is refused as too wide
+
+
+def _summaries_below(root: Path) -> list[Path]:
+    """The run directories (holding summary.json) below `root`, found by a bounded walk: at
+    most MAX_WALK_DEPTH levels, MAX_WALK_ENTRIES names, no symbolic link followed, so
+    `--from-runs /` is refused at once instead of reading the whole file system."""
+    found, seen = [], 0
+    for top, dirs, files in os.walk(root, followlinks=False):
+        seen += len(dirs) + len(files)
+        if seen > MAX_WALK_ENTRIES:
+            raise SpecError(f"--from-runs {root}: more than {MAX_WALK_ENTRIES:,} files and "
+                            "directories below it; point it at the directory holding the run "
+                            "directories (or list them).")
+        if "summary.json" in files:
+            found.append(Path(top))
+        if len(Path(top).relative_to(root).parts) >= MAX_WALK_DEPTH:
+            dirs[:] = []  # deeper than any run directory is kept
+    return sorted(found)
 
 
 def _read_json(path: Path) -> Any:
