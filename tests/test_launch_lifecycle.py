@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -385,3 +386,15 @@ def test_two_localhost_nodes_of_two_ranks_match_the_single_process_losses(cli, t
     assert len(got) == len(want) == 3
     for a, b in zip(got, want, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=0)
+
+
+def test_a_stop_without_a_summary_says_the_workers_were_killed_and_names_the_newest_step(
+        tmp_path):
+    """After a second signal (or the grace period) the workers report nothing: the line says
+    so and names the newest sealed step, instead of "before the workers reached a step
+    boundary; nothing trained since the last one", which a run of thousands of steps read."""
+    from moeplan.runtime.launch import Stopped
+
+    line = str(Stopped(signal.SIGTERM, None, str(tmp_path / "none")))
+    assert "killed before they reported" in line and "no checkpoint" in line
+    assert "nothing trained" not in line and line.endswith("(exit 75)")

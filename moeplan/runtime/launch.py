@@ -51,6 +51,7 @@ from .storage import (
     LOCKED_ENV,
     CkptLock,
     check_ckpt_dir,
+    complete_steps,
     held_steps,
     resume_point,
     step_of,
@@ -75,9 +76,18 @@ class Stopped(RunStopped):
             super().__init__(code, "")
             self.signum = signum
             return
-        at = (summary or {}).get("preempted_at") or 0
+        if summary is None:  # killed before they reported: a second signal, or the grace ran out
+            newest = complete_steps(ckpt_dir) if ckpt_dir else []
+            then = (f"the newest checkpoint is step {newest[-1]}; continue with --resume"
+                    if newest else "no checkpoint" + ("" if ckpt_dir else " (no --ckpt-dir)"))
+            super().__init__(code, f"stopped by {name}; the workers were killed before they "
+                             f"reported where (a second signal, or no step boundary within "
+                             f"{STOP_GRACE_S:.0f} s); {then} (exit {code})")
+            self.signum = signum
+            return
+        at = summary.get("preempted_at") or 0
         where = f"at step {at}" if at else "before the workers reached a step boundary"
-        saved = (summary or {}).get("stop_checkpoint")
+        saved = summary.get("stop_checkpoint")
         if saved:
             then = f"checkpoint {saved}; continue with --resume"
         elif ckpt_dir:
@@ -378,6 +388,10 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         raise Stopped(stop, summary, opts.ckpt_dir)  # (a run that finished anyway returns)
     if code == 2:  # the workers refused to go on; rank 0 said why in one paragraph
         raise RunRefused()
+    if code < 0:  # the agent itself was killed (its workers die with it): as a shell says it
+        name = signal.Signals(-code).name
+        raise RunFailed(128 - code, f"the torchrun agent was killed by {name}, and its workers "
+                        f"with it (exit {128 - code})")
     if code:
         raise RunFailed(code)
     return summary or {}
