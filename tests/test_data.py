@@ -317,6 +317,9 @@ def test_a_line_past_the_document_bound_is_refused_having_read_only_the_bound(tm
         def __exit__(self, *exc):
             self.f.close()
 
+        def read(self, n=-1):
+            return self.f.read(n)
+
         def readline(self, limit=-1):
             line = self.f.readline(limit)
             reads.append(len(line))
@@ -326,3 +329,17 @@ def test_a_line_past_the_document_bound_is_refused_having_read_only_the_bound(tm
     with pytest.raises(SpecError, match="docs.jsonl:2: a line of more than 64 bytes"):
         prepare([tmp_path / "docs.jsonl"], tok_path, tmp_path / "out")
     assert max(reads) == 65
+
+
+@pytest.mark.parametrize("name, head, needle", [
+    ("docs.jsonl", b"\x1f\x8b\x08\x00", "is a .gz file, not text: decompress it"),
+    ("data.parquet", b"plain ascii", "is a .parquet file, not text: export its text column"),
+])
+def test_prepare_refuses_compressed_or_columnar_inputs_saying_what_to_do(name, head, needle,
+                                                                         tmp_path):
+    """A gzip stream was refused as "not UTF-8 (iconv it)", and a .parquet file whose bytes
+    happened to be ASCII was tokenized as one text document."""
+    tok_path = train_bpe(tmp_path / "tokenizer.json", 300)
+    (tmp_path / name).write_bytes(head)
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        prepare([tmp_path / name], tok_path, tmp_path / "out")

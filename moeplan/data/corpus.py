@@ -42,8 +42,13 @@ DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default --split
 BLEND_BLOCK = 10_000  # samples per repeat of the blending pattern (weights hold to 1e-4)
 MAX_DATASETS = 1024
 SCAN_TOKENS = 1 << 28  # token ids checked per dataset before workers start (all: per sample)
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv", ".gz", ".zst",
-                 ".parquet", ".npy")
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv")
+PACKED_SUFFIXES = {".gz": "decompress it (gunzip)", ".zst": "decompress it (zstd -d)",
+                   ".parquet": "export its text column to JSONL (e.g. with pandas or duckdb)",
+                   ".npy": "write its token ids as an indexed dataset "
+                           "(moeplan.data.indexed.write_documents)",
+                   ".arrow": "export its text column to JSONL (datasets' to_json)"}
+"""Inputs `data prepare` cannot read, with what to do instead."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -130,6 +135,13 @@ def _missing(prefix: str) -> SpecError:
     """Why PREFIX is no dataset, and how to make one (a text file is the common mistake)."""
     bin_path, idx_path = paths(prefix)
     given = Path(prefix)
+    packed = next((k for k in PACKED_SUFFIXES if given.name.lower().endswith(k)), None)
+    if packed is not None:  # data prepare reads UTF-8 text and JSONL, not these
+        return SpecError(f"--data {prefix}: a {packed} file is not a tokenized dataset, and "
+                         "`moeplan data prepare` reads UTF-8 text and JSONL only: "
+                         f"{PACKED_SUFFIXES[packed]}, then `moeplan data prepare FILE "
+                         "--tokenizer-model TOKENIZER -o PREFIX` (docs/DATA.md) and pass --data "
+                         "PREFIX.")
     if given.is_file() or given.suffix.lower() in TEXT_SUFFIXES:
         return SpecError(f"--data {prefix}: this is not a tokenized dataset. `moeplan run` "
                          "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair "
@@ -279,8 +291,10 @@ class Corpus:
             out[i] = tokens[start: start + self.seq_len + 1]
         if out.size and (out.min() < 0 or out.max() >= self.vocab_size):
             i = int(np.argmax((out < 0).any(1) | (out >= self.vocab_size).any(1)))
+            row = out[i]
+            bad = int(row.min()) if row.min() < 0 else int(row.max())  # the offending id
             raise SpecError(f"--data {self.parts[int(d[i])].index.prefix}: sample {int(g[i])} "
-                            f"holds token id {int(out[i].max())}, outside the model's "
+                            f"holds token id {bad}, outside the model's "
                             f"vocabulary of {self.vocab_size:,}; the dataset was tokenized "
                             "for another vocabulary.")
         return out

@@ -65,6 +65,25 @@ class PrepareResult:
 
 
 # ----------------------------------------------------------------------------- reading
+MAGIC = {b"\x1f\x8b": ".gz", b"\x28\xb5\x2f\xfd": ".zst", b"PAR1": ".parquet",
+         b"\x93NUMPY": ".npy", b"ARROW1": ".arrow"}
+"""The first bytes of the packed formats PACKED_SUFFIXES names, whatever the file is called."""
+
+
+def _packed(path: Path) -> str | None:
+    """Why `path` is a compressed or binary format rather than text (by its name or its first
+    bytes), with what to do instead; None for anything else."""
+    from .corpus import PACKED_SUFFIXES
+
+    kind = next((k for k in PACKED_SUFFIXES if path.name.lower().endswith(k)), None)
+    if kind is None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+        except OSError:
+            return None
+        kind = next((k for magic, k in MAGIC.items() if head.startswith(magic)), None)
+    return None if kind is None else f"is a {kind} file, not text: {PACKED_SUFFIXES[kind]}"
 def _documents(path: Path, json_key: str, document_per: str) -> Iterator[tuple[str, int]]:
     """(document text, bytes of input consumed so far) of one input file."""
     is_json = path.suffix.lower() in JSON_SUFFIXES
@@ -189,7 +208,7 @@ def prepare(inputs: list[str | Path], tokenizer: str | Path, out: str | Path,
                         "machine.")
     paths = [Path(p) for p in inputs]
     for p in paths:
-        problem = file_problem(p)
+        problem = file_problem(p) or _packed(p)
         if problem is not None:
             raise SpecError(f"input {limits.clip(str(p))} {problem}; give text or JSONL files.")
     prefix = str(out)
