@@ -225,18 +225,18 @@ def _json_bytes(obj: object, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def all_gather_json(obj: object, device: torch.device) -> list:
-    """Every rank's `obj`, in rank order, sent as JSON bytes in a tensor (the object
-    collectives of torch.distributed pickle; this never does)."""
+def all_gather_json(obj: object, device: torch.device, group: object = None) -> list:
+    """Every rank's `obj` (of `group`, default the world), in rank order, sent as JSON bytes in
+    a tensor (the object collectives of torch.distributed pickle; this never does)."""
     mine = _json_bytes(obj, device)
     n = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
     top = max(1, max(int(s) for s in sizes))
     buf = torch.zeros(top, dtype=torch.uint8, device=device)
     buf[: mine.numel()] = mine
     bufs = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(bufs, buf)
+    dist.all_gather(bufs, buf, group=group)
     return [json.loads(b[: int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
 

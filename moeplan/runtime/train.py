@@ -221,8 +221,23 @@ class Trainer:
         pp = self.groups.pp
         if pp.trivial:
             return tensors
-        parts: list = [None] * pp.size
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in tensors.items()}, group=pp.group)
+        from .checkpoint import all_gather_json
+
+        # names, shapes and dtypes as JSON, then each stage's tensors broadcast from it:
+        # all_gather_object would unpickle what the other ranks send
+        device = self.device
+        metas = all_gather_json({k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                 for k, v in tensors.items()}, device, group=pp.group)
+        me = dist.get_rank(pp.group)
+        parts: list[dict[str, torch.Tensor]] = []
+        for r, meta in enumerate(metas):
+            part = {}
+            for k, (shape, dtype) in meta.items():
+                buf = (tensors[k].detach().to(device).contiguous() if r == me else
+                       torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                dist.broadcast(buf, src=dist.get_global_rank(pp.group, r), group=pp.group)
+                part[k] = buf.cpu()
+            parts.append(part)
         return {k: v for part in reversed(parts) for k, v in part.items()}
 
 
