@@ -87,7 +87,7 @@ def worker(rank: int, port: int, out: str) -> None:
                 row = {"losses": losses, "grads": grads, "trace": trace_rows(trainer),
                        "overlap": trainer.pipeline is not None and trainer.pipeline.ep_overlap,
                        "offloaded_bytes": meter.offloaded_bytes}
-            from moeplan.runtime.checkpoint import all_gather_json
+            from moeplan.runtime.jsonwire import all_gather_json
 
             rows = all_gather_json(row.get("trace") or [], torch.device("cpu"))  # no pickle
             if rank == 0:

@@ -235,6 +235,19 @@ def scaling_efficiencies(points: Sequence[Point]) -> None:
             p.scaling_efficiency = (p.tokens_per_s_per_gpu or 0.0) / b.tokens_per_s_per_gpu
 
 
+def _check_quantities(tokens: float, days: float | None, budget_usd: float | None) -> None:
+    """Refuse a token count, a deadline or a budget outside what any run could be."""
+    if not 0 < tokens <= MAX_TOKENS:
+        raise SpecError(f"--tokens takes a positive number of tokens up to {MAX_TOKENS:g} "
+                        f"(e.g. 15e12), got {tokens}.")
+    if days is not None and not 0 < days <= MAX_DAYS:
+        raise SpecError(f"--days takes a positive number of days up to {MAX_DAYS:g}, got "
+                        f"{days}.")
+    if budget_usd is not None and not 0 < budget_usd <= MAX_BUDGET_USD:
+        raise SpecError(f"--budget takes a positive number of USD up to {MAX_BUDGET_USD:g}, got "
+                        f"{budget_usd}.")
+
+
 def _prices(clusters: Sequence[str], prices: float | Sequence[float] | None
             ) -> dict[str, float | None]:
     """One price per cluster kind: a single value for all, or a list in --cluster order."""
@@ -498,15 +511,7 @@ def whatif(
         clusters = [c.strip() for c in clusters.split(",") if c.strip()]
     if not clusters:
         raise SpecError("--cluster needs at least one cluster preset or file.")
-    if not 0 < tokens <= MAX_TOKENS:
-        raise SpecError(f"--tokens takes a positive number of tokens up to {MAX_TOKENS:g} "
-                        f"(e.g. 15e12), got {tokens}.")
-    if days is not None and not 0 < days <= MAX_DAYS:
-        raise SpecError(f"--days takes a positive number of days up to {MAX_DAYS:g}, got "
-                        f"{days}.")
-    if budget_usd is not None and not 0 < budget_usd <= MAX_BUDGET_USD:
-        raise SpecError(f"--budget takes a positive number of USD up to {MAX_BUDGET_USD:g}, got "
-                        f"{budget_usd}.")
+    _check_quantities(tokens, days, budget_usd)
     if budget_usd is not None and gpu_hour_price is None:
         raise SpecError("--budget needs --gpu-hour-price to turn GPU-hours into dollars.")
     if not gpus and days is None:

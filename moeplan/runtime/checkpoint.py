@@ -55,6 +55,7 @@ from safetensors.torch import save_file
 
 from ..errors import SpecError
 from .hf_io import MAX_SHARD_BYTES, checkpoint_tokenizer, write_hf
+from .jsonwire import all_gather_json, broadcast_json
 from .layers import shard_info
 from .storage import (
     CKPT_FORMAT,
@@ -218,37 +219,6 @@ _ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.b
        torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
        torch.float8_e5m2: "F8_E5M2"}
 _TORCH = {v: k for k, v in _ST.items()}
-
-
-def _json_bytes(obj: object, device: torch.device) -> torch.Tensor:
-    data = json.dumps(obj, allow_nan=False).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def all_gather_json(obj: object, device: torch.device, group: object = None) -> list:
-    """Every rank's `obj` (of `group`, default the world), in rank order, sent as JSON bytes in
-    a tensor (the object collectives of torch.distributed pickle; this never does)."""
-    mine = _json_bytes(obj, device)
-    n = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, n, group=group)
-    top = max(1, max(int(s) for s in sizes))
-    buf = torch.zeros(top, dtype=torch.uint8, device=device)
-    buf[: mine.numel()] = mine
-    bufs = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(bufs, buf, group=group)
-    return [json.loads(b[: int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
-
-
-def broadcast_json(obj: object, device: torch.device, src: int = 0) -> object:
-    """`obj` of rank `src` on every rank, as JSON bytes in a tensor (no pickle)."""
-    mine = _json_bytes(obj, device) if dist.get_rank() == src else None
-    n = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(n, src=src)
-    buf = mine if mine is not None else torch.empty(int(n), dtype=torch.uint8, device=device)
-    if int(n):
-        dist.broadcast(buf, src=src)
-    return json.loads(buf.cpu().numpy().tobytes())
 
 
 def _owned(every: list[dict]) -> list[dict[str, list[list]]]:

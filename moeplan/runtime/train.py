@@ -21,6 +21,7 @@ from ..specs import Plan
 from .comm import all_reduce_
 from .data import make_data
 from .groups import ParallelGroups
+from .jsonwire import all_gather_json
 from .layers import materialize_
 from .model import Transformer
 from .optimizer import DistributedOptimizer, lr_at
@@ -221,8 +222,6 @@ class Trainer:
         pp = self.groups.pp
         if pp.trivial:
             return tensors
-        from .checkpoint import all_gather_json
-
         # names, shapes and dtypes as JSON, then each stage's tensors broadcast from it:
         # all_gather_object would unpickle what the other ranks send
         device = self.device
