@@ -1242,8 +1242,10 @@ def calibrate(
         _calibrate_from_runs([*from_runs, *(runs or [])], eval_runs or [], output,
                              prior_weight, csv_names(fit), as_json)
         return
-    if eval_runs:
-        raise SpecError("--eval needs --from-runs (the runs the constants are fitted on).")
+    for flag, given in (("--eval", eval_runs), ("--fit", fit)):
+        if given:
+            raise SpecError(f"{flag} needs --from-runs (the runs the constants are fitted on); "
+                            "without it calibrate measures this machine instead.")
     import yaml
 
     from .calibrate import calibrate_machine, machine_options, write_cluster_yaml
@@ -1407,6 +1409,9 @@ def data_prepare(
     """Tokenize text or JSONL with a Hugging Face tokenizer into a Megatron indexed dataset."""
     from .data.prepare import ProgressLine, prepare
 
+    if eod_token is not None and not append_eod:
+        raise SpecError("--eod-token names the token appended to each document, and "
+                        "--no-append-eod appends none; give one or the other.")
     n = workers or min(8, os.cpu_count() or 1)
     bar = ProgressLine(f"tokenizing with {n} process{'es' if n > 1 else ''}")
     try:

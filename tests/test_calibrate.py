@@ -221,7 +221,8 @@ def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path,
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
-                                  "no_plan", "eval_without_from_runs", "unknown_constant"])
+                                  "no_plan", "eval_without_from_runs", "fit_without_from_runs",
+                                  "unknown_constant"])
 def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path, cli):
     d = tmp_path / "run"
     d.mkdir()
@@ -245,6 +246,9 @@ def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path,
     elif case == "eval_without_from_runs":
         args = ["calibrate", "--eval", str(d)]
         named = "--from-runs"
+    elif case == "fit_without_from_runs":  # it ran the whole microbenchmark instead
+        args = ["calibrate", "--fit", "compute_scale"]
+        named = "--fit needs --from-runs"
     r = cli(*args)
     assert r.returncode == 2, r.stderr
     assert named in r.stderr and "Traceback" not in r.stderr

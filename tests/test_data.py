@@ -343,3 +343,13 @@ def test_prepare_refuses_compressed_or_columnar_inputs_saying_what_to_do(name, h
     (tmp_path / name).write_bytes(head)
     with pytest.raises(SpecError, match=re.escape(needle)):
         prepare([tmp_path / name], tok_path, tmp_path / "out")
+
+
+def test_an_eod_token_with_no_eod_appended_is_refused(tmp_path, capsys):
+    from moeplan.cli import main
+
+    tok_path = train_bpe(tmp_path / "tokenizer.json", 300)
+    (tmp_path / "a.txt").write_text("hello")
+    assert main(["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer-model", str(tok_path),
+                 "-o", str(tmp_path / "out"), "--no-append-eod", "--eod-token", "x"]) == 2
+    assert "give one or the other" in capsys.readouterr().err
