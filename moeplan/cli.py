@@ -1459,6 +1459,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Typer itself reports usage errors (unknown flag, bad value) with exit code 2.
     """
+    if os.environ.get("MOEPLAN_START_PID") != str(os.getpid()):  # inherited, or none: ours now
+        os.environ["MOEPLAN_START_PPID"] = str(os.getppid())
+        os.environ["MOEPLAN_START_PID"] = str(os.getpid())
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:

@@ -398,3 +398,17 @@ def test_a_stop_without_a_summary_says_the_workers_were_killed_and_names_the_new
     line = str(Stopped(signal.SIGTERM, None, str(tmp_path / "none")))
     assert "killed before they reported" in line and "no checkpoint" in line
     assert "nothing trained" not in line and line.endswith("(exit 75)")
+
+
+def test_the_parent_a_rank_checks_is_its_own_never_one_it_inherited(monkeypatch, capsys):
+    """A rank of someone else's torchrun exits at once when the parent it started under is
+    gone (`lifecycle.START_PPID_ENV`); a record inherited from an ancestor moeplan would name
+    another parent and kill a healthy rank, so every process records its own."""
+    from moeplan.cli import main
+
+    monkeypatch.setenv("MOEPLAN_START_PPID", "1")
+    monkeypatch.setenv("MOEPLAN_START_PID", "1")  # an ancestor's record
+    assert main(["--version"]) == 0
+    capsys.readouterr()
+    assert os.environ["MOEPLAN_START_PPID"] == str(os.getppid())
+    assert os.environ["MOEPLAN_START_PID"] == str(os.getpid())
