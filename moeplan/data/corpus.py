@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import limits
 from ..errors import SpecError
+from ..fsio import file_problem
 from .indexed import Index, open_tokens, paths, read_index
 
 SPLITS = ("train", "valid", "test")
@@ -151,6 +152,11 @@ def _missing(prefix: str) -> SpecError:
                          f"{given.with_suffix('')}.")
     how = (f"`moeplan data prepare TEXT_OR_JSONL --tokenizer-model TOKENIZER -o {given}` "
            "writes one (docs/DATA.md)")
+    for part in (bin_path, idx_path):  # there, but a directory, a device or a pipe
+        problem = file_problem(part)
+        if problem is not None and problem.startswith("is "):
+            return SpecError(f"--data {prefix}: {part} {problem}; a dataset is a pair of "
+                             f"regular files. Replace it, or rebuild the pair: {how}.")
     if bin_path.is_file() != idx_path.is_file():
         have, lack = (bin_path, idx_path) if bin_path.is_file() else (idx_path, bin_path)
         return SpecError(f"--data {prefix}: {have} is there but {lack} is missing; a dataset is "

@@ -126,7 +126,7 @@ def read_index(prefix: str | Path) -> Index:
     if dtype is None or dtype.name not in TOKEN_DTYPES:
         raise _refuse(prefix, f"{idx_path} names token dtype code {code} "
                               f"({dtype.name if dtype is not None else 'unknown'}); token ids "
-                              f"are integers ({', '.join(TOKEN_DTYPES)})")
+                              f"are stored as one of {', '.join(TOKEN_DTYPES)}")
     plain = HEADER_BYTES + 12 * n_seq + 8 * n_doc
     if idx_size not in (plain, plain + n_seq):  # + int8 modes when multimodal
         raise _refuse(prefix, f"{idx_path} is {idx_size:,} bytes but its header promises "
@@ -156,9 +156,10 @@ def read_index(prefix: str | Path) -> Index:
         bad = pointers[lo: lo + CHECK_CHUNK] != expect
         if bad.any():
             i = lo + int(np.argmax(bad))
+            where = f"where sequence {i - 1} ends" if i else "at byte 0"
             raise _refuse(prefix, f"{idx_path}: sequence {i} starts at byte "
-                                  f"{int(pointers[i]):,}, not where sequence {i - 1} ends; "
-                                  "moeplan reads sequences stored back to back")
+                                  f"{int(pointers[i]):,}, not {where}; moeplan reads "
+                                  "sequences stored back to back")
         total += int(ln.sum())
     if bin_size != total * item:
         raise SpecError(f"--data {prefix}: {bin_path} is {bin_size:,} bytes but its index "
