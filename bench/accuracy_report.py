@@ -349,6 +349,20 @@ def zoo_runs() -> list[dict[str, Any]]:
     return priced(ZOO, ZOO_SKIPPED)
 
 
+def zoo_experts(rid: str) -> str:
+    """A Model Zoo run's local experts per rank and the tokens each receives per micro-batch
+    (the grouped GEMM's M, `uncertainty.dimensions`), from its case."""
+    from megatron_recipes import ZOO
+
+    from moeplan.cost_models.uncertainty import dimensions
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of
+
+    case = case_of(next(r for r in read_rows(ZOO) if r["id"] == rid), list_presets())
+    m = dimensions(case.model, case.training, case.layout)["tokens_per_expert"]
+    return f"{case.model.num_experts // case.layout.ep} local experts at M = {m:,.0f} tokens"
+
+
 def zoo_host_sensitivity(ids: tuple[str, ...] = ("MZQ04", "MZQ05")) -> str:
     """Each run's error priced with the launch time per host CPU at 0, 1 and 2 times the
     shipped profile's (`Calibration.launch_us`)."""
@@ -411,9 +425,9 @@ def zoo_section() -> list[str]:
             + ("in the measured order" if measured == predicted else
                f"in the order {', '.join(predicted)} (measured: {', '.join(measured)})")
             + f"; each step down the measured order: {'; '.join(steps)}. The deep pipeline "
-            "(PP 32, one layer per virtual stage, 16 local experts at M = 1,024 tokens) and "
-            "TP 4 with intra-node EP (16 local experts at M = 512) are the two priced fastest "
-            "against their runs; what moves them is the host's time per launch (error at no "
+            f"(PP 32, one layer per virtual stage, {zoo_experts('MZQ04')}) and TP 4 with "
+            f"intra-node EP ({zoo_experts('MZQ05')}) are the two priced fastest against their "
+            "runs; what moves them is the host's time per launch (error at no "
             f"host floor, the fitted launch time, and twice it: {zoo_host_sensitivity()}). "
             "The fitted time is what the runs of 2025–26 the fit saw need; these runs, of "
             "Megatron-LM's 2025 development branches, ask for more (Known gaps). The "

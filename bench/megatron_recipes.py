@@ -18,7 +18,7 @@ by `moeplan.validation`, as for every published row):
   `current` software stack every estimate assumes, so their predictions do not move.
 - `bench/data/modelzoo_qwen3.csv`: Megatron-MoE-ModelZoo's Qwen3-235B-A22B runs
   (`best_practice/qwen3/readme.md`, commits c1ad0b5c89 and 020b8136b3): on 256 H100, five
-  layouts of one batch with their step times, measured 65% apart, and four long-context runs,
+  layouts of one batch with their step times, and four long-context runs,
   16K to 128K tokens with CP 1 to 8; on 256 GB200 a BF16 and an MXFP8 layout; on 128 GB300 a
   128K-token run with CP 4. The Megatron-FSDP layout and Qwen3-Next-80B-A3B (no preset) are
   listed as skipped; the GB300 4K run is left out, being the run Megatron-Bridge publishes

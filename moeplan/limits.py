@@ -36,10 +36,25 @@ MAX_HEADS = 4096
 MAX_EXPERTS = 16_384  # routed experts per MoE layer (Kimi K2: 384)
 MAX_VOCAB = 4_194_304  # largest published vocabulary: 262k (Gemma 3)
 MAX_MTP_LAYERS = 64
+MAX_LAYOUT_CHARS = 4 * (MAX_LAYERS + MAX_MTP_LAYERS + 2)
+"""Characters a --stage-layout may unroll to: every layer, the embedding and the loss, each
+with a stage separator, twice over. A longer one cannot match any model; refusing it before
+it unrolls keeps `t*99999999999` from filling the memory."""
 MAX_TOKENS = 1e18  # whatif --tokens: a quintillion, 50,000x today's largest pretraining runs
 MAX_GPU_HOUR_USD = 1e6  # whatif --gpu-hour-price, per GPU-hour
 MAX_BUDGET_USD = 1e15  # whatif --budget
 MAX_DAYS = 1e6  # whatif --days
+MIN_RATE = 1e-6
+"""The least peak, bandwidth or memory size a cluster figure may state (a millionth of a
+TFLOPS, GB/s or GB): a CPU host measured by `moeplan calibrate` is far above it, and a figure
+below it (1e-308) would overflow the step time to infinity."""
+MAX_TFLOPS = 1e5           # 100 PFLOPS per GPU: 20x today's densest FP4 part
+MAX_MEMORY_GB = 1e5        # 100 TB per GPU, HBM or host
+MAX_BANDWIDTH_GB_S = 1e6   # 1 PB/s per GPU, any link or memory
+MAX_LATENCY_US = 1e6       # one second per message
+MIN_MEASURE, MAX_MEASURE = 1e-6, 1e12
+"""The range of a published measurement in a CSV of runs (tokens/s/GPU, TFLOPS, MFU, GB): any
+real one is inside it by orders of magnitude, and 1e-308 would overflow every ratio."""
 MAX_IMBALANCE = 1024.0  # --imbalance: the busiest EP rank's tokens over the mean (measured: <3)
 MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)  # beyond E/k every expert can take every token
 MAX_POSITIONS = MAX_SEQ_LEN

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import limits
+from ..limits import MAX_BANDWIDTH_GB_S, MAX_LATENCY_US, MAX_MEMORY_GB, MAX_TFLOPS, MIN_RATE
 from .validated import printable_name
 
 PRECISION_PEAK_FIELD = {
@@ -29,14 +30,6 @@ def _constant(v: Any) -> bool:
             and v >= 0)
 
 
-MIN_RATE = 1e-6
-"""The least peak, bandwidth or memory size a cluster figure may state (a millionth of a
-TFLOPS, GB/s or GB): a CPU host measured by `moeplan calibrate` is far above it, and a figure
-below it (1e-308) would overflow the step time to infinity."""
-MAX_TFLOPS = 1e5           # 100 PFLOPS per GPU: 20x today's densest FP4 part
-MAX_MEMORY_GB = 1e5        # 100 TB per GPU, HBM or host
-MAX_BANDWIDTH_GB_S = 1e6   # 1 PB/s per GPU, any link or memory
-MAX_LATENCY_US = 1e6       # one second per message
 
 
 class ClusterSpec(BaseModel):

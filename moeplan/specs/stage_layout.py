@@ -17,13 +17,9 @@ import re
 from itertools import groupby
 
 from ..errors import SpecError
-from ..limits import MAX_LAYERS, MAX_MTP_LAYERS, excerpt
+from ..limits import MAX_LAYERS, MAX_LAYOUT_CHARS, excerpt
 
 LAYER_CHARS = frozenset("EtmL")
-MAX_EXPANDED = 4 * (MAX_LAYERS + MAX_MTP_LAYERS + 2)
-"""Characters a layout may unroll to: every layer, the embedding and the loss, each with a
-stage separator, twice over. A longer one cannot match any model; refusing it before it
-unrolls keeps `t*99999999999` from filling the memory."""
 _GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _REPEAT = re.compile(r"(.)\*(\d+)")
 
@@ -38,26 +34,26 @@ def parse_stage_layout(text: str, pp: int | None = None, num_layers: int | None 
     E first and one L last, and (when given) the decoder and MTP layer counts.
     """
     shown = excerpt(text)
-    too_long = SpecError(f"--stage-layout {shown}: it unrolls to more than {MAX_EXPANDED:,} "
+    too_long = SpecError(f"--stage-layout {shown}: it unrolls to more than {MAX_LAYOUT_CHARS:,} "
                          f"characters, more than any model of at most {MAX_LAYERS:,} layers "
                          "has; give one entry per layer of the model.")
 
     def unroll(part: str, count: str) -> str:
         # the product is checked before the string is built
-        if len(count) > 9 or len(part) * int(count) > MAX_EXPANDED:
+        if len(count) > 9 or len(part) * int(count) > MAX_LAYOUT_CHARS:
             raise too_long
         return part * int(count)
 
     s = text.replace(",", "").replace(" ", "")
-    if len(s) > MAX_EXPANDED:
+    if len(s) > MAX_LAYOUT_CHARS:
         raise too_long
     prev = None
     while prev != s:  # innermost groups first, so nested groups unroll too
         prev, s = s, _GROUP.sub(lambda g: unroll(g.group(1), g.group(2)), s)
-        if len(s) > MAX_EXPANDED:
+        if len(s) > MAX_LAYOUT_CHARS:
             raise too_long
     s = _REPEAT.sub(lambda g: unroll(g.group(1), g.group(2)), s)
-    if len(s) > MAX_EXPANDED:
+    if len(s) > MAX_LAYOUT_CHARS:
         raise too_long
     bad = set(s) - LAYER_CHARS - {"|"}
     if bad:

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import SpecError
-from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, excerpt
+from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MEASURE, MAX_SEQ_LEN, MIN_MEASURE, excerpt
 
 PUBLISHED_RUNS = "published_runs.csv"
 """The published measured runs shipped with moeplan (`data/README.md` gives their sources)."""
@@ -40,11 +40,6 @@ def bad_cell(row: dict[str, str], col: str, want: str) -> SpecError:
     return SpecError(f"row {excerpt(row.get('id', '?'))}, column `{col}`: "
                      f"{excerpt(cell(row, col))} is not {want}; fix the cell or leave it empty "
                      "(unpublished).")
-
-
-MIN_MEASURE, MAX_MEASURE = 1e-6, 1e12
-"""The range of a published measurement (tokens/s/GPU, TFLOPS, MFU, GB): any real one is
-inside it by orders of magnitude."""
 
 
 def number(row: dict[str, str], col: str) -> float | None:
