@@ -91,11 +91,11 @@ def test_a_megatron_built_corpus_trains_under_ep2_and_tp2_and_tensorboard_reads_
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
                for tag in acc.Tags()["scalars"]}
-    for tag in ("lm-loss", "learning-rate", "throughput", "tokens-per-second", "grad-norm",
-                "mfu", "mem-peak-gigabytes", "moe/load-imbalance", "lm-loss-validation"):
+    for tag in ("lm loss", "learning-rate", "throughput", "tokens-per-second", "grad-norm",
+                "mfu", "mem-peak-gigabytes", "moe/load-imbalance", "lm loss validation"):
         assert tag in scalars, (tag, sorted(scalars))
-    assert [s for s, _ in scalars["lm-loss"]] == list(range(1, steps + 1))
-    assert [v for _, v in scalars["lm-loss"]] == pytest.approx(
+    assert [s for s, _ in scalars["lm loss"]] == list(range(1, steps + 1))
+    assert [v for _, v in scalars["lm loss"]] == pytest.approx(
         [r["loss"] for r in rows(outs["ep2"])], rel=1e-6)
     # the learning rate follows the warm-up, then the cosine to min_lr at --train-iters
     got = [v for _, v in scalars["learning-rate"]]
@@ -104,7 +104,7 @@ def test_a_megatron_built_corpus_trains_under_ep2_and_tp2_and_tensorboard_reads_
         want = lr * n / warm if n <= warm else 5e-4 + 0.5 * (lr - 5e-4) * (
             1 + math.cos(math.pi * (n - warm) / (steps - warm)))
         assert value == pytest.approx(want, rel=1e-6)
-    assert [s for s, _ in scalars["lm-loss-validation"]] == [5, 10, 15, 20]
+    assert [s for s, _ in scalars["lm loss validation"]] == [5, 10, 15, 20]
     assert all(v > 0 for _, v in scalars["tokens-per-second"] + scalars["mfu"])
 
 

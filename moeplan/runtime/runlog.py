@@ -43,14 +43,15 @@ def peak_tflops(running: Plan, device_kind: str, gpu_name: str | None,
 class RunLog:
     """Rank 0's outputs for each step (see the module docstring)."""
 
-    def __init__(self, out: Path, opts: RunOptions, console, peak: float | None):
+    def __init__(self, out: Path, opts: RunOptions, console, peak: float | None,
+                 batch_size: int):
         self.out, self.opts, self.console, self.peak = out, opts, console, peak
         self.evaluations: list[dict] = []
         self.tb = None
         if opts.tensorboard_dir:
             from .tblog import TensorBoard
 
-            self.tb = TensorBoard(opts.tensorboard_dir)
+            self.tb = TensorBoard(opts.tensorboard_dir, batch_size)
 
     def step(self, metrics, eval_loss: float | None) -> None:
         """Record one step (and its evaluation, when there was one)."""

@@ -1,15 +1,21 @@
 """`--tensorboard-dir`: TensorBoard event files, written by rank 0.
 
-Writer: tensorboardX's `SummaryWriter`. It writes the event-file format TensorBoard reads
+Writer: tensorboardX's `FileWriter`. It writes the event-file format TensorBoard reads
 (TFRecord framing of `Event` protobufs) with only numpy and protobuf as dependencies, so
 `moeplan[run]` gains no TensorBoard server, gRPC or web stack; `torch.utils.tensorboard`
-would need the whole `tensorboard` package installed just to write. Tested by reading the files
-back with TensorBoard's own `EventAccumulator` (`tests/test_train_data.py`).
+would need the whole `tensorboard` package installed just to write. Each scalar is one
+`Summary.Value(tag, simple_value)`, the record `torch.utils.tensorboard` (Megatron-LM's
+writer) writes for `add_scalar`; tensorboardX's own `add_scalar` would rewrite a tag's spaces
+as underscores, and Megatron's tags have spaces. Tested by reading the files back with
+TensorBoard's own `EventAccumulator`, beside the same scalars written by
+`torch.utils.tensorboard` (`tests/test_tblog.py`).
 
-Tags are Megatron-LM's (`training.py`'s `training_log`) with its spaces and underscores
-written as hyphens (tensorboardX turns spaces into underscores; one spelling avoids two):
-`lm-loss`, `learning-rate`, `grad-norm`, `iteration-time` (s), `throughput` (model TFLOP/s per
-GPU), `load-balancing-loss`, `lm-loss-validation`, `lm-loss-validation-ppl`; plus
+Tags are Megatron-LM's, spelled as its `training_log` and `evaluate_and_print_results` write
+them, so a dashboard made for Megatron runs shows moeplan's: `lm loss`, `learning-rate`,
+`grad-norm`, `iteration-time` (s), `throughput` (model TFLOP/s per GPU), `load_balancing_loss`,
+`batch-size`, `lm loss validation`, `lm loss validation ppl`; the loss, learning-rate,
+grad-norm and validation tags also `… vs samples` (x = samples consumed, step × global
+batch), as Megatron writes them. moeplan's own, which Megatron has no tag for:
 `tokens-per-second`, `mfu` (when the peak of this machine is known: a GPU preset or
 `--cluster`), `mem-peak-gigabytes` (peak allocated on GPU, peak RSS on CPU) and
 `moe/load-imbalance` (busiest expert's tokens / mean, worst MoE layer; 1.0 is even).
@@ -23,11 +29,13 @@ from pathlib import Path
 
 from ..errors import SpecError
 
-STEP_TAGS = {"lm-loss": "loss", "learning-rate": "lr", "grad-norm": "grad_norm",
+STEP_TAGS = {"lm loss": "loss", "learning-rate": "lr", "grad-norm": "grad_norm",
              "iteration-time": "step_time_s", "throughput": "tflops_per_gpu",
              "tokens-per-second": "tokens_per_s", "mfu": "mfu",
-             "mem-peak-gigabytes": "peak_mem_gb", "load-balancing-loss": "aux_loss",
+             "mem-peak-gigabytes": "peak_mem_gb", "load_balancing_loss": "aux_loss",
              "moe/load-imbalance": "load_imbalance"}  # tag → metrics.jsonl key
+VS_SAMPLES = ("lm loss", "learning-rate", "grad-norm")  # Megatron's `… vs samples` twins
+VALIDATION = "lm loss validation"
 
 
 def require_writer() -> None:
@@ -41,25 +49,39 @@ def require_writer() -> None:
 
 class TensorBoard:
     """Scalars of each step and each evaluation into DIR (appended across resumes: TensorBoard
-    shows the last value written for a step)."""
+    shows the last value written for a step). `batch_size`: the global batch in samples, for
+    Megatron's `batch-size` and `… vs samples` tags."""
 
-    def __init__(self, logdir: str | Path):
-        from tensorboardX import SummaryWriter
+    def __init__(self, logdir: str | Path, batch_size: int):
+        from tensorboardX import FileWriter
+        from tensorboardX.proto.summary_pb2 import Summary
 
         Path(logdir).mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(logdir))
+        self.writer, self.summary, self.batch_size = FileWriter(str(logdir)), Summary, batch_size
+
+    def scalar(self, tag: str, value: float, x: int) -> None:
+        """One point of `tag` at x, the tag kept as given (spaces included)."""
+        self.writer.add_summary(
+            self.summary(value=[self.summary.Value(tag=tag, simple_value=float(value))]), x)
 
     def step(self, step: int, record: dict) -> None:
         """One training step's record (the metrics.jsonl keys, plus `mfu` when known)."""
+        samples = step * self.batch_size
         for tag, key in STEP_TAGS.items():
             value = record.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(tag, float(value), step)
+                self.scalar(tag, value, step)
+                if tag in VS_SAMPLES:
+                    self.scalar(f"{tag} vs samples", value, samples)
+        self.scalar("batch-size", self.batch_size, step)
 
     def evaluation(self, step: int, loss: float) -> None:
-        self.writer.add_scalar("lm-loss-validation", loss, step)
+        samples = step * self.batch_size
+        self.scalar(VALIDATION, loss, step)
+        self.scalar(f"{VALIDATION} vs samples", loss, samples)
         if math.isfinite(loss) and loss < 700:  # exp overflows beyond ~709
-            self.writer.add_scalar("lm-loss-validation-ppl", math.exp(loss), step)
+            self.scalar(f"{VALIDATION} ppl", math.exp(loss), step)
+            self.scalar(f"{VALIDATION} ppl vs samples", math.exp(loss), samples)
 
     def flush(self) -> None:
         self.writer.flush()

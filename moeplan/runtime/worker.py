@@ -80,7 +80,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
         console.print(f"kernels: {trainer.kernels.reason}")
         console.print(objective_line(running))
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        log = RunLog(out, opts, console, peak_tflops(running, device.type, gpu, opts.cluster))
+        log = RunLog(out, opts, console, peak_tflops(running, device.type, gpu, opts.cluster),
+                     running.training.global_batch_size)
         if opts.ckpt_dir and opts.tokenizer_model:  # for `checkpoint export --to hf`
             from .hf_io import keep_tokenizer
 
