@@ -1,5 +1,7 @@
 """Rank placement (Megatron Core's order) and α–β collective times, by hand."""
 
+import random
+
 import pytest
 
 from moeplan.cost_models.calibration import default_calibration
@@ -13,6 +15,7 @@ from moeplan.cost_models.comm import (
     ring_time,
 )
 from moeplan.specs import Layout, load_cluster
+from moeplan.specs.grid import RankGrid, span
 
 
 def test_groups_match_megatron_docstring_example():
@@ -139,3 +142,38 @@ def test_ranks_a_token_reaches_match_sampling_its_experts(experts, k, ep, groups
         total += len({e // per_rank for e in rng.sample(pool, k)})
     assert ranks_hit(experts, k, ep, groups, per_token) == pytest.approx(total / trials, rel=0.02)
     assert ranks_hit(experts, k, 1) == 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_placement_equals_the_span_of_every_listed_group_at_any_domain_size(seed):
+    # the span reads group starts modulo the domain (grid.group_parts_modulo), never the starts
+    # themselves; rack-sized and odd domains included, every axis the cost models ask about
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 60:
+        tp, cp, pp = rng.choice((1, 2, 4, 8)), rng.choice((1, 2, 3)), rng.choice((1, 2, 4, 6))
+        dp, ep, etp = rng.choice((1, 2, 3, 4, 8, 12)), rng.choice((1, 2, 4, 6, 8)), rng.choice((1, 2))
+        order = rng.choice(("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"))
+        world = tp * cp * pp * dp
+        if world % (etp * ep * pp):
+            continue
+        sizes = (tp, cp, dp, pp, ep, etp, order)
+        grid = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, order=order)
+        for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "tp_cp", "dp_cp", "tp_ep"):
+            groups = grid.groups(axis)
+            for domain in (1, 4, 7, 8, 9, 36, 72):
+                spans = [len({r // domain for r in g}) for g in groups]
+                n = len(groups[0])
+                want = (n, max(1, n // max(spans)), max(spans)) if n > 1 else (1, 1, 1)
+                assert span(sizes, axis, domain) == want, (sizes, axis, domain)
+        checked += 1
+
+
+def test_placement_at_131072_ranks_equals_the_span_of_every_listed_group():
+    sizes = (4, 2, 1024, 16, 64, 1, "tp-cp-ep-dp-pp")
+    grid = RankGrid(tp=4, cp=2, dp=1024, pp=16, ep=64, etp=1)
+    for axis in ("dp", "ep", "edp", "pp"):
+        groups = grid.groups(axis)
+        spans = [len({r // 8 for r in g}) for g in groups]
+        n = len(groups[0])
+        assert span(sizes, axis, 8) == (n, max(1, n // max(spans)), max(spans)), axis

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from math import gcd
 from typing import Any
+
+import numpy as np
 
 # Groups `moeplan groups` prints (SPEC §4) and the extra ones the runtime builds.
 ATTENTION_AXES: dict[str, str] = {
@@ -55,11 +58,38 @@ def masked_orthogonal_groups(world: int, sizes: list[int], mask: list[bool]) -> 
 def group_parts(sizes: list[int], mask: list[bool]) -> tuple[list[int], list[int]]:
     """(offsets, bases) of `masked_orthogonal_groups`: group g is bases[g] + each offset. What
     a question about every group's shape needs (where its ranks fall), without listing them."""
+    (shape, strides), (other, other_strides) = _split(sizes, mask)
+    return _mixed_radix(shape, strides), _mixed_radix(other, other_strides)
+
+
+def group_parts_modulo(sizes: list[int], mask: list[bool], modulus: int
+                       ) -> tuple[list[int], set[int]]:
+    """(offsets, {base mod modulus}) of `group_parts`: where groups fall inside domains of
+    `modulus` ranks depends only on which residues the bases leave, at most `modulus` of them,
+    while the bases themselves are world / group size (131,072 at 131,072 ranks)."""
+    (shape, strides), (other, other_strides) = _split(sizes, mask)
+    return _mixed_radix(shape, strides), _residues(other, other_strides, modulus)
+
+
+def _split(sizes: list[int], mask: list[bool]
+           ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """((sizes, strides) of the masked axes, the same of the others), each in axis order."""
     stride = _prefix_product(sizes)
     masked = [(s, d) for s, d, m in zip(sizes, stride, mask, strict=False) if m]
     unmasked = [(s, d) for s, d, m in zip(sizes, stride, mask, strict=False) if not m]
-    return (_mixed_radix([s for s, _ in masked], [d for _, d in masked]),
-            _mixed_radix([s for s, _ in unmasked], [d for _, d in unmasked]))
+    return (([s for s, _ in masked], [d for _, d in masked]),
+            ([s for s, _ in unmasked], [d for _, d in unmasked]))
+
+
+def _residues(shape: list[int], strides: list[int], modulus: int) -> set[int]:
+    """{Σ index_i · stride_i mod modulus} over every index of `shape`. An axis's steps
+    i · stride repeat modulo `modulus` every modulus / gcd(stride, modulus) indices, so no
+    more than that many are taken, and the set never holds more than `modulus` values."""
+    out = {0}
+    for size, stride in zip(shape, strides, strict=True):
+        steps = {i * stride % modulus for i in range(min(size, modulus // gcd(stride, modulus)))}
+        out = {(x + step) % modulus for x in out for step in steps}
+    return out
 
 
 def _mixed_radix(shape: list[int], strides: list[int]) -> list[int]:
@@ -103,6 +133,10 @@ class RankGenerator:
     def parts(self, token: str) -> tuple[list[int], list[int]]:
         """`group_parts` of `get_ranks(token)`: (offsets, bases)."""
         return group_parts(*self._masked(token))
+
+    def parts_modulo(self, token: str, modulus: int) -> tuple[list[int], set[int]]:
+        """`group_parts_modulo` of `get_ranks(token)`: (offsets, {base mod modulus})."""
+        return group_parts_modulo(*self._masked(token), modulus)
 
     def _masked(self, token: str) -> tuple[list[int], list[bool]]:
         names, sizes = self._axes
@@ -164,6 +198,14 @@ class RankGrid:
             return self.expert.parts(EXPERT_AXES[axis])
         raise KeyError(f"unknown axis {axis!r}")
 
+    def group_parts_modulo(self, axis: str, modulus: int) -> tuple[list[int], set[int]]:
+        """(offsets, {base mod modulus}) of `groups(axis)`."""
+        if axis in ATTENTION_AXES:
+            return self.attention.parts_modulo(ATTENTION_AXES[axis], modulus)
+        if axis in EXPERT_AXES:
+            return self.expert.parts_modulo(EXPERT_AXES[axis], modulus)
+        raise KeyError(f"unknown axis {axis!r}")
+
     def all_groups(self, axes: tuple[str, ...] = PRINTED_AXES) -> dict[str, list[list[int]]]:
         return {a: self.groups(a) for a in axes}
 
@@ -192,13 +234,14 @@ def span(sizes: tuple[int, int, int, int, int, int, str], axis: str, domain: int
          ) -> tuple[int, int, int]:
     """`domain_span` of the sizes (tp, cp, dp, pp, ep, etp, order)."""
     tp, cp, dp, pp, ep, etp, order = sizes
-    offsets, bases = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
-                              order=order).group_parts(axis)
+    offsets, firsts = RankGrid(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp,
+                               order=order).group_parts_modulo(axis, domain)
     n = len(offsets)
     if n == 1:
         return 1, 1, 1
     # every group is its first rank (a base, offsets start at 0) + the offsets, so its span
-    # depends only on that base modulo the domain
-    firsts = {b % domain for b in bases}
-    domains = max(len({(b + r) // domain for r in offsets}) for b in firsts)
+    # depends only on that base modulo the domain; over the sorted offsets the domain index
+    # (b + r) // domain never falls, so its distinct values are its steps up, plus one
+    ranks = np.sort(np.asarray(offsets, dtype=np.int64))
+    domains = max(1 + int(np.count_nonzero(np.diff((b + ranks) // domain))) for b in firsts)
     return n, max(1, n // domains), domains
