@@ -301,6 +301,12 @@ def first_nonfinite(data: Any, where: str = "") -> str | None:
     return None
 
 
+class TooDeep(ValueError):
+    """A JSON document nested past what the reader follows: a ValueError like every other
+    refusal of `loads_json`, and a type of its own so a caller can say so in its own words
+    without reading the message."""
+
+
 def loads_json(text: str | bytes, allow_nonfinite: bool = False) -> Any:
     """JSON as every reader in moeplan parses it: an object with a repeated key is refused
     (Python's `json` keeps the last value silently), and so are NaN, Infinity and numbers
@@ -313,7 +319,7 @@ def loads_json(text: str | bytes, allow_nonfinite: bool = False) -> Any:
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
-        raise ValueError("the document nests deeper than a JSON reader can follow; "
+        raise TooDeep("the document nests deeper than a JSON reader can follow; "
                          "flatten it") from None
     if not allow_nonfinite:
         bad = first_nonfinite(data)

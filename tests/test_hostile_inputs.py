@@ -813,7 +813,7 @@ def test_whatif_quantities_beyond_their_limits_are_refused_before_the_sweep(args
 
 
 def test_a_json_document_nested_past_the_reader_is_a_refusal():
-    with pytest.raises(ValueError, match="nests deeper"):
+    with pytest.raises(fsio.TooDeep, match="nests deeper"):
         fsio.loads_json("[" * 100_000 + "]" * 100_000)
 
 

@@ -15,7 +15,15 @@ import yaml
 
 from .. import limits
 from ..errors import SpecError
-from ..fsio import FileRefused, file_problem, first_nonfinite, is_file, loads_json, read_regular
+from ..fsio import (
+    FileRefused,
+    TooDeep,
+    file_problem,
+    first_nonfinite,
+    is_file,
+    loads_json,
+    read_regular,
+)
 from .cluster import ClusterSpec
 from .hf import model_from_hf_config
 from .model import ModelSpec
@@ -149,16 +157,13 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
     try:
         data = (loads_json(text, allow_nonfinite=True) if as_json
                 else yaml.load(text, Loader=_BoundedLoader))  # noqa: S506 (a SafeLoader)
-    except RecursionError:
+    except (RecursionError, TooDeep):
         raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec files "
                         "are flat mappings of fields.") from None
     except (ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
         if "integer string conversion" in str(err):  # Python's 4,300-digit guard
             raise SpecError(f"{source} holds a whole number of thousands of digits; no field "
                             "takes one. Fix the number.") from None
-        if "nests deeper" in str(err):
-            raise SpecError(f"{source} nests deeper than {limits.MAX_NESTING} levels; spec "
-                            "files are flat mappings of fields.") from None
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpecError(f"{source} is not valid {kind}: {limits.clip(first, 160)}. "
                         "Fix the syntax.") from None
