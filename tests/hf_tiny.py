@@ -43,6 +43,14 @@ def configs() -> dict:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
             "rope_theta": 500000.0}),
         "qwen3": T.Qwen3Config(**COMMON, head_dim=8),
+        # GLM-4.5's attention (q/k/v biases, q/k norm, RoPE on half of each head) over
+        # DeepSeek-V3's MoE (sigmoid, correction bias, groups, scaling, a shared expert)
+        "glm4_moe": T.Glm4MoeConfig(
+            **COMMON, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+            topk_group=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+            num_nextn_predict_layers=0, rope_parameters={
+                "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
     }
 
 

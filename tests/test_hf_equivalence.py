@@ -3,7 +3,8 @@
 Tiny random checkpoints (`hf_tiny.py`, written with save_pretrained by transformers) of
 Qwen3-MoE (v5 keys, attention biases, per-expert tensors), DeepSeek-V3 (yarn with
 mscale_all_dim, group-limited routing with correction bias, attention biases, interleaved
-RoPE, fused experts), Mixtral top-1 and top-2, Llama 3.1 (llama3 scaling) and dense Qwen3 are
+RoPE, fused experts), Mixtral top-1 and top-2, Llama 3.1 (llama3 scaling), dense Qwen3 and
+GLM-4.5's Glm4Moe (RoPE on half of each head, q/k/v biases and norms, DeepSeek's MoE) are
 loaded under world 1, tp2·ep2, pp2·dp2·ep2 and cp2 (one spawned world of 4,
 `hf_equivalence_worker.py`), each rank reading only its own slices.
 """
@@ -25,7 +26,8 @@ from .hf_equivalence_worker import DENSE, GBS, LAYOUTS, make_plan  # noqa: E402
 from .hf_tiny import SEQ, hf_loss, write_models  # noqa: E402
 
 # transformers is a test dependency (the `test` extra): these tests never skip silently
-MODELS = ["qwen3_moe", "deepseek_v3", "mixtral_top1", "mixtral_top2", "llama31", "qwen3"]
+MODELS = ["qwen3_moe", "deepseek_v3", "mixtral_top1", "mixtral_top2", "llama31", "qwen3",
+          "glm4_moe"]
 RTOL = 1e-5
 
 
@@ -88,6 +90,7 @@ def test_training_from_hf_weights_matches_world1_at_step2(runs, layout):
     ("llama31", {"rope_scaling": None}),  # llama3 scaling dropped
     ("mixtral_top1", {"norm_topk_prob": False}),  # top-1 weight not renormalised to 1
     ("qwen3_moe", {"rope_theta": 10000.0}),  # v5 rope_parameters θ (1e6) ignored
+    ("glm4_moe", {"rotary_percent": 1.0}),  # the whole head rotated, not its first half
 ])
 def test_the_comparison_fails_without_the_feature(hf_dirs, reference, model, update):
     """Each imported feature changes the loss far beyond the tolerance: the tests can fail."""
@@ -273,7 +276,7 @@ def test_export_refuses_a_model_no_transformers_architecture_computes():
         hf_config_for(spec)
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "mixtral_top2"])
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_moe", "mixtral_top2", "glm4_moe"])
 @pytest.mark.parametrize(("tp_rank", "ep_rank"), [(0, 0), (1, 1), (0, 1)])
 def test_each_rank_reads_exactly_the_elements_it_keeps(hf_dirs, model, tp_rank, ep_rank):
     """A tp2·ep2 rank's shards equal its slices of the whole model, and the safetensors reads
@@ -355,3 +358,37 @@ def test_mtp_weights_round_trip_as_deepseeks_model_layers_n(tmp_path):
     assert got.keys() == state.keys()
     for name, t in state.items():
         assert torch.equal(got[name], t), name
+
+
+def test_glm_mtp_weights_travel_in_the_hubs_layout_and_transformers_loads_the_export(
+        hf_dirs, tmp_path):
+    """A GLM-4.5-style model with an MTP depth (as the glm-4.5 presets train) exports its MTP
+    module as model.layers.{L}.* with num_nextn_predict_layers, the hub's layout; transformers
+    loads the directory and computes the same loss as moeplan; `--init-from` reads the depth
+    back from the weights, bit for bit, although the config counts none for transformers."""
+    import torch
+
+    from moeplan.runtime.hf_io import HFWeights, check_hf_dir, load_hf_, write_hf
+    from moeplan.runtime.model import Transformer
+
+    spec = hf_model_spec(hf_dirs["glm4_moe"]).model_copy(update={"mtp_layers": 1})
+    seeded = Transformer(spec, seed=5)
+    state = {n: p.detach() for n, p in seeded.named_parameters()}
+    state.update({n: b + 0.01 * i for i, (n, b) in enumerate(seeded.named_buffers())
+                  if n.endswith("expert_bias")})
+    out = write_hf(spec, state, tmp_path / "hf")
+    L = spec.num_layers
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert {f"model.layers.{L}.eh_proj.weight", f"model.layers.{L}.mlp.gate.weight"} <= set(
+        HFWeights(out).where)
+    assert hf_model_spec(out).mtp_layers == 0  # what transformers builds
+    check_hf_dir(spec, out)
+    loaded = Transformer(spec, materialize=False)
+    load_hf_(loaded, out, spec)
+    got = {n: p for n, p in loaded.named_parameters()}
+    got.update({n: b for n, b in loaded.named_buffers() if n.endswith("expert_bias")})
+    assert got.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(got[name], t), name
+    ref = hf_loss(out, *batch(out))  # the MTP weights passed over, as transformers does
+    assert abs(moeplan_loss(out) - ref) <= RTOL * ref

@@ -422,6 +422,20 @@ def test_hybridep_pads_to_capacity_where_deepep_refuses_as_megatron_core_checks(
     transformer_config(filled(to_megatron_args(padded)[0]))
 
 
+def test_partial_rotary_exports_megatrons_rotary_percent_and_megatron_core_builds_it():
+    """GLM-4.5 rotates half of each head: Megatron's --rotary-percent carries it (its
+    RotaryEmbedding rotates int(kv_channels · rotary_percent) leading dims, as transformers'
+    Glm4Moe slices them); a whole-head model exports no such flag."""
+    def argv(name: str) -> list[str]:
+        return filled(export(_plan(name, 512, gbs=1024, tp=4, pp=4, ep=16))["args"])
+
+    glm = argv("glm-4.5")
+    args = parser().parse_args(glm)
+    assert args.rotary_percent == 0.5 and args.kv_channels == 128 and args.add_qkv_bias
+    transformer_config(glm)  # megatron-core's validation: raises nothing
+    assert "--rotary-percent" not in argv("qwen3-235b-a22b")
+
+
 def test_the_launch_is_a_torchrun_of_pretrain_gpt_with_the_cadence_flags():
     doc = export(_plan("mixtral-8x7b", 16, ep=8), train_iters=3000)
     launch = doc["launch"]

@@ -50,7 +50,7 @@ def test_scale_down_is_the_same_model_and_batch_under_every_layout(model):
             p.layout.tp, p.layout.ep, p.layout.pp, p.layout.cp)
         assert s.model == small[0].model  # the same small network under every layout
         assert (s.training.seq_len, s.training.global_batch_size) == (128, 4)
-    assert small[0].model.total_params() < 6e6
+    assert small[0].model.total_params() < 1e7  # GLM-4.5's 160 experts keep 40: 8.4 M
     assert "resume under any of them" in describe_scale_down(plans[0], small[0])
 
 
@@ -106,3 +106,16 @@ def test_a_scaled_down_checkpoint_resumes_under_another_layout_with_the_same_nex
     assert sorted(resumed) == [3]
     assert resumed[3] == pytest.approx(straight[3], rel=1e-5)
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["resumed_from"] == 2
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25, 0.75])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8])
+def test_a_partial_rotary_model_scales_down_to_an_even_number_of_rotary_dims(share, tp):
+    """GLM's half-head RoPE: the scaled head must still rotate an even whole number of dims
+    (a head of 42 would rotate 21), at every tensor-parallel degree."""
+    from moeplan.runtime.scale import scale_down_model
+
+    spec = load_model("glm-4.5").model_copy(update={"rotary_percent": share})
+    small = scale_down_model(spec, Layout(tp=tp, dp=1))
+    rebuilt = type(small).model_validate(small.model_dump())  # the spec's own validation
+    assert rebuilt.rotary_dim % 2 == 0 and rebuilt.rotary_dim == small.head_dim_ * share

@@ -191,3 +191,43 @@ def test_gpt_oss_layer_types_outside_the_known_kinds_or_layers_are_refused(layer
     path.write_text(json.dumps(doc))
     with pytest.raises(SpecError, match=re.escape(needle)):
         load_model(path)
+
+
+GLM45 = {  # zai-org/GLM-4.5 config.json, as the hub writes it (v4 keys)
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+    "partial_rotary_factor": 0.5, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96,
+    "n_group": 1, "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "use_qk_norm": True, "vocab_size": 151552}
+
+
+def test_glm45_hub_config_reads_as_the_preset_but_for_the_mtp_depth_transformers_lacks(caplog):
+    hf, preset = model_from_hf_config(GLM45, "cfg"), load_model("glm-4.5")
+    assert hf.model_copy(update={"name": preset.name, "mtp_layers": 1}) == preset
+    assert hf.rotary_dim == 64 and hf.qkv_bias and not hf.attn_out_bias
+    assert "num_nextn_predict_layers=1" in caplog.text
+
+
+@pytest.mark.parametrize(("where", "arch"), [("top", "LlamaForCausalLM"),
+                                             ("rope_parameters", "Qwen3MoeForCausalLM")])
+def test_partial_rotary_is_refused_where_the_architecture_rotates_the_whole_head(where, arch):
+    cfg = {"architectures": [arch], **TINY, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 16}
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.5
+    else:
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.5}
+    with pytest.raises(SpecError, match="partial_rotary_factor 0.5 is not supported"):
+        model_from_hf_config(cfg, "cfg")
+
+
+@pytest.mark.parametrize(("factor", "needle"), [(0.3, "RoPE rotates an even whole number"),
+                                                (1.5, "must be in (0, 1]")])
+def test_a_rotary_share_that_is_no_even_number_of_dims_is_refused(factor, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        model_from_hf_config({**GLM45, "partial_rotary_factor": factor}, "cfg")

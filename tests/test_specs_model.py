@@ -29,6 +29,8 @@ PUBLISHED = [
     ("gpt3-20b", 20.0, None, 0.02, 0),
     ("nemotron4-15b", 15.6, None, 0.015, 0),       # 12.5B non-embedding + 3.2B embedding
     ("nemotron4-340b", 341, None, 0.015, 0),
+    ("glm-4.5", 355, None, 0.015, 0),
+    ("glm-4.5-air", 106, None, 0.015, 0),
 ]
 
 
@@ -51,6 +53,14 @@ def test_gpt_oss_active_without_unembedding_matches_model_card():
     # The gpt-oss model card counts 5.1B active parameters excluding the unembedding.
     m = load_model("gpt-oss-120b")
     assert (m.active_params() - m.vocab_size * m.hidden_size) / 1e9 == pytest.approx(5.13, rel=0.02)
+
+
+@pytest.mark.parametrize("name,active", [("glm-4.5", 32), ("glm-4.5-air", 12)])
+def test_glm_active_without_embedding_and_output_matches_the_model_card(name, active):
+    # GLM-4.5's card counts active parameters without the embedding and the output layer
+    m = load_model(name)
+    shown = m.active_params() - 2 * m.vocab_size * m.hidden_size
+    assert shown / 1e9 == pytest.approx(active, rel=0.02)
 
 
 def test_mtp_modules_are_excluded_from_counts_but_exist():

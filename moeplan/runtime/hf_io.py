@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -318,7 +319,9 @@ class Mapping:
         if parts[1] == "shared":
             if parts[2] == "out_gate":
                 return Direct(f"{layer}.mlp.shared_expert_gate.weight")
-            shared = "shared_experts" if self.spec.attention == "mla" else "shared_expert"
+            # Qwen2Moe's gated shared expert is one `shared_expert`; DeepSeek's and GLM's
+            # ungated ones are `shared_experts`
+            shared = "shared_expert" if self.spec.shared_expert_gate else "shared_experts"
             return Direct(f"{layer}.mlp.{shared}.{'.'.join(parts[2:])}")
         return Direct(f"{layer}.mlp.{'.'.join(parts[1:])}")  # dense MLP
 
@@ -440,6 +443,12 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     finally:
         hf_log.disabled = was
     a, b = _function_fields(spec), _function_fields(other)
+    w = HFWeights(hf_dir)
+    if a["mtp_layers"] > b["mtp_layers"] and _holds_mtp(w, spec):
+        # transformers builds no MTP module, so a config read for it may count none (GLM-4.5,
+        # DeepSeek-V3 under v5 keys), while the hub's checkpoints carry the weights as
+        # model.layers.{L+k}: the plan's depth is read from them (shapes checked below)
+        b["mtp_layers"] = a["mtp_layers"]
     for f in a:
         if a[f] != b[f]:
             raise SpecError(f"--init-from {hf_dir}: its config has {f}={_short(b[f])} but the "
@@ -448,7 +457,6 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
                             f"{Path(hf_dir) / 'config.json'} ...`).")
     with torch.device("meta"):
         model = Transformer(spec, materialize=False)
-    w = HFWeights(hf_dir)
     mapping = Mapping(spec, hf_config(hf_dir), w)
     for name, _module, _key, t, _buf in _tensors(model):
         src = mapping.source(name)
@@ -458,6 +466,12 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} but the "
                             f"plan's model needs {list(want)} for its {name!r}; the "
                             "checkpoint does not match the plan.")
+
+
+def _holds_mtp(w: HFWeights, spec: ModelSpec) -> bool:
+    """Whether the checkpoint holds the projection of every MTP depth `spec` has."""
+    return all(w.has(f"model.layers.{spec.num_layers + k}.eh_proj.weight")
+               for k in range(spec.mtp_layers))
 
 
 def describe_objective(spec: ModelSpec, aux_coeff: float) -> str:
@@ -512,6 +526,8 @@ def _hf_architecture(spec: ModelSpec) -> str:
     """The transformers architecture that computes exactly `spec` (SpecError if none does)."""
     if spec.attention == "mla":
         return "DeepseekV3ForCausalLM"
+    if spec.is_moe and (spec.router_score == "sigmoid" or spec.rotary_percent != 1.0):
+        return "Glm4MoeForCausalLM"  # DeepSeek-V3's MoE under GQA
     if spec.is_moe:
         return "Qwen3MoeForCausalLM" if spec.qk_norm else "MixtralForCausalLM"
     return "Qwen3ForCausalLM" if spec.qk_norm else "LlamaForCausalLM"
@@ -551,6 +567,15 @@ def hf_config_for(spec: ModelSpec) -> dict[str, Any]:
         moe = spec.moe_layers()
         c.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
                  decoder_sparse_step=1, mlp_only_layers=[i for i, m in enumerate(moe) if not m])
+    elif arch == "Glm4MoeForCausalLM":
+        c["rope_parameters"]["partial_rotary_factor"] = spec.rotary_percent
+        c.update(attention_bias=spec.qkv_bias, use_qk_norm=spec.qk_norm,
+                 n_routed_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+                 n_shared_experts=spec.num_shared_experts,
+                 first_k_dense_replace=spec.first_k_dense, n_group=spec.router_num_groups or 1,
+                 topk_group=spec.router_groups_per_token or 1,
+                 routed_scaling_factor=spec.routed_scaling_factor,
+                 num_nextn_predict_layers=spec.mtp_layers)  # the hub's layout, model.layers.{L+k}
     elif arch == "DeepseekV3ForCausalLM":
         c.pop("attention_bias")
         c.update(num_key_value_heads=spec.num_attention_heads, q_lora_rank=spec.q_lora_rank,
@@ -568,8 +593,15 @@ def hf_config_for(spec: ModelSpec) -> dict[str, Any]:
                      scoring_func="sigmoid")
     from ..specs.hf import model_from_hf_config
 
-    back = _function_fields(model_from_hf_config(c, "export"))
+    quiet = logging.getLogger("moeplan.hf")
+    was, quiet.disabled = quiet.disabled, True  # reading our own config back: no notes
+    try:
+        back = _function_fields(model_from_hf_config(c, "export"))
+    finally:
+        quiet.disabled = was
     want = _function_fields(spec)
+    if arch == "Glm4MoeForCausalLM":  # MTP weights travel; transformers builds no MTP module
+        back["mtp_layers"] = want["mtp_layers"]
     for f in want:
         if want[f] != back[f]:
             raise SpecError(f"model {spec.name!r}: {f}={_short(want[f])} has no exact "

@@ -255,7 +255,12 @@ def rope_tables(seq: int, dim: int, theta: float, device: torch.device,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (s, b, heads, d)
+    """RoPE on x (s, b, heads, d), rotating halves; tables narrower than the head rotate its
+    leading dims and pass the rest (partial rotary: HF partial_rotary_factor, Megatron
+    --rotary-percent, which slice the same way)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin

@@ -173,7 +173,7 @@ class Transformer(nn.Module):
     def rope(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (s_local, 1, 1, dim) at this cp rank's token positions."""
         s = self.spec
-        dim = s.qk_rope_head_dim if s.attention == "mla" else s.head_dim_
+        dim = s.rotary_dim
         key = (seq, like.device, like.dtype)
         if key not in self._rope:
             cos, sin = rope_tables(seq, dim, s.rope_theta, like.device, like.dtype,

@@ -43,6 +43,17 @@ def _fit(target: int, full: int, degree: int = 1) -> int:
     return n if n % degree == 0 else _lcm(n, degree)
 
 
+def _head_dim(target: int, rotary_percent: float) -> int:
+    """The even head dim nearest `target` from below whose rotary share is an even whole
+    number of dims (GLM's half-head RoPE needs a multiple of 4), else the next above."""
+    def fits(d: int) -> bool:
+        r = d * rotary_percent
+        return r == int(r) and int(r) % 2 == 0
+
+    down = next((d for d in range(target // 2 * 2, 1, -2) if fits(d)), None)
+    return down or next(d for d in range(target // 2 * 2 + 2, 1 << 20, 2) if fits(d))
+
+
 def scale_down_model(spec: ModelSpec, layout: Layout | None = None,
                      keep_vocab: bool = False) -> ModelSpec:
     """The plan's model shrunk to a few layers of width 256; `layout` only grows a size its
@@ -63,7 +74,8 @@ def scale_down_model(spec: ModelSpec, layout: Layout | None = None,
         kv = _fit(1, spec.kv_heads, tp)
         heads = kv * min(2, spec.num_attention_heads // spec.kv_heads) if grouped else kv
         upd.update(num_attention_heads=heads, num_kv_heads=kv,
-                   head_dim=max(8, HIDDEN // heads) // 2 * 2, hidden_size=HIDDEN)
+                   head_dim=_head_dim(max(8, HIDDEN // heads), spec.rotary_percent),
+                   hidden_size=HIDDEN)
     else:
         upd.update(num_attention_heads=_fit(1, spec.num_attention_heads, tp),
                    hidden_size=HIDDEN, q_lora_rank=64 if spec.q_lora_rank else None,

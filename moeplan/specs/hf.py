@@ -111,9 +111,22 @@ def check_type(v: Any, kind: type | str, key: str, where: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------ RoPE
-def _rope(c: Config, default_theta: float, rope_dim_key: str | None = None) -> dict[str, Any]:
-    """θ and scaling from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
+def _rope(c: Config, default_theta: float, rotary: float | None = None) -> dict[str, Any]:
+    """θ and scaling from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`, and the
+    share of each head RoPE rotates (`partial_rotary_factor`, in rope_parameters or, as the
+    hub's v4 configs write it, at the top level), which only an architecture whose attention
+    slices q and k before rotating takes: `rotary` is its default share (None: it has none)."""
     params = c.get("rope_parameters", dict, {})
+    factor = params.get("partial_rotary_factor",
+                        c.get("partial_rotary_factor", float, rotary or 1.0))
+    check_type(factor, float, "partial_rotary_factor", c.source)
+    if factor != 1.0 and rotary is None:
+        raise SpecError(f"{c.source}: partial_rotary_factor {_show(factor)} is not supported "
+                        f"for {c.arch}, whose attention rotates the whole head; only "
+                        "Glm4MoeForCausalLM rotates part of it.")
+    if not 0 < factor <= 1:
+        raise SpecError(f"{c.source}: partial_rotary_factor must be in (0, 1], got "
+                        f"{_show(factor)}. Fix it in config.json.")
     if "rope_theta" in params:
         theta = check_type(params["rope_theta"], float, "rope_parameters.rope_theta",
                            c.source)
@@ -127,8 +140,10 @@ def _rope(c: Config, default_theta: float, rope_dim_key: str | None = None) -> d
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     check_type(kind, str, "rope_parameters.rope_type", c.source)
     out: dict[str, Any] = {"rope_theta": theta}
+    if factor != 1.0:
+        out["rotary_percent"] = factor
     if kind == "default":
-        extra = set(scaling) - {"rope_type", "type", "rope_theta"}
+        extra = set(scaling) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
         if extra:
             c.note(f"rope_parameters fields {sorted(extra)} are unused with rope_type default")
         return out
@@ -136,10 +151,6 @@ def _rope(c: Config, default_theta: float, rope_dim_key: str | None = None) -> d
         raise SpecError(f"{c.source}: RoPE scaling rope_type {_show(kind)} is not supported; "
                         "moeplan runs linear, dynamic, yarn, llama3 and longrope. Remove "
                         "rope_scaling / rope_parameters or pick one of these.")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise SpecError(f"{c.source}: rope_parameters.partial_rotary_factor "
-                        f"{_show(scaling['partial_rotary_factor'])} is not supported; moeplan "
-                        "rotates the whole rotary head dim.")
     known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
              "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor",
@@ -165,7 +176,8 @@ def _rope(c: Config, default_theta: float, rope_dim_key: str | None = None) -> d
 
 # ------------------------------------------------------------------------------ readers
 def _common(c: Config, theta: float = 10000.0, eps: float = 1e-6,
-            kv_heads: int | None = None, head_dim: int | None = None) -> dict[str, Any]:
+            kv_heads: int | None = None, head_dim: int | None = None,
+            rotary: float | None = None) -> dict[str, Any]:
     """Fields every supported architecture shares, with this architecture's HF defaults."""
     act = c.get("hidden_act", str, "silu")
     if act not in HIDDEN_ACT:
@@ -185,7 +197,7 @@ def _common(c: Config, theta: float = 10000.0, eps: float = 1e-6,
         "tie_embeddings": c.get("tie_word_embeddings", bool, False),
         "norm_eps": c.get("rms_norm_eps", float, eps),
         "activation": HIDDEN_ACT[act],
-        **_rope(c, theta),
+        **_rope(c, theta, rotary),
     }
 
 
@@ -394,6 +406,48 @@ def _gpt_oss(c: Config) -> dict[str, Any]:
     return d
 
 
+def _glm4_moe(c: Config) -> dict[str, Any]:
+    """Glm4Moe (GLM-4.5, GLM-4.5-Air): GQA with biases on q, k and v only (`attention_bias`),
+    optional per-head q/k norm (`use_qk_norm`), RoPE on the leading `partial_rotary_factor` of
+    each head (0.5); layer i is MoE when i ≥ first_k_dense_replace, and its MoE is DeepSeek-V3's:
+    sigmoid scores with the correction bias, group-limited top-k, renormalised, scaled by
+    routed_scaling_factor, plus n_shared_experts shared experts of moe_intermediate_size each
+    (modeling_glm4_moe.py). transformers builds no MTP module and its config writes
+    num_nextn_predict_layers = 1 by default, weights or not, so the count builds none here;
+    `--init-from` reads a plan's MTP depth from the weights (`hf_io.check_hf_dir`)."""
+    d = _common(c, eps=1e-5, kv_heads=8, rotary=0.5)
+    n_layers = d["num_layers"]
+    first = c.get("first_k_dense_replace", int, 1)
+    moe = [i >= first for i in range(n_layers)]
+    n_shared = c.get("n_shared_experts", int, 1)
+    if n_shared < 1:
+        raise SpecError(f"{c.source}: n_shared_experts must be ≥ 1 for Glm4MoeForCausalLM "
+                        f"(it builds a shared expert of n_shared_experts × "
+                        f"moe_intermediate_size), got {n_shared}.")
+    expert_f = c.get("moe_intermediate_size", int, 1408)
+    n_group, topk_group = c.get("n_group", int, 1), c.get("topk_group", int, 1)
+    mtp = c.get("num_nextn_predict_layers", int, 0)
+    if mtp:
+        c.note(f"num_nextn_predict_layers={mtp} counts no MTP module here (transformers builds "
+               "none); a plan whose model has the depth (mtp_layers, as the glm-4.5 presets) "
+               "reads its weights from a checkpoint that holds them as model.layers.{L+k}")
+    bias = c.get("attention_bias", bool, False)
+    d.update(
+        qkv_bias=bias, attn_out_bias=False, qk_norm=c.get("use_qk_norm", bool, False),
+        num_experts=c.get("n_routed_experts", int, 128),
+        moe_top_k=c.get("num_experts_per_tok", int, 8),
+        moe_ffn_hidden_size=expert_f,
+        num_shared_experts=n_shared, shared_expert_ffn_hidden_size=n_shared * expert_f,
+        router_score="sigmoid", router_expert_bias=True,
+        router_num_groups=n_group if n_group > 1 else None,
+        router_groups_per_token=topk_group if n_group > 1 else None,
+        routed_scaling_factor=c.get("routed_scaling_factor", float, 1.0),
+        norm_topk_prob=c.get("norm_topk_prob", bool, True),
+        **_pattern_fields(moe, n_layers),
+    )
+    return d
+
+
 Reader = Callable[[Config], dict[str, Any]]
 READERS: dict[str, Reader] = {
     "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
@@ -405,6 +459,7 @@ READERS: dict[str, Reader] = {
     "Qwen3ForCausalLM": _qwen3,
     "Qwen2ForCausalLM": _qwen2,
     "GptOssForCausalLM": _gpt_oss,
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -416,6 +471,7 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 ARCHITECTURES = {v: k for k, v in MODEL_TYPES.items()}
 

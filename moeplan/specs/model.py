@@ -157,6 +157,10 @@ class ModelSpec(BaseModel):
     rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base θ.")
     rope_scaling: RopeScaling | None = Field(
         None, description="RoPE frequency scaling (yarn, llama3, ...); None: plain RoPE.")
+    rotary_percent: float = Field(
+        1.0, gt=0, le=1, allow_inf_nan=False,
+        description="Share of each GQA q/k head's dims that RoPE rotates, the leading ones (HF "
+        "partial_rotary_factor, Megatron --rotary-percent; GLM-4.5: 0.5).")
     norm_eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
 
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS,
@@ -251,6 +255,13 @@ class ModelSpec(BaseModel):
                 fail("attention_pattern", "use only the letters S (sliding) and F (full)")
             if "S" in self.attention_pattern and self.sliding_window is None:
                 fail("sliding_window", "the attention pattern has sliding layers; set the window")
+        if self.rotary_percent != 1.0:
+            if self.attention == "mla":
+                fail("rotary_percent", "MLA rotates its own qk_rope_head_dim; leave it at 1")
+            rotary = self.head_dim_ * self.rotary_percent
+            if rotary != int(rotary) or int(rotary) % 2:
+                fail("rotary_percent", f"{self.rotary_percent} of head_dim {self.head_dim_} is "
+                     f"{rotary:g} dims; RoPE rotates an even whole number of them")
         if self.position_embedding == "learned" and self.max_position_embeddings is None:
             fail("max_position_embeddings", "learned positions need the table size")
         return self
@@ -264,6 +275,14 @@ class ModelSpec(BaseModel):
     def head_dim_(self) -> int:
         """Per-head dim for GQA (MLA has separate q/k and v dims)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each q/k head that RoPE rotates: MLA's rope dims, else the leading
+        rotary_percent of the head."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim or 0
+        return round(self.head_dim_ * self.rotary_percent)
 
     @property
     def is_moe(self) -> bool:
