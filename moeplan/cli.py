@@ -422,7 +422,14 @@ def estimate(
         check_target(target)
         plan = plan.model_copy(update={"target": target})
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
-    plan = plan.model_copy(update={"estimate": est})
+    # a search's "why this plan" holds only for the estimate it was written with: a plan file
+    # edited since (another layout, another choice) or priced otherwise drops it
+    stale = bool(plan.explanation) and plan.estimate != est
+    plan = plan.model_copy(update={"estimate": est, **({"explanation": []} if stale else {})})
+    if stale:
+        err.print("note: the plan's search explanation was dropped: this estimate differs "
+                  "from the one the search wrote it for (the file was edited, or priced with "
+                  "other settings).", markup=False, highlight=False)
     if report:
         _write_plan_report([plan], f"{plan.headline()}: estimate", report, None)
     verdict = fit_verdict(plan)
@@ -1191,7 +1198,11 @@ def export(
         if doc["format"] == "megatron" and flags_only:
             from .planner.export import format_megatron
 
-            sys.stdout.write(format_megatron(doc["args"], doc["comments"]) + "\n")
+            # the flags alone on stdout, to paste after `pretrain_gpt.py \` or take in $(…);
+            # what to set before running goes to stderr
+            for c in doc["comments"]:
+                err.print(f"# {c}", markup=False, highlight=False, soft_wrap=True)
+            sys.stdout.write(format_megatron(doc["args"]) + "\n")
         elif doc["format"] == "megatron":
             sys.stdout.write(doc["launch"])
         else:
@@ -1474,6 +1485,13 @@ def main(argv: list[str] | None = None) -> int:
         # but a run keeps its own exit code (75 tells a scheduler to requeue)
         if exit_rule(e) is None or (debug and isinstance(e, (MoeplanError, InfeasibleError))):
             raise
+        if isinstance(e, InfeasibleError) and "--json" in args:
+            # a proof that nothing fits is a result: a script reading stdout gets one document
+            # saying so (the paragraph on stderr as ever), not an empty stream
+            doc = {"infeasible": True, "message": _one_paragraph(str(e))}
+            if args and args[0] == "search":
+                doc = {"plans": [], **doc}
+            sys.stdout.write(strict_dumps(doc) + "\n")
         code = report_error(e)
     if argv is None:
         sys.exit(code)

@@ -53,6 +53,38 @@ def test_estimate_writes_plan_and_reads_it_back(tmp_path, capsys):
     assert json.loads(out2)["step_time_s"] == json.loads(out)["step_time_s"]
 
 
+def test_a_searched_plan_keeps_its_explanation_until_the_estimate_changes(tmp_path, capsys):
+    """The search's "why this plan" (vpp, overlap, the runner-up margin) describes the estimate
+    it was written with; an edited plan file re-estimated must not carry it into a report."""
+    searched, same, edited = (tmp_path / n for n in ("s.json", "same.json", "edited.json"))
+    code, _, _ = run_cli(["search", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus",
+                          "16", "--gbs", "64", "--top", "2", "-o", str(searched)], capsys)
+    assert code == 0 and json.loads(searched.read_text())["explanation"]
+    code, _, err = run_cli(["estimate", str(searched), "-o", str(same)], capsys)
+    assert code == 0 and "dropped" not in err
+    assert json.loads(same.read_text())["explanation"] == json.loads(
+        searched.read_text())["explanation"]
+    doc = json.loads(searched.read_text())
+    doc["layout"]["mbs"], doc["layout"]["num_microbatches"] = (
+        doc["layout"]["mbs"] * 2, doc["layout"]["num_microbatches"] // 2)
+    searched.write_text(json.dumps(doc))
+    code, _, err = run_cli(["estimate", str(searched), "-o", str(edited)], capsys)
+    assert code == 0 and "search explanation was dropped" in err
+    assert json.loads(edited.read_text())["explanation"] == []
+
+
+def test_search_json_that_nothing_fits_is_one_document_on_stdout(capsys):
+    """Exit 3 is a proof, and a script reading --json gets it as JSON, the paragraph on stderr
+    as ever; weights that alone overflow get no FP8 hint (FP8 shrinks activations only)."""
+    code, out, err = run_cli(["search", "--model", "deepseek-v3", "--cluster", "h100",
+                              "--gpus", "8", "--json"], capsys)
+    assert code == 3
+    doc = json.loads(out)
+    assert doc["plans"] == [] and doc["infeasible"] is True
+    assert "weights and gradients alone" in doc["message"] and "infeasible:" in err
+    assert "FP8" not in doc["message"]
+
+
 def test_not_fitting_layout_exits_zero(capsys):
     code, out, _ = run_cli(["estimate", "--model", "deepseek-v3", "--cluster", "h100", "--gpus",
                             "64", "--seq", "4096", "--gbs", "64", "--ep", "64", "--json"], capsys)

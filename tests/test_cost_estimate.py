@@ -163,6 +163,22 @@ def test_confidence_label_present():
     assert e.confidence is not None and e.confidence.label in ("calibrated", "extrapolated")
 
 
+@pytest.mark.parametrize(("model", "cluster", "precision", "axes"), [
+    ("gpt-oss-120b", "b200", "bf16", {"ep": 8}),  # fit rows only of a model the fit misses
+    ("qwen3-30b-a3b", "h100", "bf16", {"ep": 8}),
+    ("deepseek-v3", "h800", "fp8-blockwise", {"ep": 8, "pp": 8}),
+    ("llama3-8b", "gb200-nvl72", "mxfp8", {}),
+])
+def test_the_confidence_label_and_the_calibration_assumption_never_disagree(model, cluster,
+                                                                           precision, axes):
+    """One estimate printed "not validated: B200 calibration for bf16 MoE models" beside
+    "confidence: calibrated": both now ask whether fit rows validate the calibration."""
+    e = run(model, cluster, 64, 512, precision=precision, **axes)
+    term = next(a for a in e.assumptions if a.term.endswith(" models")
+                and "calibration for" in a.term)
+    assert (e.confidence.label == "calibrated") == term.validated, (e.confidence, term)
+
+
 def test_korthikanti_table5_dense_a100_runs_within_5_percent():
     """Calculon's validation set (Korthikanti et al. 2022 Table 5: GPT 22B to 1T on A100, full
     and selective recomputation), never seen by the fit, priced on the stack it ran

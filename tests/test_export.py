@@ -455,9 +455,11 @@ def test_slurm_script_contents():
 
 # ------------------------------------------------------------------ API and CLI
 def test_public_api_returns_the_json_document():
-    doc = moeplan.export(qwen3_plan())
+    doc = moeplan.export(qwen3_plan(), train_iters=5000)
     assert doc["format"] == "megatron" and doc["warnings"] == []
     parse(doc["args"])
+    short = moeplan.export(qwen3_plan())["warnings"]  # moeplan's own default schedule: said
+    assert len(short) == 1 and "--train-iters N or --train-tokens T" in short[0]
     assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script", "placeholders"}
     with pytest.raises(SpecError):
         moeplan.export(qwen3_plan(), "deepspeed")
@@ -476,10 +478,10 @@ def plan_file(tmp_path):
 def test_cli_megatron_text_and_json(cli, plan_file):
     r = cli("export", str(plan_file), "--format", "megatron", "--flags-only")
     assert r.returncode == 0, r.stderr
-    comments = [line for line in r.stdout.split("\n") if line.startswith("# ")]
-    assert any("DATA_PATH" in c for c in comments)  # the placeholders to set, listed
+    comments = [line for line in r.stderr.split("\n") if line.startswith("# ")]
+    assert any("DATA_PATH" in c for c in comments)  # the placeholders to set, on stderr
     assert any("d98e8a6" in c for c in comments)  # the Megatron-LM the flags are for
-    lines = r.stdout.rstrip("\n").split("\n")[len(comments):]
+    lines = r.stdout.rstrip("\n").split("\n")  # the flags alone: paste after pretrain_gpt.py
     assert all(line.endswith(" \\") for line in lines[:-1]) and not lines[-1].endswith("\\")
     assert all(line.startswith("--") for line in lines)
     assert "--moe-layer-freq '([0]*3+[1]*58)' \\" in lines
@@ -488,12 +490,14 @@ def test_cli_megatron_text_and_json(cli, plan_file):
     assert r.stdout.startswith("#!/bin/bash\n")
     assert "export NVTE_CPU_OFFLOAD_V1=1" in r.stdout and "pretrain_gpt.py \\" in r.stdout
     subprocess.run(["bash", "-n"], input=r.stdout, text=True, check=True)
-    r = cli("export", str(plan_file), "--json")
+    r = cli("export", str(plan_file), "--json", "--train-iters", "5000")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["format"] == "megatron" and doc["warnings"] == []
     assert doc["env"] == {"NVTE_CPU_OFFLOAD_V1": "1"} and doc["launch"] == (
-        cli("export", str(plan_file)).stdout)
+        cli("export", str(plan_file), "--train-iters", "5000").stdout)
+    assert "MASTER_ADDR  the first node's address" in doc["launch"]  # 256 GPUs: 32 nodes
+    assert "run this same script on each of the 32 nodes" in doc["launch"]
     parse(doc["args"])
 
 

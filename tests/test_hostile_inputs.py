@@ -120,8 +120,8 @@ def test_model_sizes_above_limits_refused(field, value, tmp_path, capsys):
 
 
 def test_seq_and_batch_above_limits_refused(capsys):
-    refused([*EST[:7], "--seq", str(10**9), "--gbs", "64"], capsys, "seq_len", "limit")
-    refused([*EST[:9], "--gbs", str(10**12)], capsys, "global_batch_size", "limit")
+    refused([*EST[:7], "--seq", str(10**9), "--gbs", "64"], capsys, "`--seq`", "limit")
+    refused([*EST[:9], "--gbs", str(10**12)], capsys, "`--gbs`", "limit")
 
 
 def alias_bomb() -> str:
@@ -795,7 +795,7 @@ def test_cluster_figures_outside_a_physical_range_are_refused_by_name(field, val
 
 @pytest.mark.parametrize("args, needle", [
     (["--imbalance", "1e308"], "--imbalance"),
-    (["--capacity-factor", "1e308", "--pad-to-capacity"], "moe_capacity_factor"),
+    (["--capacity-factor", "1e308", "--pad-to-capacity"], "--capacity-factor"),
 ])
 def test_routing_factors_beyond_their_limits_are_refused(args, needle, capsys):
     moe = ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16", "--seq",
@@ -897,3 +897,17 @@ def test_true_or_false_where_a_number_belongs_is_refused_not_read_as_one(where, 
     doc[where][field] = True
     plan.write_text(json.dumps(doc))
     refused(["estimate", str(plan)], capsys, f"`{where}.{field}` is true/false")
+
+
+def test_a_bad_command_line_value_is_named_by_its_flag_and_an_empty_plan_in_words(tmp_path,
+                                                                                  capsys):
+    """pydantic's paths (`recompute.0.0`) and Python's type names (NoneType) are not what the
+    user typed or wrote."""
+    err = refused(["estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+                   "--gbs", "64", "--recompute", "attn"], capsys, "`--recompute`",
+                  "on the command line", "got 'attn'")
+    assert "recompute.0" not in err
+    empty = tmp_path / "plan.json"
+    empty.write_text("null")
+    err = refused(["estimate", str(empty)], capsys, "got nothing (null, or an empty file)")
+    assert "NoneType" not in err

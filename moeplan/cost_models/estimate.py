@@ -297,8 +297,12 @@ def _confidence(cal: Calibration, cluster: ClusterSpec, training: TrainingSpec,
     if cluster.calibration:
         return Confidence(label="calibrated", reason="cluster carries measured calibration "
                           "constants")
-    if key in cal.calibrated:
+    if key in cal.calibrated and U.validated(f"calibration/{key}"):
         return Confidence(label="calibrated", reason=f"fit data covers {key}")
+    if key in cal.calibrated:  # the one judgement the assumption list also makes (`U._term`)
+        return Confidence(label="extrapolated", reason=f"the fit's rows for {key} are all of a "
+                          "model it misses as a whole, so they validate nothing; constants "
+                          "carried over from other GPUs, precisions or model kinds")
     return Confidence(label="extrapolated", reason=f"no fit rows for {key}; constants carried "
                       "over from other GPUs, precisions or model kinds")
 

@@ -392,8 +392,10 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         if kind == "calibration":
             out.append(_term(key, f"{cluster.gpu} calibration for {training.precision} "
                              f"{'MoE' if model.is_moe else 'dense'} models", p,
-                             "no fit rows for this GPU, precision and model kind: the "
-                             "efficiencies are carried over from other GPUs or precisions"))
+                             "no fit rows validate this GPU, precision and model kind "
+                             "(there are none, or only those of a model the fit misses as a "
+                             "whole): the efficiencies are carried over from other GPUs or "
+                             "precisions"))
         elif kind == "stack":
             out.append(_term(key, f"software stack {rest}: {STACKS[rest]}", p,
                              f"no published run the fit saw ran the {rest} stack: what it "
@@ -438,7 +440,7 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
             out.append(_term(key, "activation offload copies hidden behind compute", p,
                              "no published run offloads activations", _slow_host))
         elif kind == "precision":
-            out.append(_term(key, f"{training.precision} recipe speed-up on {cluster.gpu}", p,
+            out.append(_term(key, f"{training.precision} recipe speed-up on {gen}", p,
                              "no fit rows with this recipe on this architecture"))
     if model.is_moe:
         out.append(Term(Assumption(

@@ -325,7 +325,8 @@ def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         gpus_needed *= 2
     larger = [c.name for c in cluster_presets() if c.hbm_gb > cluster.hbm_gb * max(1.0, ratio)]
     hints = [f"about {gpus_needed} GPUs of this kind"]
-    if training.precision == "bf16" and cluster.fp8_tflops:
+    if training.precision == "bf16" and cluster.fp8_tflops and closest is not None:
+        # only where activations are what does not fit: weights and gradients stay bf16/fp32
         hints.append("an FP8 recipe (--precision auto) to shrink activations")
     if larger:
         hints.append(f"a larger-memory GPU ({', '.join(larger)})")

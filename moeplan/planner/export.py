@@ -126,6 +126,7 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--no-yarn-correction-range-round-to-int": MegatronFlag(
         0, None, None, _A + "_add_network_size_args (dest yarn_correction_range_round_to_int)"),
     "--rotary-base": MegatronFlag(1, int, None, _A + "_add_network_size_args (type=int)"),
+    "--rotary-percent": MegatronFlag(1, float, None, _A + "_add_network_size_args"),
     "--max-position-embeddings": MegatronFlag(1, int, None, _A + "_add_network_size_args"),
     "--untie-embeddings-and-output-weights": MegatronFlag(0, None, None,
                                                           _A + "_add_network_size_args"),
@@ -397,6 +398,8 @@ def _position_args(a: _Args, m: ModelSpec, seq_len: int, warn: list[str]) -> Non
             warn.append(f"RoPE θ {m.rope_theta} is not a whole number and Megatron's "
                         f"--rotary-base takes an int; exported {theta}.")
         a.add("--rotary-base", theta)
+        if m.rotary_percent != 1.0:  # RoPE on the leading share of each head (GLM-4.5)
+            a.add("--rotary-percent", _num(m.rotary_percent))
         # the context the model was built for (HF max_position_embeddings), never below seq
         max_pos = max(m.max_position_embeddings or 0, seq_len)
     else:
@@ -825,9 +828,9 @@ def to_megatron_args(plan: Plan, train_iters: int | None = None,
     return a.argv, warn
 
 
-def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
+def megatron_comments(plan: Plan, train_iters: int | None, nnodes: int = 1) -> list[str]:
     """The comment printed above the flags: the plan, the Megatron version the flags are for,
-    the schedule, the variables to set."""
+    the schedule, the variables to set (the rendezvous too, on several nodes)."""
     iters, warm, decay_end = schedule(plan, train_iters)
     source = ("scaled from the TrainingSpec" if train_iters is not None else
               "the TrainingSpec's own; pass --train-iters N or --train-tokens T to scale it")
@@ -839,7 +842,11 @@ def megatron_comments(plan: Plan, train_iters: int | None) -> list[str]:
              f"schedule: {iters:,} iterations, {warm:,} warm-up, "
              f"{plan.training.lr_decay_style} decay to iteration {decay_end:,} ({source})",
              "set before running (placeholders below):"]
-    return lines + [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
+    lines += [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]
+    if nnodes > 1:  # `set -u` stops the script on an unset rendezvous variable
+        lines += ["  MASTER_ADDR  the first node's address; MASTER_PORT  a free port on it",
+                  f"run this same script on each of the {nnodes} nodes"]
+    return lines
 
 
 def megatron_env(plan: Plan) -> dict[str, str]:
@@ -1030,7 +1037,11 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
         iters = train_iters_for(plan, train_iters, train_tokens)
         args, warnings = to_megatron_args(plan, iters, cadence)
         total, warm, decay_end = schedule(plan, iters)
-        comments = megatron_comments(plan, iters)
+        comments = megatron_comments(plan, iters, _procs(plan, nnodes, nproc_per_node)[0])
+        if iters is None and plan.training.train_iters is None:
+            warnings = [*warnings, f"the schedule is moeplan's short default ({total:,} "
+                        f"iterations, {warm:,} warm-up): pass --train-iters N or "
+                        "--train-tokens T for the run you mean to launch."]
         return {"format": format,
                 "megatron": {"commit": MEGATRON_LM_COMMIT, "core": MEGATRON_CORE_VERSION,
                              "transformer_engine": TE_VERSION},

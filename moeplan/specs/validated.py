@@ -42,19 +42,37 @@ def printable_name(value: str) -> str:
     return value
 
 
+FLAG_OF_FIELD = {"seq_len": "--seq", "global_batch_size": "--gbs", "num_gpus": "--gpus",
+                 "grad_reduce_dtype": "--grad-reduce", "software_stack": "--stack",
+                 "moe_capacity_factor": "--capacity-factor",
+                 "moe_pad_expert_input_to_capacity": "--pad-to-capacity"}
+"""A field whose command-line flag is not its own name with hyphens."""
+
+
+def _where(e: Any, source: str) -> str:
+    """Where an error sits: in a file, the field's dotted path (`recompute.0.0`); on the
+    command line, the flag that set it (`--recompute`), never an index the user never typed."""
+    loc = ".".join(str(x) for x in e["loc"])
+    if source != "command line" or not e["loc"]:
+        return loc
+    head = str(e["loc"][0])
+    return FLAG_OF_FIELD.get(head, "--" + head.replace("_", "-"))
+
+
 def format_validation_error(err: ValidationError, what: str, source: str,
                             file_hint: bool = True) -> str:
     """One paragraph from pydantic's errors: each offending field, what is wrong, what was given."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
+        loc = _where(e, source)
+        name = f"`{loc}`" if loc.startswith("--") else f"field `{loc}`"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "missing":
-            parts.append(f"field `{loc}` is required but missing")
+            parts.append(f"{name} is required but missing")
         elif e["type"] == "extra_forbidden":
-            parts.append(f"field `{loc}` is not a {what} field (check its spelling)")
+            parts.append(f"{name} is not a {what} field (check its spelling)")
         elif e["type"] == "less_than_equal":
-            parts.append(f"field `{loc}`: {limits.excerpt(e.get('input'))} is above the limit "
+            parts.append(f"{name}: {limits.excerpt(e.get('input'))} is above the limit "
                          f"of {e.get('ctx', {}).get('le')} (moeplan bounds every size; see "
                          "the README's Limits)")
         elif not loc and ": " in msg:  # a cross-field rule names its field first
@@ -64,10 +82,11 @@ def format_validation_error(err: ValidationError, what: str, source: str,
             got = e.get("input")
             shown = (f" (got {limits.excerpt(got)})" if got is not None
                      and not isinstance(got, dict) else "")
-            parts.append(f"field `{loc}`: {msg}{shown}" if loc else msg)
+            parts.append(f"{name}: {msg}{shown}" if loc else msg)
     fix = ("" if not file_hint or source == "command line" or source.startswith("preset")
            else " (`moeplan specs validate FILE` checks a file)")
-    return (f"invalid {what} in {source}: " + "; ".join(parts)
+    where = "on the command line" if source == "command line" else f"in {source}"
+    return (f"invalid {what} {where}: " + "; ".join(parts)
             + f". Fix the {what} and try again{fix}.")
 
 
@@ -114,8 +133,11 @@ def stray_bool(cls: type[BaseModel], data: Any, at: str = "") -> str | None:
 def build(cls: type[T], data: Any, what: str, source: str) -> T:
     """Validate `data` into `cls`, turning pydantic's errors into one SpecError paragraph."""
     if not isinstance(data, dict):
+        kind = {type(None): "nothing (null, or an empty file)", list: "a list", str: "a string",
+                bool: "true/false", int: "a number", float: "a number"}.get(type(data),
+                                                                           "another kind of value")
         raise SpecError(f"invalid {what} in {source}: expected a mapping of fields, got "
-                        f"{type(data).__name__}. Write the {what} as YAML or JSON key: value pairs.")
+                        f"{kind}. Write the {what} as YAML or JSON key: value pairs.")
     bad = stray_bool(cls, data)
     if bad is not None:
         raise SpecError(f"invalid {what} in {source}: field `{bad}` is true/false where a "
