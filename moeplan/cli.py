@@ -440,7 +440,8 @@ def estimate(
 
     def render() -> None:
         head = "" if est.fits else "DOES NOT FIT: "
-        print_lines(pairs_lines(f"{head}{plan.headline()}: {plan.summary()}",
+        print_lines(pairs_lines(f"{head}{plan.headline()}, {plan.batch_words()}: "
+                                f"{plan.summary()}",
                                 estimate_pairs(plan), _width(out)))
         for w in est.warnings:
             err.print(f"[yellow]warning:[/] {escape(w)}")
@@ -451,14 +452,14 @@ def estimate(
 def fit_verdict(plan: S.Plan) -> str:
     """`fits` or `does NOT fit`, with the line it is judged against (HBM − reserve − margin,
     the one rule in cost_models.uncertainty)."""
-    from .planner.anatomy import fit_line_gb
+    from .planner.anatomy import fit_line_gb, fit_rule_words
 
     est = plan.estimate
     assert est is not None
-    line = fit_line_gb(plan)
-    return (f"fits under the fit line {line:.1f} GB (HBM − reserve − margin)" if est.fits else
+    line, words = fit_line_gb(plan), fit_rule_words(plan)
+    return (f"fits under the fit line {line:.1f} GB ({words})" if est.fits else
             f"does NOT fit: {est.memory.peak_gb:.1f} GB is above the fit line {line:.1f} GB "
-            "(HBM − reserve − margin)")
+            f"({words})")
 
 
 def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
@@ -468,19 +469,24 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
     mem = est.memory
     rows = [("step time", f"{est.step_time_s:.3f} s"),
             ("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
-            ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%})"),
-            ("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB: "
-             + fit_verdict(plan)),
-            ("  weights / grads / optimizer",
-             f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB"),
-            ("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB")]
+            ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%} of the dense "
+             "BF16 peak)"),
+            ("time by term", "each term on its own; communication overlaps compute, and "
+             "exposed comm is what the step waits for")]
     for k, v in est.time.model_dump().items():
         if v:
-            rows.append((f"  {k.removesuffix('_s').replace('_', ' ')}", f"{v:.3f} s"))
+            alone = " (alone)" if k in ("tp_comm_s", "cp_comm_s", "ep_comm_s", "dp_comm_s") else ""
+            rows.append((f"  {k.removesuffix('_s').replace('_', ' ')}{alone}", f"{v:.3f} s"))
     if est.unmodelled_s:
         rows.append(("  unmodelled (measured)", f"{est.unmodelled_s:.3f} s"))
-    rows.append(("  headroom / margin", f"{mem.headroom_gb:.1f} / {mem.margin_gb:.1f} GB "
-                 "(fits when headroom ≥ margin)"))
+    rows += [("peak memory", f"{mem.peak_gb:.1f} GB of {plan.cluster.hbm_gb:g} GB: "
+              + fit_verdict(plan)),
+             ("  weights / grads / optimizer",
+              f"{mem.weights_gb:.1f} / {mem.grads_gb:.1f} / {mem.optimizer_gb:.1f} GB"),
+             ("  activations / buffers", f"{mem.activations_gb:.1f} / {mem.buffers_gb:.1f} GB"),
+             ("  headroom / margin", f"{mem.headroom_gb:.1f} / {mem.margin_gb:.1f} GB "
+              "(the margin holds the reserve and the model's error at this peak; fits when "
+              "headroom ≥ margin)")]
     rows.append(("bottleneck", est.bottleneck))
     if est.interval is not None:
         (lo, hi), (slo, shi) = est.interval.tokens_per_s_per_gpu, est.interval.step_time_s
@@ -562,6 +568,11 @@ def validate(
                 print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
                                                    f"{len(ids):>5}  ")])
         notes = _validate_notes(res, pct)
+        if any(not r["published_tokens_per_s_per_gpu"] for r in res["rows"]):
+            notes.insert(0, "- published: the row gives no tokens/s/GPU and no TFLOPS this "
+                         "prediction can be compared with (TFLOPS in an unknown FLOP "
+                         "convention, or none); it is priced, not scored (--json has its "
+                         "`flops_convention`)")
         if any(r.get("assumed") for r in res["rows"]):
             notes.insert(0, "* priced with settings its source's recipe documents but the row "
                          "does not print (the Megatron-Bridge workload recipe whose sizes it "
@@ -633,7 +644,9 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
                                     f"predicted by a refit that did not see it: {quoted} "
                                     "(`moeplan validate --cv model|release`)." if quoted else ""))
     rk = res["ranking"]
-    notes.append(f"All rows: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])}, TFLOPS (own "
+    scored = sum(1 for r in res["rows"] if r["published_tokens_per_s_per_gpu"])
+    notes.append(f"All {scored} scored rows: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])}, "
+                 "TFLOPS (own "
                  f"convention) {pct(res['mape_tflops'])}; layout pairs of one release ordered "
                  f"as measured {rk['ordered']} of {rk['pairs']}.")
     return notes
@@ -745,7 +758,8 @@ def search(
         best = res.plans[0]
         key = SEARCH_KEYS[res.objective]
         print_lines(table_lines(
-            f"{best.headline()}: best {len(res.plans)} of {res.layouts:,} layouts "
+            f"{best.headline()}, {best.batch_words()}: best {len(res.plans)} of "
+            f"{res.layouts:,} layouts "
             f"({res.seconds:.1f} s), ranked by {key}", search_columns(res.objective),
             [search_row(i, p, res.objective) for i, p in enumerate(res.plans)], width))
         for line in terminal_notes(res):
@@ -838,8 +852,9 @@ def whatif(
                           ] = None,
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes searching "
                        "points at once (0: one per CPU core for four points or more).")] = 0,
-    output: Annotated[str | None, typer.Option("-o", "--output", help="Write report.md or "
-                      "report.html (self-contained, with plots).", callback=_path)] = None,
+    output: Annotated[str | None, typer.Option("-o", "--output", "--report", help="Write "
+                      "report.md or report.html (self-contained, with plots); --report as in "
+                      "search and estimate.", callback=_path)] = None,
     stack: StackOpt = "current",
     as_json: JsonOpt = False,
 ) -> None:
@@ -887,19 +902,24 @@ def whatif(
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 
     def render() -> None:
-        from .planner.report import answers
+        from .planner.report import answers, token_words, whatif_notices
 
         table = rows(res)
         cols = [WHATIF_COLUMNS.get(c, Column(c, fold=0)) for c in (table[0] if table else {})]
         width = _width(out)
         print_lines(table_lines(
-            f"{res.model}: {res.tokens:.3g} tokens, {len(res.points)} points "
+            f"{res.model}: {token_words(res.tokens)} tokens, {len(res.points)} points "
             f"({res.seconds:.1f} s); ★ Pareto front (time vs "
             f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
             width, ["bold" if p.pareto else ("dim" if not p.fits else None)
                     for p in res.points]))
         for line in [*answers(res), priced_on(res.stack)]:
             print_lines([Line(s) for s in wrap(line, width, "  ")])
+        for notice in whatif_notices(res):  # what the reports put first, said here too
+            if notice.level != "bad":  # "nothing fits" is the exit-3 paragraph below
+                level = {"warn": "warning", "info": "note"}.get(notice.level, notice.level)
+                print_lines([Line(s) for s in wrap(f"{level}: {notice.head} "
+                                                   f"{notice.text}", width, "  ")])
 
     emit(res.to_json(), as_json, render)
     if not res.any_fits:
@@ -911,7 +931,8 @@ def whatif(
 def run(
     plan: Annotated[str, typer.Argument(help="Plan JSON (from search/estimate -o).")],
     steps: Annotated[int | None, typer.Option(
-        "--steps", help="Step to reach (default: the plan's train_iters, else 10).")] = None,
+        "--steps", help="Step to reach (default: --train-iters, or the plan's train_iters, "
+        "else 10).")] = None,
     data: Annotated[str | None, typer.Option(
         "--data", help="Megatron indexed datasets: a PREFIX (PREFIX.bin + PREFIX.idx) or a blend "
         "\"0.7 PREFIX_A 0.3 PREFIX_B\" (make one with `moeplan data prepare`), or 'synthetic' "
@@ -1408,7 +1429,8 @@ def data_prepare(
         "--document-per", help="Text files: one document per file, line or paragraph (blank-"
         "line separated).")] = "file",
     workers: Annotated[int, typer.Option(
-        "--workers", help="Tokenizer processes (default: the CPU count, at most 8).")] = 0,
+        "--workers", help="Tokenizer processes (default: the CPU count, at most 8).",
+        show_default=False)] = 0,
     append_eod: Annotated[bool, typer.Option(
         "--append-eod/--no-append-eod", help="End each document with the end-of-document "
         "token (Megatron's --append-eod).")] = True,
@@ -1485,12 +1507,11 @@ def main(argv: list[str] | None = None) -> int:
         # but a run keeps its own exit code (75 tells a scheduler to requeue)
         if exit_rule(e) is None or (debug and isinstance(e, (MoeplanError, InfeasibleError))):
             raise
-        if isinstance(e, InfeasibleError) and "--json" in args:
+        if isinstance(e, InfeasibleError) and "--json" in args and args[:1] == ["search"]:
             # a proof that nothing fits is a result: a script reading stdout gets one document
-            # saying so (the paragraph on stderr as ever), not an empty stream
-            doc = {"infeasible": True, "message": _one_paragraph(str(e))}
-            if args and args[0] == "search":
-                doc = {"plans": [], **doc}
+            # saying so (the paragraph on stderr as ever), not an empty stream (whatif prints
+            # its sweep, each point's `why`, before it exits 3)
+            doc = {"plans": [], "infeasible": True, "message": _one_paragraph(str(e))}
             sys.stdout.write(strict_dumps(doc) + "\n")
         code = report_error(e)
     if argv is None:

@@ -46,7 +46,9 @@ def test_sweep_document_has_spec_fields_and_consistent_arithmetic(sweep: WhatIf)
     for p in doc["points"]:
         assert set(p) >= {"cluster", "gpus", "seq", "fits", "plan", "tokens_per_s_per_gpu", "mfu",
                           "days_to_train", "cost_usd", "why"}
-        assert p["fits"] and p["why"] is None and p["seq"] == 4096
+        assert p["fits"] and p["seq"] == 4096
+        # a point of the front needs no why; one off it names the point that beats it
+        assert (p["why"] is None) == p["pareto"] or p["why"].startswith("off the front")
         assert set(p["plan"]) >= {"model", "cluster", "training", "layout", "choices",
                                   "estimate"}
         assert p["plan"]["cluster"]["name"] == p["cluster"]  # the preset name
@@ -139,6 +141,25 @@ def test_cli_json_is_one_document_and_nothing_fitting_exits_3(cli) -> None:
     bad = cli("whatif", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "8",
               "-o", "r.pdf")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_the_terminal_says_what_the_reports_say_and_the_json_why_is_the_tables(cli) -> None:
+    """A point off the front says why in the table and in --json alike; the reports' warning
+    that unvalidated effects carry the best plans is printed on the terminal too; the
+    token count reads as people say it."""
+    args = ("whatif", "--model", "mixtral-8x7b", "--cluster", "h100,b200", "--gpus", "16",
+            "--tokens", "1e12", "--gpu-hour-price", "2.5")
+    table, doc = cli(*args), json.loads(cli(*args, "--json").stdout)
+    assert table.returncode == 0, table.stderr
+    assert "mixtral-8x7b: 1T tokens" in table.stdout
+    whys = [p["why"] for p in doc["points"]]
+    assert any(w and w.startswith("off the front") for w in whys)
+    for w in whys:
+        if w:
+            assert w in table.stdout
+    assert "warning: Unvalidated effects carry some plans." in table.stdout
+    report = cli(*args, "--report", "w.md")
+    assert report.returncode == 0, report.stderr
 
 
 def test_html_report_without_any_fitting_point_still_renders() -> None:

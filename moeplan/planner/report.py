@@ -41,21 +41,8 @@ def money(x: float | None) -> str:
 
 
 def _why(p: Point, res: WhatIf) -> str:
-    """Why a point is not a choice: what stopped it fitting, or which point beats it."""
-    if not p.fits:
-        return p.why or "no plan fits (the search found none)"
-    if p.stopped_early:
-        return "stopped at the time limit"
-    if p.pareto or p.days_to_train is None or p.price_axis is None:
-        return ""
-    better = [q for q in (res.points[i] for i in res.pareto)
-              if q.days_to_train is not None and q.price_axis is not None
-              and q.days_to_train <= p.days_to_train and q.price_axis <= p.price_axis]
-    if not better:
-        return ""
-    q = min(better, key=lambda q: q.days_to_train or 0.0)
-    cheaper = "no dearer" if res.priced else "no more GPU-hours"
-    return f"off the front: {q.label} GPUs is no slower and {cheaper}"
+    """Why a point is not a choice (`WhatIf.why_not`, which the JSON carries too)."""
+    return res.why_not(p)
 
 
 def low_end(p: Point) -> float | None:
@@ -105,8 +92,16 @@ def answers(res: WhatIf) -> list[str]:
     return lines
 
 
+def token_words(x: float) -> str:
+    """A token count as people say it: `15T`, `300B`, `2.5M`, `40,000`."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:,.0f}"
+
+
 def _title(res: WhatIf) -> str:
-    return f"What-if: {res.model}, {res.tokens:.3g} tokens"
+    return f"What-if: {res.model}, {token_words(res.tokens)} tokens"
 
 
 KEY_WORDS = ("low end: the low end of the best plan's 80% interval of tokens/s/GPU, which "

@@ -181,11 +181,31 @@ class WhatIf:
     def any_fits(self) -> bool:
         return any(p.fits for p in self.points)
 
+    def why_not(self, p: Point) -> str:
+        """Why a point is not a choice: what stopped it fitting, or which point of the front
+        beats it ("" for a point of the front). The one sentence the table, the reports and
+        the JSON's `why` print."""
+        if not p.fits:
+            return p.why or "no plan fits (the search found none)"
+        if p.stopped_early:
+            return "stopped at the time limit"
+        if p.pareto or p.days_to_train is None or p.price_axis is None:
+            return ""
+        better = [q for q in (self.points[i] for i in self.pareto)
+                  if q.days_to_train is not None and q.price_axis is not None
+                  and q.days_to_train <= p.days_to_train and q.price_axis <= p.price_axis]
+        if not better:
+            return ""
+        q = min(better, key=lambda q: q.days_to_train or 0.0)
+        cheaper = "no dearer" if self.priced else "no more GPU-hours"
+        return f"off the front: {q.label} GPUs is no slower and {cheaper}"
+
     def to_json(self, with_plans: bool = True) -> dict[str, Any]:
         """The `moeplan whatif --json` document (SPEC §4), plus the inverse answers."""
         doc: dict[str, Any] = {
             "model": self.model, "tokens": self.tokens, "software_stack": self.stack,
-            "points": [p.to_json(with_plans) for p in self.points],
+            "points": [{**p.to_json(with_plans), "why": self.why_not(p) or None}
+                       for p in self.points],
             "pareto": [{"index": i, "cluster": self.points[i].cluster,
                         "gpus": self.points[i].gpus, "seq": self.points[i].seq,
                         "days_to_train": round(self.points[i].days_to_train or 0.0, 4),

@@ -173,6 +173,14 @@ class Plan(BaseModel):
         `deepseek-v3 on 256 × H100`."""
         return f"{self.model.name} on {self.world_size} × {self.cluster.gpu}"
 
+    def batch_words(self) -> str:
+        """The step's batch, which a layout line does not show: `seq 4,096, gbs 1,024
+        (4.2M tokens per step)`."""
+        t = self.training
+        tokens = t.seq_len * t.global_batch_size
+        return (f"seq {t.seq_len:,}, gbs {t.global_batch_size:,} ({tokens / 1e6:.3g}M tokens "
+                "per step)")
+
     def layout_summary(self) -> str:
         """The parallel layout in one line: `tp2 cp1 dp8 pp4 vpp2 ep16 etp1 edp2 mbs1×64 bf16`.
 
