@@ -31,7 +31,8 @@ ERROR_MODULES = ("moeplan.errors", "moeplan.runtime.launch", "moeplan.cli", "moe
 # signals inside one module, caught there, never shown to a user: the search catches the
 # MILP's "this layout's stages fit no budget" (and "the solver stopped without a solution")
 # and moves on to the next layout
-INTERNAL = {"moeplan.planner.ilp.InfeasibleStages", "moeplan.planner.ilp.SolverStopped"}
+INTERNAL = {"moeplan.planner.ilp.InfeasibleStages", "moeplan.planner.ilp.SolverStopped",
+            "moeplan.fsio.TooDeep"}  # a ValueError of fsio.loads_json: its callers say it
 
 
 def _moeplan_exception_types() -> list[type[BaseException]]:
