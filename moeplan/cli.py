@@ -403,6 +403,10 @@ def estimate(
                             "so these would be ignored; drop them, or build another plan from "
                             "--model and --cluster with them.")
         plan = with_calibration(S.load_plan(plan_file), calibration)
+        source = ctx.get_parameter_source("imbalance")
+        if plan.estimate is not None and routing_histogram is None and not (
+                source is not None and source.name == "COMMANDLINE"):
+            imbalance = plan.estimate.imbalance  # what the plan was priced at
     else:
         if not model or not cluster:
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "

@@ -93,6 +93,22 @@ def test_validate_says_why_a_row_has_no_published_figure_and_counts_the_scored_r
     assert re.search(r"All [\d,]+ scored rows: MAPE", out)
 
 
+def test_a_plan_priced_at_an_imbalance_is_estimated_again_at_it(tmp_path, capsys):
+    """`search --imbalance 1.5 -o` then `estimate PLAN.json` gave the balanced step time, and
+    the plan listed "balanced routing" as what it assumed."""
+    plan = tmp_path / "p.json"
+    code, _, _ = run_cli([*EST_ARGS, "--imbalance", "1.5", "-o", str(plan)], capsys)
+    assert code == 0
+    priced = json.loads(plan.read_text())["estimate"]
+    assert priced["imbalance"] == 1.5
+    terms = [a["term"] for a in priced["assumptions"]]
+    assert "balanced routing" not in terms and any("imbalance 1.5×" in t for t in terms)
+    code, out, _ = run_cli(["estimate", str(plan), "--json"], capsys)
+    assert code == 0 and json.loads(out)["step_time_s"] == priced["step_time_s"]
+    code, out, _ = run_cli(["estimate", str(plan), "--imbalance", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["step_time_s"] < priced["step_time_s"]
+
+
 def test_not_fitting_layout_exits_zero(capsys):
     code, out, _ = run_cli(["estimate", "--model", "deepseek-v3", "--cluster", "h100", "--gpus",
                             "64", "--seq", "4096", "--gbs", "64", "--ep", "64", "--json"], capsys)

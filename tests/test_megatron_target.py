@@ -129,6 +129,8 @@ def _broken(name: str) -> Plan:
         "full_iteration_graphs_offload": lambda: _plan(
             qwen, 16, ep=8, dispatcher="flex", cuda_graphs=True,
             cuda_graph_scope="full_iteration", choices=Choices(offload=["expert_fc1"])),
+        "ep_overlap_moe_graph": lambda: _token_drop(_plan(qwen, 16, ep=8, ep_overlap=True,
+                                                          cuda_graphs=True)),
         "pad_to_capacity_dispatcher": lambda: _token_drop(_plan(
             qwen, 16, ep=8, dispatcher="flex", flex_backend="deepep")),
         "expert_bias_needs_sigmoid": lambda: _plan(
@@ -159,6 +161,7 @@ SINCE = {"moe_recompute_excludes_moe_offload": "while recomputing the entire MoE
          "fp8_delayed_recompute": "Delayed scaling does not support moe_act",
          "ep_overlap_mtp": "MTP",
          "pad_to_capacity_dispatcher": "does not support moe_pad_expert_input_to_capacity",
+         "ep_overlap_moe_graph": "CUDA graph scope on moe and mlp is not",
          "full_iteration_graphs_offload": "fine_grained_offloading_max_inflight_offloads"}
 CORE_RULES = [r.name for r in rules_for("megatron")
               if r.where.startswith(("megatron/core/transformer/transformer_config",

@@ -69,3 +69,22 @@ def test_an_unknown_precision_lists_the_precisions():
     r = run_cli("whatif", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "8",
                 "--precision", "bf16,fp8")
     assert r.returncode == 2 and "fp8-blockwise" in r.stderr and "auto" in r.stderr
+
+
+def test_the_searched_sentence_counts_layouts_and_refused_splits_apart():
+    """Bounds set aside valid layouts; rules refuse candidate splits that never were layouts.
+    Summed in one list they read as more removed than searched (gpt-oss on 64 B200: 8,568
+    searched, 10,857 "removed" by one rule)."""
+    from moeplan.planner.explain import BOUNDS, searched_sentence
+    from moeplan.planner.search import search
+    from moeplan.specs import TrainingSpec, load_cluster, load_model
+
+    res = search(load_model("gpt-oss-120b"), load_cluster("b200", 64),
+                 TrainingSpec(seq_len=4096, global_batch_size=512))
+    said = searched_sentence(res, res.plans[0])
+    set_aside = sum(v for k, v in res.pruned.items() if k in BOUNDS)
+    refused = sum(v for k, v in res.pruned.items() if k not in BOUNDS)
+    assert set_aside <= res.layouts < set_aside + refused
+    assert f"the rules refused {refused:,} candidate splits" in said
+    head = said.split(". Before that")[0]
+    assert "set aside:" in head and "expert parallel" not in head

@@ -263,3 +263,18 @@ def test_cli_writes_the_search_report_with_the_objective(tmp_path):
     text = (tmp_path / "p.html").read_text()
     assert "point estimate of tokens/s/GPU (--objective expected)" in text
     assert '<th class="num key">tok/s/GPU</th>' in text
+
+
+def test_the_unvalidated_banner_says_what_failing_costs_only_where_it_costs_something():
+    """The banner said the low end "prices them failing" where failing priced the same as the
+    point (a calibration no run validates has no slower variant)."""
+    from moeplan.planner.report import plan_notices
+
+    plan = planned("gpt-oss-120b", 64, 512, "b200", ep=8)  # B200 bf16: unvalidated calibration
+    est = plan.estimate
+    banner = next(n for n in plan_notices([plan]) if n.head.startswith("Unvalidated"))
+    worse = est.interval.pessimistic_tokens_per_s_per_gpu
+    if worse is not None and worse < est.tokens_per_s_per_gpu * (1 - 1e-9):
+        assert f"makes {worse:,.0f} tokens/s/GPU" in banner.text
+    else:
+        assert "moves nothing here" in banner.text

@@ -640,11 +640,27 @@ def estimate(
     holds them (a search's layer table).
     """
     if point is not None and with_interval:
-        return _with_interval(point, model, cluster, training, layout, choices or Choices(),
-                              imbalance, routing_histogram, calibration, table)
-    return estimate_breakdown(model, cluster, training, layout, choices, imbalance,
-                              routing_histogram, calibration,
-                              with_interval=with_interval, target=target, table=table).estimate
+        est = _with_interval(point, model, cluster, training, layout, choices or Choices(),
+                             imbalance, routing_histogram, calibration, table)
+    else:
+        est = estimate_breakdown(model, cluster, training, layout, choices, imbalance,
+                                 routing_histogram, calibration, with_interval=with_interval,
+                                 target=target, table=table).estimate
+    return _routing_said(est, imbalance, routing_histogram is not None)
+
+
+def _routing_said(est: Estimate, imbalance: float, histogram: bool) -> Estimate:
+    """The estimate with the routing it was priced at: the imbalance kept (a plan re-estimated
+    prices it again) and, where routing is not balanced, the assumption list saying what was
+    priced instead of "balanced routing"."""
+    if imbalance == 1.0 and not histogram:
+        return est
+    given = ("per-layer imbalance from the given routing histogram" if histogram else
+             f"routing imbalance {imbalance:g}× at the busiest EP rank")
+    said = [a if a.term != "balanced routing" else a.model_copy(update={
+        "term": given, "evidence": "given (--imbalance or --routing-histogram), priced as "
+        "given"}) for a in est.assumptions]
+    return est.model_copy(update={"imbalance": imbalance, "assumptions": said})
 
 
 # ----------------------------------------------------------------------------- lower bound

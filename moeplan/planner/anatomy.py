@@ -40,7 +40,7 @@ def breakdown(plan: Plan) -> Breakdown | None:
     if est is None:
         return None
     b = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
-                           check=False, with_interval=False)
+                           est.imbalance, check=False, with_interval=False)
     same = abs(b.estimate.step_time_s - est.step_time_s) <= 1e-9 * est.step_time_s and abs(
         b.estimate.memory.peak_gb - est.memory.peak_gb) <= 1e-9 * max(est.memory.peak_gb, 1)
     return b if same else None
@@ -93,12 +93,17 @@ def fit_rule_words(plan: Plan) -> str:
             f"{rel:.0%} of the peak, the memory model's measured error")
 
 
+def priced_imbalance(plan: Plan) -> float:
+    """The routing imbalance the plan's estimate was priced at (1: balanced, or none yet)."""
+    return plan.estimate.imbalance if plan.estimate is not None else 1.0
+
+
 def rank_memory(plan: Plan, b: Breakdown | None = None) -> list[dict[str, float]]:
     """Per pipeline rank: weights, grads, optimizer, activations, buffers (GB), from the cost
     model's own per-rank accounting (the peak in the Estimate is the largest of these)."""
     b = b if b is not None else estimate_breakdown(
-        plan.model, plan.cluster, plan.training, plan.layout, plan.choices, check=False,
-        with_interval=False)
+        plan.model, plan.cluster, plan.training, plan.layout, plan.choices, priced_imbalance(plan),
+        check=False, with_interval=False)
     return [{"weights": r.static.weights / GB, "grads": r.static.grads / GB,
              "optimizer": r.static.optimizer / GB, "activations": r.activation_bytes / GB,
              "buffers": r.buffer_bytes / GB} for r in b.ranks]
@@ -136,11 +141,10 @@ def timeline(plan: Plan, b: Breakdown | None = None) -> Timeline | None:
     L = plan.layout
     pp, vpp = L.pp, L.vpp
     m = drawn_microbatches(pp, vpp, L.num_microbatches)
-    # the pass times of the plan as the file records it (a routing imbalance the estimate was
-    # priced with is not recorded: the schedule's shape, not its seconds, is what is drawn)
+    # the pass times of the plan at the routing imbalance its estimate was priced at
     b = b if b is not None else estimate_breakdown(
-        plan.model, plan.cluster, plan.training, plan.layout, plan.choices, check=False,
-        with_interval=False)
+        plan.model, plan.cluster, plan.training, plan.layout, plan.choices, priced_imbalance(plan),
+        check=False, with_interval=False)
     fwd = [[0.0] * vpp for _ in range(pp)]
     bwd = [[0.0] * vpp for _ in range(pp)]
     for r, rc in enumerate(b.ranks):

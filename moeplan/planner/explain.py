@@ -95,15 +95,31 @@ def robust_sentences(best: Plan, result: SearchResult) -> list[str]:
     return out
 
 
+BOUNDS = frozenset({"time_bound", "time_bound_milp", "balanced_split_bound", "memory_bound",
+                    "screened_by_milp", "time_limit"})
+"""`searched.pruned` keys that count valid layouts set aside by the search's bounds; the
+others count candidate splits a rule refused before any was a valid layout."""
+
+
 def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
-    """How much was searched and what removed the rest, each rule in words with its count
-    (the codes stay in `--json`'s `searched.pruned`)."""
+    """How much was searched and what removed the rest, each reason in words with its count
+    (the codes stay in `--json`'s `searched.pruned`): the valid layouts the bounds set aside,
+    then the candidate splits the rules refused (another unit: they never were layouts)."""
+    def words(items: list[tuple[str, int]], n: int) -> str:
+        said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
+                         for k, v in items[:n])
+        return said + (f"; {len(items) - n} more (--json: searched.pruned)"
+                       if len(items) > n else "")
+
     cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
-    said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
-                     for k, v in cut[:most])
-    more = f"; {len(cut) - most} more rules (--json: searched.pruned)" if len(cut) > most else ""
-    return (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened with even "
-            f"stages, {result.solved} MILPs for the best; removed: {said or 'none'}{more}")
+    bounds = [(k, v) for k, v in cut if k in BOUNDS]
+    rules = [(k, v) for k, v in cut if k not in BOUNDS]
+    out = (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened with even "
+           f"stages, {result.solved} MILPs for the best; set aside: {words(bounds, most) or 'none'}")
+    if rules:
+        out += (f". Before that, the rules refused {sum(v for _, v in rules):,} candidate "
+                f"splits: {words(rules, max(1, most - len(bounds[:most])))}")
+    return out
 
 
 def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:

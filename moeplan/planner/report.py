@@ -430,8 +430,16 @@ def plan_notices(plans: Sequence[Plan], stopped_early: bool = False) -> list[Not
     weak = [a.term for a in est.assumptions if not a.validated]
     if weak:
         iv = est.interval
-        low = (f" The interval's low end, {iv.tokens_per_s_per_gpu[0]:,.0f} tokens/s/GPU, "
-               "prices them failing." if iv else "")
+        low = ""
+        if iv is not None:
+            worse = iv.pessimistic_tokens_per_s_per_gpu
+            low = (f" With them failing the plan makes {worse:,.0f} tokens/s/GPU against "
+                   f"{est.tokens_per_s_per_gpu:,.0f}; the interval's low end, "
+                   f"{iv.tokens_per_s_per_gpu[0]:,.0f}, is priced from there."
+                   if worse is not None and worse < est.tokens_per_s_per_gpu * (1 - 1e-9) else
+                   " Pricing them failing moves nothing here (none has a slower variant to "
+                   f"price); the interval's low end is {iv.tokens_per_s_per_gpu[0]:,.0f} "
+                   "tokens/s/GPU.")
         out.append(Notice("warn", "Unvalidated effects carry this plan.",
                           f"It rests on effects no published run backs: {'; '.join(weak)}."
                           + low))

@@ -106,6 +106,10 @@ class Estimate(BaseModel):
         0.0, ge=0.0, description="Seconds of step_time_s the physics does not explain: the "
         "model's measured residual at this precision (Calibration.model_residual), beside the "
         "time terms rather than among them.")
+    imbalance: float = Field(
+        1.0, ge=1.0, le=1e3, description="Routed tokens on the busiest EP rank over the mean "
+        "this estimate was priced at (search/estimate --imbalance): `estimate PLAN.json` "
+        "prices the plan at it again unless given another.")
 
 
 PLAN_FORMAT = 2

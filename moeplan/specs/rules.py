@@ -437,6 +437,19 @@ def _dispatch_name(layout: Any) -> str:
             else layout.dispatcher)
 
 
+@rule("ep_overlap_moe_graph", _TC + " (CUDA graph scope on moe and mlp is not supported with "
+      "overlap_moe_expert_parallel_comm under --cuda-graph-impl transformer_engine)",
+      lambda f: ("EP overlap cannot run beside per-layer CUDA graphs of the whole MoE layer, "
+                 "which an MoE padded to capacity captures: turn EP overlap off, capture the "
+                 "full iteration (cuda_graph_scope full_iteration), or drop the padding "
+                 "(moe_pad_expert_input_to_capacity false)"),
+      targets=MEGATRON, axes=("ep_overlap", "cuda_graphs"))
+def _ovl_moe_graph(f: Facts) -> bool:
+    L = f.layout
+    return (not L.ep_overlap or not L.cuda_graphs or full_iteration(L)
+            or not f.model.is_moe or not f.training.static_moe_shapes)
+
+
 @rule("ep_overlap_mtp", _TC + " (MTP supports at most one layer with "
       "overlap_moe_expert_parallel_comm)",
       lambda f: (f"EP overlap takes at most one MTP layer; the model has {f.model.mtp_layers}: "
