@@ -90,8 +90,12 @@ def test_step_terms_add_up_to_the_step_time(axes):
 
 def test_step_terms_fall_back_to_the_estimates_own_when_the_breakdown_differs():
     plan = planned("mixtral-8x7b", 8, 64, ep=8)
-    skewed = plan.model_copy(update={"estimate": estimate(plan, imbalance=1.5)})
-    assert anatomy.breakdown(skewed) is None  # the plan file does not record the imbalance
+    priced = estimate(plan, imbalance=1.5)
+    skewed = plan.model_copy(update={"estimate": priced})
+    assert anatomy.breakdown(skewed) is not None  # the estimate records its imbalance
+    # an estimate the plan's own fields cannot reproduce (here, its imbalance lost)
+    skewed = plan.model_copy(update={"estimate": priced.model_copy(update={"imbalance": 1.0})})
+    assert anatomy.breakdown(skewed) is None
     parts = anatomy.step_parts(skewed)
     assert "exposed comm (all classes)" in parts
     assert sum(parts.values()) == pytest.approx(skewed.estimate.step_time_s, rel=1e-9)
