@@ -54,6 +54,7 @@ checkpoint_app = typer.Typer(help="List checkpoints and export them to Hugging F
 app.add_typer(checkpoint_app, name="checkpoint")
 data_app = typer.Typer(help="Tokenize text or JSONL into Megatron's indexed datasets "
                        "(PREFIX.bin + PREFIX.idx), the format `run --data` reads.",
+                       short_help="Tokenize text into Megatron's indexed datasets.",
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
@@ -506,7 +507,7 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
     return rows
 
 
-@app.command()
+@app.command(short_help="Predict published runs and score the error.")
 def validate(
     runs_csv: Annotated[str | None, typer.Argument(
         metavar="[RUNS.csv]", help="A CSV shaped like published_runs.csv (default: the "
@@ -827,7 +828,7 @@ WHATIF_COLUMNS = {
 }
 
 
-@app.command()
+@app.command(short_help="Capacity planning: time and cost per cluster.")
 def whatif(
     model: ModelOpt,
     cluster: Annotated[str, typer.Option("--cluster", help="Cluster presets or files, "
@@ -931,7 +932,7 @@ def whatif(
                               "closest.")
 
 
-@app.command()
+@app.command(short_help="Train under a plan with torchrun workers.")
 def run(
     plan: Annotated[str, typer.Argument(help="Plan JSON (from search/estimate -o).")],
     steps: Annotated[int | None, typer.Option(
@@ -1133,7 +1134,7 @@ def _check_out_dir(out_dir: str) -> None:
             return
 
 
-@app.command()
+@app.command(short_help="Print a layout's process groups.")
 def groups(
     ctx: typer.Context,
     plan: Annotated[str | None, typer.Argument(help="Plan JSON; or give the sizes.")] = None,
@@ -1171,7 +1172,7 @@ def groups(
     emit(doc, as_json, render)
 
 
-@app.command()
+@app.command(short_help="Export a plan as a Megatron-LM or torchrun launch.")
 def export(
     plan: Annotated[str, typer.Argument(help="Plan JSON written by `search -o` or `estimate -o`.")],
     fmt: Annotated[str, typer.Option(
@@ -1236,7 +1237,7 @@ def export(
     emit(doc, as_json, render)
 
 
-@app.command()
+@app.command(short_help="Measure this machine, or refit from runs.")
 def calibrate(
     runs: Annotated[list[str] | None, typer.Argument(
         metavar="[DIR]...", help="More run directories for --from-runs.")] = None,

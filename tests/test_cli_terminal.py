@@ -369,3 +369,15 @@ def test_search_table_names_the_ranking_key_and_why_1_beats_2(search_doc, column
         assert f"{p['estimate']['interval']['tokens_per_s_per_gpu'][0]:,.0f}" in screen
     why = " ".join(screen.split("#1 ranks above #2", 1)[1].split("\n\n")[0].split())
     assert why.startswith("by the low end of the 80% interval")
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_the_command_list_names_each_command_without_a_cut_sentence(columns):
+    """Click shortens a docstring's first sentence to fit the list ("runs...", "per
+    cluster..."): each command carries a short help that fits whole."""
+    screen = render_in_pty(("--help",), columns)
+    listed = screen.split("Commands:", 1)[1]
+    assert "..." not in listed and "…" not in listed, listed
+    for name in ("estimate", "validate", "search", "whatif", "run", "groups", "export",
+                 "calibrate", "specs", "checkpoint", "data"):
+        assert re.search(rf"^\s+{name}\s+\S", listed, re.M), name
