@@ -395,6 +395,7 @@ def estimate(
         check_writable(output)
     if routing_histogram and imbalance != 1.0:
         raise SpecError("give either --imbalance or --routing-histogram, not both.")
+    unsaid = False  # a plan file whose estimate does not record its routing imbalance
     if plan_file:
         if model or cluster:
             raise SpecError("give either PLAN.json or --model/--cluster, not both.")
@@ -405,9 +406,10 @@ def estimate(
                             "--model and --cluster with them.")
         plan = with_calibration(S.load_plan(plan_file), calibration)
         source = ctx.get_parameter_source("imbalance")
+        unsaid = plan.estimate is not None and plan.estimate.imbalance is None
         if plan.estimate is not None and routing_histogram is None and not (
                 source is not None and source.name == "COMMANDLINE"):
-            imbalance = plan.estimate.imbalance  # what the plan was priced at
+            imbalance = plan.estimate.imbalance or 1.0  # what the plan was priced at
     else:
         if not model or not cluster:
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
@@ -429,6 +431,13 @@ def estimate(
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
     # a search's "why this plan" holds only for the estimate it was written with: a plan file
     # edited since (another layout, another choice) or priced otherwise drops it
+    moved = plan.estimate is not None and (plan.estimate.step_time_s, plan.estimate.memory) != (
+        est.step_time_s, est.memory)
+    if moved and unsaid and routing_histogram is None:
+        err.print("note: the plan does not record the routing it was priced at (an older plan "
+                  "file, or a routing histogram), and priced balanced it moves; pass "
+                  "--imbalance or --routing-histogram as it was priced.", markup=False,
+                  highlight=False)
     stale = bool(plan.explanation) and plan.estimate != est
     plan = plan.model_copy(update={"estimate": est, **({"explanation": []} if stale else {})})
     if stale:
@@ -650,8 +659,8 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
                                     "(`moeplan validate --cv model|release`)." if quoted else ""))
     rk = res["ranking"]
     scored = sum(1 for r in res["rows"] if r["published_tokens_per_s_per_gpu"])
-    notes.append(f"All {scored} scored rows: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])}, "
-                 "TFLOPS (own "
+    notes.append(f"All rows scored: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])} over "
+                 f"the {scored} with a tokens/s figure, TFLOPS (own "
                  f"convention) {pct(res['mape_tflops'])}; layout pairs of one release ordered "
                  f"as measured {rk['ordered']} of {rk['pairs']}.")
     return notes
@@ -737,12 +746,19 @@ def search(
             bar.update(f"searching: {min(done / total, 1):.0%} of the {total // 2:,} layouts "
                        "that may fit examined")
 
-        res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
-                         top_k=top, target=target, time_limit_s=time_limit,
-                         imbalance=imbalance, calibration=calibration, progress=progress,
-                         objective=objective, grad_reduce_dtype=grad_reduce,
-                         moe_capacity_factor=capacity_factor,
-                         moe_pad_expert_input_to_capacity=pad_to_capacity, stack=stack)
+        try:
+            res = api_search(model, cluster, gpus=gpus, seq=seq, gbs=gbs, precision=precision,
+                             top_k=top, target=target, time_limit_s=time_limit,
+                             imbalance=imbalance, calibration=calibration, progress=progress,
+                             objective=objective, grad_reduce_dtype=grad_reduce,
+                             moe_capacity_factor=capacity_factor,
+                             moe_pad_expert_input_to_capacity=pad_to_capacity, stack=stack)
+        except InfeasibleError as e:
+            # a proof that nothing fits is a result: a script reading --json gets one document
+            # saying so (exit 3, the paragraph on stderr as ever), not an empty stream
+            emit({"plans": [], "infeasible": True, "message": _one_paragraph(str(e))},
+                 as_json, lambda: None)
+            raise
         bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
@@ -907,7 +923,8 @@ def whatif(
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 
     def render() -> None:
-        from .planner.report import answers, token_words, whatif_notices
+        from .planner.report import answers, whatif_notices
+        from .specs.plan import token_words
 
         table = rows(res)
         cols = [WHATIF_COLUMNS.get(c, Column(c, fold=0)) for c in (table[0] if table else {})]
@@ -1512,12 +1529,6 @@ def main(argv: list[str] | None = None) -> int:
         # but a run keeps its own exit code (75 tells a scheduler to requeue)
         if exit_rule(e) is None or (debug and isinstance(e, (MoeplanError, InfeasibleError))):
             raise
-        if isinstance(e, InfeasibleError) and "--json" in args and args[:1] == ["search"]:
-            # a proof that nothing fits is a result: a script reading stdout gets one document
-            # saying so (the paragraph on stderr as ever), not an empty stream (whatif prints
-            # its sweep, each point's `why`, before it exits 3)
-            doc = {"plans": [], "infeasible": True, "message": _one_paragraph(str(e))}
-            sys.stdout.write(strict_dumps(doc) + "\n")
         code = report_error(e)
     if argv is None:
         sys.exit(code)

@@ -90,7 +90,8 @@ def test_validate_says_why_a_row_has_no_published_figure_and_counts_the_scored_r
     code, out, _ = run_cli(["validate"], capsys)
     assert code == 0
     assert "- published: the row gives no tokens/s/GPU and no TFLOPS" in " ".join(out.split())
-    assert re.search(r"All [\d,]+ scored rows: MAPE", out)
+    assert re.search(r"All rows scored: MAPE tokens/s/GPU [\d.]+% over the [\d,]+ with a",
+                     " ".join(out.split()))
 
 
 def test_a_plan_priced_at_an_imbalance_is_estimated_again_at_it(tmp_path, capsys):
@@ -107,6 +108,12 @@ def test_a_plan_priced_at_an_imbalance_is_estimated_again_at_it(tmp_path, capsys
     assert code == 0 and json.loads(out)["step_time_s"] == priced["step_time_s"]
     code, out, _ = run_cli(["estimate", str(plan), "--imbalance", "1", "--json"], capsys)
     assert code == 0 and json.loads(out)["step_time_s"] < priced["step_time_s"]
+    # a plan file written before the field: priced balanced, and said so
+    doc = json.loads(plan.read_text())
+    del doc["estimate"]["imbalance"]
+    plan.write_text(json.dumps(doc))
+    code, _, err = run_cli(["estimate", str(plan)], capsys)
+    assert code == 0 and "does not record the routing it was priced at" in err
 
 
 def test_not_fitting_layout_exits_zero(capsys):

@@ -460,6 +460,10 @@ def test_public_api_returns_the_json_document():
     parse(doc["args"])
     short = moeplan.export(qwen3_plan())["warnings"]  # moeplan's own default schedule: said
     assert len(short) == 1 and "--train-iters N or --train-tokens T" in short[0]
+    decays = qwen3_plan()  # a spec that sets its decay length has a schedule of its own
+    decays = decays.model_copy(update={"training": decays.training.model_copy(
+        update={"lr_decay_iters": 100_000})})
+    assert moeplan.export(decays)["warnings"] == []
     assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script", "placeholders"}
     with pytest.raises(SpecError):
         moeplan.export(qwen3_plan(), "deepspeed")
@@ -524,3 +528,15 @@ def test_cli_errors_exit_2(cli, plan_file, tmp_path, args, needle):
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+def test_group_limited_routing_is_exported_with_a_word_where_megatron_ranks_groups_otherwise():
+    """Megatron ranks groups by the sum of their top topk // group_topk scores; DeepSeek-V3
+    (8 // 4 = 2) matches the model's top 2, a model picking every group (8 // 8 = 1) does not."""
+    plan = deepseek_plan()
+    _, warnings = to_megatron_args(plan)
+    assert not [w for w in warnings if "expert groups" in w]
+    other = plan.model_copy(update={"model": plan.model.model_copy(
+        update={"router_groups_per_token": 8})})
+    _, warnings = to_megatron_args(other)
+    assert any("sum of their top 1 scores" in w and "by its top 2" in w for w in warnings)

@@ -379,8 +379,12 @@ def test_glm_mtp_weights_travel_in_the_hubs_layout_and_transformers_loads_the_ex
     out = write_hf(spec, state, tmp_path / "hf")
     L = spec.num_layers
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    assert {f"model.layers.{L}.eh_proj.weight", f"model.layers.{L}.mlp.gate.weight"} <= set(
-        HFWeights(out).where)
+    w = HFWeights(out)
+    assert {f"model.layers.{L}.eh_proj.weight", f"model.layers.{L}.mlp.gate.weight",
+            f"model.layers.{L}.embed_tokens.weight",
+            f"model.layers.{L}.shared_head.head.weight"} <= set(w.where)
+    assert torch.equal(w.read(f"model.layers.{L}.shared_head.head.weight", ()),
+                       state["output"])  # the hub's copy of the output layer
     assert hf_model_spec(out).mtp_layers == 0  # what transformers builds
     check_hf_dir(spec, out)
     loaded = Transformer(spec, materialize=False)
@@ -392,3 +396,13 @@ def test_glm_mtp_weights_travel_in_the_hubs_layout_and_transformers_loads_the_ex
         assert torch.equal(got[name], t), name
     ref = hf_loss(out, *batch(out))  # the MTP weights passed over, as transformers does
     assert abs(moeplan_loss(out) - ref) <= RTOL * ref
+
+
+def test_a_plan_with_an_mtp_depth_the_checkpoint_lacks_is_refused_naming_the_weights(hf_dirs):
+    from moeplan import SpecError
+    from moeplan.runtime.hf_io import check_hf_dir
+
+    d = hf_dirs["glm4_moe"]
+    spec = hf_model_spec(d).model_copy(update={"mtp_layers": 1})
+    with pytest.raises(SpecError, match=r"holds no 'model\.layers\.2\.eh_proj\.weight'"):
+        check_hf_dir(spec, d)

@@ -273,12 +273,17 @@ def test_the_unvalidated_banner_says_what_failing_costs_only_where_it_costs_some
     """The banner said the low end "prices them failing" where failing priced the same as the
     point (a calibration no run validates has no slower variant)."""
     from moeplan.planner.report import plan_notices
+    from moeplan.specs import Choices
 
-    plan = planned("gpt-oss-120b", 64, 512, "b200", ep=8)  # B200 bf16: unvalidated calibration
-    est = plan.estimate
-    banner = next(n for n in plan_notices([plan]) if n.head.startswith("Unvalidated"))
-    worse = est.interval.pessimistic_tokens_per_s_per_gpu
-    if worse is not None and worse < est.tokens_per_s_per_gpu * (1 - 1e-9):
-        assert f"makes {worse:,.0f} tokens/s/GPU" in banner.text
-    else:
-        assert "moves nothing here" in banner.text
+    def banner(plan: Plan) -> str:
+        return next(n.text for n in plan_notices([plan]) if n.head.startswith("Unvalidated"))
+
+    # B200 bf16: a calibration no run validates, which has no slower variant to price
+    assert "moves nothing here" in banner(planned("gpt-oss-120b", 64, 512, "b200", ep=8))
+    # activation offload, priced failing on a slow host: the plan makes less
+    plan = planned("qwen3-30b-a3b", 16, 256, ep=8)
+    offload = plan.model_copy(update={"choices": Choices(offload=["expert_fc1"])})
+    offload = offload.model_copy(update={"estimate": estimate(offload)})
+    worse = offload.estimate.interval.pessimistic_tokens_per_s_per_gpu
+    assert worse < offload.estimate.tokens_per_s_per_gpu
+    assert f"makes {worse:,.0f} tokens/s/GPU" in banner(offload)

@@ -226,8 +226,37 @@ def test_partial_rotary_is_refused_where_the_architecture_rotates_the_whole_head
         model_from_hf_config(cfg, "cfg")
 
 
-@pytest.mark.parametrize(("factor", "needle"), [(0.3, "RoPE rotates an even whole number"),
+@pytest.mark.parametrize(("factor", "needle"), [(39 / 128, "rotates 39 dims"),
                                                 (1.5, "must be in (0, 1]")])
 def test_a_rotary_share_that_is_no_even_number_of_dims_is_refused(factor, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
         model_from_hf_config({**GLM45, "partial_rotary_factor": factor}, "cfg")
+
+
+@pytest.mark.parametrize(("where", "want"), [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 1.0, "partial_rotary_factor": 0.25}},
+     0.25),  # a v4 rope_scaling carries it: transformers reads it there
+    ({"partial_rotary_factor": None}, 1.0),  # an explicit null: transformers drops it
+    ({"partial_rotary_factor": 0.3}, 0.3),  # int(128 · 0.3) = 38 dims, as transformers rounds
+])
+def test_glm_reads_the_rotary_share_where_transformers_does(where, want):
+    spec = model_from_hf_config({**GLM45, **where}, "cfg")
+    assert spec.rotary_percent == want and spec.rotary_dim == int(128 * want)
+
+
+def test_a_rotary_share_inside_a_v4_rope_scaling_is_refused_for_a_whole_head_architecture():
+    cfg = {"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}}
+    with pytest.raises(SpecError, match="partial_rotary_factor 0.5 is not supported"):
+        model_from_hf_config(cfg, "cfg")
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("first_k_dense_replace", 92, "leaves none of the 92 layers an MoE layer"),
+    ("n_shared_experts", None, "n_shared_experts is null"),
+    ("n_shared_experts", 0, "n_shared_experts must be ≥ 1"),
+])
+def test_a_glm_config_transformers_would_not_build_as_written_is_refused(field, value, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        model_from_hf_config({**GLM45, field: value}, "cfg")

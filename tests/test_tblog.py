@@ -42,6 +42,7 @@ def megatron_writes(logdir) -> None:
         writer.add_scalar("learning-rate", r["lr"], step)
         writer.add_scalar("learning-rate vs samples", r["lr"], samples)
         writer.add_scalar("batch-size", GBS, step)
+        writer.add_scalar("batch-size vs samples", GBS, samples)
         writer.add_scalar("lm loss", r["loss"], step)
         writer.add_scalar("lm loss vs samples", r["loss"], samples)
         writer.add_scalar("grad-norm", r["grad_norm"], step)

@@ -143,7 +143,8 @@ def test_cli_json_is_one_document_and_nothing_fitting_exits_3(cli) -> None:
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
-def test_the_terminal_says_what_the_reports_say_and_the_json_why_is_the_tables(cli) -> None:
+def test_the_terminal_says_what_the_reports_say_and_the_json_why_is_the_tables(
+        cli, tmp_path: Path) -> None:
     """A point off the front says why in the table and in --json alike; the reports' warning
     that unvalidated effects carry the best plans is printed on the terminal too; the
     token count reads as people say it."""
@@ -158,8 +159,9 @@ def test_the_terminal_says_what_the_reports_say_and_the_json_why_is_the_tables(c
         if w:
             assert w in table.stdout
     assert "warning: Unvalidated effects carry some plans." in table.stdout
-    report = cli(*args, "--report", "w.md")
+    report = cli(*args, "--report", str(tmp_path / "w.md"))
     assert report.returncode == 0, report.stderr
+    assert "| cluster | GPUs |" in (tmp_path / "w.md").read_text()  # --report is -o
 
 
 def test_html_report_without_any_fitting_point_still_renders() -> None:

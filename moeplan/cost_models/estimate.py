@@ -653,14 +653,15 @@ def _routing_said(est: Estimate, imbalance: float, histogram: bool) -> Estimate:
     """The estimate with the routing it was priced at: the imbalance kept (a plan re-estimated
     prices it again) and, where routing is not balanced, the assumption list saying what was
     priced instead of "balanced routing"."""
+    recorded = None if histogram else imbalance  # a histogram is a file, not one number
     if imbalance == 1.0 and not histogram:
-        return est
+        return est.model_copy(update={"imbalance": recorded})
     given = ("per-layer imbalance from the given routing histogram" if histogram else
              f"routing imbalance {imbalance:g}× at the busiest EP rank")
     said = [a if a.term != "balanced routing" else a.model_copy(update={
         "term": given, "evidence": "given (--imbalance or --routing-histogram), priced as "
         "given"}) for a in est.assumptions]
-    return est.model_copy(update={"imbalance": imbalance, "assumptions": said})
+    return est.model_copy(update={"imbalance": recorded, "assumptions": said})
 
 
 # ----------------------------------------------------------------------------- lower bound

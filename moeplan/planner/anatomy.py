@@ -40,7 +40,7 @@ def breakdown(plan: Plan) -> Breakdown | None:
     if est is None:
         return None
     b = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, plan.choices,
-                           est.imbalance, check=False, with_interval=False)
+                           priced_imbalance(plan), check=False, with_interval=False)
     same = abs(b.estimate.step_time_s - est.step_time_s) <= 1e-9 * est.step_time_s and abs(
         b.estimate.memory.peak_gb - est.memory.peak_gb) <= 1e-9 * max(est.memory.peak_gb, 1)
     return b if same else None
@@ -94,8 +94,9 @@ def fit_rule_words(plan: Plan) -> str:
 
 
 def priced_imbalance(plan: Plan) -> float:
-    """The routing imbalance the plan's estimate was priced at (1: balanced, or none yet)."""
-    return plan.estimate.imbalance if plan.estimate is not None else 1.0
+    """The routing imbalance the plan's estimate was priced at (1: balanced, none yet, or not
+    recorded)."""
+    return (plan.estimate.imbalance or 1.0) if plan.estimate is not None else 1.0
 
 
 def rank_memory(plan: Plan, b: Breakdown | None = None) -> list[dict[str, float]]:

@@ -46,6 +46,11 @@ NO_CHOICES = Choices()
 """A layout's pessimistic variant is bounded before any choice (`pessimistic_layout`)."""
 FIRST, TIGHT, ORDERED = 0, 1, 2
 """How far a row in the search's heap has been bounded (`BranchAndBound.run`)."""
+BOUNDS = frozenset({"time_bound", "balanced_split_bound", "robust_offload_bound",
+                    "robust_twin_bound", "time_bound_milp", "screened_by_milp", "memory_milp",
+                    "milp_unsolved", "time_limit", "memory_bound"})
+"""The `pruned` counts of valid layouts the search set aside (here, and `memory_bound` in
+search.py); every other count is of candidate splits a rule refused before any was a layout."""
 KEY_COLUMNS = ("tp", "cp", "ep", "etp", "mbs", "dispatcher", "ep_overlap", "precision")
 """The row columns a layer-cost table depends on (with the groups' placements)."""
 

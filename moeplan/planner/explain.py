@@ -95,16 +95,12 @@ def robust_sentences(best: Plan, result: SearchResult) -> list[str]:
     return out
 
 
-BOUNDS = frozenset({"time_bound", "time_bound_milp", "balanced_split_bound", "memory_bound",
-                    "screened_by_milp", "time_limit"})
-"""`searched.pruned` keys that count valid layouts set aside by the search's bounds; the
-others count candidate splits a rule refused before any was a valid layout."""
-
-
 def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
     """How much was searched and what removed the rest, each reason in words with its count
     (the codes stay in `--json`'s `searched.pruned`): the valid layouts the bounds set aside,
     then the candidate splits the rules refused (another unit: they never were layouts)."""
+    from .branch import BOUNDS
+
     def words(items: list[tuple[str, int]], n: int) -> str:
         said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
                          for k, v in items[:n])
@@ -241,6 +237,8 @@ def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: Clu
         "time_bound_milp": "provably slower than the plans kept (after its MILP)",
         "balanced_split_bound": "provably slower even with the best stage split",
         "robust_twin_bound": "a twin with validated effects only ranks at least as well",
+        "robust_offload_bound": "provably slower once its unvalidated offload is priced on a "
+                                "slow host",
         "screened_by_milp": "beaten once its MILP placed the stages",
         "milp_unsolved": "its MILP found no solution in time",
         "time_limit": "not reached before --time-limit",

@@ -516,8 +516,18 @@ def _moe_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         warn.append("the spec does not renormalise its sigmoid top-k weights, but Megatron "
                     "always does for sigmoid routing with top-k > 1; the export renormalises.")
     if m.router_num_groups is not None:
+        group_topk = m.router_groups_per_token or m.router_num_groups
         a.add("--moe-router-num-groups", m.router_num_groups)
-        a.add("--moe-router-group-topk", m.router_groups_per_token or m.router_num_groups)
+        a.add("--moe-router-group-topk", group_topk)
+        # Megatron ranks groups by the sum of their top topk // group_topk scores
+        # (moe_utils.group_limited_topk); the model by its top 2 (sigmoid, as DeepSeek-V3 and
+        # GLM in transformers) or its best one (softmax, DeepSeek-V2)
+        ours = min(2, m.num_experts // m.router_num_groups) if m.router_score == "sigmoid" else 1
+        theirs = m.moe_top_k // group_topk
+        if theirs != ours:
+            warn.append(f"Megatron ranks expert groups by the sum of their top {theirs} "
+                        f"scores (top-k {m.moe_top_k} // group top-k {group_topk}), the model "
+                        f"by its top {ours}: the exported router picks groups differently.")
     if m.routed_scaling_factor != 1.0:
         a.add("--moe-router-topk-scaling-factor", _num(m.routed_scaling_factor))
     if m.router_expert_bias:
@@ -1038,7 +1048,8 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
         args, warnings = to_megatron_args(plan, iters, cadence)
         total, warm, decay_end = schedule(plan, iters)
         comments = megatron_comments(plan, iters, _procs(plan, nnodes, nproc_per_node)[0])
-        if iters is None and plan.training.train_iters is None:
+        if iters is None and plan.training.train_iters is None \
+                and plan.training.lr_decay_iters is None:
             warnings = [*warnings, f"the schedule is moeplan's short default ({total:,} "
                         f"iterations, {warm:,} warm-up): pass --train-iters N or "
                         "--train-tokens T for the run you mean to launch."]

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..errors import SpecError
 from ..fsio import atomic_write_text
 from ..specs import Plan
+from ..specs.plan import token_words
 from ..specs.training import priced_on
 from . import anatomy as A
 from . import svg
@@ -90,14 +91,6 @@ def answers(res: WhatIf) -> list[str]:
             lines.append(f"Fastest within ${b['budget_usd']:,.0f}: {b['cluster']} × {b['gpus']} "
                          f"GPUs, {b['days_to_train']:.1f} days, ${b['cost_usd']:,.0f}.")
     return lines
-
-
-def token_words(x: float) -> str:
-    """A token count as people say it: `15T`, `300B`, `2.5M`, `40,000`."""
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:,.0f}"
 
 
 def _title(res: WhatIf) -> str:
@@ -339,9 +332,10 @@ def whatif_notices(res: WhatIf) -> list[Notice]:
         n = sum(1 for p in res.points if p.plan and p.plan.estimate and any(
             not a.validated for a in p.plan.estimate.assumptions))
         out.append(Notice("warn", "Unvalidated effects carry some plans.",
-                          f"{n} of the best plans rest on effects no published run backs: "
-                          f"{'; '.join(weak)}. Their low end (the ranking key) prices these "
-                          "effects failing."))
+                          f"{n} of the best plans {'rests' if n == 1 else 'rest'} on effects "
+                          f"no published run backs: {'; '.join(weak)}. Each plan's own report "
+                          "says what it makes with them failing; the low end of its interval "
+                          "is the ranking key."))
     stopped = [p.label for p in res.points if p.stopped_early]
     if stopped:
         out.append(Notice("info", "Stopped early.", f"{', '.join(stopped)}: the search hit its "

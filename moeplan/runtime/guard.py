@@ -175,7 +175,8 @@ def price_ranks(plan: Plan, ranks: list[int], dtype: str, kind: str) -> list[Ran
         choices = choices.model_copy(update={"offload": [],
                                              "optimizer_offload_fraction": 0.0})
     bd = estimate_breakdown(plan.model, plan.cluster, plan.training, plan.layout, choices,
-                            plan.estimate.imbalance if plan.estimate is not None else 1.0,
+                            (plan.estimate.imbalance or 1.0) if plan.estimate is not None
+                            else 1.0,
                             check=False)
     cal = calibration_for(plan.cluster.calibration)
     wide = 2.0 if dtype == "fp32" else 1.0  # bf16 weights/activations in the model

@@ -11,8 +11,10 @@ so no rank ever holds the whole model. Layout differences are exact re-indexings
 - DeepSeek RoPE: with `rope_interleave` HF's rotary dims are interleaved pairs (x0, x1), (x2,
   x3), ...; moeplan rotates halves, so the rotary rows of q_b_proj / q_proj and of
   kv_a_proj_with_mqa are permuted evens-then-odds, which gives the same q·k exactly.
-- MTP depth k (DeepSeek-V3): `model.layers.{L+k}.{enorm, hnorm, eh_proj, shared_head.norm}`
-  and that layer's own block weights.
+- MTP depth k (DeepSeek-V3, GLM-4.5): `model.layers.{L+k}.{enorm, hnorm, eh_proj,
+  shared_head.norm}` and that layer's own block weights; the export also writes the hub's
+  copies of the embedding and output layer there (`embed_tokens`, `shared_head.head`), which
+  moeplan's MTP shares with the model and so never reads.
 
 A tensor missing from the checkpoint, or of another shape than the plan's model needs, is a
 SpecError naming the tensor (exit 2), found by `check_hf_dir` from the file headers before any
@@ -431,8 +433,6 @@ def _short(v: Any) -> str:
 def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     """Refuse (SpecError, exit 2) an HF directory whose config or tensors do not match `spec`,
     from config.json and the safetensors headers only; run before any worker starts."""
-    import logging
-
     from .model import Transformer
 
     hf_log = logging.getLogger("moeplan.hf")
@@ -444,10 +444,16 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
         hf_log.disabled = was
     a, b = _function_fields(spec), _function_fields(other)
     w = HFWeights(hf_dir)
-    if a["mtp_layers"] > b["mtp_layers"] and _holds_mtp(w, spec):
+    if a["mtp_layers"] > b["mtp_layers"]:
         # transformers builds no MTP module, so a config read for it may count none (GLM-4.5,
         # DeepSeek-V3 under v5 keys), while the hub's checkpoints carry the weights as
         # model.layers.{L+k}: the plan's depth is read from them (shapes checked below)
+        missing = _missing_mtp(w, spec)
+        if missing:
+            raise SpecError(f"--init-from {hf_dir}: the plan's model has {spec.mtp_layers} MTP "
+                            f"depth(s), but the checkpoint holds no {missing!r} (nor its "
+                            "config a count); plan with mtp_layers "
+                            f"{b['mtp_layers']}, or load a checkpoint that has them.")
         b["mtp_layers"] = a["mtp_layers"]
     for f in a:
         if a[f] != b[f]:
@@ -468,10 +474,11 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
                             "checkpoint does not match the plan.")
 
 
-def _holds_mtp(w: HFWeights, spec: ModelSpec) -> bool:
-    """Whether the checkpoint holds the projection of every MTP depth `spec` has."""
-    return all(w.has(f"model.layers.{spec.num_layers + k}.eh_proj.weight")
-               for k in range(spec.mtp_layers))
+def _missing_mtp(w: HFWeights, spec: ModelSpec) -> str | None:
+    """The first MTP depth's projection the checkpoint lacks (None: it holds every depth's)."""
+    names = (f"model.layers.{spec.num_layers + k}.eh_proj.weight"
+             for k in range(spec.mtp_layers))
+    return next((n for n in names if not w.has(n)), None)
 
 
 def describe_objective(spec: ModelSpec, aux_coeff: float) -> str:
@@ -634,6 +641,13 @@ def hf_tensors(spec: ModelSpec, full: dict[str, torch.Tensor],
     for base, parts in fused.items():  # gate rows first, then up (HF chunk(2) order)
         out[base] = (parts["down"] if "down" in parts
                      else torch.cat([parts["gate"], parts["up"]], dim=1)).contiguous()
+    for k in range(spec.mtp_layers):
+        # the hub's MTP layers carry their own copies of the embedding and the output layer
+        # (DeepSeek-V3's and GLM-4.5's checkpoints; vLLM's MTP loader reads them there)
+        layer = f"model.layers.{spec.num_layers + k}"
+        out[f"{layer}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        head = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+        out[f"{layer}.shared_head.head.weight"] = head.clone()
     return out
 
 

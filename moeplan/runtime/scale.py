@@ -44,11 +44,11 @@ def _fit(target: int, full: int, degree: int = 1) -> int:
 
 
 def _head_dim(target: int, rotary_percent: float) -> int:
-    """The even head dim nearest `target` from below whose rotary share is an even whole
+    """The even head dim nearest `target` from below whose rotary share rounds down to an even
     number of dims (GLM's half-head RoPE needs a multiple of 4), else the next above."""
     def fits(d: int) -> bool:
-        r = d * rotary_percent
-        return r == int(r) and int(r) % 2 == 0
+        r = int(d * rotary_percent)  # as ModelSpec.rotary_dim rounds
+        return r >= 2 and r % 2 == 0
 
     down = next((d for d in range(target // 2 * 2, 1, -2) if fits(d)), None)
     return down or next(d for d in range(target // 2 * 2 + 2, 1 << 20, 2) if fits(d))

@@ -14,11 +14,12 @@ Tags are Megatron-LM's, spelled as its `training_log` and `evaluate_and_print_re
 them, so a dashboard made for Megatron runs shows moeplan's: `lm loss`, `learning-rate`,
 `grad-norm`, `iteration-time` (s), `throughput` (model TFLOP/s per GPU), `load_balancing_loss`,
 `batch-size`, `lm loss validation`, `lm loss validation ppl`; the loss, learning-rate,
-grad-norm and validation tags also `… vs samples` (x = samples consumed, step × global
-batch), as Megatron writes them. moeplan's own, which Megatron has no tag for:
-`tokens-per-second`, `mfu` (when the peak of this machine is known: a GPU preset or
-`--cluster`), `mem-peak-gigabytes` (peak allocated on GPU, peak RSS on CPU) and
-`moe/load-imbalance` (busiest expert's tokens / mean, worst MoE layer; 1.0 is even).
+grad-norm, batch-size and validation tags also `… vs samples` (x = samples consumed, step ×
+global batch), as Megatron writes them. moeplan's own: `tokens-per-second`, `mfu` (when the
+peak of this machine is known: a GPU preset or `--cluster`), `mem-peak-gigabytes` (peak
+allocated on GPU, peak RSS on CPU; Megatron's `--log-memory-to-tensorboard` writes bytes as
+`mem-max-allocated-bytes`, GPU only) and `moe/load-imbalance` (busiest expert's tokens /
+mean, worst MoE layer; 1.0 is even).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class TensorBoard:
                 if tag in VS_SAMPLES:
                     self.scalar(f"{tag} vs samples", value, samples)
         self.scalar("batch-size", self.batch_size, step)
+        self.scalar("batch-size vs samples", self.batch_size, samples)
 
     def evaluation(self, step: int, loss: float) -> None:
         samples = step * self.batch_size

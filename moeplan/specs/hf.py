@@ -117,16 +117,6 @@ def _rope(c: Config, default_theta: float, rotary: float | None = None) -> dict[
     hub's v4 configs write it, at the top level), which only an architecture whose attention
     slices q and k before rotating takes: `rotary` is its default share (None: it has none)."""
     params = c.get("rope_parameters", dict, {})
-    factor = params.get("partial_rotary_factor",
-                        c.get("partial_rotary_factor", float, rotary or 1.0))
-    check_type(factor, float, "partial_rotary_factor", c.source)
-    if factor != 1.0 and rotary is None:
-        raise SpecError(f"{c.source}: partial_rotary_factor {_show(factor)} is not supported "
-                        f"for {c.arch}, whose attention rotates the whole head; only "
-                        "Glm4MoeForCausalLM rotates part of it.")
-    if not 0 < factor <= 1:
-        raise SpecError(f"{c.source}: partial_rotary_factor must be in (0, 1], got "
-                        f"{_show(factor)}. Fix it in config.json.")
     if "rope_theta" in params:
         theta = check_type(params["rope_theta"], float, "rope_parameters.rope_theta",
                            c.source)
@@ -137,6 +127,7 @@ def _rope(c: Config, default_theta: float, rotary: float | None = None) -> dict[
     if c.has("rope_scaling"):
         scaling = {**c.get("rope_scaling", dict), **{k: v for k, v in params.items()
                                                       if k == "rope_theta"}}
+    factor = _rotary_share(c, scaling, rotary)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     check_type(kind, str, "rope_parameters.rope_type", c.source)
     out: dict[str, Any] = {"rope_theta": theta}
@@ -172,6 +163,30 @@ def _rope(c: Config, default_theta: float, rotary: float | None = None) -> dict[
         rs["original_max_position_embeddings"] = max_pos
     out["rope_scaling"] = rs
     return out
+
+
+def _rotary_share(c: Config, scaling: dict[str, Any], rotary: float | None) -> float:
+    """`partial_rotary_factor` where transformers reads it: in the RoPE parameters (v5
+    `rope_parameters`, or a v4 `rope_scaling` merged into them), else at the top level, else the
+    architecture's default `rotary` (None: its attention rotates the whole head, so any other
+    share is refused). An explicit top-level null is dropped by transformers: the whole head."""
+    c.used.add("partial_rotary_factor")
+    if "partial_rotary_factor" in scaling:
+        factor = scaling["partial_rotary_factor"]
+    elif "partial_rotary_factor" in c.data:
+        factor = c.data["partial_rotary_factor"]
+        factor = 1.0 if factor is None else factor
+    else:
+        factor = rotary or 1.0
+    check_type(factor, float, "partial_rotary_factor", c.source)
+    if factor != 1.0 and rotary is None:
+        raise SpecError(f"{c.source}: partial_rotary_factor {_show(factor)} is not supported "
+                        f"for {c.arch}, whose attention rotates the whole head; only "
+                        "Glm4MoeForCausalLM rotates part of it.")
+    if not 0 < factor <= 1:
+        raise SpecError(f"{c.source}: partial_rotary_factor must be in (0, 1], got "
+                        f"{_show(factor)}. Fix it in config.json.")
+    return float(factor)
 
 
 # ------------------------------------------------------------------------------ readers
@@ -418,7 +433,14 @@ def _glm4_moe(c: Config) -> dict[str, Any]:
     d = _common(c, eps=1e-5, kv_heads=8, rotary=0.5)
     n_layers = d["num_layers"]
     first = c.get("first_k_dense_replace", int, 1)
+    if first >= n_layers:
+        raise SpecError(f"{c.source}: first_k_dense_replace {first} leaves none of the "
+                        f"{n_layers} layers an MoE layer; a Glm4Moe model has at least one. "
+                        "Fix it in config.json.")
     moe = [i >= first for i in range(n_layers)]
+    if "n_shared_experts" in c.data and c.data["n_shared_experts"] is None:
+        raise SpecError(f"{c.source}: n_shared_experts is null; Glm4MoeForCausalLM needs a "
+                        "count (transformers refuses null too). Fix it in config.json.")
     n_shared = c.get("n_shared_experts", int, 1)
     if n_shared < 1:
         raise SpecError(f"{c.source}: n_shared_experts must be ≥ 1 for Glm4MoeForCausalLM "

@@ -258,10 +258,10 @@ class ModelSpec(BaseModel):
         if self.rotary_percent != 1.0:
             if self.attention == "mla":
                 fail("rotary_percent", "MLA rotates its own qk_rope_head_dim; leave it at 1")
-            rotary = self.head_dim_ * self.rotary_percent
-            if rotary != int(rotary) or int(rotary) % 2:
-                fail("rotary_percent", f"{self.rotary_percent} of head_dim {self.head_dim_} is "
-                     f"{rotary:g} dims; RoPE rotates an even whole number of them")
+            rotary = self.rotary_dim  # int(head_dim · share), as transformers and Megatron
+            if rotary < 2 or rotary % 2:
+                fail("rotary_percent", f"{self.rotary_percent} of head_dim {self.head_dim_} "
+                     f"rotates {rotary} dims; RoPE rotates an even number of them, at least 2")
         if self.position_embedding == "learned" and self.max_position_embeddings is None:
             fail("max_position_embeddings", "learned positions need the table size")
         return self
@@ -279,10 +279,11 @@ class ModelSpec(BaseModel):
     @property
     def rotary_dim(self) -> int:
         """Dims of each q/k head that RoPE rotates: MLA's rope dims, else the leading
-        rotary_percent of the head."""
+        rotary_percent of the head, rounded down."""
         if self.attention == "mla":
             return self.qk_rope_head_dim or 0
-        return round(self.head_dim_ * self.rotary_percent)
+        # transformers' int(head_dim * partial_rotary_factor), Megatron's int(dim * percent)
+        return int(self.head_dim_ * self.rotary_percent)
 
     @property
     def is_moe(self) -> bool:

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..limits import MAX_IMBALANCE
 from .cluster import ClusterSpec
 from .layout import Choices, Layout
 from .model import ModelSpec
@@ -85,6 +86,16 @@ class Confidence(BaseModel):
     reason: str
 
 
+def token_words(x: float) -> str:
+    """A token count as people say it: `15T`, `300B`, `4.19M`, `40,000`; rounded before the
+    unit is picked (999.9e9 is `1T`), and past a thousand trillion in thousands of T."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        v = float(f"{x / scale:.3g}")
+        if v >= 1:
+            return (f"{v:,.0f}" if v >= 1000 else f"{v:g}") + unit
+    return f"{x:,.0f}"
+
+
 class Estimate(BaseModel):
     """What the cost models predict for one plan (SPEC §4 `moeplan estimate`)."""
 
@@ -106,10 +117,11 @@ class Estimate(BaseModel):
         0.0, ge=0.0, description="Seconds of step_time_s the physics does not explain: the "
         "model's measured residual at this precision (Calibration.model_residual), beside the "
         "time terms rather than among them.")
-    imbalance: float = Field(
-        1.0, ge=1.0, le=1e3, description="Routed tokens on the busiest EP rank over the mean "
-        "this estimate was priced at (search/estimate --imbalance): `estimate PLAN.json` "
-        "prices the plan at it again unless given another.")
+    imbalance: float | None = Field(
+        None, ge=1.0, le=MAX_IMBALANCE, description="Routed tokens on the busiest EP rank over "
+        "the mean this estimate was priced at (search/estimate --imbalance; 1: balanced): "
+        "`estimate PLAN.json` prices the plan at it again unless given another. None: not "
+        "recorded (a plan file written before it was, or priced from a routing histogram).")
 
 
 PLAN_FORMAT = 2
@@ -181,9 +193,8 @@ class Plan(BaseModel):
         """The step's batch, which a layout line does not show: `seq 4,096, gbs 1,024
         (4.2M tokens per step)`."""
         t = self.training
-        tokens = t.seq_len * t.global_batch_size
-        return (f"seq {t.seq_len:,}, gbs {t.global_batch_size:,} ({tokens / 1e6:.3g}M tokens "
-                "per step)")
+        return (f"seq {t.seq_len:,}, gbs {t.global_batch_size:,} "
+                f"({token_words(t.seq_len * t.global_batch_size)} tokens per step)")
 
     def layout_summary(self) -> str:
         """The parallel layout in one line: `tp2 cp1 dp8 pp4 vpp2 ep16 etp1 edp2 mbs1×64 bf16`.
