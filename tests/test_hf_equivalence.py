@@ -332,24 +332,39 @@ def test_mtp_weights_round_trip_as_deepseeks_model_layers_n(tmp_path):
     """A moeplan DeepSeek-V3 with an MTP depth exports it as model.layers.{L}.{enorm, hnorm,
     eh_proj, shared_head.norm, ...} in DeepSeek's own config format, and --init-from reads it
     back bit for bit (MTP module included)."""
-    import torch
 
     from moeplan import load_model
-    from moeplan.runtime.hf_io import HFWeights, check_hf_dir, load_hf_, write_hf
+    from moeplan.runtime.hf_io import HFWeights, write_hf
     from moeplan.runtime.model import Transformer
 
     from .conftest import DATA
 
     spec = load_model(DATA / "tiny_deepseek_v3.yaml")
     seeded = Transformer(spec, seed=3)
-    state = {n: p.detach() for n, p in seeded.named_parameters()}
-    state.update({n: b + 0.01 * i for i, (n, b) in enumerate(seeded.named_buffers())
-                  if n.endswith("expert_bias")})
+    state = _state(seeded)
     out = write_hf(spec, state, tmp_path / "hf")
     L = spec.num_layers
     assert {f"model.layers.{L}.enorm.weight", f"model.layers.{L}.eh_proj.weight",
             f"model.layers.{L}.shared_head.norm.weight"} <= set(HFWeights(out).where)
     assert hf_model_spec(out).mtp_layers == 1
+    _loads_back_bit_for_bit(spec, out, state)
+
+
+def _state(model) -> dict:
+    """A model's parameters and its expert-bias buffers, each bias made distinct."""
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    state.update({n: b + 0.01 * i for i, (n, b) in enumerate(model.named_buffers())
+                  if n.endswith("expert_bias")})
+    return state
+
+
+def _loads_back_bit_for_bit(spec, out, state: dict) -> None:
+    """`check_hf_dir` accepts `out` for `spec`, and `load_hf_` reads `state` back exactly."""
+    import torch
+
+    from moeplan.runtime.hf_io import check_hf_dir, load_hf_
+    from moeplan.runtime.model import Transformer
+
     check_hf_dir(spec, out)
     loaded = Transformer(spec, materialize=False)
     load_hf_(loaded, out, spec)
@@ -368,14 +383,12 @@ def test_glm_mtp_weights_travel_in_the_hubs_layout_and_transformers_loads_the_ex
     back from the weights, bit for bit, although the config counts none for transformers."""
     import torch
 
-    from moeplan.runtime.hf_io import HFWeights, check_hf_dir, load_hf_, write_hf
+    from moeplan.runtime.hf_io import HFWeights, write_hf
     from moeplan.runtime.model import Transformer
 
     spec = hf_model_spec(hf_dirs["glm4_moe"]).model_copy(update={"mtp_layers": 1})
     seeded = Transformer(spec, seed=5)
-    state = {n: p.detach() for n, p in seeded.named_parameters()}
-    state.update({n: b + 0.01 * i for i, (n, b) in enumerate(seeded.named_buffers())
-                  if n.endswith("expert_bias")})
+    state = _state(seeded)
     out = write_hf(spec, state, tmp_path / "hf")
     L = spec.num_layers
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
@@ -386,14 +399,7 @@ def test_glm_mtp_weights_travel_in_the_hubs_layout_and_transformers_loads_the_ex
     assert torch.equal(w.read(f"model.layers.{L}.shared_head.head.weight", ()),
                        state["output"])  # the hub's copy of the output layer
     assert hf_model_spec(out).mtp_layers == 0  # what transformers builds
-    check_hf_dir(spec, out)
-    loaded = Transformer(spec, materialize=False)
-    load_hf_(loaded, out, spec)
-    got = {n: p for n, p in loaded.named_parameters()}
-    got.update({n: b for n, b in loaded.named_buffers() if n.endswith("expert_bias")})
-    assert got.keys() == state.keys()
-    for name, t in state.items():
-        assert torch.equal(got[name], t), name
+    _loads_back_bit_for_bit(spec, out, state)
     ref = hf_loss(out, *batch(out))  # the MTP weights passed over, as transformers does
     assert abs(moeplan_loss(out) - ref) <= RTOL * ref
 
