@@ -429,8 +429,8 @@ def estimate(
         check_target(target)
         plan = plan.model_copy(update={"target": target})
     est = api_estimate(plan, imbalance=imbalance, routing_histogram=routing_histogram)
-    # a search's "why this plan" holds only for the estimate it was written with: a plan file
-    # edited since (another layout, another choice) or priced otherwise drops it
+    # a plan file priced at a routing it does not record (written before it was, or from a
+    # histogram) is priced balanced here: said where that moves it
     moved = plan.estimate is not None and (plan.estimate.step_time_s, plan.estimate.memory) != (
         est.step_time_s, est.memory)
     if moved and unsaid and routing_histogram is None:
@@ -438,7 +438,12 @@ def estimate(
                   "file, or a routing histogram), and priced balanced it moves; pass "
                   "--imbalance or --routing-histogram as it was priced.", markup=False,
                   highlight=False)
-    stale = bool(plan.explanation) and plan.estimate != est
+    # a search's "why this plan" holds only for the estimate it was written with: a plan file
+    # edited since (another layout, another choice) or priced otherwise drops it
+    before = plan.estimate
+    if before is not None and before.imbalance is None:  # unrecorded: not a difference
+        before = before.model_copy(update={"imbalance": est.imbalance})
+    stale = bool(plan.explanation) and before != est
     plan = plan.model_copy(update={"estimate": est, **({"explanation": []} if stale else {})})
     if stale:
         err.print("note: the plan's search explanation was dropped: this estimate differs "
