@@ -306,15 +306,18 @@ def specs_validate(
                                          f"({doc['path']})"))
 
 
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter `name` was typed on the command line (not a default)."""
+    source = ctx.get_parameter_source(name)
+    # compared by name: typer may carry a click of its own
+    return source is not None and source.name == "COMMANDLINE"
+
+
 def ignored_flags(ctx: typer.Context, kept: frozenset[str]) -> list[str]:
     """The flags given on the command line, other than `kept`, that a command reading its
     layout from a plan file would not use: each is refused rather than silently ignored."""
-    def given(name: str) -> bool:  # by name: typer may carry a click of its own
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name == "COMMANDLINE"
-
     return [max(p.opts, key=len) for p in ctx.command.params
-            if p.name not in kept and p.opts and given(str(p.name))]
+            if p.name not in kept and p.opts and given(ctx, str(p.name))]
 
 
 ESTIMATE_WITH_PLAN = frozenset({"plan_file", "calibration", "output", "report", "target",
@@ -405,10 +408,9 @@ def estimate(
                             "so these would be ignored; drop them, or build another plan from "
                             "--model and --cluster with them.")
         plan = with_calibration(S.load_plan(plan_file), calibration)
-        source = ctx.get_parameter_source("imbalance")
         unsaid = plan.estimate is not None and plan.estimate.imbalance is None
-        if plan.estimate is not None and routing_histogram is None and not (
-                source is not None and source.name == "COMMANDLINE"):
+        if plan.estimate is not None and routing_histogram is None \
+                and not given(ctx, "imbalance"):
             imbalance = plan.estimate.imbalance or 1.0  # what the plan was priced at
     else:
         if not model or not cluster:
@@ -1301,8 +1303,8 @@ def calibrate(
         _calibrate_from_runs([*from_runs, *(runs or [])], eval_runs or [], output,
                              prior_weight, csv_names(fit), as_json)
         return
-    for flag, given in (("--eval", eval_runs), ("--fit", fit)):
-        if given:
+    for flag, value in (("--eval", eval_runs), ("--fit", fit)):
+        if value:
             raise SpecError(f"{flag} needs --from-runs (the runs the constants are fitted on); "
                             "without it calibrate measures this machine instead.")
     import yaml

@@ -41,11 +41,6 @@ def money(x: float | None) -> str:
     return "-" if x is None else f"${x:,.0f}"
 
 
-def _why(p: Point, res: WhatIf) -> str:
-    """Why a point is not a choice (`WhatIf.why_not`, which the JSON carries too)."""
-    return res.why_not(p)
-
-
 def low_end(p: Point) -> float | None:
     """The best plan's ranking key under the default (robust) objective: the low end of its
     80 % interval of tokens/s/GPU."""
@@ -66,7 +61,7 @@ def rows(res: WhatIf) -> list[dict[str, str]]:
             "days": _num(p.days_to_train, ",.1f"), "GPU-hours": _num(p.gpu_hours, ",.0f"),
             "cost": money(p.cost_usd), "scaling": _num(p.scaling_efficiency, ".0%"),
             "pareto": "★" if p.pareto else "",
-            "why": _why(p, res),
+            "why": res.why_not(p),
         })
     return out
 

@@ -23,11 +23,13 @@ worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -435,13 +437,8 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
     from config.json and the safetensors headers only; run before any worker starts."""
     from .model import Transformer
 
-    hf_log = logging.getLogger("moeplan.hf")
-    was = hf_log.disabled
-    hf_log.disabled = was or "RANK" in os.environ  # workers repeat the launcher's check quietly
-    try:
+    with _config_notes_off("RANK" in os.environ):  # workers repeat the launcher's check
         other = hf_model_spec(hf_dir)
-    finally:
-        hf_log.disabled = was
     a, b = _function_fields(spec), _function_fields(other)
     w = HFWeights(hf_dir)
     if a["mtp_layers"] > b["mtp_layers"]:
@@ -472,6 +469,19 @@ def check_hf_dir(spec: ModelSpec, hf_dir: str | Path) -> None:
             raise SpecError(f"{hf_dir}: tensor {src.label()} has shape {list(full)} but the "
                             f"plan's model needs {list(want)} for its {name!r}; the "
                             "checkpoint does not match the plan.")
+
+
+@contextlib.contextmanager
+def _config_notes_off(off: bool = True) -> Iterator[None]:
+    """The config reader's notes (logger `moeplan.hf`) silenced while the block runs, when
+    `off`: for a config already read once, or one moeplan wrote itself."""
+    log = logging.getLogger("moeplan.hf")
+    was = log.disabled
+    log.disabled = was or off
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _missing_mtp(w: HFWeights, spec: ModelSpec) -> str | None:
@@ -600,12 +610,8 @@ def hf_config_for(spec: ModelSpec) -> dict[str, Any]:
                      scoring_func="sigmoid")
     from ..specs.hf import model_from_hf_config
 
-    quiet = logging.getLogger("moeplan.hf")
-    was, quiet.disabled = quiet.disabled, True  # reading our own config back: no notes
-    try:
+    with _config_notes_off():  # reading our own config back: no notes
         back = _function_fields(model_from_hf_config(c, "export"))
-    finally:
-        quiet.disabled = was
     want = _function_fields(spec)
     if arch == "Glm4MoeForCausalLM":  # MTP weights travel; transformers builds no MTP module
         back["mtp_layers"] = want["mtp_layers"]

@@ -30,8 +30,6 @@ def _constant(v: Any) -> bool:
             and v >= 0)
 
 
-
-
 class ClusterSpec(BaseModel):
     """A homogeneous GPU cluster: datasheet peaks per GPU, links, and where GPUs sit.
 
