@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1003,7 +1004,8 @@ def run(
         "--eval-interval", help="Steps between evaluations on the validation split (and at the "
         "last step); default: none.")] = None,
     eval_iters: Annotated[int | None, typer.Option(
-        "--eval-iters", help="Global batches per evaluation (default 10).")] = None,
+        "--eval-iters", help="Global batches per evaluation (default 10); without "
+        "--eval-interval, one evaluation at the last step.")] = None,
     log_interval: Annotated[int | None, typer.Option(
         "--log-interval", help="Steps between progress lines (metrics.jsonl has every step; "
         "default 1).")] = None,
@@ -1490,8 +1492,9 @@ def data_prepare(
             ("token dtype", res.dtype), ("vocabulary", f"{res.vocab_size:,}"),
             ("end of document", res.eod_token or "not appended"),
             ("time", f"{res.seconds:.1f} s"),
-            ("train on it", f"moeplan run PLAN --data {res.prefix} --tokenizer-model "
-                            f"{tokenizer_model}")], _width(err)), err)
+            ("train on it", f"moeplan run PLAN --data {shlex.quote(str(res.prefix))} "
+                            f"--tokenizer-model {shlex.quote(str(tokenizer_model))}")],
+            _width(err)), err)
 
     emit(doc, as_json, render)
 

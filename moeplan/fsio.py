@@ -172,15 +172,20 @@ def append_text(path: str | Path, text: str) -> None:
                             "choose another --out.") from None
         raise SpecError(f"cannot write {path}: {_reason(err)}. Free space or choose another "
                         "--out.") from None
+    size = None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise SpecError(f"{path} is {_kind(mode)}, not a regular file; remove it or "
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{path} is {_kind(st.st_mode)}, not a regular file; remove it or "
                             "choose another --out.")
+        size = st.st_size
         data = text.encode("utf-8")
         while data:
             data = data[os.write(fd, data):]
     except OSError as err:
+        if size is not None:  # a record cut short (a full disk) would end the file mid-line
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
         raise SpecError(f"cannot write {path}: {_reason(err)}. Free space or choose another "
                         "--out.") from None
     finally:

@@ -179,6 +179,24 @@ def test_a_blend_is_megatrons_data_path():
             parse_blend(bad)
 
 
+def test_a_dataset_path_with_spaces_is_one_prefix_and_a_resume_compares_what_data_names(
+        tmp_path, monkeypatch):
+    """`--data "my data/corpus"` was split at the space into a blend of two missing datasets;
+    a resume compared --split and --data as typed, refusing `969, 30, 1` after the default."""
+    from moeplan.data.corpus import data_key
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my data").mkdir()
+    write_documents(tmp_path / "my data" / "corpus", random_documents(20, 100, seed=1), np.uint16)
+    assert parse_blend("my data/corpus").prefixes == ("my data/corpus",)
+    assert parse_blend(str(tmp_path / "my data" / "corpus.bin")).weights is None
+    assert data_key("my data/corpus", None) == data_key(
+        str(tmp_path / "my data" / "corpus.idx"), "969, 30, 1")
+    assert data_key("0.7 a 0.3 b", "99,1") == data_key("7 ./a 3 b.bin", "990,10,0")
+    assert data_key("0.7 a 0.3 b", None) != data_key("0.3 a 0.7 b", None)
+    assert data_key("a", "9,1,0") != data_key("a", "8,2,0")
+
+
 def test_feistel_permutes_every_domain():
     for n in (1, 2, 3, 5, 64, 1000, 4097):
         for key in (0, 7, 2**63):

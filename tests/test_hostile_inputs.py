@@ -911,3 +911,22 @@ def test_a_bad_command_line_value_is_named_by_its_flag_and_an_empty_plan_in_word
     empty.write_text("null")
     err = refused(["estimate", str(empty)], capsys, "got nothing (null, or an empty file)")
     assert "NoneType" not in err
+
+
+def test_an_append_cut_short_by_a_full_disk_leaves_the_file_as_it_was(tmp_path):
+    """A full disk wrote part of a record and left metrics.jsonl ending mid-line, which a
+    resumed run then appended to. The kernel's file-size limit cuts the write the same way."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n')
+    code = ("import resource, signal, sys\n"
+            "from moeplan import fsio\n"
+            "from moeplan.errors import SpecError\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20, 20))\n"
+            "try:\n"
+            f"    fsio.append_text({str(path)!r}, '{{\"step\": 2, \"loss\": 1.0}}\\n')\n"
+            "except SpecError as e:\n"
+            "    print(e); sys.exit(2)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot write" in r.stdout, r.stdout + r.stderr
+    assert path.read_text() == '{"step": 1}\n'

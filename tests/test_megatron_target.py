@@ -222,6 +222,12 @@ ARGS_RULES = {  # validate_args (megatron/training, not on the package index): e
         "mixtral-8x7b", 16, ep=8, choices=Choices(optimizer_offload_fraction=0.5)).model_copy(
         update={"training": TrainingSpec(seq_len=4096, global_batch_size=64,
                                          precision="fp8-tensorwise", fp8_param_gather=True)}),
+    # megatron/core/optimizer/__init__.py::get_megatron_optimizer, at the optimizer's set-up
+    # (not in the installed megatron-core yet): the export turns on the precision-aware
+    # optimizer for optimizer CPU offload and bf16 moments
+    "precision_aware_optimizer_needs_dist_opt": lambda: _plan(
+        "mixtral-8x7b", 16, ep=8, distributed_optimizer=False,
+        choices=Choices(optimizer_offload_fraction=0.5)),
     "tp_comm_overlap_needs_tp": lambda: _plan("llama3-8b", 8, tp_comm_overlap=True),
     # token_dispatcher.py, not a config check: the alltoall dispatcher's host sync breaks the
     # capture at run time
@@ -250,6 +256,27 @@ def test_each_validate_args_rule_fires_on_a_plan_that_breaks_it(name):
     assert name in v and v[name]
     with pytest.raises(LayoutError, match=name):
         export(plan)
+
+
+def test_no_megatron_search_plan_runs_the_precision_aware_optimizer_without_dist_opt():
+    """Megatron sets up the precision-aware optimizer (optimizer CPU offload, bf16 moments) only
+    under the distributed optimizer; the search ranked such plans second and third (8 H100,
+    Qwen3-30B-A3B), and bf16 moments refuse every layout without it."""
+    from moeplan.planner.search import search
+
+    model, cluster = load_model("qwen3-30b-a3b"), load_cluster("h100", gpus=8)
+    plans = search(model, cluster, TrainingSpec(seq_len=4096, global_batch_size=1024),
+                   target="megatron", top_k=5).plans
+    assert plans and all(p.layout.distributed_optimizer for p in plans
+                         if p.choices.optimizer_offload_fraction > 0)
+    bf16 = _plan("mixtral-8x7b", 16, ep=8, distributed_optimizer=False).training.model_copy(
+        update={"optimizer_moments_dtype": "bf16"})
+    plan = _plan("mixtral-8x7b", 16, ep=8, distributed_optimizer=False)
+    v = dict(layout_violations(plan.model, bf16, plan.layout, plan.world_size, None,
+                               plan.cluster, "megatron"))
+    assert "precision_aware_optimizer_needs_dist_opt" in v
+    assert not layout_violations(plan.model, bf16, plan.layout, plan.world_size, None,
+                                 plan.cluster, "moeplan")
 
 
 def _graph_modules(argv: list[str]) -> list[str]:

@@ -105,6 +105,12 @@ def test_a_megatron_built_corpus_trains_under_ep2_and_tp2_and_tensorboard_reads_
             1 + math.cos(math.pi * (n - warm) / (steps - warm)))
         assert value == pytest.approx(want, rel=1e-6)
     assert [s for s, _ in scalars["lm loss validation"]] == [5, 10, 15, 20]
+    # Megatron's load_balancing_loss: per MoE layer, without the coefficient (1.0: balanced)
+    moe_layers = sum(load_model(DATA / "tiny_qwen3_moe.yaml").moe_layers())
+    lbl = [v for _, v in scalars["load_balancing_loss"]]
+    assert lbl == pytest.approx([r["aux_loss"] / (1e-3 * moe_layers) for r in rows(outs["ep2"])],
+                                rel=1e-5)
+    assert all(0.9 < v < 3 for v in lbl), lbl
     assert all(v > 0 for _, v in scalars["tokens-per-second"] + scalars["mfu"])
 
 
@@ -167,9 +173,9 @@ def json_ids(tok_path: str, text: str) -> list[int]:
 
 def test_a_blend_member_of_weight_zero_or_with_no_windows_in_the_split_is_never_sampled(tmp_path):
     """Megatron's blending rule breaks its first tie toward the lowest index, which samples a
-    weight-0 dataset listed first once per block; a dataset with no windows in a split (its
-    size-proportional weight is 0) was then sampled too, and finding a window among none never
-    ended. Neither is ever drawn, and both blends answer at once."""
+    weight-0 dataset listed first; a dataset with no windows in a split (its size-proportional
+    weight is 0) was then sampled too, and finding a window among none never ended. Neither
+    is ever drawn, and both blends answer at once."""
     from moeplan.data.corpus import Corpus
     from moeplan.data.indexed import write_documents
 
@@ -181,3 +187,28 @@ def test_a_blend_member_of_weight_zero_or_with_no_windows_in_the_split_is_never_
     zero = Corpus(f"0 {tmp_path / 'small'} 1 {tmp_path / 'big'}", "100,0,0", "train", 32, 0, 512)
     assert set(zero.locate(g)[0]) == {1}
     assert zero.samples(np.arange(4)).shape == (4, 33)
+
+
+def test_a_blend_draws_every_weight_as_given_down_to_one_in_a_million(tmp_path):
+    """Weights were held to multiples of 1/10,000 (a repeated block of draws), so a weight of
+    1e-6 was drawn 100 times too often and a many-dataset blend with small weights refused.
+    Each dataset's count after n samples is now within a few samples of weight × n, and its
+    samples are its own 0, 1, 2, ... in order (every window drawn once per epoch)."""
+    from moeplan.data.corpus import Corpus
+    from moeplan.data.indexed import write_documents
+
+    write_documents(tmp_path / "a", [np.arange(200) % 500] * 10, np.uint16)
+    write_documents(tmp_path / "b", [np.arange(200) % 500] * 10, np.uint16)
+    g = np.arange(3_000_000)
+    rare = Corpus(f"0.000001 {tmp_path / 'a'} 0.999999 {tmp_path / 'b'}", "100,0,0", "train",
+                  32, 0, 512)
+    d, _ = rare.locate(g)
+    assert (d == 0).sum() == 3
+    weights = np.random.default_rng(0).lognormal(sigma=2.0, size=300)
+    many = Corpus(" ".join(f"{float(w)!r} {tmp_path / ('a' if i % 2 else 'b')}"
+                           for i, w in enumerate(weights)), "100,0,0", "train", 32, 0, 512)
+    d, k = many.tree.assign(g[:1_000_000])
+    counts = np.bincount(d, minlength=300)
+    assert np.abs(counts - weights / weights.sum() * 1_000_000).max() < 10
+    for j in (0, int(np.argmin(weights)), int(np.argmax(weights))):
+        assert (k[d == j] == np.arange(counts[j])).all()

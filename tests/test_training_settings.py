@@ -119,6 +119,21 @@ def test_train_tokens_become_train_iters_at_the_plans_batch():
     assert apply_settings(qwen_plan(), RunOptions(steps=7)).training == qwen_plan().training
 
 
+def test_eval_iters_alone_evaluates_once_at_the_last_step_as_megatron_does_at_the_end():
+    """--eval-iters without --eval-interval was ignored: no evaluation, no word of it."""
+    from moeplan.runtime.runlog import eval_due
+
+    alone = RunOptions(steps=7, eval_iters=3)
+    apply_settings(qwen_plan(), alone)
+    assert [s for s in range(1, 8) if eval_due(s, alone)] == [7] and alone.eval_iters == 3
+    both = RunOptions(steps=7, eval_interval=3)
+    apply_settings(qwen_plan(), both)
+    assert [s for s in range(1, 8) if eval_due(s, both)] == [3, 6, 7] and both.eval_iters == 10
+    none = RunOptions(steps=7)
+    apply_settings(qwen_plan(), none)
+    assert not any(eval_due(s, none) for s in range(1, 8))
+
+
 def test_one_config_file_holds_the_settings_under_the_flags_names(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("lr: 1.0e-3\nlr-warmup-iters: 4\n--lr-decay-style: linear\n"

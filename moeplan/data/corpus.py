@@ -15,9 +15,13 @@ same under every plan and after any restart, with O(1) memory at any corpus size
 - sample k of a dataset is window `perm(k mod W)` of epoch `k div W`, where `perm` is a
   seeded Feistel permutation of the W windows drawn anew per epoch (a bijection computed per
   index: nothing of size W is ever held, unlike a stored shuffle);
-- global sample g is assigned to a dataset by Megatron's blending rule (each sample goes to
-  the dataset furthest below its weight × samples so far) over blocks of BLEND_BLOCK samples,
-  repeated, so the weights hold to 1/BLEND_BLOCK within every block.
+- global sample g is assigned to a dataset, and to its sample index there, by splitting the
+  sample stream at each node of a balanced binary tree of the datasets in the ratio of its two
+  sides' weights, Bresenham's way (the left side's share of the first n samples is
+  round(r · n), exact integer arithmetic): a closed form per sample, as evenly interleaved as
+  Megatron's rule (each sample to the dataset furthest below weight × samples so far), whose
+  counts it matches within one sample per tree level, for every weight down to 2^-32 of its
+  node, with no block to repeat and no state.
 
 Global sample g of the training split is row g mod gbs of step g div gbs; the validation split
 is read the same way from its own windows (evaluation batch i is samples i·gbs … i·gbs + gbs − 1).
@@ -27,6 +31,7 @@ numpy only: the launcher opens (and so checks) the corpus before any worker star
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +45,10 @@ from .indexed import Index, open_tokens, paths, read_index
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default --split
-BLEND_BLOCK = 10_000  # samples per repeat of the blending pattern (weights hold to 1e-4)
+RATIO_BITS = 32  # a tree node's weight ratio as an integer over 2^32 (a weight's resolution)
+SAMPLER = "blend-tree/1"
+"""How samples are drawn from a blend (module docstring), saved with each checkpoint: a resume
+under another order would read other samples than the run it continues."""
 MAX_DATASETS = 1024
 SCAN_TOKENS = 1 << 28  # token ids checked per dataset before workers start (all: per sample)
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv")
@@ -70,8 +78,21 @@ def _prefix(token: str) -> str:
     return token
 
 
+def _is_dataset(prefix: str) -> bool:
+    """Whether PREFIX.bin and PREFIX.idx are both files (a long blend is no path at all)."""
+    try:
+        return all(p.is_file() for p in paths(prefix))
+    except (OSError, ValueError):
+        return False
+
+
 def parse_blend(text: str) -> Blend:
-    """`--data "PREFIX"`, `"P1 P2 ..."` or `"W1 P1 W2 P2 ..."` (Megatron's --data-path)."""
+    """`--data "PREFIX"`, `"P1 P2 ..."` or `"W1 P1 W2 P2 ..."` (Megatron's --data-path). A
+    value that names one dataset as a whole is that dataset, spaces in its path included
+    (Megatron's shell-quoted --data-path word)."""
+    whole = _prefix(str(text).strip())
+    if any(c.isspace() for c in whole) and _is_dataset(whole):
+        return Blend((whole,), None)
     tokens = str(text).split()
     if not tokens:
         raise SpecError("--data is empty; give a dataset prefix (PREFIX.bin + PREFIX.idx), a "
@@ -102,6 +123,19 @@ def parse_blend(text: str) -> Blend:
         raise SpecError(f"--data {limits.clip(text)}: the blend weights add up to 0; give at "
                         "least one positive weight.")
     return Blend(tuple(_prefix(t) for t in tokens[1::2]), weights)  # type: ignore[arg-type]
+
+
+def data_key(data: str, split: str | None) -> tuple:
+    """--data and --split as the samples they name: prefixes as absolute paths (relative to
+    where the run is launched), weights and split normalised, so `969,30,1` and the default,
+    `a.bin` and `./a`, `0.7 a 0.3 b` and `7 a 3 b` compare equal."""
+    if str(data).strip() == "synthetic":  # takes no --split (settings.check_run_inputs)
+        return "synthetic", None if split is None else parse_split(split)
+    blend = parse_blend(data)
+    where = tuple(os.path.normpath(os.path.abspath(p)) for p in blend.prefixes)
+    weights = None if blend.weights is None else tuple(
+        round(w / sum(blend.weights), 12) for w in blend.weights)
+    return where, weights, tuple(round(f, 12) for f in parse_split(split or DEFAULT_SPLIT))
 
 
 def parse_split(text: str) -> tuple[float, float, float]:
@@ -191,21 +225,61 @@ class Part:
     windows: int
 
 
-def _blend_pattern(weights: np.ndarray, block: int) -> np.ndarray:
-    """Dataset of each of `block` samples by Megatron's rule (`helpers.cpp`,
-    `build_blending_indices`): sample i goes to the dataset with the largest
-    w_d · max(i, 1) − count_d. A dataset of weight 0 is never chosen: Megatron's rule breaks
-    the tie at i = 1 toward the lowest index, which samples a weight-0 dataset listed first
-    once per block (and one with no windows in this split, whose size-proportional weight is
-    0, without end)."""
-    counts = np.zeros(len(weights), dtype=np.float64)
-    out = np.empty(block, dtype=np.int32)
-    never = np.where(weights > 0, 0.0, -np.inf)
-    for i in range(block):
-        d = int(np.argmax(weights * max(i, 1) - counts + never))
-        out[i] = d
-        counts[d] += 1
-    return out
+@dataclass(frozen=True)
+class BlendTree:
+    """The datasets of positive weight as a balanced binary tree. Node j splits its samples
+    between its children in the ratio left[j] : right[j] of their weights, `ratio[j]` =
+    round(2^32 · W_left / W_node) clipped to [1, 2^32 − 1] so neither side of a positive
+    weight is starved; `child[j]` holds (left, right), a child ≥ 0 a node and −1 − d
+    dataset d."""
+
+    ratio: np.ndarray  # uint64, per node
+    child: np.ndarray  # int64, (nodes, 2)
+    root: int          # a node, or −1 − d when one dataset has all the weight
+
+    @classmethod
+    def of(cls, weights: np.ndarray) -> BlendTree:
+        ratios: list[int] = []
+        children: list[list[int]] = []
+
+        def build(ds: list[int]) -> int:
+            if len(ds) == 1:
+                return -1 - ds[0]
+            left, right = ds[: len(ds) // 2], ds[len(ds) // 2:]
+            wl, wr = float(weights[left].sum()), float(weights[right].sum())
+            j = len(ratios)
+            ratios.append(min(max(round(wl / (wl + wr) * (1 << RATIO_BITS)), 1),
+                              (1 << RATIO_BITS) - 1))
+            children.append([0, 0])
+            children[j] = [build(left), build(right)]
+            return j
+
+        root = build([int(d) for d in np.flatnonzero(weights > 0)])
+        return cls(np.array(ratios, dtype=np.uint64),
+                   np.array(children, dtype=np.int64).reshape(-1, 2), root)
+
+    def assign(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample index within it) of global samples `g` (int64 ≥ 0)."""
+        node = np.full(g.shape, self.root, dtype=np.int64)
+        k = g.astype(np.uint64)
+        inner = node >= 0
+        while inner.any():
+            at, n = node[inner], k[inner]
+            before, after = _left_count(self.ratio[at], n), _left_count(self.ratio[at], n + 1)
+            left = after > before
+            k[inner] = np.where(left, before, n - before)
+            node[inner] = np.where(left, self.child[at, 0], self.child[at, 1])
+            inner = node >= 0
+        return -1 - node, k.astype(np.int64)
+
+
+def _left_count(ratio: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """round(ratio · n / 2^32), exactly, in uint64: how many of a node's first n samples go to
+    its left side. ratio < 2^32, so it grows by 0 or 1 from n to n + 1."""
+    low = np.uint64((1 << RATIO_BITS) - 1)
+    hi, lo = n >> np.uint64(RATIO_BITS), n & low
+    half = np.uint64(1 << (RATIO_BITS - 1))
+    return ratio * hi + ((ratio * lo + half) >> np.uint64(RATIO_BITS))
 
 
 class Corpus:
@@ -239,19 +313,7 @@ class Corpus:
                             "dataset, or a weight of 0.")
         self.parts = parts
         self.weights = weights / weights.sum()
-        self.pattern = _blend_pattern(self.weights, BLEND_BLOCK)
-        self.per_block = np.bincount(self.pattern, minlength=len(parts))
-        starved = [p.index.prefix for p, w, c in zip(parts, self.weights, self.per_block,
-                                                     strict=True) if w > 0 and c == 0]
-        if starved:
-            raise SpecError(f"--data: the weight of {', '.join(starved[:3])} is below "
-                            f"1/{BLEND_BLOCK:,} of the blend, so it would never be sampled; "
-                            "raise it or drop the dataset.")
-        # rank of each pattern position among its dataset's positions in the block
-        self.rank = np.zeros(BLEND_BLOCK, dtype=np.int64)
-        seen = np.zeros(len(parts), dtype=np.int64)
-        for i, d in enumerate(self.pattern):
-            self.rank[i], seen[d] = seen[d], seen[d] + 1
+        self.tree = BlendTree.of(self.weights)
         self._tokens: dict[int, np.ndarray] = {}
 
     @property
@@ -268,9 +330,7 @@ class Corpus:
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, window) of global samples `g` (int64 array)."""
-        block, pos = np.divmod(g, BLEND_BLOCK)
-        d = self.pattern[pos]
-        k = block * self.per_block[d] + self.rank[pos]  # sample k of dataset d
+        d, k = self.tree.assign(np.asarray(g, dtype=np.int64))  # sample k of dataset d
         window = np.empty_like(k)
         for j, part in enumerate(self.parts):
             mine = d == j

@@ -29,12 +29,20 @@ from ..cost_models.pipeline import in_flight_chunks, pipeline_time
 from ..specs import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
+    Choices,
     ClusterSpec,
     Layout,
     ModelSpec,
     TrainingSpec,
 )
-from ..specs.rules import Combo, Facts, allowed, option_rules, uniform_stage_choices
+from ..specs.rules import (
+    Combo,
+    Facts,
+    allowed,
+    option_rules,
+    uniform_stage_choices,
+    violations,
+)
 
 
 class Option(NamedTuple):
@@ -80,6 +88,7 @@ class Menu:
     options: tuple[Option, ...]
     forbidden: tuple[Combo, ...] = ()
     uniform: bool = False
+    optimizer_offload: bool = True  # whether the target takes optimizer CPU offload here
 
     def close(self, chosen: Sequence[Option]) -> list[Option]:
         """A decoded set with the options its forbidden combinations ask to be present added:
@@ -100,7 +109,19 @@ def menu(model: ModelSpec, training: TrainingSpec, layout: Layout, target: str,
     facts = Facts(model, training, layout)
     opts, combos = allowed(options, option_rules(facts, target))
     return Menu(tuple(o for o in options if o in opts), tuple(combos),
-                uniform_stage_choices(target))
+                uniform_stage_choices(target), optimizer_offload(model, training, layout, target))
+
+
+def optimizer_offload(model: ModelSpec, training: TrainingSpec, layout: Layout,
+                      target: str) -> bool:
+    """Whether `target` takes the optimizer on the host for this layout: no rule that holds
+    without it breaks with it (Megatron's precision-aware optimizer needs the distributed
+    optimizer; with FP8 parameter gather, the delayed recipe)."""
+    def broken(fraction: float) -> set[str]:
+        return {name for name, _ in violations(
+            Facts(model, training, layout, Choices(optimizer_offload_fraction=fraction)),
+            target)}
+    return broken(1.0) <= broken(0.0)
 
 
 def split_options(options: Iterable[Option]) -> tuple[list[str], list[str]]:

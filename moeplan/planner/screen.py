@@ -105,7 +105,8 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     offload copies at the slow link there, so the choices that win on the point (offload the
     copies the fast link hides) can lose twice over on the key to recomputing instead.
     """
-    grid = fractions or ((0.0,) if not menu.options else OPTIMIZER_OFFLOAD_GRID)
+    grid = fractions or (OPTIMIZER_OFFLOAD_GRID if menu.options and menu.optimizer_offload
+                         else (0.0,))
     # on a slowed host the choices differ: both sets compete at each fraction
     hosts: tuple[float | None, ...] = (None,) if host_s_per_byte is None else (
         None, host_s_per_byte)
@@ -235,7 +236,8 @@ def least_memory(menu: Menu) -> Choices:
             chosen.append(o)
     recompute, offload = split_options(chosen)
     return Choices(recompute=[recompute], offload=[offload],
-                   optimizer_offload_fraction=1.0 if menu.options else 0.0)
+                   optimizer_offload_fraction=1.0 if menu.options and menu.optimizer_offload
+                   else 0.0)
 
 
 def with_interval_estimate(plan: Plan, imbalance: float = 1.0,

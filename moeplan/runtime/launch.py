@@ -204,29 +204,27 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
 FROM_WEIGHTS = "`moeplan checkpoint export DIR --to hf -o HF`, then `--init-from HF`"
 
 
-def _data_key(data: str) -> tuple[str, ...]:
-    """A --data value as the data it names: weights as numbers, prefixes as absolute paths
-    (relative to where the run is launched), so the same blend spelled alike compares equal."""
-    out = []
-    for token in data.split():
-        try:
-            out.append(repr(float(token)))
-        except ValueError:
-            out.append(os.path.normpath(os.path.abspath(token)) if token != "synthetic"
-                       else token)
-    return tuple(out)
-
-
 def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOptions) -> None:
     """Refuse a resume that would read other samples than the run it continues: another
     --data or --split (the checkpoint's meta.json), or another global batch or sequence length
     (the data position of step s is s × global batch windows of seq + 1 tokens)."""
+    from ..data.corpus import SAMPLER, data_key, parse_blend
+
     was_data, was_split = meta.get("data", "synthetic"), meta.get("split")
-    if _data_key(str(was_data)) != _data_key(opts.data) or was_split != opts.split:
+    try:
+        same = data_key(str(was_data), was_split) == data_key(opts.data, opts.split)
+    except SpecError:  # the checkpoint's data no longer parses (moved): not the same
+        same = False
+    if not same:
         raise SpecError(f"checkpoint {path} was trained on --data {limits.clip(str(was_data))} "
                         f"--split {was_split or 'default'}; resume with the same data and split "
                         f"(got --data {limits.clip(opts.data)} --split {opts.split or 'default'}),"
                         f" or start a new --ckpt-dir from its weights ({FROM_WEIGHTS}).")
+    if len(parse_blend(opts.data).prefixes) > 1 and meta.get("sampler") != SAMPLER:
+        raise SpecError(f"checkpoint {path} was trained on this blend by an earlier moeplan, "
+                        "which drew its samples in another order (docs/DATA.md); resuming would "
+                        "read other samples than the run it continues. Start a new --ckpt-dir "
+                        f"from its weights ({FROM_WEIGHTS}).")
     st, rt = saved.training, running.training
     if (st.global_batch_size, st.seq_len) != (rt.global_batch_size, rt.seq_len):
         raise SpecError(f"checkpoint {path} was trained at a global batch of "

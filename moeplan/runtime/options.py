@@ -32,7 +32,9 @@ class RunOptions:
     split: str | None = None  # train,valid,test weights of --data (None: Megatron's 969,30,1)
     tokenizer_model: str | None = None  # a tokenizer.json or a directory holding one
     eval_interval: int | None = None  # steps between evaluations on the validation split
-    eval_iters: int = 10  # global batches per evaluation
+    # global batches per evaluation (settings.apply_settings: 10 unless given; given alone, one
+    # evaluation at the last step, as Megatron evaluates at the end of training)
+    eval_iters: int | None = None
     log_interval: int = 1  # steps between progress lines (metrics.jsonl has every step)
     tensorboard_dir: str | None = None  # TensorBoard event files, written by rank 0
     # training settings under Megatron's names (settings.TRAINING_KEYS), written into the

@@ -12,6 +12,7 @@ and no MFU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class RunLog:
                  batch_size: int):
         self.out, self.opts, self.console, self.peak = out, opts, console, peak
         self.evaluations: list[dict] = []
-        self.tb = None
+        self.tb, self.tb_error = None, None
         if opts.tensorboard_dir:
             from .tblog import TensorBoard
 
@@ -58,6 +59,8 @@ class RunLog:
         record = {**{k: getattr(metrics, k) for k in SPEC_KEYS}, "aux_loss": metrics.aux_loss}
         if metrics.load_imbalance is not None:
             record["load_imbalance"] = metrics.load_imbalance
+        if metrics.load_balancing_loss is not None:
+            record["load_balancing_loss"] = metrics.load_balancing_loss
         if self.peak:
             record["mfu"] = metrics.tflops_per_gpu / self.peak
         if metrics.skipped:
@@ -71,10 +74,13 @@ class RunLog:
         append_text(self.out / "metrics.jsonl",
                     strict_dumps(finite_or_null(record), indent=None) + "\n")
         if self.tb is not None:
-            self.tb.step(metrics.step, record)
-            if eval_loss is not None:
-                self.tb.evaluation(metrics.step, eval_loss)
-            self.tb.flush()
+            try:
+                self.tb.step(metrics.step, record)
+                if eval_loss is not None:
+                    self.tb.evaluation(metrics.step, eval_loss)
+                self.tb.flush()
+            except OSError as e:  # a full log disk stops the dashboard, not the training
+                self._tb_failed(metrics.step, e)
         steps = self.opts.steps or metrics.step
         if metrics.step % self.opts.log_interval == 0 or metrics.step == steps \
                 or metrics.skipped:
@@ -90,6 +96,18 @@ class RunLog:
                                f"perplexity {record['eval_ppl']:.4g} ({self.opts.eval_iters} "
                                "batches)")
 
+    def _tb_failed(self, step: int, e: OSError) -> None:
+        self.tb_error = (f"TensorBoard writes into --tensorboard-dir {self.opts.tensorboard_dir} "
+                         f"failed at step {step} ({e.strerror or e}); the event files end "
+                         "before it, and metrics.jsonl holds every step")
+        self.console.print(f"[bold yellow]warning:[/] {self.tb_error}. Training goes on.")
+        with contextlib.suppress(OSError):
+            self.tb.close()
+        self.tb = None
+
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:
+                self._tb_failed(self.opts.steps or 0, e)

@@ -1,9 +1,12 @@
 """`--tensorboard-dir`: TensorBoard event files, written by rank 0.
 
-Writer: tensorboardX's `FileWriter`. It writes the event-file format TensorBoard reads
+Writer: tensorboardX's `EventsWriter`. It writes the event-file format TensorBoard reads
 (TFRecord framing of `Event` protobufs) with only numpy and protobuf as dependencies, so
 `moeplan[run]` gains no TensorBoard server, gRPC or web stack; `torch.utils.tensorboard`
-would need the whole `tensorboard` package installed just to write. Each scalar is one
+would need the whole `tensorboard` package installed just to write. It writes in the calling
+thread, so a full or failing disk raises where the run can answer it (`RunLog` warns once and
+trains on without TensorBoard; metrics.jsonl keeps every step), where the asynchronous
+`FileWriter` fails in a thread of its own and again at exit. Each scalar is one
 `Summary.Value(tag, simple_value)`, the record `torch.utils.tensorboard` (Megatron-LM's
 writer) writes for `add_scalar`; tensorboardX's own `add_scalar` would rewrite a tag's spaces
 as underscores, and Megatron's tags have spaces. Tested by reading the files back with
@@ -15,7 +18,9 @@ them, so a dashboard made for Megatron runs shows moeplan's: `lm loss`, `learnin
 `grad-norm`, `iteration-time` (s), `throughput` (model TFLOP/s per GPU), `load_balancing_loss`,
 `batch-size`, `lm loss validation`, `lm loss validation ppl`; the loss, learning-rate,
 grad-norm, batch-size and validation tags also `… vs samples` (x = samples consumed, step ×
-global batch), as Megatron writes them. moeplan's own: `tokens-per-second`, `mfu` (when the
+global batch), as Megatron writes them. `load_balancing_loss` is Megatron's quantity too: the
+switch loss per MoE layer without its coefficient (1.0 for a balanced router), where
+metrics.jsonl's `aux_loss` is the term the objective adds (coefficient × the sum over layers). moeplan's own: `tokens-per-second`, `mfu` (when the
 peak of this machine is known: a GPU preset or `--cluster`), `mem-peak-gigabytes` (peak
 allocated on GPU, peak RSS on CPU; Megatron's `--log-memory-to-tensorboard` writes bytes as
 `mem-max-allocated-bytes`, GPU only) and `moe/load-imbalance` (busiest expert's tokens /
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from pathlib import Path
 
 from ..errors import SpecError
@@ -33,7 +39,8 @@ from ..errors import SpecError
 STEP_TAGS = {"lm loss": "loss", "learning-rate": "lr", "grad-norm": "grad_norm",
              "iteration-time": "step_time_s", "throughput": "tflops_per_gpu",
              "tokens-per-second": "tokens_per_s", "mfu": "mfu",
-             "mem-peak-gigabytes": "peak_mem_gb", "load_balancing_loss": "aux_loss",
+             "mem-peak-gigabytes": "peak_mem_gb",
+             "load_balancing_loss": "load_balancing_loss",
              "moe/load-imbalance": "load_imbalance"}  # tag → metrics.jsonl key
 VS_SAMPLES = ("lm loss", "learning-rate", "grad-norm")  # Megatron's `… vs samples` twins
 VALIDATION = "lm loss validation"
@@ -54,16 +61,23 @@ class TensorBoard:
     Megatron's `batch-size` and `… vs samples` tags."""
 
     def __init__(self, logdir: str | Path, batch_size: int):
-        from tensorboardX import FileWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 
-        Path(logdir).mkdir(parents=True, exist_ok=True)
-        self.writer, self.summary, self.batch_size = FileWriter(str(logdir)), Summary, batch_size
+        try:
+            Path(logdir).mkdir(parents=True, exist_ok=True)
+            self.writer = EventsWriter(str(Path(logdir) / "events"))
+        except OSError as e:
+            raise SpecError(f"--tensorboard-dir {logdir}: cannot write there "
+                            f"({e.strerror or e}). Choose a writable directory.") from None
+        self.event, self.summary, self.batch_size = Event, Summary, batch_size
 
     def scalar(self, tag: str, value: float, x: int) -> None:
         """One point of `tag` at x, the tag kept as given (spaces included)."""
-        self.writer.add_summary(
-            self.summary(value=[self.summary.Value(tag=tag, simple_value=float(value))]), x)
+        value_ = self.summary.Value(tag=tag, simple_value=float(value))
+        self.writer.write_event(self.event(wall_time=time.time(), step=x,
+                                           summary=self.summary(value=[value_])))
 
     def step(self, step: int, record: dict) -> None:
         """One training step's record (the metrics.jsonl keys, plus `mfu` when known)."""

@@ -43,6 +43,10 @@ class StepMetrics:
     tflops_per_gpu: float
     peak_mem_gb: float
     aux_loss: float = 0.0
+    # Megatron's `load_balancing_loss`: the switch loss per MoE layer without its coefficient
+    # (router.py logs aux_loss / aux_loss_coeff, moe_logging.py averages it over the MoE
+    # layers and micro-batches; 1.0 is a balanced router); None without an aux loss
+    load_balancing_loss: float | None = None
     skipped: bool = False  # non-finite loss or gradient: no update was applied
     # expert-load balance of the step: the busiest expert's tokens over the mean, in the most
     # imbalanced MoE layer (1.0: even); None without MoE layers
@@ -158,10 +162,17 @@ class Trainer:
             step=step + 1, loss=float(sums[0]) / self.tokens_per_step, grad_norm=norm, lr=lr,
             step_time_s=dt, tokens_per_s=self.tokens_per_step / dt,
             tflops_per_gpu=self.flops_per_step / dt / g.world.size / 1e12,
-            peak_mem_gb=peak_memory_gb(self.device), aux_loss=float(sums[1]), skipped=skipped,
+            peak_mem_gb=peak_memory_gb(self.device), aux_loss=float(sums[1]),
+            load_balancing_loss=self._load_balancing(float(sums[1])), skipped=skipped,
             load_imbalance=imbalance,
         )
         return m, grads
+
+    def _load_balancing(self, aux: float) -> float | None:
+        """The step's aux objective (coeff · Σ over MoE layers, micro-batch mean) as Megatron
+        logs it: per MoE layer, without the coefficient (MTP depths count, as there)."""
+        coeff, layers = self.plan.training.moe_aux_loss_coeff, len(self.moe_layer_numbers)
+        return aux / (coeff * layers) if coeff > 0 and layers else None
 
     @torch.no_grad()
     def evaluate(self, iters: int) -> float:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import limits
+from ..data.corpus import SAMPLER
 from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, write_json
 from ..specs import Plan
@@ -109,7 +110,7 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                               or (opts.ckpt_every and done % opts.ckpt_every == 0)):
             path = checkpoint.save(trainer, opts.ckpt_dir, done, keep=opts.ckpt_keep,
                                    extra={"data": opts.data, "split": opts.split,
-                                          "preempted": preempt})
+                                          "sampler": SAMPLER, "preempted": preempt})
             if preempt:
                 stop_ckpt = str(path)  # the launcher's one stop line names it
             elif rank0:
@@ -140,6 +141,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                        kernel_backend=trainer.kernels.backend.name)
         summary["evaluations"] = log.evaluations
         log.close()
+        if log.tb_error:
+            summary["notes"].append(log.tb_error)
         write_json(out / "summary.json", finite_or_null(summary))
     dist.barrier()
     dist.destroy_process_group()

@@ -475,6 +475,19 @@ def _fp8_gather(f: Facts) -> bool:
     return not f.training.fp8_param_gather or f.layout.distributed_optimizer
 
 
+@rule("precision_aware_optimizer_needs_dist_opt", "megatron/core/optimizer/__init__.py::"
+      "get_megatron_optimizer (--use-precision-aware-optimizer, which optimizer CPU offload and "
+      "bf16 Adam moments turn on, only with the distributed optimizer)",
+      lambda f: "optimizer CPU offload and bf16 optimizer moments run in Megatron's "
+      "precision-aware optimizer, which needs the distributed optimizer; use dist-opt, or set "
+      "optimizer_offload_fraction 0 and optimizer_moments_dtype fp32",
+      targets=MEGATRON, axes=("distributed_optimizer",))
+def _precision_aware(f: Facts) -> bool:
+    offload = f.choices is not None and f.choices.optimizer_offload_fraction > 0
+    return f.layout.distributed_optimizer or not (
+        offload or f.training.optimizer_moments_dtype == "bf16")
+
+
 @rule("optimizer_offload_fp8_param_gather", _ARGS + " (optimizer CPU offload with "
       "--fp8-param-gather needs --fp8-recipe delayed)", lambda f: "optimizer offload with FP8 "
       "parameter all-gather needs the delayed FP8 recipe; set optimizer_offload_fraction 0 or "
