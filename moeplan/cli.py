@@ -970,6 +970,10 @@ def run(
     split: Annotated[str | None, typer.Option(
         "--split", help="Train,valid,test weights of each dataset, by sequence (Megatron's "
         "--split; default 969,30,1).")] = None,
+    valid_data: Annotated[str | None, typer.Option(
+        "--valid-data", "--valid-data-path", help="Validation datasets read whole (a prefix "
+        "or a blend, as Megatron's --valid-data-path); --data then trains on all of its "
+        "datasets unless --split says otherwise.")] = None,
     tokenizer_model: Annotated[str | None, typer.Option(
         "--tokenizer-model", help="The data's Hugging Face tokenizer (tokenizer.json or a "
         "directory holding one): vocabulary checked against the model's, kept with the "
@@ -1041,6 +1045,9 @@ def run(
     max_nonfinite_steps: Annotated[int, typer.Option(
         "--max-nonfinite-steps", help="NaN/inf steps in a row skipped before the run stops.")
                                    ] = 3,
+    distributed_timeout_minutes: Annotated[float, typer.Option(
+        "--distributed-timeout-minutes", help="Minutes a collective waits for a peer (a hung "
+        "rank) before the run fails, as Megatron's flag (default 10).")] = 10.0,
     cluster: Annotated[str | None, typer.Option(
         "--cluster", help="This machine as a ClusterSpec (preset or `moeplan calibrate -o` "
         "file), for the predictions a --scale-down run is compared with.")] = None,
@@ -1063,7 +1070,8 @@ def run(
     if train_iters is not None or train_tokens is not None:  # a flag replaces the file's either
         training.pop("train_tokens" if train_iters is not None else "train_iters", None)
     options.update({k: v for k, v in dict(
-        steps=steps, seed=seed, data=data, split=split, tokenizer_model=tokenizer_model,
+        steps=steps, seed=seed, data=data, split=split, valid_data=valid_data,
+        tokenizer_model=tokenizer_model,
         eval_interval=eval_interval, eval_iters=eval_iters, log_interval=log_interval,
         tensorboard_dir=tensorboard_dir).items() if v is not None})
     require_torch("moeplan run")
@@ -1077,7 +1085,9 @@ def run(
             rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
             ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
             max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps, cluster=cluster, init_from=init_from,
+            max_nonfinite_steps=max_nonfinite_steps,
+            distributed_timeout_minutes=distributed_timeout_minutes, cluster=cluster,
+            init_from=init_from,
             training=training or None, **options)
     if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return

@@ -74,6 +74,8 @@ CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or 
 # meta.json is held to the same rule (storage.check_meta calls `check_seed`).
 MAX_SEED = 2**32 - 1
 MAX_STEPS = 10**12  # `run --steps`: the step to reach
+MAX_DIST_TIMEOUT_MINUTES = 7 * 24 * 60  # `run --distributed-timeout-minutes`: a week
+MAX_LR = 100.0  # `lr`, `min_lr`: far above any Adam run, far below an fp32 overflow
 
 
 def check_seed(seed: object, field: str = "--seed") -> int:

@@ -18,6 +18,38 @@ def test_static_memory_distributed_optimizer_by_hand():
     assert off.optimizer == 6e9
 
 
+def test_a_low_precision_recipe_keeps_the_quantized_weight_copies_beside_the_bf16_weights():
+    """Transformer Engine keeps each GEMM weight's row-wise and column-wise quantized copies
+    through the step (Megatron: "mxfp8 without ... fp8_param_gather will use significant
+    amount additional GPU memory"); priced as bf16 weights alone, an MXFP8 plan that fit on
+    paper ran out of memory. With --fp8-param-gather the copies are the parameters. The
+    embedding and output layer keep bf16."""
+    from moeplan import Layout, TrainingSpec, load_cluster, load_model
+    from moeplan.cost_models.estimate import estimate
+    from moeplan.cost_models.memory import weight_bytes
+
+    assert weight_bytes(None, False) == 2.0
+    assert weight_bytes(1 + 1 / 32, False) == pytest.approx(2 + 2 * (1 + 1 / 32))
+    assert weight_bytes(1 + 1 / 32, True) == pytest.approx(2 * (1 + 1 / 32))
+    st = static_memory(10e9, 0, 1, 1, gemm_weight_bytes=4.0, embedding_params=1e9)
+    assert st.weights == pytest.approx(2 * 1e9 + 4 * 9e9) and st.grads == 40e9
+    model, cluster = load_model("llama3-8b"), load_cluster("b200", gpus=8)
+    layout = Layout(dp=8, num_microbatches=1)
+    embed = model.vocab_size * model.hidden_size * 2  # untied embedding and output
+    params = model.total_params()
+
+    def weights(**training) -> float:
+        t = TrainingSpec(seq_len=4096, global_batch_size=8, **training)
+        return estimate(model, cluster, t, layout).memory.weights_gb * 1e9
+
+    assert weights() == pytest.approx(2 * params, rel=1e-4)
+    mx = 1 + 1 / 32
+    assert weights(precision="mxfp8") == pytest.approx(
+        2 * embed + (2 + 2 * mx) * (params - embed), rel=1e-3)
+    assert weights(precision="mxfp8", fp8_param_gather=True) == pytest.approx(
+        2 * embed + 2 * mx * (params - embed), rel=1e-3)
+
+
 def test_pipeline_time_1f1b_and_interleaved():
     assert pipeline_time([1.0] * 4, 8, 1) == (pytest.approx(11.0), pytest.approx(3.0))
     step, bubble = pipeline_time([1.0] * 4, 8, 2)

@@ -371,3 +371,12 @@ def test_an_eod_token_with_no_eod_appended_is_refused(tmp_path, capsys):
     assert main(["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer-model", str(tok_path),
                  "-o", str(tmp_path / "out"), "--no-append-eod", "--eod-token", "x"]) == 2
     assert "give one or the other" in capsys.readouterr().err
+
+
+def test_a_split_of_a_one_document_dataset_says_to_prepare_more_documents(tmp_path):
+    """A book prepared as one document has an empty validation split at any --split, and the
+    advice to give the split "a larger share" could not help."""
+    write_documents(tmp_path / "book", [np.arange(5000) % 400], np.uint16)
+    with pytest.raises(SpecError, match="holds 1: prepare its text with `moeplan data "
+                                        "prepare --document-per paragraph`"):
+        Corpus(str(tmp_path / "book"), "90,10,0", "valid", 32, 0, 512)

@@ -323,3 +323,60 @@ def test_a_second_run_on_a_busy_ckpt_dir_exits_2_naming_the_first_which_goes_on(
     at = json.loads((out / "summary.json").read_text())["preempted_at"]
     assert max(sealed) == at and len(sealed) >= 3
     assert _agree(ckpt, plans, tmp_path, sealed) == at
+
+
+# ------------------------------------------------------------------ two runs on one output directory
+def test_a_second_run_on_a_busy_out_exits_2_and_the_first_trains_its_own_plan(plans, tmp_path):
+    """Two runs on one --out: the first's workers read the second's run.json and trained its
+    plan and options, then exited 0 with its summary. The first now holds OUT for its life."""
+    out = tmp_path / "out"
+    first = _start(plans["ep2"], out, tmp_path / "ckpt1", steps=30)
+    _wait(lambda: _steps_done(out) >= 1, first)
+    r = moeplan("run", plans["w1"], "--steps", "6", "--seed", "2", "--out", str(out),
+                "--ckpt-dir", str(tmp_path / "ckpt2"))
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, said
+    assert f"--out {out} is in use by another run" in said and f"pid {first.pid}" in said
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["seed"] == int(SEED)
+    assert summary["world_size"] == 2 and _steps_done(out) == 30
+
+
+# --------------------------------------------------------------------------- restarts, hung ranks
+def test_a_restart_after_a_lost_worker_is_said_and_counted(plans, tmp_path):
+    """torchrun restarted the workers without a word: the only trace was rank 0's lost peer,
+    and the summary said nothing of it."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    run = _start(plans["ep2"], out, ckpt, "--ckpt-every", "1", "--max-restarts", "1", steps=8)
+    _wait(lambda: len(complete_steps(ckpt)) >= 2, run)
+    os.kill(_worker_pid(out, 1), signal.SIGKILL)
+    _, stderr = run.communicate(timeout=300)
+    said = _flat(stderr)
+    assert run.returncode == 0 and "Traceback" not in stderr, said[-3000:]
+    assert "restarting the workers from the newest checkpoint: restart 1 of 1" in said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from"] >= 2
+    assert any("restarted 1 time" in n for n in summary["notes"])
+
+
+def test_a_hung_rank_fails_the_run_within_the_distributed_timeout(plans, tmp_path):
+    """A stopped rank held every other rank in a collective for torch's default of 30
+    minutes; --distributed-timeout-minutes (Megatron's flag) bounds the wait."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    run = _start(plans["ep2"], out, ckpt, "--distributed-timeout-minutes", "0.1")
+    _wait(lambda: _steps_done(out) >= 2, run)
+    hung = _worker_pid(out, 1)
+    os.kill(hung, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        _, stderr = run.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGKILL)
+    assert run.returncode not in (0, 2, 75, 130) and "Traceback" not in stderr, stderr[-3000:]
+    assert "waited past --distributed-timeout-minutes for a peer" in _flat(stderr)
+    assert time.monotonic() - start < 120
+    with pytest.raises(AssertionError):
+        _worker_pid(out, 0)  # nothing of the run is left

@@ -412,3 +412,97 @@ def test_the_parent_a_rank_checks_is_its_own_never_one_it_inherited(monkeypatch,
     capsys.readouterr()
     assert os.environ["MOEPLAN_START_PPID"] == str(os.getppid())
     assert os.environ["MOEPLAN_START_PID"] == str(os.getpid())
+
+
+def _launcher_with_agent_stood_in(monkeypatch, tmp_path, agent):
+    """launch.run on a world-1 plan for real up to the torchrun agent, which `agent` stands
+    in for (what the launcher decides from the agent's exit is under test)."""
+    from moeplan.runtime import launch
+    from tests.test_run_cli import write_plan
+
+    monkeypatch.setattr(launch, "_run_agent", agent)
+    plan = write_plan(tmp_path / "w1.json", 1)
+    return lambda: launch.run(plan, steps=2, out=str(tmp_path / "out"))
+
+
+def test_a_stop_while_the_launcher_prepares_exits_75_having_started_nothing(monkeypatch,
+                                                                              tmp_path):
+    """A SIGTERM before the launcher's handlers existed (while it hashed a large checkpoint,
+    say) killed it with 143, or a SIGINT with a traceback; a preemption must exit 75."""
+    from moeplan.errors import exit_code
+    from moeplan.runtime import launch
+
+    def never(*_a):
+        raise AssertionError("the agent started after a stop")
+
+    verified = launch.verified_resume
+
+    def stopped_while_verifying(running, opts):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return verified(running, opts)
+
+    monkeypatch.setattr(launch, "verified_resume", stopped_while_verifying)
+    run = _launcher_with_agent_stood_in(monkeypatch, tmp_path, never)
+    with pytest.raises(launch.Stopped) as e:
+        run()
+    assert exit_code(e.value) == 75 and "before any worker started; nothing was run" in str(
+        e.value)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
+        signal.getsignal(signal.SIGTERM))  # the handler it found is back
+
+
+def test_a_stop_checkpoint_that_cannot_be_written_exits_2_not_75(monkeypatch, tmp_path):
+    """The workers refused (exit 2: rank 0 said the stop's checkpoint could not be written)
+    after a SIGTERM: the launcher said they were killed before reporting and exited 75,
+    which tells a scheduler to requeue onto the same full disk."""
+    from moeplan.errors import RunRefused, exit_code
+
+    run = _launcher_with_agent_stood_in(monkeypatch, tmp_path,
+                                        lambda *_a: (2, signal.SIGTERM, False))
+    with pytest.raises(RunRefused) as e:
+        run()
+    assert exit_code(e.value) == 2
+
+
+def test_a_stop_whose_workers_ended_unkilled_does_not_say_they_were_killed(monkeypatch,
+                                                                           tmp_path):
+    from moeplan.runtime.launch import Stopped
+
+    run = _launcher_with_agent_stood_in(monkeypatch, tmp_path,
+                                        lambda *_a: (1, signal.SIGTERM, False))
+    with pytest.raises(Stopped) as e:
+        run()
+    assert "killed" not in str(e.value) and "without reporting" in str(e.value)
+
+
+def test_a_resume_names_each_setting_it_changes(tmp_path, capsys):
+    from moeplan.runtime.launch import _say_changed
+    from moeplan.specs import load_plan
+    from tests.test_run_cli import write_plan
+
+    saved = load_plan(write_plan(tmp_path / "p.json", 1))
+    running = saved.model_copy(update={"training": saved.training.model_copy(
+        update={"lr": 5e-5, "clip_grad": 0.0})})
+    _say_changed(tmp_path / "step_00000002", {"step": 2, "dtype": "fp32"}, saved, running,
+                 RunOptions(dtype="bf16"))
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"lr {saved.training.lr} → 5e-05" in said and "clip_grad 1.0 → 0.0" in said
+    assert "--dtype fp32 → bf16" in said and "continues at step 2" in said
+    _say_changed(tmp_path / "step_00000002", {"step": 2}, saved, saved, RunOptions())
+    assert not capsys.readouterr().err
+
+
+def test_a_skipped_step_is_marked_on_the_progress_line(tmp_path):
+    """Rich read "[skipped: ...]" as a markup tag and printed nothing of it."""
+    from rich.console import Console
+
+    from moeplan.runtime.runlog import RunLog
+    from moeplan.runtime.train import StepMetrics
+
+    console = Console(record=True, width=200)
+    log = RunLog(tmp_path, RunOptions(steps=1), console, None, 8)
+    metrics = StepMetrics(step=1, loss=float("nan"), grad_norm=float("nan"), lr=1e-3,
+                          step_time_s=1.0, tokens_per_s=1.0, tflops_per_gpu=1.0,
+                          peak_mem_gb=1.0, skipped=True)
+    log.step(metrics, None)
+    assert "skipped: non-finite loss or gradient" in console.export_text()

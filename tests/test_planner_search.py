@@ -583,7 +583,7 @@ def test_the_robust_screen_keeps_the_plan_with_the_better_key_of_either_link(
 
     bb, rows = _sampled_robust_rows(
         name, cluster, gpus, gbs, lambda bb, i: bb.objective.choice_host(bb, i) is not None,
-        seed=1, count=30)
+        seed=1, count=60)
     ratios = []
     for idx, layout, tr, key, m in rows:
         point = solve_layout(bb.pb, tr, layout, bb.tables[key], m, key, {}, balanced=True)

@@ -212,3 +212,30 @@ def test_a_blend_draws_every_weight_as_given_down_to_one_in_a_million(tmp_path):
     assert np.abs(counts - weights / weights.sum() * 1_000_000).max() < 10
     for j in (0, int(np.argmin(weights)), int(np.argmax(weights))):
         assert (k[d == j] == np.arange(counts[j])).all()
+
+
+@pytest.mark.slow
+def test_separate_validation_data_is_read_whole_and_leaves_training_as_it_was(cli, tmp_path):
+    """Megatron users bring a validation set of its own (--valid-data-path); moeplan took only
+    a --split share of --data and said "No such option"."""
+    from moeplan.data.indexed import write_documents
+    from moeplan.runtime.settings import validation_source
+
+    from .test_data import random_documents
+
+    write_documents(tmp_path / "a", random_documents(300, 250, seed=4), np.uint16)
+    unseen = [d + 250 for d in random_documents(60, 250, seed=5)]  # ids training never sees
+    write_documents(tmp_path / "b", unseen, np.uint16)
+    assert validation_source("a", None, "b") == ("b", "0,100,0")
+    plan = write_plan(tmp_path / "w1.json", 1)
+    evals, losses = {}, {}
+    for name, extra in (("own", []), ("separate", ["--valid-data-path", str(tmp_path / "b")])):
+        out = tmp_path / name
+        r = cli("run", plan, "--data", str(tmp_path / "a"), "--split", "90,10,0", "--steps",
+                "40", "--eval-iters", "2", "--log-interval", "40", "--dtype", "fp32", "--out", str(out), *extra,
+                timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        evals[name], losses[name] = evaluations(out), [x["loss"] for x in rows(out)]
+    assert len(evals["own"]) == len(evals["separate"]) == 1  # --eval-iters alone: at the end
+    assert losses["own"] == losses["separate"]
+    assert evals["separate"][0] > evals["own"][0] + 0.3  # tokens it never trained on

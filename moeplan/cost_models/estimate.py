@@ -35,6 +35,7 @@ from .compute import (
 from .host import host_kind
 from .layers import (
     BF16,
+    QUANTIZED_BYTES,
     Context,
     LayerCost,
     dense_layer,
@@ -44,7 +45,7 @@ from .layers import (
     moe_layer,
     mtp_layer,
 )
-from .memory import GB, StaticMemory, static_memory
+from .memory import GB, StaticMemory, static_memory, weight_bytes
 from .overlap import edge_weight, exposed_time, staged_exposed_time
 from .pipeline import in_flight_chunks, pipeline_time
 
@@ -228,12 +229,23 @@ class StageTerms:
                          ep, act, off, dense, expert)
 
     def static(self, dense_params: float, expert_params: float,
-               optimizer_offload_fraction: float = 0.0) -> StaticMemory:
-        """Weights, grads and optimizer bytes of a rank (or one item) holding these parameters."""
-        L = self.layout
+               optimizer_offload_fraction: float = 0.0, embedding_params: float = 0.0
+               ) -> StaticMemory:
+        """Weights, grads and optimizer bytes of a rank (or one item) holding these parameters
+        (`embedding_params` of the dense ones in the embedding and output layer)."""
+        L, t = self.layout, self.training
         return static_memory(dense_params, expert_params, L.dp * L.cp, max(1, L.edp),
                              self.moments_bytes, L.distributed_optimizer,
-                             optimizer_offload_fraction, self.grad_bytes)
+                             optimizer_offload_fraction, self.grad_bytes,
+                             weight_bytes(QUANTIZED_BYTES.get(t.precision), t.fp8_param_gather),
+                             embedding_params)
+
+    def item_static(self, name: str, lc: LayerCost, optimizer_offload_fraction: float = 0.0
+                    ) -> StaticMemory:
+        """`static` of one layer-table item (`name` its key: the embedding and output layer
+        hold bf16 weights whatever the recipe)."""
+        return self.static(lc.dense_params, lc.expert_params, optimizer_offload_fraction,
+                           lc.dense_params if name in EMBEDDING_KINDS else 0.0)
 
     def buffer_bytes(self, has_moe: bool = True) -> float:
         """`fixed_buffer_bytes` of a rank, at the most imbalanced layer's routing."""
@@ -468,7 +480,9 @@ def rank_costs(terms: StageTerms, stages: Sequence[Sequence[str]], choices: Choi
         chunks = tuple(chunk(stage_items[v * L.pp + r], rc, off) for v in range(L.vpp))
         static = terms.static(sum(c.dense_params for c in chunks),
                               sum(c.expert_params for c in chunks),
-                              choices.optimizer_offload_fraction)
+                              choices.optimizer_offload_fraction,
+                              sum(terms.costs[k].dense_params for c in chunks for k in c.layers
+                                  if k in EMBEDDING_KINDS))
         act = sum(chunks[v].activation_bytes
                   for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
         has_moe = terms.model.is_moe and any("moe" in k for c in chunks for k in c.layers)

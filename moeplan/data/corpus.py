@@ -307,10 +307,15 @@ class Corpus:
         empty = [p.index.prefix for p, w in zip(parts, weights, strict=True)
                  if (w > 0 or not keep.any()) and p.windows == 0]
         if empty:
+            few = min((p.index.num_sequences for p in parts if p.index.prefix in empty),
+                      default=0)
+            cut = (f" It is split by sequence (document), and it holds {few:,}: prepare its "
+                   "text with `moeplan data prepare --document-per paragraph` (or line) for "
+                   "more of them." if few < 20 else "")
             raise SpecError(f"--data: the {which} split of {', '.join(empty[:3])} holds fewer "
                             f"than seq_len + 1 = {seq_len + 1} tokens (--split "
                             f"{split or DEFAULT_SPLIT}); give it a larger share, a larger "
-                            "dataset, or a weight of 0.")
+                            f"dataset, or a weight of 0.{cut}")
         self.parts = parts
         self.weights = weights / weights.sum()
         self.tree = BlendTree.of(self.weights)

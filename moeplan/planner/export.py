@@ -223,6 +223,8 @@ MEGATRON_FLAGS: dict[str, MegatronFlag] = {
     "--bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
     "--grad-reduce-in-bf16": MegatronFlag(0, None, None, _A + "_add_mixed_precision_args"),
     "--fp8-param-gather": MegatronFlag(0, None, None, _A + "_add_transformer_engine_args"),
+    "--reuse-grad-buf-for-mxfp8-param-ag": MegatronFlag(0, None, None,
+                                                        _A + "_add_mixed_precision_args"),
     "--fp8-format": MegatronFlag(1, str, ("e4m3", "hybrid"),
                                  _A + "_add_transformer_engine_args (dest fp8)"),
     "--fp8-recipe": MegatronFlag(1, str, ("tensorwise", "delayed", "mxfp8", "blockwise",
@@ -699,6 +701,9 @@ def _precision_args(a: _Args, plan: Plan) -> None:
         a.add(rec[2], rec[3])
     if plan.training.fp8_param_gather:
         a.add("--fp8-param-gather")
+        if plan.training.precision == "mxfp8":  # the all-gather lands in the grad buffer, as
+            # Megatron-Bridge's MXFP8 recipe does; else a separate parameter buffer is held
+            a.add("--reuse-grad-buf-for-mxfp8-param-ag")
 
 
 def schedule(plan: Plan, train_iters: int | None = None) -> tuple[int, int, int]:

@@ -121,7 +121,8 @@ def optimizer_offload(model: ModelSpec, training: TrainingSpec, layout: Layout,
         return {name for name, _ in violations(
             Facts(model, training, layout, Choices(optimizer_offload_fraction=fraction)),
             target)}
-    return broken(1.0) <= broken(0.0)
+    with_it = broken(1.0)
+    return not with_it or with_it <= broken(0.0)
 
 
 def split_options(options: Iterable[Option]) -> tuple[list[str], list[str]]:
@@ -430,7 +431,7 @@ def stage_problem(
     def item(name: str, lc: LayerCost) -> Item:
         fwd_s, bwd_s = terms.windows_s(lc)
         return Item(name, terms.item_time_s(lc), fwd_s, bwd_s,
-                    terms.static(lc.dense_params, lc.expert_params, f).total,
+                    terms.item_static(name, lc, f).total,
                     table.groups_of(name), table.recompute_of(name))
 
     keys = table.keys

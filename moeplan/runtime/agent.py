@@ -43,6 +43,27 @@ def _forward(signum: int, _frame: object) -> None:
     signal_children(signum)
 
 
+RESTART_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+class _SayRestart(logging.Handler):
+    """torchrun's record of a restart (`SimpleElasticAgent._invoke_run`: "[role] Worker group
+    FAILED. k/n attempts left; will restart worker group"), said in one line; the agent's other
+    records stay silent."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "attempts left" not in str(record.msg):
+            return
+        try:
+            _, state, left, most = record.args  # type: ignore[misc]
+            which = f"restart {int(most) - int(left) + 1} of {int(most)}"
+        except (TypeError, ValueError):
+            state, which = "FAILED", "a restart"
+        print(f"a worker failed (worker group {str(state).lower()}); restarting the workers "
+              f"from the newest checkpoint: {which} (--max-restarts).", file=sys.stderr,
+              flush=True)
+
+
 def failure_line(rank: int, exitcode: int) -> str:
     """One line naming the first failed worker and how it ended."""
     if exitcode < 0:
@@ -67,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in list(logging.root.manager.loggerDict):  # created at import, level from env
         if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
             logging.getLogger(name).setLevel(logging.CRITICAL)  # this module reports failures
+    restarts = logging.getLogger(RESTART_LOGGER)  # but a restart is said, in one line
+    restarts.setLevel(logging.INFO)
+    restarts.handlers[:] = [_SayRestart()]
+    restarts.propagate = False
     args = parse_args([f"--signals-to-handle={HARD_STOP}",
                        *(sys.argv[1:] if argv is None else argv)])
     try:

@@ -9,6 +9,7 @@ here decides sharding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -63,15 +64,16 @@ def ep_domains(ep_ranks: list[int], domain: int) -> tuple[list[list[int]], list[
     return parts, [list(rail) for rail in zip(*parts, strict=True)]
 
 
-def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None
-                 ) -> ParallelGroups | None:
+def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None,
+                 timeout: timedelta | None = None) -> ParallelGroups | None:
     """Create the torch.distributed groups of `grid` placed on global ranks offset..offset+world.
 
     Collective over the default process group: every process calls it with the same arguments
     (even those outside the grid, which get None), so several layouts can be carved out of one
     spawned world. Size-1 groups are not created. With `domain` (GPUs per NVLink domain the job
     uses, `ClusterSpec.usable_domain`), the ep groups are also split by domain for the flex
-    dispatcher.
+    dispatcher. `timeout`: how long the groups' collectives wait for a peer (a new group
+    does not inherit the default group's; None: torch's default, 30 minutes on gloo).
     """
     me = dist.get_rank()
     found: dict[str, Axis] = {}
@@ -96,14 +98,14 @@ def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None
                 if me in ranks:
                     found[axis] = Axis(None, 1, 0, tuple(ranks))
                 continue
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 found[axis] = Axis(pg, len(ranks), ranks.index(me), tuple(ranks))
     links = []
     if grid.pp > 1:
         for pp_ranks in grid.groups("pp"):
             ranks = [pp_ranks[0] + offset, pp_ranks[-1] + offset]
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 found["embd"] = Axis(pg, 2, ranks.index(me), tuple(ranks))
             # each link carries one kind of message one way, in one order on both ends, so
@@ -111,7 +113,7 @@ def build_groups(grid: RankGrid, offset: int = 0, domain: int | None = None
             for kind, step in ((0, 1), (1, -1)):
                 for i, src in enumerate(pp_ranks):
                     dst = pp_ranks[(i + step) % grid.pp]
-                    pg = dist.new_group(sorted({src + offset, dst + offset}))
+                    pg = dist.new_group(sorted({src + offset, dst + offset}), timeout=timeout)
                     if me - offset in (src, dst):
                         links.append((kind, i, pg))
     if not offset <= me < offset + grid.world:

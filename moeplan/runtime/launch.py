@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,21 +69,25 @@ class Stopped(RunStopped):
     """The run was stopped by SIGINT or SIGTERM: exit 130 or 75, with one line saying where."""
 
     def __init__(self, signum: int, summary: dict | None, ckpt_dir: str | None,
-                 quiet: bool = False):
+                 quiet: bool = False, killed: bool = True, started: bool = True):
         name = signal.Signals(signum).name
         code = stop_exit_code(signum)
+        self.signum = signum
         if quiet:  # a rank other than 0 of a joined launch: rank 0 says it
             super().__init__(code, "")
-            self.signum = signum
             return
-        if summary is None:  # killed before they reported: a second signal, or the grace ran out
+        if not started:  # before any worker: checking the plan, the data or the checkpoint
+            super().__init__(code, f"stopped by {name} before any worker started; nothing was "
+                             f"run (exit {code})")
+            return
+        if summary is None:  # no report: killed (a second signal, the grace ran out), or not
             newest = complete_steps(ckpt_dir) if ckpt_dir else []
             then = (f"the newest checkpoint is step {newest[-1]}; continue with --resume"
                     if newest else "no checkpoint" + ("" if ckpt_dir else " (no --ckpt-dir)"))
-            super().__init__(code, f"stopped by {name}; the workers were killed before they "
-                             f"reported where (a second signal, or no step boundary within "
-                             f"{STOP_GRACE_S:.0f} s); {then} (exit {code})")
-            self.signum = signum
+            how = (f"the workers were killed before they reported where (a second signal, or no "
+                   f"step boundary within {STOP_GRACE_S:.0f} s)" if killed else
+                   "the workers ended without reporting where (the lines above say why)")
+            super().__init__(code, f"stopped by {name}; {how}; {then} (exit {code})")
             return
         at = summary.get("preempted_at") or 0
         where = f"at step {at}" if at else "before the workers reached a step boundary"
@@ -95,7 +99,6 @@ class Stopped(RunStopped):
         else:
             then = "no checkpoint (no --ckpt-dir)"
         super().__init__(code, f"stopped by {name} {where}; {then} (exit {code})")
-        self.signum = signum
 
 
 def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]:
@@ -114,6 +117,10 @@ def prepare_plan(plan: Plan | str | Path, opts: RunOptions) -> tuple[Plan, Plan]
                         "not be negative.")
     if opts.max_nonfinite_steps < 1:
         raise SpecError("the number of non-finite steps tolerated in a row must be at least 1.")
+    if not 0.05 <= opts.distributed_timeout_minutes <= limits.MAX_DIST_TIMEOUT_MINUTES:
+        raise SpecError(f"--distributed-timeout-minutes must be between 0.05 and "
+                        f"{limits.MAX_DIST_TIMEOUT_MINUTES:,}, got "
+                        f"{opts.distributed_timeout_minutes}.")
     for flag, used in (("--resume", opts.resume), ("--ckpt-every", opts.ckpt_every),
                        ("--max-restarts", opts.max_restarts)):
         if used and not opts.ckpt_dir:
@@ -195,6 +202,7 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
         raise SpecError(f"checkpoint {path} was trained with --seed {v.meta['seed']}; resume "
                         f"with the same seed (got {opts.seed}), or the data order would change.")
     _same_data(path, v.meta, saved, running, opts)
+    _say_changed(path, v.meta, saved, running, opts)
     if v.step >= opts.steps:
         raise SpecError(f"checkpoint {path} is already at step {v.step}; --steps {opts.steps} "
                         "is the step to reach, so there is nothing to train.")
@@ -202,6 +210,19 @@ def verified_resume(running: Plan, opts: RunOptions) -> tuple[int, str | None]:
 
 
 FROM_WEIGHTS = "`moeplan checkpoint export DIR --to hf -o HF`, then `--init-from HF`"
+
+
+def _say_changed(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOptions) -> None:
+    """One note naming each training setting (and --dtype) the resumed run changes from the
+    checkpoint's: allowed (a new schedule for a continued run is common), never silent."""
+    was, now = saved.training.model_dump(), running.training.model_dump()
+    changed = [f"{k} {was[k]} → {now[k]}" for k in now if k in was and was[k] != now[k]]
+    if opts.dtype and meta.get("dtype") not in (None, opts.dtype):
+        changed.append(f"--dtype {meta['dtype']} → {opts.dtype}")
+    if changed:
+        print(f"note: resuming {path.name} under other settings than it was trained with: "
+              f"{'; '.join(changed)}. The weights and optimizer state carry on; the schedule "
+              f"continues at step {meta.get('step')}.", file=sys.stderr, flush=True)
 
 
 def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOptions) -> None:
@@ -310,6 +331,32 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         # this process is a rank: it dies with its launcher, armed before the plan is
         # prepared and a resume verified (seconds), and gone at once if the launcher already is
         set_parent_death_signal(START_PPID_ENV)
+        return _run(plan, opts, joined, [])
+    with _stops_recorded() as early:
+        return _run(plan, opts, None, early)
+
+
+@contextlib.contextmanager
+def _stops_recorded() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM received while the launcher prepares the run (the plan, the data's
+    scan, the checkpoint's hashes: minutes for a large checkpoint), recorded rather than fatal,
+    so that a preemption then exits 75 with one line, not 143 or a traceback."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(plan: Plan | str | Path, opts: RunOptions, joined: dict[str, str] | None,
+         early: list[int]) -> dict:
+    """`run` after the launch is known: joined (this process is one rank) or ours."""
     given, running = prepare_plan(plan, opts)
     if opts.cluster:
         from .guard import check_cluster_ref
@@ -371,21 +418,31 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
         elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
             check_ckpt_dir(opts.ckpt_dir)
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
+        same = bool(opts.ckpt_dir) and Path(opts.ckpt_dir).resolve() == out.resolve()
+        if opts.nnodes == 1 and not same:  # this tree is the whole run: OUT is its alone
+            # (several nodes may share one OUT on a shared file system; one lock file per
+            # directory, so an OUT that is also the --ckpt-dir is locked as that)
+            held.enter_context(CkptLock(out, _describe(plan, out), flag="--out", clash=(
+                "the workers of one would read the other's run.json and train its plan, and "
+                "both would append to one metrics.jsonl")))
         # OUT/plan.json (the plan as given, next to its summary: `calibrate --from-runs`
         # re-predicts it) and OUT/run.json, what every worker reads
         PreparedRun(given, running, opts).write(out)
         env.setdefault("OMP_NUM_THREADS", str(max(1, limits.usable_cpus() // nproc)))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        if early:  # a stop while the run was prepared: nothing has started
+            raise Stopped(early[0], None, opts.ckpt_dir, started=False)
         started = time.time()
-        code, signum = _run_agent(torchrun_command(opts, out, nproc, bind), env)
+        code, signum, killed = _run_agent(torchrun_command(opts, out, nproc, bind), env)
     summary_path = out / "summary.json"
     fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
     summary = _read_summary(summary_path) if fresh else None
+    if code == 2:  # the workers refused to go on (a checkpoint that cannot be written, even
+        raise RunRefused()  # the stop's): rank 0 said why in one paragraph; no requeue helps
     stop = signum or _stopped_by(summary)  # this process, or any one worker, got the signal
     if stop and not (summary and not summary.get("preempted_at") and code == 0):
-        raise Stopped(stop, summary, opts.ckpt_dir)  # (a run that finished anyway returns)
-    if code == 2:  # the workers refused to go on; rank 0 said why in one paragraph
-        raise RunRefused()
+        raise Stopped(stop, summary, opts.ckpt_dir,  # (a run that finished anyway returns)
+                      killed=killed)
     if code < 0:  # the agent itself was killed (its workers die with it): as a shell says it
         name = signal.Signals(-code).name
         raise RunFailed(128 - code, f"the torchrun agent was killed by {name}, and its workers "
@@ -443,7 +500,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, bool]:
     """Run torchrun's agent in a session of its own and wait for it.
 
     The first SIGINT or SIGTERM to this launcher is passed to the agent, which passes it to the
@@ -451,14 +508,20 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
     second one, or STOP_GRACE_S without an exit, kills the whole tree. Whatever happens here
     (an exception included), the agent and its workers do not outlive this call.
 
-    Returns (the agent's exit code, the stop signal received or None)."""
+    Returns (the agent's exit code, the stop signal received or None, whether the tree was
+    killed)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     got: list[int] = []
     deadline = [float("inf")]
+    killed = [False]
+
+    def kill() -> None:
+        killed[0] = True
+        _kill_tree(proc)
 
     def on_signal(signum: int, _frame: object) -> None:
         if got:
-            _kill_tree(proc)
+            kill()
             return
         got.append(signum)
         deadline[0] = time.monotonic() + STOP_GRACE_S
@@ -475,14 +538,14 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
                 break
             except subprocess.TimeoutExpired:
                 if time.monotonic() > deadline[0]:
-                    _kill_tree(proc)
+                    kill()
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill()
             proc.wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return code, (got[0] if got else None)
+    return code, (got[0] if got else None), killed[0]
 
 
 def numa_binding(devices: Devices, nproc: int, numactl: str | None, torchrun_binds: bool = True,

@@ -31,6 +31,8 @@ class RunOptions:
     data: str = "synthetic"  # 'synthetic', or Megatron indexed datasets: "PREFIX" / "W1 P1 W2 P2"
     split: str | None = None  # train,valid,test weights of --data (None: Megatron's 969,30,1)
     tokenizer_model: str | None = None  # a tokenizer.json or a directory holding one
+    # validation datasets read whole (Megatron's --valid-data-path); None: --data's valid split
+    valid_data: str | None = None
     eval_interval: int | None = None  # steps between evaluations on the validation split
     # global batches per evaluation (settings.apply_settings: 10 unless given; given alone, one
     # evaluation at the last step, as Megatron evaluates at the end of training)
@@ -56,6 +58,9 @@ class RunOptions:
     max_restarts: int = 0
     ckpt_keep: int = 3  # sealed checkpoints kept (0: all)
     max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
+    # how long a collective waits for a peer before the run fails (Megatron's
+    # --distributed-timeout-minutes, default 10); a hung rank is then noticed in minutes
+    distributed_timeout_minutes: float = 10.0
     # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
     # digest of its manifest; workers load exactly that step
     resume_step: int | None = None

@@ -90,7 +90,8 @@ class RunLog:
                 f"{metrics.tflops_per_gpu:.3g} TFLOPS/GPU"
                 + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
                 + f"  {metrics.peak_mem_gb:.3g} GB  {metrics.step_time_s * 1e3:.1f} ms"
-                + ("  [skipped: non-finite loss or gradient]" if metrics.skipped else ""))
+                + ("  (skipped: non-finite loss or gradient, no update)" if metrics.skipped
+                   else ""), markup=False)
         if eval_loss is not None:
             self.console.print(f"validation at step {metrics.step}: loss {eval_loss:.4f}, "
                                f"perplexity {record['eval_ppl']:.4g} ({self.opts.eval_iters} "

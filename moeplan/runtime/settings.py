@@ -29,7 +29,7 @@ TRAINING_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_
                  "lr_wsd_decay_style", "lr_wsd_decay_iters", "weight_decay", "clip_grad",
                  "train_iters", "train_tokens")
 INT_OPTIONS = ("steps", "seed", "eval_interval", "eval_iters", "log_interval")
-TEXT_OPTIONS = ("data", "split", "tokenizer_model", "tensorboard_dir")
+TEXT_OPTIONS = ("data", "split", "valid_data", "tokenizer_model", "tensorboard_dir")
 OPTION_KEYS = INT_OPTIONS + TEXT_OPTIONS
 EVAL_ITERS = 10  # global batches per evaluation unless --eval-iters says
 
@@ -92,7 +92,19 @@ def apply_settings(plan: Plan, opts: RunOptions) -> Plan:
         opts.eval_interval = opts.steps  # Megatron evaluates at the end of training
     if opts.eval_iters is None:
         opts.eval_iters = EVAL_ITERS
+    if opts.valid_data is not None and opts.split is None:
+        opts.split = WHOLE_SPLIT["train"]  # as Megatron's separate paths: each read whole
     return plan
+
+
+WHOLE_SPLIT = {"train": "100,0,0", "valid": "0,100,0"}  # a dataset read whole as one split
+
+
+def validation_source(data: str, split: str | None, valid_data: str | None
+                      ) -> tuple[str, str | None]:
+    """(blend, split) evaluation reads: --valid-data whole when given, as Megatron reads
+    --valid-data-path; else the valid split of --data."""
+    return (valid_data, WHOLE_SPLIT["valid"]) if valid_data else (data, split)
 
 
 def keeps_vocabulary(opts: RunOptions) -> bool:
@@ -116,6 +128,10 @@ def check_run_inputs(running: Plan, opts: RunOptions) -> list[str]:
 
         _, info = load_tokenizer(opts.tokenizer_model)
         check_vocabulary(info, running.model.vocab_size, running.model.name)
+    if opts.valid_data is not None and opts.data == "synthetic":
+        raise SpecError("--valid-data names the datasets evaluation reads beside the --data "
+                        "a run trains on; the synthetic stream has a validation stream of its "
+                        "own. Pass --data, or drop --valid-data.")
     if opts.data == "synthetic":
         if opts.split is not None:
             raise SpecError("--split cuts the datasets given with --data; the synthetic stream "
@@ -125,8 +141,10 @@ def check_run_inputs(running: Plan, opts: RunOptions) -> list[str]:
                        running.model.vocab_size)
         lines.append(train.describe())
         if opts.eval_interval:
-            lines.append(Corpus(opts.data, opts.split, "valid", t.seq_len, opts.seed,
-                                running.model.vocab_size, scan=False).describe())
+            blend, split = validation_source(opts.data, opts.split, opts.valid_data)
+            lines.append(Corpus(blend, split, "valid", t.seq_len, opts.seed,
+                                running.model.vocab_size,
+                                scan=opts.valid_data is not None).describe())
     if opts.tensorboard_dir is not None:
         from ..fsio import check_writable_dir
         from .tblog import require_writer

@@ -760,18 +760,24 @@ class CkptLock:
     into the file; a second run finds the lock taken and is refused, naming the holder.
     `flock` works across processes of one host and, on Linux NFS, across hosts."""
 
-    def __init__(self, ckpt_dir: str | Path, command: str):
+    def __init__(self, ckpt_dir: str | Path, command: str, flag: str = "--ckpt-dir",
+                 clash: str = "two runs saving into one checkpoint directory would prune each "
+                 "other's steps"):
+        """`flag` and `clash`: the directory's option and what two runs sharing it would do
+        (the run's --out is locked the same way: its workers read OUT/run.json)."""
         self.dir, self.command, self.fd = Path(ckpt_dir), command, None
+        self.flag, self.clash = flag, clash
 
     def acquire(self) -> CkptLock:
-
-        check_ckpt_dir(self.dir)
+        if self.flag == "--ckpt-dir":
+            check_ckpt_dir(self.dir)
         path = self.dir / LOCK
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
                          | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise SpecError(f"--ckpt-dir {self.dir}: cannot open its lock file {LOCK} "
+            raise SpecError(f"{self.flag} {self.dir}: cannot open its lock file {LOCK} "
                             f"({e.strerror}); remove it if it is not a regular file. Nothing "
                             "was run.") from None
         try:
@@ -780,12 +786,11 @@ class CkptLock:
             holder = _holder(fd)
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise SpecError(f"--ckpt-dir {self.dir}: cannot lock it ({e.strerror}). "
+                raise SpecError(f"{self.flag} {self.dir}: cannot lock it ({e.strerror}). "
                                 "Nothing was run.") from None
-            raise SpecError(f"--ckpt-dir {self.dir} is in use by another run ({holder}); two "
-                            "runs saving into one checkpoint directory would prune each "
-                            "other's steps. Wait for it to end (or stop it), or give another "
-                            "--ckpt-dir. Nothing was run.") from None
+            raise SpecError(f"{self.flag} {self.dir} is in use by another run ({holder}); "
+                            f"{self.clash}. Wait for it to end (or stop it), or give another "
+                            f"{self.flag}. Nothing was run.") from None
         doc = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
                "command": self.command}
         os.ftruncate(fd, 0)

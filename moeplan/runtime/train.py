@@ -27,6 +27,7 @@ from .model import Transformer
 from .optimizer import DistributedOptimizer, lr_at
 from .parallelize import gather_full, parallelize
 from .pipeline import PipelineSchedule, plan_stages, rank_chunks, split_stage
+from .settings import validation_source
 
 # DeepSeek-V3's aux-loss-free bias update speed γ (§2.1.2; Megatron moe_router_bias_update_rate)
 EXPERT_BIAS_RATE = 1e-3
@@ -70,7 +71,7 @@ class Trainer:
     def __init__(self, plan: Plan, groups: ParallelGroups, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  data: str = "synthetic", init_from: str | None = None,
-                 split: str | None = None):
+                 split: str | None = None, valid_data: str | None = None):
         """`data`: 'synthetic' or a blend of Megatron indexed datasets (`split` cuts them into
         train/valid/test); `init_from`: a Hugging Face checkpoint directory whose weights
         replace the seeded draw (each rank reads only its shards, `hf_io.load_hf_`)."""
@@ -106,6 +107,8 @@ class Trainer:
         self.data_args = (data, plan.model.vocab_size, t.seq_len, t.global_batch_size, seed,
                           split)
         self.data = make_data(*self.data_args, which="train")
+        blend, valid_split = validation_source(data, split, valid_data)
+        self.valid_args = (blend, *self.data_args[1:5], valid_split)
         self.valid = None  # the validation split, opened at the first evaluation
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.microbatches_global = t.global_batch_size // layout.mbs
@@ -182,7 +185,7 @@ class Trainer:
         MTP and aux losses are left out, as Megatron's `lm loss` is."""
         g, layout = self.groups, self.plan.layout
         if self.valid is None:
-            self.valid = make_data(*self.data_args, which="valid")
+            self.valid = make_data(*self.valid_args, which="valid")
         ce = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(iters):
             batches = [(tokens.to(self.device), targets.to(self.device)) for tokens, targets

@@ -46,6 +46,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # --dtype's words
+
+
 def run_worker(run: PreparedRun, out: Path) -> int | None:
     """Train `run.options.steps` steps of the prepared run as this process's rank (environment
     set by torchrun).
@@ -56,17 +59,19 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
     given, running, opts = run.given, run.running, run.options
     assert opts.steps is not None  # resolved by the launcher (settings.apply_settings)
     device = _device()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
+    dtype = {name: d for d, name in DTYPE_NAMES.items()}[
         opts.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if not dist.is_initialized():
-        _init_process_group(device)
+        _init_process_group(device, opts.distributed_timeout_minutes)
     rank0 = dist.get_rank() == 0
     lock = _lock_ckpt_dir(opts, out, device)  # held until this process exits
     groups = build_groups(RankGrid.from_layout(running.layout),
-                          domain=running.cluster.usable_domain(running.layout.world_size))
+                          domain=running.cluster.usable_domain(running.layout.world_size),
+                          timeout=timedelta(minutes=opts.distributed_timeout_minutes))
     assert groups is not None
     trainer = Trainer(running, groups, seed=opts.seed, dtype=dtype, device=device,
-                      data=opts.data, init_from=opts.init_from, split=opts.split)
+                      data=opts.data, init_from=opts.init_from, split=opts.split,
+                      valid_data=opts.valid_data)
     start = _resume(trainer, opts)
     stop.on(device)
     if rank0:
@@ -110,7 +115,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
                               or (opts.ckpt_every and done % opts.ckpt_every == 0)):
             path = checkpoint.save(trainer, opts.ckpt_dir, done, keep=opts.ckpt_keep,
                                    extra={"data": opts.data, "split": opts.split,
-                                          "sampler": SAMPLER, "preempted": preempt})
+                                          "sampler": SAMPLER, "preempted": preempt,
+                                          "dtype": DTYPE_NAMES[dtype]})
             if preempt:
                 stop_ckpt = str(path)  # the launcher's one stop line names it
             elif rank0:
@@ -119,7 +125,16 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
             preempted_at = done
             break
         stop_sig = 0
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if not history:  # resumed (after a restart) at the last step: nothing left to train
+        if rank0:
+            write_json(out / "summary.json", {
+                "model": running.model.name, "world_size": dist.get_world_size(),
+                "layout": running.summary(), "steps": opts.steps, "resumed_from": start,
+                "restarts": restarts, "measured": {}, "predicted": None, "evaluations": [],
+                "notes": [f"resumed at step {start}, the last: the attempt before this one "
+                          f"trained every step and saved step {start}, then failed; this "
+                          "attempt had nothing left to train, so it measured nothing"]})
         dist.barrier()
         dist.destroy_process_group()
         return None
@@ -135,7 +150,17 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
         write_json(out / "routing.json", routing, indent=1)
         summary = _summary(given, running, history, [float(p) for p in peaks], device, dtype,
                            opts)
-        summary.update(resumed_from=start, preempted_at=preempted_at,
+        skipped = sum(m.skipped for m in history)
+        if skipped:
+            summary["notes"].append(
+                f"{skipped} step(s) had a non-finite loss or gradient and applied no update "
+                "(marked `skipped` in metrics.jsonl)")
+        if restarts:
+            summary["notes"].append(
+                f"the workers were restarted {restarts} time(s) (--max-restarts); these "
+                f"figures are the last attempt's, from step {start}")
+        summary.update(resumed_from=start, restarts=restarts, skipped_steps=skipped,
+                       preempted_at=preempted_at,
                        stopped_by=signal.Signals(stop_sig).name if stop_sig else None,
                        stop_checkpoint=stop_ckpt, precision=running.training.precision,
                        kernel_backend=trainer.kernels.backend.name)
@@ -170,14 +195,16 @@ def _lock_ckpt_dir(opts: RunOptions, out: Path, device: torch.device) -> CkptLoc
     return lock
 
 
-def _init_process_group(device: torch.device) -> None:
-    """NCCL on GPU, gloo on CPU, from torchrun's environment.
+def _init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> None:
+    """NCCL on GPU, gloo on CPU, from torchrun's environment; a collective that waits longer
+    than `timeout_minutes` for a peer (a hung or stopped rank) fails the run.
 
     After a torchrun restart the workers reconnect to the agent's store, which still holds the
     previous attempt's keys (process-group addresses under the same names); a prefix per
     attempt keeps the new groups from reading them and connecting to dead peers.
     """
     backend, kw = ("nccl", {"device_id": device}) if device.type == "cuda" else ("gloo", {})
+    kw["timeout"] = timedelta(minutes=timeout_minutes)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -389,11 +416,14 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
         raise SystemExit(e.exit_code) from None
     except RuntimeError as e:  # a peer died mid-collective: the agent names it, in one line
-        if not isinstance(e, dist.DistError) and not any(
+        timed_out = "Timed out" in str(e) or "timed out" in str(e)
+        if not isinstance(e, dist.DistError) and not timed_out and not any(
                 k in str(e) for k in ("closed by peer", "reset by peer", "Broken pipe")):
             raise
         why = str(e).splitlines()[0].split("] ", 1)[-1].split(". ")[0]  # gloo: "[file:line] ..."
-        print(f"worker rank {os.environ.get('RANK', '?')}: lost a peer ({why[:120]})",
+        what = ("waited past --distributed-timeout-minutes for a peer (a hung or stopped rank)"
+                if timed_out else "lost a peer")
+        print(f"worker rank {os.environ.get('RANK', '?')}: {what} ({why[:120]})",
               file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     # stopped by a signal: exit 0 all the same, so the agent ends quietly; the launcher reports

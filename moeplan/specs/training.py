@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from ..limits import MAX_CAPACITY_FACTOR, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TRAIN_ITERS
+from ..limits import MAX_CAPACITY_FACTOR, MAX_GLOBAL_BATCH, MAX_LR, MAX_SEQ_LEN, MAX_TRAIN_ITERS
 
 Precision = Literal["bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 SoftwareStack = Literal["current", "mcore-2024", "megatron-2023", "megatron-2022",
@@ -52,8 +52,8 @@ class TrainingSpec(BaseModel):
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH,
                                    description="Sequences per optimizer step (gbs).")
     precision: Precision = Field("bf16", description="GEMM precision recipe.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (Megatron --lr).")
-    min_lr: float = Field(3e-5, ge=0, description="Learning rate at the end of the decay "
+    lr: float = Field(3e-4, gt=0, le=MAX_LR, description="Peak learning rate (Megatron --lr).")
+    min_lr: float = Field(3e-5, ge=0, le=MAX_LR, description="Learning rate at the end of the decay "
                           "(Megatron --min-lr).")
     lr_warmup_iters: int = Field(
         2, ge=0, le=MAX_TRAIN_ITERS, validation_alias=AliasChoices("lr_warmup_iters",
