@@ -35,6 +35,7 @@ from .errors import (
     exit_rule,
 )
 from .fsio import check_writable, strict_dumps, write_json
+from .runtime.options import DIST_TIMEOUT_MINUTES, EVAL_ITERS
 from .specs.rules import check_target
 from .specs.training import STACKS, priced_on
 from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
@@ -1008,7 +1009,7 @@ def run(
         "--eval-interval", help="Steps between evaluations on the validation split (and at the "
         "last step); default: none.")] = None,
     eval_iters: Annotated[int | None, typer.Option(
-        "--eval-iters", help="Global batches per evaluation (default 10); without "
+        "--eval-iters", help=f"Global batches per evaluation (default {EVAL_ITERS}); without "
         "--eval-interval, one evaluation at the last step.")] = None,
     log_interval: Annotated[int | None, typer.Option(
         "--log-interval", help="Steps between progress lines (metrics.jsonl has every step; "
@@ -1047,7 +1048,7 @@ def run(
                                    ] = 3,
     distributed_timeout_minutes: Annotated[float, typer.Option(
         "--distributed-timeout-minutes", help="Minutes a collective waits for a peer (a hung "
-        "rank) before the run fails, as Megatron's flag (default 10).")] = 10.0,
+        "rank) before the run fails, as Megatron's flag.")] = DIST_TIMEOUT_MINUTES,
     cluster: Annotated[str | None, typer.Option(
         "--cluster", help="This machine as a ClusterSpec (preset or `moeplan calibrate -o` "
         "file), for the predictions a --scale-down run is compared with.")] = None,
@@ -1094,6 +1095,12 @@ def run(
 
     def render() -> None:
         meas, pred = summary["measured"], summary["predicted"] or {}
+        if not meas:  # a restart that resumed at the last step: nothing left to measure
+            print_lines(pairs_lines(f"moeplan run: {summary['model']}", [
+                ("measured", "nothing (no step left to train)")], _width(err)), err)
+            for note in summary.get("notes", []):
+                err.print(f"note: {note}", highlight=False, markup=False)
+            return
         pairs = []
         for key, label, fmt in (("step_time_s", "step time (s)", "{:.4g}"),
                                 ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),

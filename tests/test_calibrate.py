@@ -221,7 +221,7 @@ def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path,
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
-                                  "no_plan", "eval_without_from_runs", "fit_without_from_runs",
+                                  "measured_nothing", "no_plan", "eval_without_from_runs", "fit_without_from_runs",
                                   "unknown_constant"])
 def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path, cli):
     d = tmp_path / "run"
@@ -236,6 +236,10 @@ def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path,
     elif case == "no_step":
         (d / "summary.json").write_text(json.dumps({"measured": {}}))
         named = "measured.step_time_s"
+    elif case == "measured_nothing":  # a restart resumed the run at its last step
+        (d / "summary.json").write_text(json.dumps({"measured": {}, "steps": 5,
+                                                    "resumed_from": 5}))
+        named = "measured nothing"
     elif case == "no_plan":
         (d / "summary.json").write_text(json.dumps({"measured": {"step_time_s": 0.1}}))
         named = "plan.json"

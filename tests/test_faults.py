@@ -325,7 +325,7 @@ def test_a_second_run_on_a_busy_ckpt_dir_exits_2_naming_the_first_which_goes_on(
     assert _agree(ckpt, plans, tmp_path, sealed) == at
 
 
-# ------------------------------------------------------------------ two runs on one output directory
+# ------------------------------------------------------------- two runs on one output directory
 def test_a_second_run_on_a_busy_out_exits_2_and_the_first_trains_its_own_plan(plans, tmp_path):
     """Two runs on one --out: the first's workers read the second's run.json and trained its
     plan and options, then exited 0 with its summary. The first now holds OUT for its life."""

@@ -443,12 +443,13 @@ def test_a_stop_while_the_launcher_prepares_exits_75_having_started_nothing(monk
 
     monkeypatch.setattr(launch, "verified_resume", stopped_while_verifying)
     run = _launcher_with_agent_stood_in(monkeypatch, tmp_path, never)
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(launch.Stopped) as e:
         run()
     assert exit_code(e.value) == 75 and "before any worker started; nothing was run" in str(
         e.value)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
-        signal.getsignal(signal.SIGTERM))  # the handler it found is back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler it found is back
+    assert not (tmp_path / "out" / "run.json").exists()  # nothing written for workers
 
 
 def test_a_stop_checkpoint_that_cannot_be_written_exits_2_not_75(monkeypatch, tmp_path):
@@ -506,3 +507,20 @@ def test_a_skipped_step_is_marked_on_the_progress_line(tmp_path):
                           peak_mem_gb=1.0, skipped=True)
     log.step(metrics, None)
     assert "skipped: non-finite loss or gradient" in console.export_text()
+
+
+def test_a_blend_checkpoint_of_an_earlier_sampler_is_refused_a_single_dataset_one_is_not(
+        tmp_path):
+    """Blends are drawn in another order than before (`corpus.SAMPLER`): resuming a blend's
+    checkpoint saved by an earlier moeplan would read other samples. One dataset, or a blend
+    with one positive weight, is drawn as before."""
+    from moeplan.runtime.launch import _same_data
+    from moeplan.specs import load_plan
+    from tests.test_run_cli import write_plan
+
+    plan = load_plan(write_plan(tmp_path / "p.json", 1))
+    old = {"data": "0.5 a 0.5 b", "split": None, "step": 3}  # no `sampler`: an earlier moeplan
+    with pytest.raises(SpecError, match="drew its samples in another order"):
+        _same_data(tmp_path / "step_3", old, plan, plan, RunOptions(data="0.5 a 0.5 b"))
+    for data in ("a", "1 a 0 b"):
+        _same_data(tmp_path / "step_3", {**old, "data": data}, plan, plan, RunOptions(data=data))

@@ -269,6 +269,13 @@ def test_no_megatron_search_plan_runs_the_precision_aware_optimizer_without_dist
                    target="megatron", top_k=5).plans
     assert plans and all(p.layout.distributed_optimizer for p in plans
                          if p.choices.optimizer_offload_fraction > 0)
+    from moeplan.planner.problem import optimizer_offload
+
+    t = TrainingSpec(seq_len=4096, global_batch_size=1024)
+    for dist_opt in (True, False):
+        layout = Layout(dp=8, ep=8, num_microbatches=128, distributed_optimizer=dist_opt)
+        assert optimizer_offload(model, t, layout, "megatron") is dist_opt
+        assert optimizer_offload(model, t, layout, "moeplan")  # the runtime offloads either way
     bf16 = _plan("mixtral-8x7b", 16, ep=8, distributed_optimizer=False).training.model_copy(
         update={"optimizer_moments_dtype": "bf16"})
     plan = _plan("mixtral-8x7b", 16, ep=8, distributed_optimizer=False)

@@ -212,6 +212,10 @@ def test_a_blend_draws_every_weight_as_given_down_to_one_in_a_million(tmp_path):
     assert np.abs(counts - weights / weights.sum() * 1_000_000).max() < 10
     for j in (0, int(np.argmin(weights)), int(np.argmax(weights))):
         assert (k[d == j] == np.arange(counts[j])).all()
+    from moeplan.errors import SpecError
+
+    with pytest.raises(SpecError, match=f"weight of {tmp_path / 'a'} is below 2\\^-32"):
+        Corpus(f"1e-12 {tmp_path / 'a'} 1 {tmp_path / 'b'}", "100,0,0", "train", 32, 0, 512)
 
 
 @pytest.mark.slow
@@ -232,8 +236,8 @@ def test_separate_validation_data_is_read_whole_and_leaves_training_as_it_was(cl
     for name, extra in (("own", []), ("separate", ["--valid-data-path", str(tmp_path / "b")])):
         out = tmp_path / name
         r = cli("run", plan, "--data", str(tmp_path / "a"), "--split", "90,10,0", "--steps",
-                "40", "--eval-iters", "2", "--log-interval", "40", "--dtype", "fp32", "--out", str(out), *extra,
-                timeout=300)
+                "40", "--eval-iters", "2", "--log-interval", "40", "--dtype", "fp32", "--out",
+                str(out), *extra, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         evals[name], losses[name] = evaluations(out), [x["loss"] for x in rows(out)]
     assert len(evals["own"]) == len(evals["separate"]) == 1  # --eval-iters alone: at the end

@@ -125,13 +125,18 @@ def test_eval_iters_alone_evaluates_once_at_the_last_step_as_megatron_does_at_th
 
     alone = RunOptions(steps=7, eval_iters=3)
     apply_settings(qwen_plan(), alone)
-    assert [s for s in range(1, 8) if eval_due(s, alone)] == [7] and alone.eval_iters == 3
+    assert [s for s in range(1, 8) if eval_due(s, alone)] == [7] and alone.batches_per_eval == 3
     both = RunOptions(steps=7, eval_interval=3)
     apply_settings(qwen_plan(), both)
-    assert [s for s in range(1, 8) if eval_due(s, both)] == [3, 6, 7] and both.eval_iters == 10
+    assert [s for s in range(1, 8) if eval_due(s, both)] == [3, 6, 7]
+    assert both.batches_per_eval == 10
     none = RunOptions(steps=7)
     apply_settings(qwen_plan(), none)
+    apply_settings(qwen_plan(), none)  # applied twice, still no evaluation
     assert not any(eval_due(s, none) for s in range(1, 8))
+    valid = RunOptions(steps=7, valid_data="b")  # a validation set alone: evaluated at the end
+    apply_settings(qwen_plan(), valid)
+    assert [s for s in range(1, 8) if eval_due(s, valid)] == [7] and valid.split == "100,0,0"
 
 
 def test_one_config_file_holds_the_settings_under_the_flags_names(tmp_path):

@@ -103,6 +103,10 @@ def load_run(run_dir: Path) -> RunRecord:
     summary_path, plan_path = run_dir / "summary.json", run_dir / "plan.json"
     summary = _read_json(summary_path)
     step = summary.get("measured", {}).get("step_time_s") if isinstance(summary, dict) else None
+    if isinstance(summary, dict) and summary.get("measured") == {} and isinstance(
+            summary.get("steps"), int) and summary.get("resumed_from") == summary["steps"]:
+        raise SpecError(f"{run_dir}: this run measured nothing (a restart resumed it at its "
+                        "last step, so no step was timed); leave it out of --from-runs.")
     if not isinstance(step, (int, float)) or isinstance(step, bool) or not step > 0:
         raise SpecError(f"{summary_path}: field `measured.step_time_s` is missing or not a "
                         "positive number. Rerun `moeplan run --out "

@@ -55,10 +55,11 @@ Per layout (a `Layout`; choices are what the planner decides):
     up from it and the planner's MILP prices every stage split from it.
 
 ``static_memory(dense_params, expert_params, dense_shards=dp·cp, expert_shards=edp,
-moments_bytes=4, distributed_optimizer=True, optimizer_offload_fraction=0.0, grad_bytes=4)
--> StaticMemory``
+moments_bytes=4, distributed_optimizer=True, optimizer_offload_fraction=0.0, grad_bytes=4,
+gemm_weight_bytes=2.0, embedding_params=0.0) -> StaticMemory``
     Weights, grads, optimizer bytes of a stage (sum the layers' params); `grad_bytes` is
-    ``estimate.grad_reduce_bytes(training)`` (2 when gradients are reduced in bf16);
+    ``estimate.grad_reduce_bytes(training)`` (2 when gradients are reduced in bf16),
+    `gemm_weight_bytes` is ``memory.weight_bytes`` (an FP8/FP4 recipe's quantized copies);
     ``StageTerms.static`` fills in the layout's shards and the training's byte widths.
 
 ``pipeline_time(rank_times, num_microbatches, vpp) -> (step_s, bubble_s)`` and

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,7 +239,10 @@ class BlendTree:
     root: int          # a node, or −1 − d when one dataset has all the weight
 
     @classmethod
-    def of(cls, weights: np.ndarray) -> BlendTree:
+    def of(cls, weights: np.ndarray, names: Sequence[str] = ()) -> BlendTree:
+        """The tree of `weights` (normalised); a weight too small beside its neighbours for a
+        node's 32-bit ratio (below 2^-32 of their sum) is refused, naming it (`names`), rather
+        than drawn more often than given."""
         ratios: list[int] = []
         children: list[list[int]] = []
 
@@ -247,9 +251,15 @@ class BlendTree:
                 return -1 - ds[0]
             left, right = ds[: len(ds) // 2], ds[len(ds) // 2:]
             wl, wr = float(weights[left].sum()), float(weights[right].sum())
+            ratio = round(wl / (wl + wr) * (1 << RATIO_BITS))
+            if not 0 < ratio < 1 << RATIO_BITS:
+                small = (left if ratio == 0 else right)[0]
+                name = names[small] if small < len(names) else f"dataset {small + 1}"
+                raise SpecError(f"--data: the weight of {name} is below 2^-32 of the blend "
+                                "beside it, so it cannot be drawn at its weight; raise it or "
+                                "drop the dataset.")
             j = len(ratios)
-            ratios.append(min(max(round(wl / (wl + wr) * (1 << RATIO_BITS)), 1),
-                              (1 << RATIO_BITS) - 1))
+            ratios.append(ratio)
             children.append([0, 0])
             children[j] = [build(left), build(right)]
             return j
@@ -318,7 +328,7 @@ class Corpus:
                             f"dataset, or a weight of 0.{cut}")
         self.parts = parts
         self.weights = weights / weights.sum()
-        self.tree = BlendTree.of(self.weights)
+        self.tree = BlendTree.of(self.weights, [p.index.prefix for p in parts])
         self._tokens: dict[int, np.ndarray] = {}
 
     @property

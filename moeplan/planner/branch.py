@@ -316,7 +316,7 @@ class BranchAndBound:
         if not m.options:
             return 0.0
         built = stage_problem(self.pb.model, self.pb.cluster, tr, layout, self.pb.cal, table, m,
-                              OPTIMIZER_OFFLOAD_GRID[-1])
+                              OPTIMIZER_OFFLOAD_GRID[-1] if m.optimizer_offload else 0.0)
         P = replace(built.problem, host_s_per_byte=self.slow_s_per_byte())
         skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
         if skey not in self.sets:

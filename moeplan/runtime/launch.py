@@ -219,7 +219,7 @@ def _say_changed(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOp
     changed = [f"{k} {was[k]} → {now[k]}" for k in now if k in was and was[k] != now[k]]
     if opts.dtype and meta.get("dtype") not in (None, opts.dtype):
         changed.append(f"--dtype {meta['dtype']} → {opts.dtype}")
-    if changed:
+    if changed and os.environ.get("RANK", "0") == "0":  # a joined launch: rank 0 says it
         print(f"note: resuming {path.name} under other settings than it was trained with: "
               f"{'; '.join(changed)}. The weights and optimizer state carry on; the schedule "
               f"continues at step {meta.get('step')}.", file=sys.stderr, flush=True)
@@ -241,7 +241,9 @@ def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOpti
                         f"--split {was_split or 'default'}; resume with the same data and split "
                         f"(got --data {limits.clip(opts.data)} --split {opts.split or 'default'}),"
                         f" or start a new --ckpt-dir from its weights ({FROM_WEIGHTS}).")
-    if len(parse_blend(opts.data).prefixes) > 1 and meta.get("sampler") != SAMPLER:
+    blend = parse_blend(opts.data)
+    drawn = len(blend.prefixes) if blend.weights is None else sum(w > 0 for w in blend.weights)
+    if drawn > 1 and meta.get("sampler") != SAMPLER:
         raise SpecError(f"checkpoint {path} was trained on this blend by an earlier moeplan, "
                         "which drew its samples in another order (docs/DATA.md); resuming would "
                         "read other samples than the run it continues. Start a new --ckpt-dir "
@@ -340,13 +342,19 @@ def run(plan: Plan | str | Path, **options: object) -> dict:
 def _stops_recorded() -> Iterator[list[int]]:
     """SIGINT and SIGTERM received while the launcher prepares the run (the plan, the data's
     scan, the checkpoint's hashes: minutes for a large checkpoint), recorded rather than fatal,
-    so that a preemption then exits 75 with one line, not 143 or a traceback."""
+    so that a preemption then exits 75 with one line, not 143 or a traceback; a second one
+    stops the preparation at once, as a second one kills the workers (`_run_agent`)."""
     got: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
-    previous = {s: signal.signal(s, lambda signum, _frame: got.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def record(signum: int, _frame: object) -> None:
+        got.append(signum)
+        if len(got) > 1:
+            raise Stopped(got[0], None, None, started=False)
+
+    previous = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield got
     finally:
@@ -375,14 +383,17 @@ def _run(plan: Plan | str | Path, opts: RunOptions, joined: dict[str, str] | Non
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
         prepared = PreparedRun(given, running, opts)
         os.environ.pop(LOCKED_ENV, None)
-        if joined.get("RANK", "0") == "0":
-            prepared.write_plan(out)
         os.environ.update(joined)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(opts.nproc_per_node or world))
         os.environ.setdefault("MASTER_PORT", "29500")
         from .worker import run_worker
 
-        signum = run_worker(prepared, out)  # in this process: the plan is prepared already
+        # global rank 0 writes OUT: it holds it for the run, as a launcher of its own would
+        with _out_lock(plan, out, opts) if joined.get("RANK", "0") == "0" else \
+                contextlib.nullcontext():
+            if joined.get("RANK", "0") == "0":
+                prepared.write_plan(out)
+            signum = run_worker(prepared, out)  # in this process: the plan is prepared
         rank0 = joined.get("RANK", "0") == "0"
         summary = _read_summary(out / "summary.json") if rank0 else None
         if signum:
@@ -418,22 +429,18 @@ def _run(plan: Plan | str | Path, opts: RunOptions, joined: dict[str, str] | Non
         elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
             check_ckpt_dir(opts.ckpt_dir)
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
-        same = bool(opts.ckpt_dir) and Path(opts.ckpt_dir).resolve() == out.resolve()
-        if opts.nnodes == 1 and not same:  # this tree is the whole run: OUT is its alone
-            # (several nodes may share one OUT on a shared file system; one lock file per
-            # directory, so an OUT that is also the --ckpt-dir is locked as that)
-            held.enter_context(CkptLock(out, _describe(plan, out), flag="--out", clash=(
-                "the workers of one would read the other's run.json and train its plan, and "
-                "both would append to one metrics.jsonl")))
+        if early:  # a stop while the run was prepared: nothing has started or been written
+            raise Stopped(early[0], None, opts.ckpt_dir, started=False)
+        if opts.nnodes == 1:  # this tree is the whole run: OUT is its alone (several nodes
+            # may share one OUT on a shared file system, each writing its run.json there)
+            held.enter_context(_out_lock(plan, out, opts))
         # OUT/plan.json (the plan as given, next to its summary: `calibrate --from-runs`
         # re-predicts it) and OUT/run.json, what every worker reads
         PreparedRun(given, running, opts).write(out)
         env.setdefault("OMP_NUM_THREADS", str(max(1, limits.usable_cpus() // nproc)))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
-        if early:  # a stop while the run was prepared: nothing has started
-            raise Stopped(early[0], None, opts.ckpt_dir, started=False)
         started = time.time()
-        code, signum, killed = _run_agent(torchrun_command(opts, out, nproc, bind), env)
+        code, signum, killed = _run_agent(torchrun_command(opts, out, nproc, bind), env, early)
     summary_path = out / "summary.json"
     fresh = summary_path.is_file() and summary_path.stat().st_mtime >= started - 1
     summary = _read_summary(summary_path) if fresh else None
@@ -450,6 +457,18 @@ def _run(plan: Plan | str | Path, opts: RunOptions, joined: dict[str, str] | Non
     if code:
         raise RunFailed(code)
     return summary or {}
+
+
+def _out_lock(plan: Plan | str | Path, out: Path,
+              opts: RunOptions) -> contextlib.AbstractContextManager:
+    """The run's hold on --out (`storage.CkptLock`): a second run there would have its workers
+    read this run's run.json. An OUT that is also the --ckpt-dir is held as that (one lock file
+    per directory)."""
+    if opts.ckpt_dir and Path(opts.ckpt_dir).resolve() == out.resolve():
+        return contextlib.nullcontext()
+    return CkptLock(out, _describe(plan, out), flag="--out", clash=(
+        "the workers of one would read the other's run.json and train its plan, and both "
+        "would append to one metrics.jsonl"))
 
 
 def _describe(plan: Plan | str | Path, out: Path) -> str:
@@ -500,13 +519,17 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, bool]:
+def _run_agent(cmd: list[str], env: dict[str, str], pending: list[int] | None = None
+               ) -> tuple[int, int | None, bool]:
     """Run torchrun's agent in a session of its own and wait for it.
 
     The first SIGINT or SIGTERM to this launcher is passed to the agent, which passes it to the
     workers: they stop at the next step boundary (checkpointing with --ckpt-dir) and exit. A
     second one, or STOP_GRACE_S without an exit, kills the whole tree. Whatever happens here
     (an exception included), the agent and its workers do not outlive this call.
+
+    `pending`: stops the launcher recorded before this (`_stops_recorded`), one that came after
+    its last look passed on at once.
 
     Returns (the agent's exit code, the stop signal received or None, whether the tree was
     killed)."""
@@ -531,6 +554,8 @@ def _run_agent(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, bo
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
         if main else {}
+    if pending:
+        on_signal(pending[0], None)
     try:
         while True:
             try:

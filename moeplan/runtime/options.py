@@ -21,6 +21,8 @@ from ..specs import Plan
 RUN_FILE = "run.json"  # in the run directory: the prepared run, for the workers
 PLAN_FILE = "plan.json"  # beside it: the plan as given (calibrate --from-runs re-predicts it)
 RUN_FORMAT = 2
+EVAL_ITERS = 10  # global batches per evaluation unless --eval-iters says
+DIST_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
 
 
 @dataclass
@@ -34,8 +36,9 @@ class RunOptions:
     # validation datasets read whole (Megatron's --valid-data-path); None: --data's valid split
     valid_data: str | None = None
     eval_interval: int | None = None  # steps between evaluations on the validation split
-    # global batches per evaluation (settings.apply_settings: 10 unless given; given alone, one
-    # evaluation at the last step, as Megatron evaluates at the end of training)
+    # global batches per evaluation (`batches_per_eval`: EVAL_ITERS unless given); given alone,
+    # or with --valid-data, one evaluation at the last step (settings.apply_settings), as
+    # Megatron evaluates at the end of training
     eval_iters: int | None = None
     log_interval: int = 1  # steps between progress lines (metrics.jsonl has every step)
     tensorboard_dir: str | None = None  # TensorBoard event files, written by rank 0
@@ -60,7 +63,7 @@ class RunOptions:
     max_nonfinite_steps: int = 3  # NaN/inf steps in a row skipped before the run stops
     # how long a collective waits for a peer before the run fails (Megatron's
     # --distributed-timeout-minutes, default 10); a hung rank is then noticed in minutes
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = DIST_TIMEOUT_MINUTES
     # set by the launcher, not the user: the step `check_resume` verified (0: none) and the
     # digest of its manifest; workers load exactly that step
     resume_step: int | None = None
@@ -86,6 +89,11 @@ class RunOptions:
                             ("--ckpt-keep", self.ckpt_keep), ("--ckpt-every", self.ckpt_every)):
             if value < 0:
                 raise SpecError(f"{flag} {value}: give 0 or more.")
+
+    @property
+    def batches_per_eval(self) -> int:
+        """Global batches each evaluation reads: --eval-iters, else EVAL_ITERS."""
+        return EVAL_ITERS if self.eval_iters is None else self.eval_iters
 
     @classmethod
     def from_dict(cls, data: object, source: str) -> RunOptions:

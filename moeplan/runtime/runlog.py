@@ -16,6 +16,8 @@ import contextlib
 import math
 from pathlib import Path
 
+from rich.markup import escape
+
 from ..fsio import append_text, finite_or_null, strict_dumps
 from ..specs import Plan
 from .options import RunOptions
@@ -94,14 +96,15 @@ class RunLog:
                    else ""), markup=False)
         if eval_loss is not None:
             self.console.print(f"validation at step {metrics.step}: loss {eval_loss:.4f}, "
-                               f"perplexity {record['eval_ppl']:.4g} ({self.opts.eval_iters} "
+                               f"perplexity {record['eval_ppl']:.4g} ({self.opts.batches_per_eval} "
                                "batches)")
 
     def _tb_failed(self, step: int, e: OSError) -> None:
         self.tb_error = (f"TensorBoard writes into --tensorboard-dir {self.opts.tensorboard_dir} "
                          f"failed at step {step} ({e.strerror or e}); the event files end "
                          "before it, and metrics.jsonl holds every step")
-        self.console.print(f"[bold yellow]warning:[/] {self.tb_error}. Training goes on.")
+        self.console.print(f"[bold yellow]warning:[/] {escape(self.tb_error)}. "
+                           "Training goes on.")
         with contextlib.suppress(OSError):
             self.tb.close()
         self.tb = None

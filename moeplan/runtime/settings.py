@@ -31,7 +31,6 @@ TRAINING_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_
 INT_OPTIONS = ("steps", "seed", "eval_interval", "eval_iters", "log_interval")
 TEXT_OPTIONS = ("data", "split", "valid_data", "tokenizer_model", "tensorboard_dir")
 OPTION_KEYS = INT_OPTIONS + TEXT_OPTIONS
-EVAL_ITERS = 10  # global batches per evaluation unless --eval-iters says
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -88,10 +87,9 @@ def apply_settings(plan: Plan, opts: RunOptions) -> Plan:
         plan = plan.model_copy(update={"training": training})
     if opts.steps is None:
         opts.steps = plan.training.train_iters or DEFAULT_STEPS
-    if opts.eval_iters is not None and opts.eval_interval is None:
-        opts.eval_interval = opts.steps  # Megatron evaluates at the end of training
-    if opts.eval_iters is None:
-        opts.eval_iters = EVAL_ITERS
+    asked = opts.eval_iters is not None or opts.valid_data is not None
+    if asked and opts.eval_interval is None:  # Megatron evaluates at the end of training
+        opts.eval_interval = min(opts.steps, limits.MAX_TRAIN_ITERS)
     if opts.valid_data is not None and opts.split is None:
         opts.split = WHOLE_SPLIT["train"]  # as Megatron's separate paths: each read whole
     return plan

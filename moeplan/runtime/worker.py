@@ -29,7 +29,7 @@ from ..specs.grid import RankGrid
 from . import checkpoint
 from .groups import build_groups
 from .lifecycle import AGENT_PID_ENV, pending_stop, set_parent_death_signal, stop_exit_code
-from .options import PreparedRun, RunOptions
+from .options import DIST_TIMEOUT_MINUTES, PreparedRun, RunOptions
 from .runlog import RunLog, eval_due, peak_tflops
 from .storage import LOCKED_ENV, CkptLock, manifest_sha256, newest_checkpoint, step_dir
 from .train import StepMetrics, Trainer
@@ -98,7 +98,8 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
         metrics, _ = trainer.step(step)
         history.append(metrics)
         bad = bad + 1 if metrics.skipped else 0
-        eval_loss = trainer.evaluate(opts.eval_iters) if eval_due(metrics.step, opts) else None
+        eval_loss = (trainer.evaluate(opts.batches_per_eval) if eval_due(metrics.step, opts)
+                     else None)
         if rank0:
             log.step(metrics, eval_loss)
         if bad >= opts.max_nonfinite_steps:
@@ -195,7 +196,8 @@ def _lock_ckpt_dir(opts: RunOptions, out: Path, device: torch.device) -> CkptLoc
     return lock
 
 
-def _init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> None:
+def _init_process_group(device: torch.device,
+                        timeout_minutes: float = DIST_TIMEOUT_MINUTES) -> None:
     """NCCL on GPU, gloo on CPU, from torchrun's environment; a collective that waits longer
     than `timeout_minutes` for a peer (a hung or stopped rank) fails the run.
 
@@ -208,7 +210,7 @@ def _init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                             is_master=False, timeout=timedelta(minutes=10))
+                             is_master=False, timeout=timedelta(minutes=timeout_minutes))
         dist.init_process_group(backend, store=dist.PrefixStore(f"moeplan/attempt_{restart}",
                                                                 base),
                                 rank=int(os.environ["RANK"]),
@@ -416,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
         raise SystemExit(e.exit_code) from None
     except RuntimeError as e:  # a peer died mid-collective: the agent names it, in one line
-        timed_out = "Timed out" in str(e) or "timed out" in str(e)
+        timed_out = "Timed out waiting" in str(e)  # gloo's collective timeout
         if not isinstance(e, dist.DistError) and not timed_out and not any(
                 k in str(e) for k in ("closed by peer", "reset by peer", "Broken pipe")):
             raise

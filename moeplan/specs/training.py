@@ -53,8 +53,8 @@ class TrainingSpec(BaseModel):
                                    description="Sequences per optimizer step (gbs).")
     precision: Precision = Field("bf16", description="GEMM precision recipe.")
     lr: float = Field(3e-4, gt=0, le=MAX_LR, description="Peak learning rate (Megatron --lr).")
-    min_lr: float = Field(3e-5, ge=0, le=MAX_LR, description="Learning rate at the end of the decay "
-                          "(Megatron --min-lr).")
+    min_lr: float = Field(3e-5, ge=0, le=MAX_LR, description="Learning rate at the end of the "
+                          "decay (Megatron --min-lr).")
     lr_warmup_iters: int = Field(
         2, ge=0, le=MAX_TRAIN_ITERS, validation_alias=AliasChoices("lr_warmup_iters",
                                                                    "warmup_steps"),
