@@ -29,6 +29,7 @@ from . import specs as S
 from .errors import (
     InfeasibleError,
     MoeplanError,
+    RunStopped,
     SpecError,
     TorchMissing,
     exit_code,
@@ -1078,18 +1079,27 @@ def run(
     require_torch("moeplan run")
     from .runtime.launch import run as run_plan
 
-    # RunFailed (workers failed) and RunStopped (a signal stopped them) reach main's table
+    # RunFailed (workers failed) and RunStopped (a signal stopped them) reach main's table; a
+    # stop with a summary prints it under --json too (one document on stdout, exit 75/130)
+    stopped: RunStopped | None = None
     with _stdout_to_stderr(as_json):  # --json: the workers' logs must not mix into stdout
-        summary = run_plan(
-            plan, dtype=dtype, out=out_dir, scale_down=scale_down,
-            nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
-            ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
-            max_restarts=max_restarts, ckpt_keep=ckpt_keep,
-            max_nonfinite_steps=max_nonfinite_steps,
-            distributed_timeout_minutes=distributed_timeout_minutes, cluster=cluster,
-            init_from=init_from,
-            training=training or None, **options)
+        try:
+            summary = run_plan(
+                plan, dtype=dtype, out=out_dir, scale_down=scale_down,
+                nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
+                ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, resume=resume,
+                max_restarts=max_restarts, ckpt_keep=ckpt_keep,
+                max_nonfinite_steps=max_nonfinite_steps,
+                distributed_timeout_minutes=distributed_timeout_minutes, cluster=cluster,
+                init_from=init_from,
+                training=training or None, **options)
+        except RunStopped as e:
+            stopped = e
+    if stopped is not None:
+        if as_json and stopped.summary:
+            emit(stopped.summary, True, lambda: None)
+        raise stopped
     if not summary:  # a worker inside someone else's launch: rank 0 of the launch reports
         return
 

@@ -88,7 +88,9 @@ class RunRefused(RunFailed):
 class RunStopped(RunFailed):
     """SIGINT or SIGTERM stopped a run at a step boundary: exit 130 or 75, and the message is
     the one line saying where it stopped and what was saved (empty where another rank says
-    it)."""
+    it). `summary`: the workers' summary.json of the stop, when they wrote one."""
+
+    summary: dict | None = None
 
 
 # Exception type → (exit code, word the CLI prints before the message). The most derived type

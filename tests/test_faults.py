@@ -136,11 +136,12 @@ def test_a_signal_to_one_worker_stops_the_run_with_its_exit_code_and_one_line(
     stopped at a step boundary and checkpointed, then exited 0 with a normal summary. It exits
     75 (SIGTERM) or 130 (SIGINT) with its one "stopped by …; continue with --resume" line."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    proc = _start(plans["ep2"], out, ckpt)
+    proc = _start(plans["ep2"], out, ckpt, "--json")
     _wait(lambda: _steps_done(out) >= 3, proc)
     os.kill(_worker_pid(out, 1), sig)
-    _, stderr = proc.communicate(timeout=180)
+    stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == code, stderr[-3000:]
+    assert json.loads(stdout)["stopped_by"] == sig.name  # --json: one document, the stop's
     lines = [line for line in stderr.splitlines() if line.strip()]
     stops = [line for line in lines if line.startswith("stopped by")]
     summary = json.loads((out / "summary.json").read_text())

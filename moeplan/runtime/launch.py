@@ -72,7 +72,7 @@ class Stopped(RunStopped):
                  quiet: bool = False, killed: bool = True, started: bool = True):
         name = signal.Signals(signum).name
         code = stop_exit_code(signum)
-        self.signum = signum
+        self.signum, self.summary = signum, summary
         if quiet:  # a rank other than 0 of a joined launch: rank 0 says it
             super().__init__(code, "")
             return
