@@ -221,8 +221,8 @@ def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path,
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
-                                  "measured_nothing", "no_plan", "eval_without_from_runs", "fit_without_from_runs",
-                                  "unknown_constant"])
+                                  "measured_nothing", "no_plan", "eval_without_from_runs",
+                                  "fit_without_from_runs", "unknown_constant"])
 def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path, cli):
     d = tmp_path / "run"
     d.mkdir()

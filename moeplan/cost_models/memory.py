@@ -10,11 +10,11 @@ the optimizer states may live on the host (`--optimizer-cpu-offload`).
 Under an FP8 or FP4 recipe Transformer Engine quantizes each GEMM weight once per step, on the
 first micro-batch, and keeps the quantized copies for the others (its weight workspace,
 `get_weight_workspace` with Megatron passing `is_first_microbatch`): the row-wise copy of the
-forward and the column-wise one of the data-gradient GEMM, `weight_copy_bytes` per GEMM
-parameter beside the bf16 weight. With `--fp8-param-gather` the parameters are those quantized
-tensors and no bf16 weight is kept (Megatron's "mxfp8 without ... fp8_param_gather will use
-significant amount additional GPU memory", optimizer_config.py). The embedding and output
-layer run no quantized GEMM.
+forward and the column-wise one of the data-gradient GEMM, twice the recipe's bytes per element
+per GEMM parameter beside the bf16 weight (`weight_bytes`). With `--fp8-param-gather` the
+parameters are those quantized tensors and no bf16 weight is kept (Megatron's "mxfp8 without ...
+fp8_param_gather will use significant amount additional GPU memory", optimizer_config.py). The
+embedding and output layer run no quantized GEMM.
 """
 
 from __future__ import annotations

@@ -229,10 +229,9 @@ class Part:
 @dataclass(frozen=True)
 class BlendTree:
     """The datasets of positive weight as a balanced binary tree. Node j splits its samples
-    between its children in the ratio left[j] : right[j] of their weights, `ratio[j]` =
-    round(2^32 · W_left / W_node) clipped to [1, 2^32 − 1] so neither side of a positive
-    weight is starved; `child[j]` holds (left, right), a child ≥ 0 a node and −1 − d
-    dataset d."""
+    between its children in the ratio of their weights, `ratio[j]` = round(2^32 · W_left /
+    W_node), strictly between 0 and 2^32 (`of` refuses a weight too small for it);
+    `child[j]` holds (left, right), a child ≥ 0 a node and −1 − d dataset d."""
 
     ratio: np.ndarray  # uint64, per node
     child: np.ndarray  # int64, (nodes, 2)

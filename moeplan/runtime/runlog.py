@@ -96,8 +96,8 @@ class RunLog:
                    else ""), markup=False)
         if eval_loss is not None:
             self.console.print(f"validation at step {metrics.step}: loss {eval_loss:.4f}, "
-                               f"perplexity {record['eval_ppl']:.4g} ({self.opts.batches_per_eval} "
-                               "batches)")
+                               f"perplexity {record['eval_ppl']:.4g} "
+                               f"({self.opts.batches_per_eval} batches)")
 
     def _tb_failed(self, step: int, e: OSError) -> None:
         self.tb_error = (f"TensorBoard writes into --tensorboard-dir {self.opts.tensorboard_dir} "

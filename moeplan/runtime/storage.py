@@ -762,14 +762,15 @@ class CkptLock:
 
     def __init__(self, ckpt_dir: str | Path, command: str, flag: str = "--ckpt-dir",
                  clash: str = "two runs saving into one checkpoint directory would prune each "
-                 "other's steps"):
+                 "other's steps", checked: bool = True):
         """`flag` and `clash`: the directory's option and what two runs sharing it would do
-        (the run's --out is locked the same way: its workers read OUT/run.json)."""
+        (the run's --out is locked the same way: its workers read OUT/run.json); `checked`:
+        probe it as a checkpoint directory first (`check_ckpt_dir`)."""
         self.dir, self.command, self.fd = Path(ckpt_dir), command, None
-        self.flag, self.clash = flag, clash
+        self.flag, self.clash, self.checked = flag, clash, checked
 
     def acquire(self) -> CkptLock:
-        if self.flag == "--ckpt-dir":
+        if self.checked:
             check_ckpt_dir(self.dir)
         path = self.dir / LOCK
         try:

@@ -21,10 +21,10 @@ grad-norm, batch-size and validation tags also `… vs samples` (x = samples con
 global batch), as Megatron writes them. `load_balancing_loss` is Megatron's quantity too: the
 switch loss per MoE layer without its coefficient (1.0 for a balanced router), where
 metrics.jsonl's `aux_loss` is the term the objective adds (coefficient × the sum over layers).
-moeplan's own: `tokens-per-second`, `mfu` (when the peak of this machine is known: a GPU preset or `--cluster`), `mem-peak-gigabytes` (peak
-allocated on GPU, peak RSS on CPU; Megatron's `--log-memory-to-tensorboard` writes bytes as
-`mem-max-allocated-bytes`, GPU only) and `moe/load-imbalance` (busiest expert's tokens /
-mean, worst MoE layer; 1.0 is even).
+moeplan's own: `tokens-per-second`, `mfu` (when the peak of this machine is known: a GPU preset
+or `--cluster`), `mem-peak-gigabytes` (peak allocated on GPU, peak RSS on CPU; Megatron's
+`--log-memory-to-tensorboard` writes bytes as `mem-max-allocated-bytes`, GPU only) and
+`moe/load-imbalance` (busiest expert's tokens / mean, worst MoE layer; 1.0 is even).
 """
 
 from __future__ import annotations
