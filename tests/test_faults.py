@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from moeplan.runtime.storage import complete_steps, verify
+from moeplan.runtime.storage import CkptLock, complete_steps, verify
 
 from .conftest import run_cli
 from .test_run_cli import write_plan
@@ -345,10 +345,26 @@ def test_a_second_run_on_a_busy_out_exits_2_and_the_first_trains_its_own_plan(pl
     assert summary["world_size"] == 2 and _steps_done(out) == 30
 
 
+def test_a_busy_out_is_refused_before_the_checkpoint_is_verified(plans, tmp_path):
+    """A second run on a busy --out verified (hashed) its --resume checkpoint first, minutes
+    for a large one, and only then was refused: the --out it names is held first."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    step = ckpt / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")  # claims to be a checkpoint: verify refuses it
+    with CkptLock(out, "moeplan run held-by-this-test", flag="--out", clash="", checked=False):
+        r = moeplan("run", plans["w1"], "--steps", "2", "--seed", SEED, "--out", str(out),
+                    "--ckpt-dir", str(ckpt), "--resume")
+    said = _flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, said
+    assert f"--out {out} is in use by another run" in said and "held-by-this-test" in said
+    assert "manifest" not in said
+
+
 # --------------------------------------------------------------------------- restarts, hung ranks
 def test_a_restart_after_a_lost_worker_is_said_and_counted(plans, tmp_path):
     """torchrun restarted the workers without a word: the only trace was rank 0's lost peer,
-    and the summary said nothing of it."""
+    and the summary said nothing of it. The line names the worker that failed and how."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     run = _start(plans["ep2"], out, ckpt, "--ckpt-every", "1", "--max-restarts", "1", steps=8)
     _wait(lambda: len(complete_steps(ckpt)) >= 2, run)
@@ -356,7 +372,8 @@ def test_a_restart_after_a_lost_worker_is_said_and_counted(plans, tmp_path):
     _, stderr = run.communicate(timeout=300)
     said = _flat(stderr)
     assert run.returncode == 0 and "Traceback" not in stderr, said[-3000:]
-    assert "restarting the workers from the newest checkpoint: restart 1 of 1" in said
+    assert ("worker rank 1 was killed by SIGKILL (the out-of-memory killer sends SIGKILL); "
+            "restarting the workers from the newest checkpoint: restart 1 of 1") in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from"] >= 2
     assert any("restarted 1 time" in n for n in summary["notes"])

@@ -46,31 +46,62 @@ def _forward(signum: int, _frame: object) -> None:
 RESTART_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
+FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
 class _SayRestart(logging.Handler):
     """torchrun's record of a restart (`SimpleElasticAgent._invoke_run`: "[role] Worker group
-    FAILED. k/n attempts left; will restart worker group"), said in one line; the agent's other
-    records stay silent."""
+    FAILED. k/n attempts left; will restart worker group"), said in one line naming the worker
+    that failed, which torchrun recorded just before (`SubprocessContext._poll`: "failed
+    (exitcode: %s) local_rank: %s ..."); the agent's other records stay silent. `node_ranks`:
+    whether a local rank is the rank (one node), else it is named as this node's."""
+
+    def __init__(self, node_ranks: bool) -> None:
+        super().__init__()
+        self.node_ranks = node_ranks
+        self.failed: tuple[int, int] | None = None  # (local rank, exit code) of the last failure
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "attempts left" not in str(record.msg):
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode"):
+            try:
+                self.failed = (int(record.args[1]), int(record.args[0]))  # type: ignore[index]
+            except (TypeError, ValueError, IndexError):
+                self.failed = None
+            return
+        if "attempts left" not in msg:
             return
         try:
             _, state, left, most = record.args  # type: ignore[misc]
             which = f"restart {int(most) - int(left) + 1} of {int(most)}"
         except (TypeError, ValueError):
             state, which = "FAILED", "a restart"
-        print(f"a worker failed (worker group {str(state).lower()}); restarting the workers "
-              f"from the newest checkpoint: {which} (--max-restarts).", file=sys.stderr,
-              flush=True)
+        if self.failed is None:
+            who = f"a worker failed (worker group {str(state).lower()})"
+        else:
+            rank, code = self.failed
+            name = f"local rank {rank} of this node" if self.node_ranks else f"rank {rank}"
+            who = f"worker {name} {ended(code)}"
+        self.failed = None
+        print(f"{who}; restarting the workers from the newest checkpoint: {which} "
+              "(--max-restarts).", file=sys.stderr, flush=True)
+
+
+def ended(exitcode: int) -> str:
+    """How a worker ended, in words: the signal that killed it, or its exit code."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = " (the out-of-memory killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {exitcode}"
 
 
 def failure_line(rank: int, exitcode: int) -> str:
     """One line naming the first failed worker and how it ended."""
-    if exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        why = " (the out-of-memory killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
-        return f"worker rank {rank} was killed by {name}{why}; the other workers were stopped."
-    return f"worker rank {rank} exited with code {exitcode}; the other workers were stopped."
+    return f"worker rank {rank} {ended(exitcode)}; the other workers were stopped."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in list(logging.root.manager.loggerDict):  # created at import, level from env
         if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
             logging.getLogger(name).setLevel(logging.CRITICAL)  # this module reports failures
-    restarts = logging.getLogger(RESTART_LOGGER)  # but a restart is said, in one line
-    restarts.setLevel(logging.INFO)
-    restarts.handlers[:] = [_SayRestart()]
-    restarts.propagate = False
     args = parse_args([f"--signals-to-handle={HARD_STOP}",
                        *(sys.argv[1:] if argv is None else argv)])
+    say = _SayRestart(node_ranks=str(args.nnodes) not in ("1", "1:1"))
+    for name, level in ((RESTART_LOGGER, logging.INFO), (FAILURE_LOGGER, logging.ERROR)):
+        log = logging.getLogger(name)  # but a restart is said, in one line, with its failure
+        log.setLevel(level)
+        log.handlers[:] = [say]
+        log.propagate = False
     try:
         run(args)
     except ChildFailedError as e:

@@ -428,11 +428,19 @@ def _run(plan: Plan | str | Path, opts: RunOptions, joined: dict[str, str] | Non
             env[LOCKED_ENV] = "1"
         elif opts.ckpt_dir:  # several nodes: global rank 0's worker takes the lock
             check_ckpt_dir(opts.ckpt_dir)
+        # this tree is the whole run: OUT is its alone (several nodes may share one OUT on a
+        # shared file system, each writing its run.json there). An OUT that exists may be
+        # busy: it is held before the checkpoint is verified (minutes of hashing for a large
+        # one), so a second run is refused at once; one that does not is made only once the
+        # checkpoint has been accepted
+        lock_out = opts.nnodes == 1
+        if lock_out and out.is_dir():
+            held.enter_context(_out_lock(plan, out, opts))
+            lock_out = False
         opts.resume_step, opts.resume_manifest = verified_resume(running, opts)
         if early:  # a stop while the run was prepared: nothing has started or been written
             raise Stopped(early[0], None, opts.ckpt_dir, started=False)
-        if opts.nnodes == 1:  # this tree is the whole run: OUT is its alone (several nodes
-            # may share one OUT on a shared file system, each writing its run.json there)
+        if lock_out:
             held.enter_context(_out_lock(plan, out, opts))
         # OUT/plan.json (the plan as given, next to its summary: `calibrate --from-runs`
         # re-predicts it) and OUT/run.json, what every worker reads
