@@ -154,6 +154,7 @@ def test_data_prepare_cli_prints_one_json_document_and_plain_progress_when_piped
     doc = json.loads(r.stdout)
     assert doc["documents"] == 1 and doc["tokens"] > 1000 and doc["dtype"] == "uint16"
     assert "100%" in r.stderr and "\r" not in r.stderr  # a pipe gets plain lines
+    assert r.stderr.count("100%") == 1, r.stderr  # the end is said once
     r = run_cli("data", "prepare", str(tmp_path / "a.txt"), "--tokenizer-model",
                 str(tmp_path / "missing.json"), "-o", str(tmp_path / "x"))
     assert r.returncode == 2 and "no such file or directory" in r.stderr
@@ -252,6 +253,7 @@ def _idx_bytes(prefix) -> bytes:
     ("truncate_idx", "is truncated or not an index"),
     ("magic", "does not start with Megatron's index magic"),
     ("float", "names token dtype code 7 (float32)"),
+    ("dtype", "dtype code says int32 tokens (4 bytes), but its sequence pointers step by 2"),
     ("pointer", "sequence 2 starts at byte 41"),
     ("documents", "document boundaries run from"),
     ("vocab", "token id 9 (near token 0) is outside the model's vocabulary of 8"),
@@ -268,6 +270,9 @@ def test_a_damaged_dataset_is_refused_by_name(tmp_path, damage, needle):
         (tmp_path / "c.idx").write_bytes(b"GARBAGE!!" + idx[9:])
     elif damage == "float":
         idx[17] = 7
+        (tmp_path / "c.idx").write_bytes(idx)
+    elif damage == "dtype":  # an int32 code on uint16 tokens: not a layout moeplan can't read
+        idx[17] = 4
         (tmp_path / "c.idx").write_bytes(idx)
     elif damage == "pointer":  # sequence 2 starts one byte late
         at = 34 + 4 * 5 + 8 * 2
@@ -295,6 +300,22 @@ def test_a_text_file_as_data_says_a_tokenized_dataset_is_needed_and_how_to_make_
     (tmp_path / "half.idx").unlink()
     with pytest.raises(SpecError, match=r"half.idx is missing"):
         Corpus(str(tmp_path / "half"), None, "train", 8, seed=0, vocab_size=100)
+
+
+def test_a_link_loop_and_a_saved_hf_dataset_are_named_for_what_they_are(tmp_path):
+    """A symbolic link loop read as "no such dataset"; a Hugging Face `save_to_disk`
+    directory got the generic message."""
+    (tmp_path / "loop.bin").symlink_to(tmp_path / "loop.idx")
+    (tmp_path / "loop.idx").symlink_to(tmp_path / "loop.bin")
+    with pytest.raises(SpecError, match="loop.bin is a symbolic link that leads to no file"):
+        Corpus(str(tmp_path / "loop"), None, "train", 8, seed=0, vocab_size=100)
+    saved = tmp_path / "hf_saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"")
+    with pytest.raises(SpecError) as e:
+        Corpus(str(saved), None, "train", 8, seed=0, vocab_size=100)
+    assert "Hugging Face datasets directory" in str(e.value) and "to_json" in str(e.value)
 
 
 def test_a_split_too_small_for_one_sequence_is_refused_naming_the_split(tmp_path):

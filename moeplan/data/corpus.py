@@ -59,6 +59,9 @@ PACKED_SUFFIXES = {".gz": "decompress it (gunzip)", ".zst": "decompress it (zstd
                            "(moeplan.data.indexed.write_documents)",
                    ".arrow": "export its text column to JSONL (datasets' to_json)"}
 """Inputs `data prepare` cannot read, with what to do instead."""
+HF_SAVED = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""The files `datasets`' `save_to_disk` writes beside its Arrow shards (a DatasetDict writes
+dataset_dict.json and one such directory per split)."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -178,6 +181,13 @@ def _missing(prefix: str) -> SpecError:
                          f"{PACKED_SUFFIXES[packed]}, then `moeplan data prepare FILE "
                          "--tokenizer-model TOKENIZER -o PREFIX` (docs/DATA.md) and pass --data "
                          "PREFIX.")
+    if given.is_dir() and any((given / f).is_file() for f in HF_SAVED):
+        return SpecError(f"--data {prefix}: this is a Hugging Face datasets directory "
+                         "(`save_to_disk`), not a tokenized dataset, and `moeplan data "
+                         "prepare` reads UTF-8 text and JSONL only: export its text column with "
+                         "`datasets.load_from_disk(DIR).to_json('FILE.jsonl')`, then `moeplan "
+                         "data prepare FILE.jsonl --tokenizer-model TOKENIZER -o PREFIX` "
+                         "(docs/DATA.md) and pass --data PREFIX.")
     if given.is_file() or given.suffix.lower() in TEXT_SUFFIXES:
         return SpecError(f"--data {prefix}: this is not a tokenized dataset. `moeplan run` "
                          "trains on Megatron's indexed format, a PREFIX.bin + PREFIX.idx pair "
@@ -188,6 +198,10 @@ def _missing(prefix: str) -> SpecError:
     how = (f"`moeplan data prepare TEXT_OR_JSONL --tokenizer-model TOKENIZER -o {given}` "
            "writes one (docs/DATA.md)")
     for part in (bin_path, idx_path):  # there, but a directory, a device or a pipe
+        if part.is_symlink() and not part.exists():
+            return SpecError(f"--data {prefix}: {part} is a symbolic link that leads to no "
+                             "file (its target is missing, or the links form a loop). Point it "
+                             f"at the dataset's file, or rebuild the pair: {how}.")
         problem = file_problem(part)
         if problem is not None and problem.startswith("is "):
             return SpecError(f"--data {prefix}: {part} {problem}; a dataset is a pair of "

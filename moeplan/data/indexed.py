@@ -93,6 +93,23 @@ def _refuse(prefix: str | Path, why: str) -> SpecError:
                      "tools/preprocess_data.py).")
 
 
+def _dtype_blame(prefix: str | Path, idx_path: Path, dtype: np.dtype, pointer: int,
+                 tokens: int) -> None:
+    """Refuse, naming the dtype, an index whose pointers step by another token size than its
+    dtype code says: `pointer` is where a sequence starts, after `tokens` tokens, so a pointer
+    of `tokens` × k bytes for another token size k is a wrong dtype code, not a layout moeplan
+    cannot read."""
+    if tokens <= 0:
+        return
+    for name in TOKEN_DTYPES:
+        other = np.dtype(name)
+        if other.itemsize != dtype.itemsize and pointer == tokens * other.itemsize:
+            raise _refuse(prefix, f"{idx_path}'s dtype code says {dtype.name} tokens "
+                                  f"({dtype.itemsize} bytes), but its sequence pointers step "
+                                  f"by {other.itemsize} bytes a token, as {other.name} would; "
+                                  "the index's dtype code does not match its .bin")
+
+
 def read_index(prefix: str | Path) -> Index:
     """The checked index of PREFIX.idx / PREFIX.bin.
 
@@ -156,6 +173,8 @@ def read_index(prefix: str | Path) -> Index:
         bad = pointers[lo: lo + CHECK_CHUNK] != expect
         if bad.any():
             i = lo + int(np.argmax(bad))
+            if i:
+                _dtype_blame(prefix, idx_path, dtype, int(pointers[i]), total + int(ln[: i - lo].sum()))
             where = f"where sequence {i - 1} ends" if i else "at byte 0"
             raise _refuse(prefix, f"{idx_path}: sequence {i} starts at byte "
                                   f"{int(pointers[i]):,}, not {where}; moeplan reads "

@@ -296,6 +296,7 @@ class ProgressLine:
 
     def __init__(self, label: str, every_s: float = 5.0):
         self.label, self.every_s, self.last = label, every_s, 0.0
+        self.said_final: tuple[int, int] | None = None  # the 100% line's counts, once said
         self.live = None
         if sys.stderr.isatty():
             from rich.progress import (
@@ -318,8 +319,13 @@ class ProgressLine:
             self.live.update(self.task, completed=done, total=total, info=info)
             return
         now = time.monotonic()
-        if done >= total or now - self.last >= self.every_s:
+        final = done >= total
+        if final and self.said_final == (docs, tokens):
+            return  # the last batch reached the end; the end itself is said once
+        if final or now - self.last >= self.every_s:
             self.last = now
+            if final:
+                self.said_final = (docs, tokens)
             pct = 100.0 * done / total if total else 100.0
             print(f"{self.label}: {pct:.0f}% ({done / 1e6:,.1f} of {total / 1e6:,.1f} MB), "
                   f"{info}", file=sys.stderr, flush=True)
