@@ -229,11 +229,12 @@ def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOpti
     """Refuse a resume that would read other samples than the run it continues: another
     --data or --split (the checkpoint's meta.json), or another global batch or sequence length
     (the data position of step s is s × global batch windows of seq + 1 tokens)."""
-    from ..data.corpus import SAMPLER, data_key, parse_blend
+    from ..data.corpus import SAMPLER, data_key
 
     was_data, was_split = meta.get("data", "synthetic"), meta.get("split")
+    key = data_key(opts.data, opts.split)  # (prefixes, weights, split), or ("synthetic", split)
     try:
-        same = data_key(str(was_data), was_split) == data_key(opts.data, opts.split)
+        same = data_key(str(was_data), was_split) == key
     except SpecError:  # the checkpoint's data no longer parses (moved): not the same
         same = False
     if not same:
@@ -241,8 +242,8 @@ def _same_data(path: Path, meta: dict, saved: Plan, running: Plan, opts: RunOpti
                         f"--split {was_split or 'default'}; resume with the same data and split "
                         f"(got --data {limits.clip(opts.data)} --split {opts.split or 'default'}),"
                         f" or start a new --ckpt-dir from its weights ({FROM_WEIGHTS}).")
-    blend = parse_blend(opts.data)
-    drawn = len(blend.prefixes) if blend.weights is None else sum(w > 0 for w in blend.weights)
+    drawn = (0 if key[0] == "synthetic" else len(key[0]) if key[1] is None
+             else sum(w > 0 for w in key[1]))
     if drawn > 1 and meta.get("sampler") != SAMPLER:
         raise SpecError(f"checkpoint {path} was trained on this blend by an earlier moeplan, "
                         "which drew its samples in another order (docs/DATA.md); resuming would "
