@@ -120,6 +120,26 @@ def test_a_rows_documented_modules_offloads_layout_and_numerics_are_priced_as_wr
     assert not plain.training.fp8_param_gather
 
 
+def test_megatron_bridge_fp8_rows_gather_fp8_parameters_as_their_recipe_does():
+    """Megatron-Bridge's performance scripts run `bf16_with_mxfp8_mixed` and
+    `bf16_with_fp8_current_scaling_mixed`, both with fp8_param_gather, in every release; the
+    rows were priced with bf16 gathers and bf16 weights beside their quantized copies, so a run
+    that ran was priced above its GPU's memory (Qwen3-30B-A3B MXFP8 on GB300, R0007: 292 GB on
+    288; Llama3-405B FP8 current scaling on H100, R0087: 85.5 GB on 80)."""
+    rows = {r["id"]: r for r in read_rows()}
+    cases = _cases({"R0007", "R0087", "R0200", "R0107", "R0038"})
+    assert cases["R0007"].training.fp8_param_gather  # MXFP8
+    assert cases["R0087"].training.fp8_param_gather  # FP8 current scaling
+    assert cases["R0200"].training.fp8_param_gather  # Kimi-K2 26.02: Adam
+    assert not cases["R0107"].training.fp8_param_gather  # Kimi-K2 26.04: Muon turns it off
+    assert not cases["R0038"].training.fp8_param_gather  # NVFP4: FP4 gathers, not priced so
+    assert rows["R0107"]["precision_preset"] == "mxfp8"
+    from moeplan.validation.scoring import cluster_of, predict_case
+
+    for c in (cases["R0007"], cases["R0087"]):
+        assert predict_case(c)["predicted_memory_gb"] < cluster_of(c).hbm_gb
+
+
 @pytest.mark.parametrize("cell, modules", [
     ("norm, act", ["layernorm", "moe_act"]),            # Megatron-MoE-ModelZoo's words
     ("norm, act, shared_expert", ["layernorm", "moe_act", "shared_experts"]),

@@ -66,9 +66,31 @@ BF16_GRAD_REDUCE_SOURCES = TP_OVERLAP_SOURCES
 # NeMo 2.0's FP8 mixed-precision recipes gather FP8 parameters: `bf16_with_fp8_mixed` (the
 # unnamed "FP8" of its performance tables, delayed scaling) sets `fp8_params=True` /
 # `fp8_param_gather=True`, and so does its `bf16_with_mxfp8_mixed` (what that "FP8" is on
-# Blackwell). Its current-scaling recipe ("FP8-CS") and Megatron-Bridge's MXFP8 recipe do not
-# document one setting across releases, so those rows keep bf16 gathers.
+# Blackwell). Its current-scaling recipe ("FP8-CS") does not document one setting across
+# releases, so those rows keep bf16 gathers.
 FP8_PARAM_GATHER_SOURCES = ("NVIDIA NeMo 2.0 performance summary",)
+
+# Megatron-Bridge's performance scripts take their precision from `get_precision_config`
+# (scripts/performance/utils/helpers.py in v0.1.0, utils/precision.py from v0.3.0): "fp8_cs"
+# is `bf16_with_fp8_current_scaling_mixed()` and "fp8_mx" `bf16_with_mxfp8_mixed()`, both with
+# `fp8_param_gather = True` (MXFP8 with `reuse_grad_buf_for_mxfp8_param_ag`) in every release
+# from v0.1.0 (25.09) to v0.6.0 (26.08), src/megatron/bridge/training/mixed_precision.py; the
+# blockwise recipe ("fp8_sc") sets it False, NVFP4 gathers FP4 parameters (not priced as
+# such: those rows keep bf16 gathers). The one performance config that turns it off for the
+# rows here: Kimi-K2 from v0.4.0 (26.04), whose default optimizer became Muon
+# ("MXFP8's fp8_param_gather ... incompatible with Muon's LayerWiseDistributedOptimizer",
+# scripts/performance/configs/kimi/kimi_llm_pretrain.py).
+BRIDGE_FP8_PARAM_GATHER = ("fp8-tensorwise", "mxfp8")
+BRIDGE_FP8_PARAM_GATHER_OFF: dict[str, tuple[int, int]] = {"kimi-k2": (26, 4)}
+
+
+def bridge_fp8_param_gather(row: dict[str, str], model_preset: str, precision: str) -> bool:
+    """Whether a Megatron-Bridge row's recipe gathers FP8 parameters (BRIDGE_FP8_PARAM_GATHER)."""
+    if (not (row.get("source", "") or "").startswith(BRIDGE_SOURCE)
+            or precision not in BRIDGE_FP8_PARAM_GATHER):
+        return False
+    off_from, rel = BRIDGE_FP8_PARAM_GATHER_OFF.get(model_preset), release_of(row)
+    return off_from is None or (rel is not None and rel < off_from)
 
 
 def recipe_settings(row: dict[str, str], model: ModelSpec, precision: str, architecture: str
@@ -169,7 +191,9 @@ def training_settings(row: dict[str, str]) -> dict[str, Any]:
         out["software_stack"] = "mcore-2024"
     if src.startswith(BF16_GRAD_REDUCE_SOURCES):
         out["grad_reduce_dtype"] = "bf16"
-    if src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8":
+    if (src.startswith(FP8_PARAM_GATHER_SOURCES) and cell(row, "precision") == "FP8"
+            or bridge_fp8_param_gather(row, cell(row, "model_preset"),
+                                       cell(row, "precision_preset"))):
         out["fp8_param_gather"] = True
     # and what the row's own notes document, in TrainingSpec's terms
     notes = (row.get("other_notes") or "").lower()
