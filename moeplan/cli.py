@@ -511,6 +511,9 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
              ("  headroom / margin", f"{mem.headroom_gb:.1f} / {mem.margin_gb:.1f} GB "
               "(the margin holds the reserve and the model's error at this peak; fits when "
               "headroom ≥ margin)")]
+    if mem.host_gb:
+        rows.append(("host memory", f"{mem.host_gb:.1f} GB of {plan.cluster.host_memory_gb:g} GB "
+                     "per GPU offloaded (optimizer share, gradient copies, activations)"))
     rows.append(("bottleneck", est.bottleneck))
     if est.interval is not None:
         (lo, hi), (slo, shi) = est.interval.tokens_per_s_per_gpu, est.interval.step_time_s

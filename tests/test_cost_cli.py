@@ -29,7 +29,8 @@ def test_estimate_json_shape(capsys):
     assert {"step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory", "time",
             "bottleneck", "fits", "warnings"} <= doc.keys()
     assert set(doc["memory"]) == {"peak_gb", "weights_gb", "grads_gb", "optimizer_gb",
-                                  "activations_gb", "buffers_gb", "margin_gb", "headroom_gb"}
+                                  "activations_gb", "buffers_gb", "margin_gb", "headroom_gb",
+                                  "host_gb"}
     iv = doc["interval"]
     assert iv["level"] == 0.8
     assert iv["tokens_per_s_per_gpu"][0] < doc["tokens_per_s_per_gpu"] < iv[
@@ -264,7 +265,8 @@ def test_bridge_mxfp8_moe_rows_from_26_06_are_priced_with_their_recipe_ep_overla
     early = case_of(_bridge_row("26.04.01"), presets)
     seen, plain = predict_case(late), predict_case(early)
     assert seen["predicted_tokens_per_s_per_gpu"] > plain["predicted_tokens_per_s_per_gpu"]
-    bf16_grads = {"grad_reduce_dtype": "bf16"}  # the same recipes' gradient reduction
+    # the same recipes' gradient reduction, and MXFP8's parameter gather (`get_precision_config`)
+    bf16_grads = {"grad_reduce_dtype": "bf16", "fp8_param_gather": True}
     # Qwen3-30B-A3B on GB200: the recipe captures the whole iteration and runs the fused
     # grouped MLP (validation.rules)
     assert seen["assumed"] == {"ep_overlap": True, "dispatcher": "flex", "cuda_graphs": True,

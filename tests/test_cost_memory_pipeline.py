@@ -68,3 +68,33 @@ def test_in_flight_micro_batches():
     assert in_flight_chunks(0, 4, 2, 8) == [0] * 4 + [1] * 4 + [0] * 3
     n = len(in_flight_chunks(0, 4, 4, 16))
     assert n == 19  # ≈ p·v·(1 + (p−1)/(p·v)) = 16 · 19/16
+
+
+def test_the_offloaded_optimizer_share_lives_in_host_memory_with_its_gradient_copies():
+    """Megatron's HybridDeviceOptimizer keeps an fp32 parameter copy, an fp32 gradient copy and
+    the moments of each offloaded parameter on the host: 16 bytes with fp32 moments."""
+    st = static_memory(8e9, 0.0, 8, 1, optimizer_offload_fraction=0.5)
+    assert st.optimizer == pytest.approx(12 * 1e9 * 0.5)
+    assert st.host == pytest.approx(16 * 1e9 * 0.5)
+    assert static_memory(8e9, 0.0, 8, 1).host == 0.0
+
+
+def test_a_plan_that_offloads_more_than_the_host_holds_does_not_fit():
+    """The search recommended Qwen3-235B-A22B on 8 B300 with the whole optimizer offloaded:
+    about 30B parameters per GPU whose expert shards have one replica, some 470 GB of host
+    memory per GPU where a B300 has 256."""
+    from moeplan import load_cluster, load_model
+    from moeplan.cost_models.estimate import estimate
+    from moeplan.cost_models.memory import HOST_USABLE
+    from moeplan.specs import Choices, Layout, TrainingSpec
+
+    model, cluster = load_model("qwen3-235b-a22b"), load_cluster("b300", gpus=8)
+    tr = TrainingSpec(seq_len=4096, global_batch_size=256)
+    layout = Layout.build(8, 256, tp=4, ep=8)
+    est = estimate(model, cluster, tr, layout, Choices(optimizer_offload_fraction=1.0))
+    assert est.memory.host_gb > 400 and not est.fits
+    assert any("to the host" in w and "offload less" in w for w in est.warnings)
+    # on hosts that hold it, the same plan fits: the host alone refused it
+    big = cluster.model_copy(update={"host_memory_gb": 1.01 * est.memory.host_gb / HOST_USABLE})
+    roomy = estimate(model, big, tr, layout, Choices(optimizer_offload_fraction=1.0))
+    assert roomy.fits and roomy.memory.host_gb == pytest.approx(est.memory.host_gb)

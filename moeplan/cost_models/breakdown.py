@@ -49,6 +49,7 @@ class RankCost:
     static: StaticMemory
     activation_bytes: float
     buffer_bytes: float
+    host_bytes: float = 0.0  # host memory: the offloaded optimizer share, offloaded activations
 
     @property
     def peak_bytes(self) -> float:

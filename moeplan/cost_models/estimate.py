@@ -45,7 +45,7 @@ from .layers import (
     moe_layer,
     mtp_layer,
 )
-from .memory import GB, StaticMemory, static_memory, weight_bytes
+from .memory import GB, HOST_USABLE, StaticMemory, static_memory, weight_bytes
 from .overlap import edge_weight, exposed_time, staged_exposed_time
 from .pipeline import in_flight_chunks, pipeline_time
 
@@ -483,11 +483,13 @@ def rank_costs(terms: StageTerms, stages: Sequence[Sequence[str]], choices: Choi
                               choices.optimizer_offload_fraction,
                               sum(terms.costs[k].dense_params for c in chunks for k in c.layers
                                   if k in EMBEDDING_KINDS))
-        act = sum(chunks[v].activation_bytes
-                  for v in in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches))
+        held = in_flight_chunks(r, L.pp, L.vpp, L.num_microbatches)
+        act = sum(chunks[v].activation_bytes for v in held)
         has_moe = terms.model.is_moe and any("moe" in k for c in chunks for k in c.layers)
         buffers = terms.buffer_bytes(has_moe) + cal.frag_frac * (static.total + act)
-        ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers))
+        host = static.host + sum(chunks[v].offload_bytes for v in held)
+        ranks.append(RankCost(r, chunks, sum(c.time_s for c in chunks), static, act, buffers,
+                              host))
     return ranks
 
 
@@ -564,17 +566,27 @@ def _memory(terms: StageTerms, ranks: Sequence[RankCost], warnings: list[str]
     peak_gb = peak_rank.peak_bytes / GB
     margin = U.memory_margin_gb(peak_gb, cal)
     fits = peak_gb <= U.max_peak_gb(cluster, cal) * (1 + 1e-12)   # ⇔ headroom ≥ margin
+    host_rank = max(ranks, key=lambda r: r.host_bytes)
+    host_gb = host_rank.host_bytes / GB
     memory = MemoryBreakdown(
         peak_gb=peak_gb, weights_gb=peak_rank.static.weights / GB,
         grads_gb=peak_rank.static.grads / GB, optimizer_gb=peak_rank.static.optimizer / GB,
         activations_gb=peak_rank.activation_bytes / GB, buffers_gb=peak_rank.buffer_bytes / GB,
-        margin_gb=margin, headroom_gb=cluster.hbm_gb - peak_gb)
+        margin_gb=margin, headroom_gb=cluster.hbm_gb - peak_gb, host_gb=host_gb)
     if not fits:
         warnings.append(f"peak {peak_gb:.1f} GB on pp rank {peak_rank.rank} leaves "
                         f"{cluster.hbm_gb - peak_gb:.1f} GB of {cluster.hbm_gb:g} GB HBM free, "
                         f"less than the {margin:.1f} GB margin (memory-model error "
                         f"{U.default_profile().memory_rel_error:.0%} of the peak plus "
                         f"{cal.reserve_gb:g} GB reserve)")
+    host_room = HOST_USABLE * cluster.host_memory_gb
+    if host_gb > host_room * (1 + 1e-12):
+        fits = False
+        warnings.append(f"pp rank {host_rank.rank} offloads {host_gb:.1f} GB to the host (the "
+                        "optimizer's offloaded share with its fp32 gradient copies, and "
+                        f"offloaded activations), more than the {host_room:.0f} GB a GPU's "
+                        f"process may hold there ({HOST_USABLE:.0%} of the "
+                        f"{cluster.host_memory_gb:g} GB of host memory per GPU); offload less")
     return memory, fits
 
 

@@ -15,6 +15,14 @@ per GEMM parameter beside the bf16 weight (`weight_bytes`). With `--fp8-param-ga
 parameters are those quantized tensors and no bf16 weight is kept (Megatron's "mxfp8 without ...
 fp8_param_gather will use significant amount additional GPU memory", optimizer_config.py). The
 embedding and output layer run no quantized GEMM.
+
+What moves to the host lives in the node's host memory (`host`, checked against
+`ClusterSpec.host_memory_gb` × HOST_USABLE by `estimate`): Megatron's HybridDeviceOptimizer
+keeps, for the offloaded share of a rank's optimizer shard, a pinned fp32 copy of each
+parameter, an fp32 gradient copy the backward's gradients are copied into, and the Adam
+moments (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py): 4 + 4 + 2 × moment bytes
+per parameter; fine-grained activation offloading holds each in-flight micro-batch's offloaded
+tensors there until its backward.
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 1e9
+HOST_USABLE = 0.8
+"""Share of the host memory per GPU (`ClusterSpec.host_memory_gb`, the node's memory over its
+GPUs) one training process may fill with offloaded state: the rest keeps the operating system,
+the page cache the data loader reads through, the CUDA driver's pinned staging buffers and the
+Python process itself. A prior, not a fit: no published run reports its host memory."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,7 @@ class StaticMemory:
     weights: float
     grads: float
     optimizer: float
+    host: float = 0.0  # on the host: the offloaded optimizer share and its gradient copies
 
     @property
     def total(self) -> float:
@@ -53,12 +67,12 @@ def static_memory(dense_params: float, expert_params: float, dense_shards: int,
     params = dense_params + expert_params
     gemm = params - embedding_params
     per_param = 4 + 2 * moments_bytes
-    if distributed_optimizer:
-        opt = per_param * (dense_params / dense_shards + expert_params / expert_shards)
-    else:
-        opt = per_param * params
+    shard = (dense_params / dense_shards + expert_params / expert_shards
+             if distributed_optimizer else params)
+    f = optimizer_offload_fraction
     return StaticMemory(2.0 * embedding_params + gemm_weight_bytes * gemm,
-                        float(grad_bytes) * params, opt * (1.0 - optimizer_offload_fraction))
+                        float(grad_bytes) * params, per_param * shard * (1.0 - f),
+                        (per_param + 4) * shard * f)
 
 
 def weight_bytes(quantized_bytes: float | None, fp8_param_gather: bool) -> float:

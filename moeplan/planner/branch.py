@@ -10,12 +10,18 @@
      (tp, cp, ep, etp, mbs, dispatcher, overlap, precision) key, and goes back in under the
      objective's order (`Objective.order_bound`); stop when the top bound reaches the k-th
      best key found (`time_bound`);
-  4. screen each visited row with its layers split evenly (`screen.solve_layout`, exact without
-     a solver) at each optimizer-offload fraction; a screened plan that can still enter the top
-     k is re-scored by `cost_models.estimate`, so the ranking is the cost model's;
+  4. screen each visited row at two stage splits, the even one and the levelled one (fewer
+     layers beside the embedding, loss and MTP: `problem.level_split`), each exact without a
+     solver (`screen.solve_layout`), at each optimizer-offload fraction; a screened plan that
+     can still enter the top k is re-scored by `cost_models.estimate`, so the ranking is the
+     cost model's;
   5. for the top k, the MILP chooses layers per stage and recompute and offload per module
-     together (`refine`); uneven first and last stages (embedding, loss, MTP) can beat the
-     even split; then CUDA graphs where their memory leaves room (`screen.with_graphs`).
+     together (`refine`), which can still beat both screened splits (by at most a few
+     percent on the presets); then CUDA graphs where their memory leaves room
+     (`screen.with_graphs`).
+The bounds of steps 2 and 3 hold at any stage split (the levelled split has the least bare
+pipeline of all), so a row they set aside is slower than the plans kept whatever its MILP
+would place; a row the screen sets aside is slower at the two splits it tried.
 Layer costs do not depend on dp, pp or vpp, which is what makes one table per key enough.
 """
 
@@ -36,7 +42,7 @@ from ..cost_models.estimate import estimate, lower_bound
 from ..cost_models.uncertainty import assumption_keys, pessimistic_layout, slow_host
 from ..specs import Choices, Layout, Plan, TrainingSpec
 from .enumerate import COL, DISPATCHERS, Enumeration, SearchSpace
-from .ilp import InfeasibleStages, balanced_layers, solve_fixed
+from .ilp import InfeasibleStages, solve_screen
 from .objective import Objective, validated_only
 from .problem import LayerTable, Option, layer_table, menu, stage_problem
 from .screen import OPTIMIZER_OFFLOAD_GRID, Problem, least_memory, solve_layout, with_graphs
@@ -273,7 +279,7 @@ class BranchAndBound:
         return self.lb[idx]
 
     def steady_split_bound(self, idx: int) -> float:
-        """The key's balanced split with nothing recomputed or offloaded, at steady-state item
+        """The key's levelled split with nothing recomputed or offloaded, at steady-state item
         times, once per (key, pp, vpp, m)."""
         j, p, v, n = self.key_of[idx], self.pp[idx], self.vpp[idx], self.nmb[idx]
         b = self._split_lb.get((j, p, v, n))
@@ -286,7 +292,7 @@ class BranchAndBound:
     def slow_host_pipeline(self, idx: int) -> float:
         """The least pipeline time of any choice the screen can decode for the row, at any
         optimizer-offload fraction, with its host link as slow as the interval's low end
-        prices unvalidated offload (`uncertainty.slow_host`): the balanced split's stage
+        prices unvalidated offload (`uncertainty.slow_host`): the screen's splits' stage
         problem at the largest fraction (the most memory room: fractions change no item time
         and only take optimizer bytes off the GPU), solved exactly (`ilp.solve_fixed`, whose
         objective is the pipeline `estimate` prices). A row that must offload to fit then pays
@@ -322,7 +328,7 @@ class BranchAndBound:
         if skey not in self.sets:
             self.sets[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
         try:
-            return solve_fixed(P, self.sets[skey], balanced_layers(P)).objective_s
+            return solve_screen(P, self.sets[skey]).objective_s
         except InfeasibleStages:
             return math.inf
 
@@ -335,7 +341,8 @@ class BranchAndBound:
 
     # ------------------------------------------------------------------ one row
     def solve_row(self, idx: int) -> tuple[str, Plan | None]:
-        """Screen one row (balanced stages), keep its plan, and remember the outcome."""
+        """Screen one row (the balanced and the levelled split), keep its plan, and remember
+        the outcome."""
         kth = self.kth_of(idx)
         if self.tight_bound(idx) >= kth:
             return self._outcome(idx, "time_bound", ("bound", None))
@@ -425,8 +432,8 @@ class BranchAndBound:
         return False
 
     def refine(self) -> None:
-        """For the plans on top, the MILP also places the layers: uneven first and last stages
-        can beat the balanced split (embedding, loss, MTP)."""
+        """For the plans on top, the MILP also places the layers, with recompute and offload
+        per rank: it can beat both splits the screen tried."""
         on_top = {-e[2] for e in self.best}
         for idx in self.refine_rows:
             if idx not in on_top:

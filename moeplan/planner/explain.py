@@ -237,9 +237,10 @@ def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: Clu
         "time_bound_milp": "provably slower than the plans kept (after its MILP)",
         "balanced_split_bound": "provably slower even with the best stage split",
         "robust_twin_bound": "a twin with validated effects only ranks at least as well",
-        "robust_offload_bound": "provably slower once its unvalidated offload is priced on a "
-                                "slow host",
-        "screened_by_milp": "beaten once its MILP placed the stages",
+        "robust_offload_bound": "slower, at the balanced and the levelled stage splits, once "
+                                "its unvalidated offload is priced on a slow host",
+        "screened_by_milp": "slower than the plans kept at the balanced and the levelled "
+                            "stage splits",
         "milp_unsolved": "its MILP found no solution in time",
         "time_limit": "not reached before --time-limit",
     }

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pulp
 
-from .problem import Option, StageProblem, balanced_split
+from .problem import Option, StageProblem, balanced_split, level_split
 from .sets import (
     ModuleSets,
     coarse_sets,
@@ -451,6 +451,39 @@ def _fill_flat(base: np.ndarray, cap: np.ndarray, total: int) -> list[int]:
 def balanced_layers(P: StageProblem) -> list[int]:
     """X_r as even as possible, the remainder to the ranks holding the fewest micro-batches."""
     return balanced_split(P.free_layers, P.pp, P.vpp, P.inflight)
+
+
+def level_layers(P: StageProblem) -> list[int]:
+    """X_r of the least bare pipeline (`problem.level_split`): fewer layers on the ranks whose
+    fixed items (embedding, leading dense layers, loss, MTP) take time, ties to the ranks
+    holding the fewest micro-batches."""
+    fixed = [sum(P.items[i].time_s * n for s in range(r, P.stages, P.pp) for i, n in P.fixed[s])
+             for r in range(P.pp)]
+    return level_split(P.free_layers, fixed, P.items[P.layer_item].time_s,
+                       [P.mean_inflight(r) for r in range(P.pp)])
+
+
+def screen_layers(P: StageProblem) -> list[list[int]]:
+    """The stage splits the screen solves exactly (`solve_fixed`): the balanced one (the most
+    even memory) and, where it differs, the levelled one (the least bare time)."""
+    even, level = balanced_layers(P), level_layers(P)
+    return [even] if level == even else [even, level]
+
+
+def solve_screen(P: StageProblem, C: ModuleSets) -> StageSolution:
+    """The best of `solve_fixed` over the screen's splits (`screen_layers`); InfeasibleStages
+    when none fits."""
+    best: StageSolution | None = None
+    for X in screen_layers(P):
+        try:
+            sol = solve_fixed(P, C, X)
+        except InfeasibleStages:
+            continue
+        if best is None or sol.objective_s < best.objective_s:
+            best = sol
+    if best is None:
+        raise InfeasibleStages("no module set fits at the balanced or the levelled split")
+    return best
 
 
 def solve(problem: StageProblem, sets: ModuleSets | None = None,

@@ -64,8 +64,9 @@ class Objective:
         return tight
 
     def split_bound(self, bb: BranchAndBound, idx: int) -> float:
-        """A bound on every plan the screen can decode for the row: its balanced split's
-        pipeline with nothing recomputed or offloaded (`LayerTable.balanced_pipeline_s`)."""
+        """A bound on every plan the search can decode for the row, at any stage split: its
+        levelled split's pipeline with nothing recomputed or offloaded
+        (`LayerTable.balanced_pipeline_s`)."""
         layout, _, key = bb.setup(idx)
         return bb.tables[key].balanced_pipeline_s(bb.pb.model.mtp_layers, layout.pp,
                                                   layout.vpp, layout.num_microbatches)
@@ -140,9 +141,9 @@ class Robust(Objective):
         return out if worse is None else [*out, worse]
 
     def order_bound(self, bb: BranchAndBound, idx: int, tight: float) -> float:
-        """The larger of the tight bound and its key's balanced split with nothing recomputed
+        """The larger of the tight bound and its key's levelled split with nothing recomputed
         or offloaded (from the same tables, at steady-state item times): both bound what the
-        row can reach. The balanced split tracks what screening finds far better than the even
+        row can reach. The levelled split tracks what screening finds far better than the even
         spread, so the rows that set the k-th best are screened first and the k-th best
         tightens early. The order decides only which plans outside the top k get priced
         (`best_validated` is the best of those when the top k has none).
@@ -156,7 +157,7 @@ class Robust(Objective):
         return max(tight, bb.steady_split_bound(idx)) * r
 
     def split_bound(self, bb: BranchAndBound, idx: int) -> float:
-        """The larger of its own and its pessimistic variant's balanced split, which the
+        """The larger of its own and its pessimistic variant's levelled split, which the
         interval prices at the same choices and split."""
         b = super().split_bound(bb, idx)
         worse = bb.worse_table(idx)

@@ -14,6 +14,7 @@ layer, where the estimate prices each layer.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -259,10 +260,10 @@ class LayerTable:
     def balanced_pipeline_s(self, mtp_layers: int, pp: int, vpp: int, num_microbatches: int,
                             steady: bool = False) -> float:
         """A lower bound on the pipeline time (`pipeline.pipeline_time`) of every plan the
-        search's screening can decode for a layout of this table at (pp, vpp, m): layers split
-        by `balanced_split`, the embedding and the leading layers on rank 0, the loss and MTP
-        on the last rank (as `stage_problem` places them), each item at its bare time at the
-        schedule's edge weight. Recompute and offload only add time, the optimizer-offload
+        search can decode for a layout of this table at (pp, vpp, m), at any stage split: the
+        layers split by `level_split` (no split has a shorter bare pipeline), the embedding and
+        the leading layers on rank 0, the loss and MTP on the last rank (as `stage_problem`
+        places them), each item at its bare time at the schedule's edge weight. Recompute and offload only add time, the optimizer-offload
         fraction changes no item time, so no choice at any fraction is faster. Interleaved
         layer kinds (priced as one average layer, where a rank's real layers may be cheaper)
         get every item's time spread evenly over the ranks instead.
@@ -280,10 +281,14 @@ class LayerTable:
         place = self.placement()
         if place is None:
             return pipeline_time([total / pp] * pp, num_microbatches, vpp)[0]
-        T = [x * ell_s for x in screen_split(place[1], pp, vpp, num_microbatches)]
-        T[0] += first
-        T[pp - 1] += last
-        return pipeline_time(T, num_microbatches, vpp)[0]
+        fixed = [0.0] * pp
+        fixed[0] += first
+        fixed[pp - 1] += last
+        # the levelled split: the least bare pipeline of any split, so a bound on the balanced
+        # split the screen decodes, on the levelled one, and on the MILP's (`refine`)
+        X = level_split(place[1], fixed, ell_s)
+        return pipeline_time([x * ell_s + f for x, f in zip(X, fixed, strict=True)],
+                             num_microbatches, vpp)[0]
 
     def _bare_times(self, mtp_layers: int, edge: float) -> tuple[float, float, float, float]:
         """(repeated layer, rank 0's fixed items, the last rank's fixed items, all items) at
@@ -345,6 +350,32 @@ def balanced_split(free_layers: int, pp: int, vpp: int, inflight: Sequence[float
     X = [q] * pp
     for r in ranks[:extra]:
         X[r] += 1
+    return X
+
+
+def level_split(free_layers: int, fixed_s: Sequence[float], layer_s: float,
+                order: Sequence[float] | None = None) -> list[int]:
+    """X_r minimising the slowest rank's bare time layer_s·X_r + fixed_s[r] (the items fixed on
+    rank r: the embedding and leading layers on the first, the loss and MTP on the last): each
+    layer goes to the rank it leaves least loaded, ties to the rank of least `order` (its mean
+    in-flight micro-batches: the least memory). With every layer the same size, this greedy
+    is optimal (the last layer placed sets the maximum, and no other placement of it is
+    lower), and since the pipeline time grows with its slowest rank at a fixed sum of rank
+    times (`pipeline.pipeline_time`), no split of the layers has a shorter bare pipeline: the
+    balanced split can be a layer or more longer where the first or last rank carries fixed
+    items (DeepSeek-V3's 61 layers, MTP and loss over PP 4)."""
+    pp = len(fixed_s)
+    order = order or [0.0] * pp
+    X = [0] * pp
+    if layer_s <= 0:
+        q, extra = divmod(free_layers, pp)
+        return [q + (r < extra) for r in range(pp)]
+    heap = [(fixed_s[r] + layer_s, order[r], r) for r in range(pp)]
+    heapq.heapify(heap)
+    for _ in range(free_layers):
+        t, o, r = heapq.heappop(heap)
+        X[r] += 1
+        heapq.heappush(heap, (t + layer_s, o, r))
     return X
 
 

@@ -2,8 +2,8 @@
 
 `solve_layout` is the per-layout step of the branch and bound (`planner.branch`): the stage
 problem (`problem.stage_problem`) at each optimizer-offload fraction, solved exactly without a
-solver when the layers are split evenly (the screen, `ilp.solve_fixed`) or by the MILP that
-also places the layers (`ilp.solve`), decoded (`decode_choices`) and re-scored by the cost
+solver when the layers are split evenly or levelled (the screen, `ilp.solve_screen`) or by the
+MILP that also places the layers (`ilp.solve`), decoded (`decode_choices`) and re-scored by the cost
 model, so the ranking is the cost model's. It returns what it found and what it counted;
 nothing here keeps state between layouts except the module-set cache the caller passes in.
 """
@@ -25,10 +25,10 @@ from .ilp import (
     InfeasibleStages,
     SolverStopped,
     StageSolution,
-    balanced_layers,
     evaluate,
+    screen_layers,
     solve,
-    solve_fixed,
+    solve_screen,
 )
 from .problem import (
     Built,
@@ -91,8 +91,8 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
     """Recompute, offload (and, unless `balanced`, layers per stage) for one layout at each
     optimizer-offload fraction, decoded into Plans and re-scored by the cost model.
 
-    `balanced` is the screening pass: layers split evenly, so the problem is solved exactly
-    without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and chooses modules
+    `balanced` is the screening pass: layers split evenly and levelled (`ilp.screen_layers`),
+    each split solved exactly without a solver (`ilp.solve_fixed`). Otherwise the MILP places layers and chooses modules
     together. A fraction is skipped when the pipeline's lower bound plus its optimizer time
     cannot beat the cutoff (and, ranked by the point, the best so far); larger fractions are
     tried only when the plan without optimizer offload needed recompute or offload (memory
@@ -126,11 +126,11 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
         for host in hosts:
             P = built.problem if host is None else replace(built.problem, host_s_per_byte=host)
             if balanced and limit < math.inf and f == grid[0] and host is None:
-                # the balanced split with nothing recomputed or offloaded is the least any
+                # the levelled split with nothing recomputed or offloaded is the least any
                 # choice reaches at any fraction (choices only add time, fractions only add
                 # optimizer time): past the screen's slack, no fraction can be estimated, so
                 # none is solved
-                free, _ = evaluate(P, balanced_layers(P), [()] * P.pp)
+                free = min(evaluate(P, X, [()] * P.pp)[0] for X in screen_layers(P))
                 if free + base_const > SCREEN_SLACK * limit:
                     return Solved(None, "bound", screened, solved)
             screened, solved = screened + balanced, solved + (not balanced)
@@ -161,13 +161,13 @@ def solve_layout(pb: Problem, training: TrainingSpec, layout: Layout, table: Lay
 
 
 def _solve(P: StageProblem, key: tuple, sets_cache: dict, balanced: bool) -> StageSolution:
-    """The stage problem solved exactly at the balanced split (`ilp.solve_fixed`) or by the
+    """The stage problem solved exactly at the screen's splits (`ilp.solve_screen`) or by the
     MILP that also places the layers, its module sets built once per table key and link."""
     skey = (key, P.options, P.forbidden, P.host_s_per_byte, tuple(i.name for i in P.items))
     if skey not in sets_cache:
         sets_cache[skey] = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
     if balanced:
-        return solve_fixed(P, sets_cache[skey], balanced_layers(P))
+        return solve_screen(P, sets_cache[skey])
     return solve(P, sets_cache[skey])
 
 

@@ -29,6 +29,12 @@ class MemoryBreakdown(BaseModel):
                              "runtime reserves (CUDA context, allocator).")
     headroom_gb: float = Field(0.0, description="HBM − peak. The plan fits when headroom ≥ "
                                "margin.")
+    host_gb: float = Field(0.0, description="Host memory the most loaded GPU's process holds "
+                           "for what it offloads: the optimizer's offloaded share (fp32 "
+                           "parameter and gradient copies, Adam moments) and the offloaded "
+                           "activations of its in-flight micro-batches. The plan fits only "
+                           "while it is within the share of the host memory per GPU a process "
+                           "may fill (`cost_models.memory.HOST_USABLE`).")
 
 
 class TimeBreakdown(BaseModel):
