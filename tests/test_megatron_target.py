@@ -344,6 +344,10 @@ STACK_BROKEN = {  # rule: (a plan that breaks it on the stack, the stack, the fe
     "stack_fused_grouped_mlp": (lambda: _plan("qwen3-30b-a3b", 16, ep=8,
                                               fused_grouped_mlp=True, precision="mxfp8"),
                                 "mcore-2024", "fused_grouped_mlp"),
+    "stack_modules": (lambda: _plan("mixtral-8x7b", 16, ep=8, choices=Choices(
+        offload=["expert_fc1"])), "mcore-2024", "activation_offload"),
+    "stack_optimizer_offload": (lambda: _plan("mixtral-8x7b", 16, ep=8, choices=Choices(
+        optimizer_offload_fraction=0.5)), "megatron-2023", "optimizer_offload"),
 }
 
 
@@ -376,19 +380,24 @@ def test_each_stack_feature_is_a_megatron_core_setting():
     switch (`launch_env`)."""
     import dataclasses
 
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    named = {k: f.field for k, f in STACK_FEATURES.items() if f.field is not None}
-    assert set(named.values()) <= fields, set(named.values()) - fields
-    assert set(STACK_FEATURES) - set(named) == {"fused_grouped_mlp"}
+    configs = {c.__name__: {f.name for f in dataclasses.fields(c)}
+               for c in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)}
+    missing = {k: (f.config, f.field) for k, f in STACK_FEATURES.items()
+               if f.field is not None and f.field not in configs[f.config]}
+    assert not missing
+    assert {k for k, f in STACK_FEATURES.items() if f.field is None} == {"fused_grouped_mlp"}
 
 
 def test_every_megatron_rule_has_a_test():
     tested = set(CORE_RULES) | set(ARGS_RULES) | set(STACK_BROKEN) | {
         "uniform_stage_choices", "ep_needs_experts", "kv_heads_divisible_by_tp",
         "too_many_stages"}
-    assert set(STACK_BROKEN) == {"stack_model", *STACK_RULES}
+    assert set(STACK_BROKEN) == {"stack_model", "stack_modules", "stack_optimizer_offload",
+                                 *STACK_RULES}
     megatron_only = {r.name for r in RULES if r.targets == MEGATRON}
     assert megatron_only <= tested | {r.name for r in RULES if "megatron" not in r.targets}
     assert all(BY_NAME[n] for n in tested if n in BY_NAME)

@@ -44,6 +44,9 @@ def _why(best: Plan, other: Plan) -> str:
     diffs.append(("unmodelled time", b.unmodelled_s - a.unmodelled_s))
     moved = sorted((d for d in diffs if abs(d[1]) >= 5e-4 * b.step_time_s),
                    key=lambda d: -abs(d[1]))[:3]
+    rest = step_delta - sum(d for _, d in moved)  # the terms not named, so the parts add up
+    if moved and abs(rest) >= 5e-4 * b.step_time_s:
+        moved.append(("the other terms", rest))
     parts = [f"{name} {abs(d):.3g} s {'shorter' if d > 0 else 'longer'}" for name, d in moved]
     reason = ("per step: " + ", ".join(parts)) if parts else "its components add up shorter"
     choices = _distinct(best, other)
@@ -104,14 +107,16 @@ def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
     def words(items: list[tuple[str, int]], n: int) -> str:
         said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
                          for k, v in items[:n])
-        return said + (f"; {len(items) - n} more (--json: searched.pruned)"
-                       if len(items) > n else "")
+        rest = items[n:]
+        return said + (f"; {sum(v for _, v in rest):,} for {len(rest)} more reason"
+                       f"{'s' if len(rest) > 1 else ''} (--json: searched.pruned)"
+                       if rest else "")
 
     cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
     bounds = [(k, v) for k, v in cut if k in BOUNDS]
     rules = [(k, v) for k, v in cut if k not in BOUNDS]
-    out = (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened with even "
-           f"stages, {result.solved} MILPs for the best; set aside: {words(bounds, most) or 'none'}")
+    out = (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened at even and "
+           f"levelled stages, {result.solved} MILPs for the best; set aside: {words(bounds, most) or 'none'}")
     if rules:
         out += (f". Before that, the rules refused {sum(v for _, v in rules):,} candidate "
                 f"splits: {words(rules, max(1, most - len(bounds[:most])))}")

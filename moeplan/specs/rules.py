@@ -32,6 +32,7 @@ from typing import Any
 
 from .grid import domain_span
 from .modules import OFFLOAD_MODULES as OFFLOAD_NAMES
+from .modules import RECOMPUTE_MODULES as RECOMPUTE_NAMES
 from .training import STACKS
 
 MEGATRON_LM_COMMIT = "d98e8a6"
@@ -513,7 +514,8 @@ class StackFeature:
     since: str           # the oldest stack in STACK_AGE that runs it
     release: str         # the release that added it, with the flag
     fix: str             # how a plan does without it
-    field: str | None    # the TransformerConfig field of its flag (None: an environment switch)
+    field: str | None    # the config field of its flag (None: an environment switch)
+    config: str = "TransformerConfig"  # the Megatron Core config class holding `field`
 
 
 _FP8_RECIPES = StackFeature("FP8 current-scaling, blockwise and MXFP8 recipes", "mcore-2024",
@@ -552,6 +554,22 @@ STACK_FEATURES: dict[str, StackFeature] = {
     "fp8-tensorwise": _FP8_RECIPES, "fp8-blockwise": _FP8_RECIPES, "mxfp8": _FP8_RECIPES,
     "nvfp4": StackFeature("NVFP4", "current", "Megatron Core 0.15 (--fp4-format)",
                           "set precision mxfp8", "fp4"),
+    "selective_recompute": StackFeature(
+        "selective recompute", "megatron-2022", "Megatron-LM of May 2022 (--recompute-"
+        "granularity selective, Korthikanti et al. 2022)", "recompute whole layers (full)",
+        "recompute_granularity"),
+    "recompute_modules": StackFeature(
+        "per-module recompute beyond core attention", "mcore-2024", "Megatron Core 0.12 "
+        "(--recompute-modules)", "recompute core_attn or whole layers (full)",
+        "recompute_modules"),
+    "optimizer_offload": StackFeature(
+        "optimizer CPU offload", "mcore-2024", "Megatron Core 0.12 (--optimizer-cpu-offload)",
+        "keep the optimizer on the GPU (optimizer_offload_fraction 0)", "optimizer_cpu_offload",
+        "OptimizerConfig"),
+    "activation_offload": StackFeature(
+        "fine-grained activation offloading", "current", "Megatron Core 0.16 "
+        "(--fine-grained-activation-offloading)", "recompute instead of offloading",
+        "fine_grained_activation_offloading"),
 }
 """What each software stack can run, checked against Megatron-LM's release tags: a plan priced
 on an older stack uses none of what that stack's Megatron did not have yet."""
@@ -630,6 +648,50 @@ reads the layout axis its name ends with, so the enumeration prunes by it where 
 axis."""
 for _name, _features in STACK_RULES.items():
     _stack_layout_rule(_name, (_name.removeprefix("stack_"),), _features)
+
+
+def _stack_module_combos(f: Facts) -> tuple[Combo, ...]:
+    """The module options the plan's software stack does not run, each alone (the planner's
+    menu drops them): activation offload, recompute beyond core attention, selective
+    recompute itself."""
+    stack, out = f.training.software_stack, []
+    if stack_lacks(stack, "activation_offload"):
+        out += [Combo((off(m),)) for m in OFFLOAD_NAMES]
+    if stack_lacks(stack, "recompute_modules"):
+        out += [Combo((rec(m),)) for m in RECOMPUTE_NAMES if m not in ("core_attn", "full")]
+    if stack_lacks(stack, "selective_recompute"):
+        out.append(Combo((rec("core_attn"),)))
+    return tuple(out)
+
+
+def _stack_module_features(f: Facts) -> list[str]:
+    """The STACK_FEATURES the plan's module choices use and its stack lacks, oldest first."""
+    chosen = {o for s in f.sets() for o in s}
+    used = []
+    if any(o[0] == "offload" for o in chosen):
+        used.append("activation_offload")
+    if any(o[0] == "recompute" and o[1] not in ("core_attn", "full") for o in chosen):
+        used.append("recompute_modules")
+    if rec("core_attn") in chosen:
+        used.append("selective_recompute")
+    return [k for k in used if stack_lacks(f.training.software_stack, k)]
+
+
+RULES.append(Rule(
+    "stack_modules", "Megatron-LM release tags (recompute or offload modules on a software "
+    "stack that predates them)",
+    ok=lambda f: f.training.software_stack == "current" or not _stack_module_features(f),
+    why=lambda f: "; ".join(_stack_words(f.training, k) for k in _stack_module_features(f)),
+    targets=MEGATRON, needs=frozenset({"choices"}), combos=_stack_module_combos))
+
+
+@rule("stack_optimizer_offload", "Megatron-LM release tags (optimizer CPU offload on a "
+      "software stack that predates it)",
+      lambda f: _stack_words(f.training, "optimizer_offload"), targets=MEGATRON,
+      needs=("choices",))
+def _stack_optimizer_offload(f: Facts) -> bool:
+    return not (f.choices.optimizer_offload_fraction > 0
+                and stack_lacks(f.training.software_stack, "optimizer_offload"))
 
 
 # ---------------------------------------------------------------------------- the model
