@@ -472,9 +472,14 @@ def screen_layers(P: StageProblem) -> list[list[int]]:
 
 def solve_screen(P: StageProblem, C: ModuleSets) -> StageSolution:
     """The best of `solve_fixed` over the screen's splits (`screen_layers`); InfeasibleStages
-    when none fits."""
+    when none fits. The levelled split goes first: its bare objective is the least of any
+    split, so once its solution is at or below the even split's bare objective (always,
+    where nothing needs recomputing or offloading), the even split cannot win and is not
+    solved."""
     best: StageSolution | None = None
-    for X in screen_layers(P):
+    for X in reversed(screen_layers(P)):
+        if best is not None and evaluate(P, X, [()] * P.pp)[0] >= best.objective_s:
+            continue
         try:
             sol = solve_fixed(P, C, X)
         except InfeasibleStages:
