@@ -61,6 +61,10 @@ MAX_POSITIONS = MAX_SEQ_LEN
 
 # ---------------------------------------------------------------- files and processes
 MAX_FILE_BYTES = 8 * 1024 * 1024  # spec, plan, calibration, routing and CSV files
+MAX_CSV_ROWS = 20_000
+"""Rows a CSV of runs may hold (`validate`, with or without --cv): each row is priced at
+every layout it may have run, about 7 ms a row, so 150,000 short rows (inside MAX_FILE_BYTES)
+would run for a quarter of an hour. The shipped CSV holds about 430."""
 MAX_DOCUMENT_NODES = 200_000  # YAML/JSON values after alias expansion
 MAX_NESTING = 64  # mapping/list depth of a spec document
 PROCS_PER_CORE = 4  # calibrate --nproc on CPU: oversubscription beyond this measures nothing

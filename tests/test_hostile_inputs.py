@@ -239,6 +239,25 @@ def test_a_measurement_outside_any_real_range_is_refused_naming_row_and_column(c
             "measurement from")
 
 
+@pytest.mark.parametrize("col", ["tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory_gb"])
+def test_a_measurement_of_zero_is_refused_not_read_as_unpublished(col, tmp_path, capsys):
+    path = runs_csv(tmp_path, **({col: "0"} if col in GOOD else {}))
+    if col not in GOOD:  # a column of its own beside the published tokens/s
+        path.write_text(path.read_text().replace("convention\n", f"convention,{col}\n")
+                        .replace("causal_halved\n", "causal_halved,0\n"))
+    refused(["validate", str(path)], capsys, "r1", col, "measurement from")
+
+
+def test_a_csv_with_more_rows_than_the_limit_is_refused_before_any_row_is_priced(tmp_path,
+                                                                                  capsys):
+    from moeplan.limits import MAX_CSV_ROWS
+
+    path = runs_csv(tmp_path)
+    head, row = path.read_text().splitlines(keepends=True)
+    path.write_text(head + row * (MAX_CSV_ROWS + 1))
+    refused(["validate", str(path)], capsys, f"{MAX_CSV_ROWS:,} rows", "split it")
+
+
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
     path = runs_csv(tmp_path)
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
