@@ -39,7 +39,16 @@ from .fsio import check_writable, strict_dumps, write_json
 from .runtime.options import DIST_TIMEOUT_MINUTES, EVAL_ITERS
 from .specs.rules import check_target
 from .specs.training import STACKS, priced_on
-from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
+from .terminal import (
+    Column,
+    Line,
+    Progress,
+    pairs_lines,
+    plural,
+    screen_width,
+    table_lines,
+    wrap,
+)
 
 app = typer.Typer(
     name="moeplan",
@@ -557,6 +566,13 @@ def validate(
             f"validating: {done / total:.0%} ({done} of {total} rows)"))
         bar.done(f"validated: 100% ({len(rows)} rows: {len(res['rows'])} predicted, "
                  f"{len(res['skipped'])} skipped)")
+    if not res["rows"]:  # nothing scored is no result: a script reading exit 0 would trust it
+        from .validation.scoring import common_skip_reasons
+
+        raise SpecError(f"{runs_csv or 'the CSV'}: none of its {len(rows):,} rows could be "
+                        "predicted. The commonest reasons: "
+                        f"{common_skip_reasons(res['skipped'])}. Fix those cells and run "
+                        "validate again.")
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
@@ -579,14 +595,14 @@ def validate(
             body.append([r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
                          r["gpu"], r["precision"], f"{pred:,.0f}",
                          f"{pub:,.0f}" if pub else "-", e])
-        print_lines(table_lines(f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
-                                "skipped", cols, body, width))
+        print_lines(table_lines(f"{plural(len(res['rows']), 'run')} predicted, "
+                                f"{len(res['skipped'])} skipped", cols, body, width))
         if res["skipped"]:
             from .validation import skip_groups
 
             print_lines([Line(x, "bold") for x in wrap(
-                f"{len(res['skipped'])} rows skipped, by reason (each row's own: --json, "
-                "`skipped`)", width, "  ")])
+                f"{plural(len(res['skipped']), 'row')} skipped, by reason (each row's own: "
+                "--json, `skipped`)", width, "  ")])
             for why, ids in skip_groups(res["skipped"]):
                 eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
                 print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,

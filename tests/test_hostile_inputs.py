@@ -258,6 +258,30 @@ def test_a_csv_with_more_rows_than_the_limit_is_refused_before_any_row_is_priced
     refused(["validate", str(path)], capsys, f"{MAX_CSV_ROWS:,} rows", "split it")
 
 
+def _with_stack(path: Path, stacks: dict[str, str]) -> Path:
+    """The CSV at `path` with a `software_stack` column, its row copied once per id."""
+    head, row = path.read_text().splitlines()
+    path.write_text(f"{head},software_stack\n" + "".join(
+        f"{row.replace('r1,', f'{rid},', 1)},{stack}\n" for rid, stack in stacks.items()))
+    return path
+
+
+def test_a_rows_skip_reason_is_printed_whole_with_the_value_and_the_fix(tmp_path, capsys):
+    path = _with_stack(runs_csv(tmp_path), {"X1": "mcore2024", "X2": ""})
+    assert main(["validate", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps at any width
+    assert "'mcore2024' is not a software stack" in out and "Did you mean mcore-2024?" in out
+    assert "1 run predicted, 1 skipped" in out and "1 row skipped" in out
+
+
+def test_a_csv_no_row_of_which_can_be_predicted_exits_2_naming_the_commonest_reasons(tmp_path,
+                                                                                     capsys):
+    path = _with_stack(runs_csv(tmp_path), {"X1": "mcore2024", "X2": "mcore2024"})
+    msg = refused(["validate", str(path)], capsys, "none of its 2 rows", "'mcore2024'",
+                  "2 rows: X1, X2")
+    assert msg.count("\n") == 1  # one paragraph
+
+
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
     path = runs_csv(tmp_path)
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
