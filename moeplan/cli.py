@@ -210,6 +210,18 @@ def require_finite(**flags: float | None) -> None:
                             "finite value.")
 
 
+def require_range(flag: str, value: float | None, lo: float, hi: float, what: str,
+                  why: str = "") -> None:
+    """Refuse a float option outside lo..hi, after `require_finite` has refused NaN and the
+    infinities: click's own range check would call NaN "not greater than or equal to" the
+    bound, so float options carry no `min=` and are bounded here. `what`: what the value is;
+    `why`: why the bound, for the message."""
+    if value is not None and not lo <= value <= hi:
+        span = f"at least {lo:g}" if hi == math.inf else f"from {lo:g} to {hi:g}"
+        raise SpecError(f"{flag} {value:g}: {what} must be {span}"
+                        + (f"; {why}." if why else "."))
+
+
 def csv_ints(value: str | None, flag: str, limit: int) -> list[int] | None:
     """Parse '64,128,256' or '64-256' (powers of two in between) into ints, with a clear error.
 
@@ -736,12 +748,13 @@ def search(
                          ] = "bf16",
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
     target: Annotated[str, typer.Option("--target", help=TARGET_HELP)] = "megatron",
-    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
-                          "searching after this many seconds and report the best so far (the "
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Stop "
+                          "searching after this many seconds (at least 0.1) and report the "
+                          "best so far (the "
                           "layouts are enumerated and bounded first, and a first plan that "
                           "fits is always found, so 'nothing fits' stays a proof).")
                           ] = None,
-    imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
+    imbalance: Annotated[float, typer.Option("--imbalance", help="Tokens on the "
                          "busiest EP rank over the mean.")] = 1.0,
     calibration: CalibrationOpt = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.", callback=_path)
@@ -762,6 +775,9 @@ def search(
     from . import search as api_search
 
     require_finite(time_limit=time_limit, imbalance=imbalance, capacity_factor=capacity_factor)
+    require_range("--time-limit", time_limit, limits.MIN_TIME_LIMIT_S, math.inf,
+                  "the seconds the search may take")
+    limits.check_imbalance(imbalance)
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
@@ -894,8 +910,9 @@ def whatif(
                       "option within this many USD (needs --gpu-hour-price).")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Plans kept per search (the best "
                    "is reported).")] = 1,
-    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Overall "
-                          "seconds, shared out over the points; each reports the best found.")
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Overall "
+                          "seconds (at least 0.1), shared out over the points; each reports "
+                          "the best found.")
                           ] = None,
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes searching "
                        "points at once (0: one per CPU core for four points or more).")] = 0,
@@ -911,6 +928,8 @@ def whatif(
     from .specs.loader import check_precision
 
     require_finite(tokens=tokens, days=days, budget=budget, time_limit=time_limit)
+    require_range("--time-limit", time_limit, limits.MIN_TIME_LIMIT_S, math.inf,
+                  "the seconds the sweep may take")
     try:
         prices = ([float(x) for x in csv_names(gpu_hour_price)] if gpu_hour_price is not None
                   else None)
@@ -1311,7 +1330,8 @@ def calibrate(
     runs: Annotated[list[str] | None, typer.Argument(
         metavar="[DIR]...", help="More run directories for --from-runs.")] = None,
     output: Annotated[str | None, typer.Option(
-        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it).",
+        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it; with "
+        "--from-runs, only the table prints and nothing is written without -o).",
         callback=_path)] = None,
     quick: Annotated[bool | None, typer.Option(
         "--quick/--full", help="Small grid, under two minutes (default on CPU) or the full one "
@@ -1329,8 +1349,9 @@ def calibrate(
         "--eval", help="With --from-runs: runs predicted with the refit constants but not "
         "fitted (held out).")] = None,
     prior_weight: Annotated[float, typer.Option(
-        "--prior-weight", min=0.0, help="With --from-runs: pull of each constant toward its "
-        "starting value (0: plain least squares).")] = 0.05,
+        "--prior-weight", help="With --from-runs: pull of each constant toward its "
+        f"starting value, from 0 (plain least squares) to {limits.MAX_PRIOR_WEIGHT:g}.")
+        ] = 0.05,
     fit: Annotated[str | None, typer.Option(
         "--fit", help="With --from-runs: constants to fit, from compute_scale, comm_scale, "
         "layer_overhead_s, step_overhead_s (default: all four).")] = None,
@@ -1339,6 +1360,9 @@ def calibrate(
 ) -> None:
     """Measure this machine and write a calibrated ClusterSpec, or refit it from measured runs."""
     require_finite(prior_weight=prior_weight)
+    require_range("--prior-weight", prior_weight, 0.0, limits.MAX_PRIOR_WEIGHT,
+                  "the pull toward the starting constants", f"at {limits.MAX_PRIOR_WEIGHT:g} "
+                  "every constant already stays where it started")
     if output:
         check_writable(output)
     if runs and not from_runs:
@@ -1402,23 +1426,24 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
     def pct(x: float) -> str:
         return f"{x:+.1%}"
 
-    def render() -> None:
-        t = Table("run", "split", "measured s", "before s", "error", "after s", "error",
-                  title="step time, predicted against measured")
-        for r in res["runs"]:
-            t.add_row(Path(r["path"]).name, r["split"], f"{r['measured_s']:.4g}",
-                      f"{r['before_s']:.4g}",
-                      pct(r["before_error"]), f"{r['after_s']:.4g}", pct(r["after_error"]))
-        out.print(t)
+    def render() -> None:  # laid out by moeplan.terminal: a narrow screen folds, never cuts
+        width = _width(out)
+        cols = [Column("run"), Column("split", fold=0), Column("measured s", right=True),
+                Column("before s", right=True, fold=1),
+                Column("error before", right=True, fold=2), Column("after s", right=True),
+                Column("error after", right=True)]
+        body = [[Path(r["path"]).name, r["split"], f"{r['measured_s']:.4g}",
+                 f"{r['before_s']:.4g}", pct(r["before_error"]), f"{r['after_s']:.4g}",
+                 pct(r["after_error"])] for r in res["runs"]]
+        print_lines(table_lines("step time, predicted against measured", cols, body, width))
         f = res["fitted"]
-        out.print(f"fitted: compute scale {f['compute_scale']:.3g}, comm scale "
-                  f"{f['comm_scale']:.3g}, layer overhead "
-                  f"{f['layer_overhead_s'] * 1e3:.3g} ms, step overhead "
-                  f"{f['step_overhead_s'] * 1e3:.3g} ms", highlight=False)
-        for split, e in res["mean_abs_log_error"].items():
-            if e["before"] is not None:
-                out.print(f"mean |log error| {split}: {e['before']:.3f} → {e['after']:.3f}",
-                          highlight=False)
+        notes = [f"fitted: compute scale {f['compute_scale']:.3g}, comm scale "
+                 f"{f['comm_scale']:.3g}, layer overhead {f['layer_overhead_s'] * 1e3:.3g} ms, "
+                 f"step overhead {f['step_overhead_s'] * 1e3:.3g} ms"]
+        notes += [f"mean |log error| {split}: {e['before']:.3f} → {e['after']:.3f}"
+                  for split, e in res["mean_abs_log_error"].items() if e["before"] is not None]
+        for note in notes:
+            print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(res, as_json, render)
 

@@ -62,6 +62,20 @@ def test_whatif_inf_money_and_time_exit_2(flag, capsys):
             capsys, "finite")
 
 
+@pytest.mark.parametrize("command,flag", [("search", "--time-limit"), ("whatif", "--time-limit"),
+                                          ("search", "--imbalance")])
+def test_a_nan_float_option_is_called_not_finite_not_out_of_range(command, flag, capsys):
+    msg = refused([command, "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", flag,
+                   "nan"], capsys, flag, "not a finite number")
+    assert "greater than" not in msg
+
+
+@pytest.mark.parametrize("command", ["search", "whatif"])
+def test_a_time_limit_below_a_tenth_of_a_second_is_refused_naming_the_bound(command, capsys):
+    refused([command, "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+             "--time-limit", "0.01"], capsys, "--time-limit", "at least 0.1")
+
+
 def test_rope_theta_inf_in_yaml_spec_exits_2(tmp_path, capsys):
     spec = tmp_path / "m.yaml"
     spec.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
