@@ -120,6 +120,19 @@ def test_bad_yaml_exits_2(cli, tmp_path):
     _assert_clean_error(cli("specs", "validate", str(p)), "not valid YAML")
 
 
+@pytest.mark.parametrize("text,problem,where", [
+    ("name: x\nfoo: @bar\n", "found character '@' that cannot start any token",
+     "line 2 column 6"),
+    ("name: x\nnum_layers: 2\n  hidden: [1, 2\n", "mapping values are not allowed here",
+     "line 3 column 9"),
+])
+def test_a_yaml_syntax_error_names_the_problem_and_its_line_and_column(cli, tmp_path, text,
+                                                                       problem, where):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    _assert_clean_error(cli("specs", "validate", str(p)), "not valid YAML", problem, where)
+
+
 @pytest.mark.parametrize("field,value,word", [
     ("hidden_size", -5, "hidden_size"),
     ("num_layers", 2.5, "num_layers"),

@@ -164,8 +164,7 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         if "integer string conversion" in str(err):  # Python's 4,300-digit guard
             raise SpecError(f"{source} holds a whole number of thousands of digits; no field "
                             "takes one. Fix the number.") from None
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SpecError(f"{source} is not valid {kind}: {limits.clip(first, 160)}. "
+        raise SpecError(f"{source} is not valid {kind}: {_syntax_error(err)}. "
                         "Fix the syntax.") from None
     except SpecError as err:
         raise SpecError(f"{source}: {err}") from None
@@ -176,6 +175,22 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         raise SpecError(f"{source}: field `{bad}` is not a finite number (NaN or infinity); "
                         "give a finite value.")
     return data
+
+
+def _syntax_error(err: Exception) -> str:
+    """What is wrong and where, as the JSON parser says it: PyYAML's first line is its context
+    ("while scanning for the next token"), which names neither the problem nor the line; the
+    problem and its 1-based line and column are in the error's fields."""
+    problem = getattr(err, "problem", None)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    if isinstance(err, yaml.MarkedYAMLError) and (problem or mark):
+        text = limits.clip(problem or err.context or "a syntax error", 160)
+        context = getattr(err, "context", None)
+        if problem and context:
+            text += f" ({limits.clip(context, 80)})"
+        return text + (f": line {mark.line + 1} column {mark.column + 1}" if mark else "")
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return limits.clip(first, 160)
 
 
 def _check_json_shape(data: Any, source: str) -> None:
