@@ -471,7 +471,11 @@ def estimate(
         before = before.model_copy(update={"imbalance": est.imbalance})
     stale = bool(plan.explanation) and before != est
     plan = plan.model_copy(update={"estimate": est, **({"explanation": []} if stale else {})})
-    if stale:
+    if stale and before is None:  # nothing to compare with: it cannot be shown to hold
+        err.print("note: the plan's search explanation was dropped: the plan records no "
+                  "estimate (its `estimate` was removed), so nothing shows the explanation "
+                  "still holds for it.", markup=False, highlight=False)
+    elif stale:
         err.print("note: the plan's search explanation was dropped: this estimate differs "
                   "from the one the search wrote it for (the file was edited, or priced with "
                   "other settings).", markup=False, highlight=False)
