@@ -410,7 +410,12 @@ def check_precision(value: str, allow_auto: bool = False, flag: str = "--precisi
              difflib.get_close_matches(v, list(PRECISIONS), n=3, cutoff=0.5)) if v and len(
         v) <= 64 else []
     listed = "; ".join(f"{p} ({w})" for p, w in PRECISION_WORDS.items() if p in PRECISIONS)
-    auto = "; auto (search and whatif: the fastest recipe the GPU runs)"
+    if v == "auto":  # known, but here one plan is priced: there is nothing to pick among
+        raise SpecError(f"{flag} auto picks the fastest recipe the GPU runs, and only search "
+                        "and whatif pick (they price each); this command prices one plan, so "
+                        f"give it one recipe: {listed}.")
+    auto = ("; auto (the fastest recipe the GPU runs)" if allow_auto
+            else "; auto (search and whatif only)")
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     raise SpecError(f"{flag} {limits.excerpt(value)} is not a precision moeplan knows.{hint} "
                     f"Give one of: {listed}{auto}.")
