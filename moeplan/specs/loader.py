@@ -305,6 +305,11 @@ def ref_kind(ref: str | Path) -> SpecKind:
 def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     """(parsed document, source description) for a preset name or a file path."""
     ref_s = str(ref)
+    noun = "model" if kind == "models" else "cluster"
+    if not ref_s.strip():  # Path("") is the current directory: not what the user meant
+        raise SpecError(f"the {noun} name is empty; give a preset "
+                        f"({', '.join(_preset_names(kind))}) or the path of a YAML/JSON {noun} "
+                        "spec.")
     path = Path(ref_s)
     name = preset_name(ref_s, kind)
     if name is not None and (name == ref_s or not is_file(path)):  # a file wins over a case-
@@ -313,7 +318,6 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     if is_file(path):
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
-    noun = "model" if kind == "models" else "cluster"
     problem = file_problem(path)
     if problem is not None and problem.startswith("is "):  # there, but not a spec file
         inside = path / "config.json"
