@@ -101,7 +101,7 @@ def load_routing_histogram(path: str | Path) -> dict[str, Any]:
                 for n in e["tokens_per_expert"]) for e in layers)
     if not ok:
         raise SpecError(f"--routing-histogram {path}: expected {{\"layers\": [{{\"layer\": i, "
-                        "\"tokens_per_expert\": [...]}, ...]}} (the routing.json `moeplan run` "
+                        "\"tokens_per_expert\": [...]}, ...]} (the routing.json `moeplan run` "
                         "writes).")
     return data
 

@@ -76,6 +76,16 @@ def test_a_time_limit_below_a_tenth_of_a_second_is_refused_naming_the_bound(comm
              "--time-limit", "0.01"], capsys, "--time-limit", "at least 0.1")
 
 
+def test_a_malformed_routing_histogram_is_refused_with_an_example_whose_brackets_balance(
+        tmp_path, capsys):
+    bad = tmp_path / "routing.json"
+    bad.write_text('{"layers": 3}')
+    msg = refused([*EST, "--routing-histogram", str(bad)], capsys, "--routing-histogram",
+                  '"tokens_per_expert"')
+    example = msg.split("expected ", 1)[1].split(" (the routing.json", 1)[0]
+    assert example.count("{") == example.count("}") and example.count("[") == example.count("]")
+
+
 def test_rope_theta_inf_in_yaml_spec_exits_2(tmp_path, capsys):
     spec = tmp_path / "m.yaml"
     spec.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
