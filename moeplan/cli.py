@@ -903,7 +903,8 @@ def whatif(
                    "comma-separated; default about 4M tokens per step.")] = None,
     precision: Annotated[str, typer.Option("--precision", help="Precisions, comma-separated "
                          "(bf16, fp8-tensorwise, mxfp8, ..., auto).")] = "bf16",
-    tokens: Annotated[float, typer.Option("--tokens", help="Tokens to train (e.g. 15e12).")] = (
+    tokens: Annotated[float, typer.Option("--tokens", help="Tokens to train, as 1e12 "
+                      "(default: 15e12).", show_default=False)] = (
         15e12),
     gpu_hour_price: Annotated[str | None, typer.Option("--gpu-hour-price", help="USD per "
                               "GPU-hour: one price, or one per --cluster kind in order.")
