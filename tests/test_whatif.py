@@ -237,3 +237,13 @@ def test_fewest_gpus_probes_few_counts_and_finds_the_smallest_within_the_deadlin
     assert len(probed) <= 4
     none = fewest_gpus(s, "h100", 1.0, counts, 4096, None, "bf16")
     assert none["gpus"] is None and "8192 GPUs" in none["why"]
+
+
+def test_a_one_day_deadline_reads_1_day(sweep: WhatIf) -> None:
+    from dataclasses import replace
+
+    from moeplan.planner.report import answers
+
+    said = answers(replace(sweep, days={**sweep.days, "target_days": 1}))
+    assert any(line.startswith("Within 1 day on") for line in said)
+    assert not any("Within 1 days" in line for line in said)
