@@ -57,6 +57,8 @@ def describe_spec(ref: str | Path, seq: int = 4096) -> dict[str, Any]:
 def validate_spec_file(path: str | Path) -> dict[str, Any]:
     """{"valid": True, "kind", "name", "path"} for a valid ModelSpec, ClusterSpec, TrainingSpec
     or Plan file (kind told by `specs.loader.document_kind`); SpecError naming the field else."""
+    if not str(path).strip():  # Path("") is the current directory
+        raise SpecError("the path is empty; pass the path of a YAML/JSON spec.")
     p = Path(path)
     data = read_document(p) if is_file(p) else None
     if data is None:
@@ -99,7 +101,7 @@ def load_routing_histogram(path: str | Path) -> dict[str, Any]:
                 for n in e["tokens_per_expert"]) for e in layers)
     if not ok:
         raise SpecError(f"--routing-histogram {path}: expected {{\"layers\": [{{\"layer\": i, "
-                        "\"tokens_per_expert\": [...]}, ...]}} (the routing.json `moeplan run` "
+                        "\"tokens_per_expert\": [...]}, ...]} (the routing.json `moeplan run` "
                         "writes).")
     return data
 

@@ -39,7 +39,16 @@ from .fsio import check_writable, strict_dumps, write_json
 from .runtime.options import DIST_TIMEOUT_MINUTES, EVAL_ITERS
 from .specs.rules import check_target
 from .specs.training import STACKS, priced_on
-from .terminal import Column, Line, Progress, pairs_lines, screen_width, table_lines, wrap
+from .terminal import (
+    Column,
+    Line,
+    Progress,
+    pairs_lines,
+    plural,
+    screen_width,
+    table_lines,
+    wrap,
+)
 
 app = typer.Typer(
     name="moeplan",
@@ -199,6 +208,18 @@ def require_finite(**flags: float | None) -> None:
         if value is not None and not math.isfinite(value):
             raise SpecError(f"--{name.replace('_', '-')} {value}: not a finite number; give a "
                             "finite value.")
+
+
+def require_range(flag: str, value: float | None, lo: float, hi: float, what: str,
+                  why: str = "") -> None:
+    """Refuse a float option outside lo..hi, after `require_finite` has refused NaN and the
+    infinities: click's own range check would call NaN "not greater than or equal to" the
+    bound, so float options carry no `min=` and are bounded here. `what`: what the value is;
+    `why`: why the bound, for the message."""
+    if value is not None and not lo <= value <= hi:
+        span = f"at least {lo:g}" if hi == math.inf else f"from {lo:g} to {hi:g}"
+        raise SpecError(f"{flag} {value:g}: {what} must be {span}"
+                        + (f"; {why}." if why else "."))
 
 
 def csv_ints(value: str | None, flag: str, limit: int) -> list[int] | None:
@@ -450,7 +471,11 @@ def estimate(
         before = before.model_copy(update={"imbalance": est.imbalance})
     stale = bool(plan.explanation) and before != est
     plan = plan.model_copy(update={"estimate": est, **({"explanation": []} if stale else {})})
-    if stale:
+    if stale and before is None:  # nothing to compare with: it cannot be shown to hold
+        err.print("note: the plan's search explanation was dropped: the plan records no "
+                  "estimate (its `estimate` was removed), so nothing shows the explanation "
+                  "still holds for it.", markup=False, highlight=False)
+    elif stale:
         err.print("note: the plan's search explanation was dropped: this estimate differs "
                   "from the one the search wrote it for (the file was edited, or priced with "
                   "other settings).", markup=False, highlight=False)
@@ -560,6 +585,13 @@ def validate(
             f"validating: {done / total:.0%} ({done} of {total} rows)"))
         bar.done(f"validated: 100% ({len(rows)} rows: {len(res['rows'])} predicted, "
                  f"{len(res['skipped'])} skipped)")
+    if not res["rows"]:  # nothing scored is no result: a script reading exit 0 would trust it
+        from .validation.scoring import common_skip_reasons
+
+        raise SpecError(f"{runs_csv or 'the CSV'}: none of its {len(rows):,} rows could be "
+                        "predicted. The commonest reasons: "
+                        f"{common_skip_reasons(res['skipped'])}. Fix those cells and run "
+                        "validate again.")
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
                                "mape_tokens_per_s_held_out", "mape_tflops", "mape_memory_gb",
                                "coverage", "median_interval_width", "coverage_fit",
@@ -582,14 +614,14 @@ def validate(
             body.append([r["id"] + ("*" if r.get("assumed") else ""), r["split"], r["model"],
                          r["gpu"], r["precision"], f"{pred:,.0f}",
                          f"{pub:,.0f}" if pub else "-", e])
-        print_lines(table_lines(f"{len(res['rows'])} runs predicted, {len(res['skipped'])} "
-                                "skipped", cols, body, width))
+        print_lines(table_lines(f"{plural(len(res['rows']), 'run')} predicted, "
+                                f"{len(res['skipped'])} skipped", cols, body, width))
         if res["skipped"]:
             from .validation import skip_groups
 
             print_lines([Line(x, "bold") for x in wrap(
-                f"{len(res['skipped'])} rows skipped, by reason (each row's own: --json, "
-                "`skipped`)", width, "  ")])
+                f"{plural(len(res['skipped']), 'row')} skipped, by reason (each row's own: "
+                "--json, `skipped`)", width, "  ")])
             for why, ids in skip_groups(res["skipped"]):
                 eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
                 print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
@@ -723,12 +755,13 @@ def search(
                          ] = "bf16",
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to report.")] = 5,
     target: Annotated[str, typer.Option("--target", help=TARGET_HELP)] = "megatron",
-    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Stop "
-                          "searching after this many seconds and report the best so far (the "
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Stop "
+                          "searching after this many seconds (at least 0.1) and report the "
+                          "best so far (the "
                           "layouts are enumerated and bounded first, and a first plan that "
                           "fits is always found, so 'nothing fits' stays a proof).")
                           ] = None,
-    imbalance: Annotated[float, typer.Option("--imbalance", min=1.0, help="Tokens on the "
+    imbalance: Annotated[float, typer.Option("--imbalance", help="Tokens on the "
                          "busiest EP rank over the mean.")] = 1.0,
     calibration: CalibrationOpt = None,
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write the best plan.", callback=_path)
@@ -749,6 +782,9 @@ def search(
     from . import search as api_search
 
     require_finite(time_limit=time_limit, imbalance=imbalance, capacity_factor=capacity_factor)
+    require_range("--time-limit", time_limit, limits.MIN_TIME_LIMIT_S, math.inf,
+                  "the seconds the search may take")
+    limits.check_imbalance(imbalance)
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
@@ -870,7 +906,8 @@ def whatif(
                    "comma-separated; default about 4M tokens per step.")] = None,
     precision: Annotated[str, typer.Option("--precision", help="Precisions, comma-separated "
                          "(bf16, fp8-tensorwise, mxfp8, ..., auto).")] = "bf16",
-    tokens: Annotated[float, typer.Option("--tokens", help="Tokens to train (e.g. 15e12).")] = (
+    tokens: Annotated[float, typer.Option("--tokens", help="Tokens to train, as 1e12 "
+                      "(default: 15e12).", show_default=False)] = (
         15e12),
     gpu_hour_price: Annotated[str | None, typer.Option("--gpu-hour-price", help="USD per "
                               "GPU-hour: one price, or one per --cluster kind in order.")
@@ -881,8 +918,9 @@ def whatif(
                       "option within this many USD (needs --gpu-hour-price).")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Plans kept per search (the best "
                    "is reported).")] = 1,
-    time_limit: Annotated[float | None, typer.Option("--time-limit", min=0.1, help="Overall "
-                          "seconds, shared out over the points; each reports the best found.")
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Overall "
+                          "seconds (at least 0.1), shared out over the points; each reports "
+                          "the best found.")
                           ] = None,
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes searching "
                        "points at once (0: one per CPU core for four points or more).")] = 0,
@@ -898,6 +936,8 @@ def whatif(
     from .specs.loader import check_precision
 
     require_finite(tokens=tokens, days=days, budget=budget, time_limit=time_limit)
+    require_range("--time-limit", time_limit, limits.MIN_TIME_LIMIT_S, math.inf,
+                  "the seconds the sweep may take")
     try:
         prices = ([float(x) for x in csv_names(gpu_hour_price)] if gpu_hour_price is not None
                   else None)
@@ -1298,7 +1338,8 @@ def calibrate(
     runs: Annotated[list[str] | None, typer.Argument(
         metavar="[DIR]...", help="More run directories for --from-runs.")] = None,
     output: Annotated[str | None, typer.Option(
-        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it).",
+        "-o", "--output", help="Write the ClusterSpec YAML here (default: print it; with "
+        "--from-runs, only the table prints and nothing is written without -o).",
         callback=_path)] = None,
     quick: Annotated[bool | None, typer.Option(
         "--quick/--full", help="Small grid, under two minutes (default on CPU) or the full one "
@@ -1316,8 +1357,9 @@ def calibrate(
         "--eval", help="With --from-runs: runs predicted with the refit constants but not "
         "fitted (held out).")] = None,
     prior_weight: Annotated[float, typer.Option(
-        "--prior-weight", min=0.0, help="With --from-runs: pull of each constant toward its "
-        "starting value (0: plain least squares).")] = 0.05,
+        "--prior-weight", help="With --from-runs: pull of each constant toward its "
+        f"starting value, from 0 (plain least squares) to {limits.MAX_PRIOR_WEIGHT:g}.")
+        ] = 0.05,
     fit: Annotated[str | None, typer.Option(
         "--fit", help="With --from-runs: constants to fit, from compute_scale, comm_scale, "
         "layer_overhead_s, step_overhead_s (default: all four).")] = None,
@@ -1326,6 +1368,9 @@ def calibrate(
 ) -> None:
     """Measure this machine and write a calibrated ClusterSpec, or refit it from measured runs."""
     require_finite(prior_weight=prior_weight)
+    require_range("--prior-weight", prior_weight, 0.0, limits.MAX_PRIOR_WEIGHT,
+                  "the pull toward the starting constants", f"at {limits.MAX_PRIOR_WEIGHT:g} "
+                  "every constant already stays where it started")
     if output:
         check_writable(output)
     if runs and not from_runs:
@@ -1389,23 +1434,24 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
     def pct(x: float) -> str:
         return f"{x:+.1%}"
 
-    def render() -> None:
-        t = Table("run", "split", "measured s", "before s", "error", "after s", "error",
-                  title="step time, predicted against measured")
-        for r in res["runs"]:
-            t.add_row(Path(r["path"]).name, r["split"], f"{r['measured_s']:.4g}",
-                      f"{r['before_s']:.4g}",
-                      pct(r["before_error"]), f"{r['after_s']:.4g}", pct(r["after_error"]))
-        out.print(t)
+    def render() -> None:  # laid out by moeplan.terminal: a narrow screen folds, never cuts
+        width = _width(out)
+        cols = [Column("run"), Column("split", fold=0), Column("measured s", right=True),
+                Column("before s", right=True, fold=1),
+                Column("error before", right=True, fold=2), Column("after s", right=True),
+                Column("error after", right=True)]
+        body = [[Path(r["path"]).name, r["split"], f"{r['measured_s']:.4g}",
+                 f"{r['before_s']:.4g}", pct(r["before_error"]), f"{r['after_s']:.4g}",
+                 pct(r["after_error"])] for r in res["runs"]]
+        print_lines(table_lines("step time, predicted against measured", cols, body, width))
         f = res["fitted"]
-        out.print(f"fitted: compute scale {f['compute_scale']:.3g}, comm scale "
-                  f"{f['comm_scale']:.3g}, layer overhead "
-                  f"{f['layer_overhead_s'] * 1e3:.3g} ms, step overhead "
-                  f"{f['step_overhead_s'] * 1e3:.3g} ms", highlight=False)
-        for split, e in res["mean_abs_log_error"].items():
-            if e["before"] is not None:
-                out.print(f"mean |log error| {split}: {e['before']:.3f} → {e['after']:.3f}",
-                          highlight=False)
+        notes = [f"fitted: compute scale {f['compute_scale']:.3g}, comm scale "
+                 f"{f['comm_scale']:.3g}, layer overhead {f['layer_overhead_s'] * 1e3:.3g} ms, "
+                 f"step overhead {f['step_overhead_s'] * 1e3:.3g} ms"]
+        notes += [f"mean |log error| {split}: {e['before']:.3f} → {e['after']:.3f}"
+                  for split, e in res["mean_abs_log_error"].items() if e["before"] is not None]
+        for note in notes:
+            print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(res, as_json, render)
 

@@ -26,6 +26,7 @@ MAX_SWEEP_POINTS = 1024  # whatif: clusters × GPU counts × seqs × batches × 
 
 MAX_TOP_PLANS = 1000  # search/whatif --top
 MAX_JOBS = 256  # validate --cv --jobs: worker processes one command starts at once
+MIN_TIME_LIMIT_S = 0.1  # search/whatif --time-limit: less leaves the solver no time for a plan
 MAX_TRAIN_ITERS = 10**9  # any iteration count: --train-iters, --lr-decay-iters, --eval-iters, ...
 
 # ---------------------------------------------------------------- model shape (specs/model.py)
@@ -55,12 +56,20 @@ MAX_LATENCY_US = 1e6       # one second per message
 MIN_MEASURE, MAX_MEASURE = 1e-6, 1e12
 """The range of a published measurement in a CSV of runs (tokens/s/GPU, TFLOPS, MFU, GB): any
 real one is inside it by orders of magnitude, and 1e-308 would overflow every ratio."""
+MAX_PRIOR_WEIGHT = 1e3
+"""`calibrate --prior-weight`: at 1,000, moving a constant by 0.1% costs as much as an e-fold
+step-time error on one run, so every constant stays at its starting value; a larger weight only
+overflows the least squares (1e308 did, silently returning the starting constants)."""
 MAX_IMBALANCE = 1024.0  # --imbalance: the busiest EP rank's tokens over the mean (measured: <3)
 MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)  # beyond E/k every expert can take every token
 MAX_POSITIONS = MAX_SEQ_LEN
 
 # ---------------------------------------------------------------- files and processes
 MAX_FILE_BYTES = 8 * 1024 * 1024  # spec, plan, calibration, routing and CSV files
+MAX_CSV_ROWS = 20_000
+"""Rows a CSV of runs may hold (`validate`, with or without --cv): each row is priced at
+every layout it may have run, about 7 ms a row, so 150,000 short rows (inside MAX_FILE_BYTES)
+would run for a quarter of an hour. The shipped CSV holds about 430."""
 MAX_DOCUMENT_NODES = 200_000  # YAML/JSON values after alias expansion
 MAX_NESTING = 64  # mapping/list depth of a spec document
 PROCS_PER_CORE = 4  # calibrate --nproc on CPU: oversubscription beyond this measures nothing

@@ -44,6 +44,12 @@ class Line:
     style: str | None = None
 
 
+def plural(n: int | float, noun: str) -> str:
+    """`1 run`, `2 runs`, `1,024 runs`, `1.5 days`: a count and its noun, agreeing."""
+    shown = f"{n:,}" if isinstance(n, int) else f"{n:g}"
+    return f"{shown} {noun}" if n == 1 else f"{shown} {noun}s"
+
+
 def screen_width(is_terminal: bool, console_width: int) -> int:
     """The width to lay out for: the terminal's, or COLUMNS, else wide for pipes."""
     if is_terminal or os.environ.get("COLUMNS", "").isdigit():

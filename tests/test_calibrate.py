@@ -220,6 +220,47 @@ def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path,
     assert json.loads(r.stdout)["step_time_s"] == pytest.approx(held, rel=1e-3)
 
 
+@pytest.mark.parametrize("twice", ["fit_and_eval", "fit_twice", "folder_and_run_in_it"])
+def test_a_run_given_twice_or_to_both_fit_and_eval_is_refused(twice, tmp_path, cli):
+    """A held-out error on a fitted run is no evidence; one run counted three times is one
+    measurement weighed three times. Paths are compared resolved (`./a`, `a/../a`)."""
+    dirs = _write_runs(tmp_path, _plans()[:2], TRUE)
+    again = str(dirs[0].parent / ".." / tmp_path.name / dirs[0].name)
+    args = {"fit_and_eval": ["--from-runs", str(dirs[0]), str(dirs[1]), "--eval", again],
+            "fit_twice": ["--from-runs", str(dirs[0]), str(dirs[1]), again],
+            "folder_and_run_in_it": ["--from-runs", str(tmp_path), str(dirs[1])]}[twice]
+    r = cli("calibrate", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert ("both --from-runs and --eval" if twice == "fit_and_eval" else "twice") in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value,named", [("nan", "not a finite number"),
+                                         ("inf", "not a finite number"),
+                                         ("1e308", "from 0 to 1000"), ("-1", "from 0 to 1000")])
+def test_a_prior_weight_that_is_not_finite_or_past_its_bound_is_refused(value, named, tmp_path,
+                                                                        cli):
+    dirs = _write_runs(tmp_path, _plans()[:1], TRUE)
+    r = cli("calibrate", "--from-runs", str(dirs[0]), "--prior-weight", value)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr
+
+
+def test_the_from_runs_table_at_50_columns_shows_every_number_whole(tmp_path):
+    """The per-run table folds columns onto indented lines on a narrow terminal, as every
+    other table does, instead of cutting numbers to `0.1…`."""
+    from .test_cli_terminal import assert_fits_and_whole, json_of, raw_in_pty, screen_of
+
+    dirs = _write_runs(tmp_path, _plans()[:3], TRUE)
+    args = ("calibrate", "--from-runs", *map(str, dirs), "--prior-weight", "0")
+    screen = screen_of(raw_in_pty(args, 50), 50)
+    assert "…" not in screen, screen
+    doc = json_of(args)
+    numbers = [f"{r[k]:.4g}" for r in doc["runs"] for k in ("measured_s", "before_s", "after_s")]
+    numbers += [f"{r[k]:+.1%}" for r in doc["runs"] for k in ("before_error", "after_error")]
+    assert_fits_and_whole(screen, 50, numbers + [d.name for d in dirs])
+
+
 @pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
                                   "measured_nothing", "no_plan", "eval_without_from_runs",
                                   "fit_without_from_runs", "unknown_constant"])

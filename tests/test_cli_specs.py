@@ -114,10 +114,37 @@ def test_unknown_preset_exits_2(cli):
     _assert_clean_error(cli("specs", "show", "nope-7b"), "nope-7b", "Presets")
 
 
+@pytest.mark.parametrize("args,noun", [(("specs", "show", ""), "model"),
+                                       (("specs", "validate", " "), "path"),
+                                       (("search", "--model", "", "--cluster", "h100", "--gpus",
+                                         "8"), "model"),
+                                       (("search", "--model", "llama3-8b", "--cluster", "",
+                                         "--gpus", "8"), "cluster")])
+def test_an_empty_name_is_called_empty_with_the_presets_not_a_directory(cli, args, noun):
+    r = cli(*args)
+    _assert_clean_error(r, f"the {noun} name is empty" if noun != "path" else "path is empty")
+    assert "directory" not in r.stderr
+    if noun != "path":
+        assert ("llama3-8b" if noun == "model" else "h100") in r.stderr  # the presets
+
+
 def test_bad_yaml_exits_2(cli, tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("num_layers: [1,\n")
     _assert_clean_error(cli("specs", "validate", str(p)), "not valid YAML")
+
+
+@pytest.mark.parametrize("text,problem,where", [
+    ("name: x\nfoo: @bar\n", "found character '@' that cannot start any token",
+     "line 2 column 6"),
+    ("name: x\nnum_layers: 2\n  hidden: [1, 2\n", "mapping values are not allowed here",
+     "line 3 column 9"),
+])
+def test_a_yaml_syntax_error_names_the_problem_and_its_line_and_column(cli, tmp_path, text,
+                                                                       problem, where):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    _assert_clean_error(cli("specs", "validate", str(p)), "not valid YAML", problem, where)
 
 
 @pytest.mark.parametrize("field,value,word", [

@@ -106,6 +106,12 @@ def test_version_and_help_on_every_option():
     assert not missing, missing
 
 
+def test_whatif_help_shows_the_tokens_default_as_written_not_as_fourteen_digits():
+    r = run_cli("whatif", "--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "15000000000000" not in text and "15e12" in text
+
+
 def test_run_json_is_one_document_on_stdout(cli, tmp_path):
     plan = tmp_path / "small.json"
     r = cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus", "2",

@@ -75,6 +75,18 @@ def test_a_searched_plan_keeps_its_explanation_until_the_estimate_changes(tmp_pa
     assert json.loads(edited.read_text())["explanation"] == []
 
 
+def test_a_searched_plan_without_its_estimate_says_so_not_that_the_estimate_differs(tmp_path,
+                                                                                   capsys):
+    searched = tmp_path / "s.json"
+    code, _, _ = run_cli(["search", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--gpus",
+                          "16", "--gbs", "64", "--top", "2", "-o", str(searched)], capsys)
+    doc = json.loads(searched.read_text())
+    assert code == 0 and doc.pop("estimate") and doc["explanation"]
+    searched.write_text(json.dumps(doc))
+    code, _, err = run_cli(["estimate", str(searched)], capsys)
+    assert code == 0 and "records no estimate" in err and "differs" not in err
+
+
 def test_search_json_that_nothing_fits_is_one_document_on_stdout(capsys):
     """Exit 3 is a proof, and a script reading --json gets it as JSON, the paragraph on stderr
     as ever; weights that alone overflow get no FP8 hint (FP8 shrinks activations only)."""

@@ -540,3 +540,10 @@ def test_group_limited_routing_is_exported_with_a_word_where_megatron_ranks_grou
         update={"router_groups_per_token": 8})})
     _, warnings = to_megatron_args(other)
     assert any("sum of their top 1 scores" in w and "by its top 2" in w for w in warnings)
+
+
+def test_a_one_iteration_schedule_reads_1_iteration():
+    from moeplan.planner.export import megatron_comments
+
+    lines = megatron_comments(qwen3_plan(), 1)
+    assert any("schedule: 1 iteration," in ln for ln in lines), lines

@@ -62,6 +62,30 @@ def test_whatif_inf_money_and_time_exit_2(flag, capsys):
             capsys, "finite")
 
 
+@pytest.mark.parametrize("command,flag", [("search", "--time-limit"), ("whatif", "--time-limit"),
+                                          ("search", "--imbalance")])
+def test_a_nan_float_option_is_called_not_finite_not_out_of_range(command, flag, capsys):
+    msg = refused([command, "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", flag,
+                   "nan"], capsys, flag, "not a finite number")
+    assert "greater than" not in msg
+
+
+@pytest.mark.parametrize("command", ["search", "whatif"])
+def test_a_time_limit_below_a_tenth_of_a_second_is_refused_naming_the_bound(command, capsys):
+    refused([command, "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+             "--time-limit", "0.01"], capsys, "--time-limit", "at least 0.1")
+
+
+def test_a_malformed_routing_histogram_is_refused_with_an_example_whose_brackets_balance(
+        tmp_path, capsys):
+    bad = tmp_path / "routing.json"
+    bad.write_text('{"layers": 3}')
+    msg = refused([*EST, "--routing-histogram", str(bad)], capsys, "--routing-histogram",
+                  '"tokens_per_expert"')
+    example = msg.split("expected ", 1)[1].split(" (the routing.json", 1)[0]
+    assert example.count("{") == example.count("}") and example.count("[") == example.count("]")
+
+
 def test_rope_theta_inf_in_yaml_spec_exits_2(tmp_path, capsys):
     spec = tmp_path / "m.yaml"
     spec.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
@@ -237,6 +261,49 @@ def test_a_measurement_outside_any_real_range_is_refused_naming_row_and_column(c
                                                                                tmp_path, capsys):
     refused(["validate", str(runs_csv(tmp_path, **{col: value}))], capsys, "r1", col,
             "measurement from")
+
+
+@pytest.mark.parametrize("col", ["tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory_gb"])
+def test_a_measurement_of_zero_is_refused_not_read_as_unpublished(col, tmp_path, capsys):
+    path = runs_csv(tmp_path, **({col: "0"} if col in GOOD else {}))
+    if col not in GOOD:  # a column of its own beside the published tokens/s
+        path.write_text(path.read_text().replace("convention\n", f"convention,{col}\n")
+                        .replace("causal_halved\n", "causal_halved,0\n"))
+    refused(["validate", str(path)], capsys, "r1", col, "measurement from")
+
+
+def test_a_csv_with_more_rows_than_the_limit_is_refused_before_any_row_is_priced(tmp_path,
+                                                                                  capsys):
+    from moeplan.limits import MAX_CSV_ROWS
+
+    path = runs_csv(tmp_path)
+    head, row = path.read_text().splitlines(keepends=True)
+    path.write_text(head + row * (MAX_CSV_ROWS + 1))
+    refused(["validate", str(path)], capsys, f"{MAX_CSV_ROWS:,} rows", "split it")
+
+
+def _with_stack(path: Path, stacks: dict[str, str]) -> Path:
+    """The CSV at `path` with a `software_stack` column, its row copied once per id."""
+    head, row = path.read_text().splitlines()
+    path.write_text(f"{head},software_stack\n" + "".join(
+        f"{row.replace('r1,', f'{rid},', 1)},{stack}\n" for rid, stack in stacks.items()))
+    return path
+
+
+def test_a_rows_skip_reason_is_printed_whole_with_the_value_and_the_fix(tmp_path, capsys):
+    path = _with_stack(runs_csv(tmp_path), {"X1": "mcore2024", "X2": ""})
+    assert main(["validate", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps at any width
+    assert "'mcore2024' is not a software stack" in out and "Did you mean mcore-2024?" in out
+    assert "1 run predicted, 1 skipped" in out and "1 row skipped" in out
+
+
+def test_a_csv_no_row_of_which_can_be_predicted_exits_2_naming_the_commonest_reasons(tmp_path,
+                                                                                     capsys):
+    path = _with_stack(runs_csv(tmp_path), {"X1": "mcore2024", "X2": "mcore2024"})
+    msg = refused(["validate", str(path)], capsys, "none of its 2 rows", "'mcore2024'",
+                  "2 rows: X1, X2")
+    assert msg.count("\n") == 1  # one paragraph
 
 
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):

@@ -71,6 +71,16 @@ def test_an_unknown_precision_lists_the_precisions():
     assert r.returncode == 2 and "fp8-blockwise" in r.stderr and "auto" in r.stderr
 
 
+def test_precision_auto_outside_search_and_whatif_says_it_is_theirs_and_asks_for_one_recipe():
+    r = run_cli("estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "8",
+                "--gbs", "64", "--precision", "auto")
+    msg = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "only search and whatif pick" in msg and "give it one recipe" in msg
+    assert "is not a precision moeplan knows" not in msg
+    assert all(p in msg for p in PRECISIONS)
+
+
 def test_the_searched_sentence_counts_layouts_and_refused_splits_apart():
     """Bounds set aside valid layouts; rules refuse candidate splits that never were layouts.
     Summed in one list they read as more removed than searched (gpt-oss on 64 B200: 8,568

@@ -115,3 +115,22 @@ def test_a_derived_field_beside_a_mistyped_axis_is_refused_naming_the_axis():
         with pytest.raises(ValidationError) as e:
             Layout.model_validate(bad)
         assert next(iter(set(bad) - {"world_size", "edp"})) in str(e.value)
+
+
+@pytest.mark.parametrize("tp", [0, -1, 2.5])
+def test_a_plan_axis_that_is_no_positive_whole_number_is_refused_by_name_not_blamed_on_edp(tp):
+    """A hand-edited plan keeps `world_size` and `edp`; `tp: 0` is the error, not the derived
+    fields its product no longer matches."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        Layout.model_validate({"tp": tp, "dp": 4, "ep": 2, "world_size": 4, "edp": 2,
+                               "sequence_parallel": False})
+    assert [err["loc"] for err in e.value.errors()] == [("tp",)], e.value
+    assert "implied" not in str(e.value) and "imply" not in str(e.value)
+
+
+def test_a_derived_field_is_compared_with_the_axes_as_read_not_as_written():
+    """`tp: "2"` reads as 2: a `world_size` kept from before the edit no longer matches."""
+    with pytest.raises(ValueError, match="world_size: given 4 but the axes imply 8"):
+        Layout.model_validate({"tp": "2", "dp": 4, "world_size": 4})

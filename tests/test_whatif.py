@@ -121,6 +121,18 @@ def test_inputs_are_checked_with_clear_messages() -> None:
         whatif("mixtral-8x7b", "h100", None)
 
 
+def test_a_cluster_file_saved_from_a_preset_beside_it_is_named_with_the_rename_fix(
+        tmp_path: Path) -> None:
+    mine = tmp_path / "my_h100.yaml"
+    mine.write_text(json.dumps(load_cluster("h100").model_dump(mode="json")))
+    with pytest.raises(SpecError) as e:
+        whatif("mixtral-8x7b", f"{mine},h100", [64], tokens=1e12, space=SMALL)
+    msg = str(e.value)
+    assert f"the file '{mine}' carries `name: h100`" in msg and "`name: my_h100`" in msg
+    with pytest.raises(SpecError, match="gives the kind 'h100' twice"):
+        whatif("mixtral-8x7b", "h100,H100", [64], tokens=1e12, space=SMALL)
+
+
 def test_markdown_report_has_the_table_front_and_answers(sweep: WhatIf, tmp_path: Path) -> None:
     md = markdown(sweep)
     assert "| cluster | GPUs |" in md and "★" in md
@@ -225,3 +237,13 @@ def test_fewest_gpus_probes_few_counts_and_finds_the_smallest_within_the_deadlin
     assert len(probed) <= 4
     none = fewest_gpus(s, "h100", 1.0, counts, 4096, None, "bf16")
     assert none["gpus"] is None and "8192 GPUs" in none["why"]
+
+
+def test_a_one_day_deadline_reads_1_day(sweep: WhatIf) -> None:
+    from dataclasses import replace
+
+    from moeplan.planner.report import answers
+
+    said = answers(replace(sweep, days={**sweep.days, "target_days": 1}))
+    assert any(line.startswith("Within 1 day on") for line in said)
+    assert not any("Within 1 days" in line for line in said)

@@ -111,14 +111,18 @@ def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),
         PARAMS,
         PRIOR_WEIGHT,
         cluster_document,
+        distinct_runs,
         find_run_dirs,
         load_run,
         output_paths,
         refit,
     )
 
-    fit_runs = [load_run(d) for d in find_run_dirs(paths)]
-    held = [load_run(d) for d in find_run_dirs(eval_paths)] if eval_paths else []
+    fit_dirs = find_run_dirs(paths)
+    eval_dirs = find_run_dirs(eval_paths, "--eval") if eval_paths else []
+    distinct_runs(fit_dirs, eval_dirs)
+    fit_runs = [load_run(d) for d in fit_dirs]
+    held = [load_run(d) for d in eval_dirs]
     res = refit(fit_runs, held, PRIOR_WEIGHT if prior_weight is None else prior_weight,
                 fit or PARAMS)
     clusters = res.pop("clusters")

@@ -48,31 +48,52 @@ class RunRecord:
     measured_step_s: float
 
 
-def find_run_dirs(paths: Sequence[str]) -> list[Path]:
+def find_run_dirs(paths: Sequence[str], flag: str = "--from-runs") -> list[Path]:
     """Run directories under each path: the path itself when it holds summary.json, else every
-    directory below it that does."""
+    directory below it that does (`flag`: the option the paths came from, for messages)."""
     dirs: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
-            raise SpecError(f"--from-runs {p}: no such directory. Pass run directories written "
+            raise SpecError(f"{flag} {p}: no such directory. Pass run directories written "
                             "by `moeplan run --out DIR` (each holds summary.json and plan.json).")
         if (p / "summary.json").is_file():
             dirs.append(p)
             continue
-        found = _summaries_below(p) if p.is_dir() else []
+        found = _summaries_below(p, flag) if p.is_dir() else []
         if not found:
-            raise SpecError(f"--from-runs {p}: no summary.json in it or below it. Pass run "
+            raise SpecError(f"{flag} {p}: no summary.json in it or below it. Pass run "
                             "directories written by `moeplan run --out DIR` after the run "
                             "finished.")
         dirs += found
     return dirs
 
 
+def distinct_runs(fit_dirs: Sequence[Path], eval_dirs: Sequence[Path]) -> None:
+    """Refuse a run directory found twice, compared by resolved path: one run given twice to
+    --from-runs (`a a ./a`, or a folder and a run inside it) would weigh three measurements
+    where there is one, and a run in both --from-runs and --eval would report an error on a
+    run the constants were fitted to as held-out evidence."""
+    first: dict[Path, tuple[str, Path]] = {}
+    for flag, dirs in (("--from-runs", fit_dirs), ("--eval", eval_dirs)):
+        for d in dirs:
+            key = d.resolve()
+            if key not in first:
+                first[key] = (flag, d)
+                continue
+            was, shown = first[key]
+            if was != flag:
+                raise SpecError(f"the run {shown} is given to both --from-runs and --eval (as "
+                                f"{d}): a run the constants are fitted on says nothing of how "
+                                "they predict runs they were not; pass it to one of them.")
+            raise SpecError(f"{flag} gives the run {shown} twice (again as {d}): it would count "
+                            "as two measurements; pass each run directory once.")
+
+
 MAX_WALK_DEPTH = 8  # directories below a --from-runs path searched for run directories
 MAX_WALK_ENTRIES = 200_000  # names looked at before the search is refused as too wide
 
 
-def _summaries_below(root: Path) -> list[Path]:
+def _summaries_below(root: Path, flag: str = "--from-runs") -> list[Path]:
     """The run directories (holding summary.json) below `root`, found by a bounded walk: at
     most MAX_WALK_DEPTH levels, MAX_WALK_ENTRIES names, no symbolic link followed, so
     `--from-runs /` is refused at once instead of reading the whole file system."""
@@ -80,7 +101,7 @@ def _summaries_below(root: Path) -> list[Path]:
     for top, dirs, files in os.walk(root, followlinks=False):
         seen += len(dirs) + len(files)
         if seen > MAX_WALK_ENTRIES:
-            raise SpecError(f"--from-runs {root}: more than {MAX_WALK_ENTRIES:,} files and "
+            raise SpecError(f"{flag} {root}: more than {MAX_WALK_ENTRIES:,} files and "
                             "directories below it; point it at the directory holding the run "
                             "directories (or list them).")
         if "summary.json" in files:

@@ -854,7 +854,7 @@ def megatron_comments(plan: Plan, train_iters: int | None, nnodes: int = 1) -> l
              f"for Megatron-LM commit {MEGATRON_LM_COMMIT} (Megatron Core "
              f"{MEGATRON_CORE_VERSION}) with Transformer Engine {TE_VERSION}; run from a "
              "Megatron-LM checkout",
-             f"schedule: {iters:,} iterations, {warm:,} warm-up, "
+             f"schedule: {iters:,} iteration{'' if iters == 1 else 's'}, {warm:,} warm-up, "
              f"{plan.training.lr_decay_style} decay to iteration {decay_end:,} ({source})",
              "set before running (placeholders below):"]
     lines += [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]

@@ -70,13 +70,15 @@ def answers(res: WhatIf) -> list[str]:
     """The inverse questions' answers as sentences."""
     lines = []
     if res.days is not None:
+        target = res.days["target_days"]
+        within = f"Within {target:g} day{'' if target == 1 else 's'}"
         for a in res.days["answers"]:
             if a["gpus"] is None:
-                lines.append(f"Within {res.days['target_days']:g} days on {a['cluster']}: "
+                lines.append(f"{within} on {a['cluster']}: "
                              f"no count tried is enough ({a['why']}).")
             else:
                 cost = "" if a["cost_usd"] is None else f", ${a['cost_usd']:,.0f}"
-                lines.append(f"Within {res.days['target_days']:g} days on {a['cluster']}: "
+                lines.append(f"{within} on {a['cluster']}: "
                              f"{a['gpus']} GPUs ({a['days_to_train']:.1f} days{cost}).")
     if res.budget is not None:
         b = res.budget

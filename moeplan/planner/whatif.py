@@ -496,6 +496,34 @@ def fastest_within(points: Sequence[Point], budget_usd: float) -> dict[str, Any]
             "why": None}
 
 
+def _distinct_kinds(entries: Sequence[str], names: Sequence[str]) -> None:
+    """Refuse two --cluster entries of one name: points, prices and the table are keyed by it.
+    A spec file saved from a preset (`moeplan specs show h100 --json`) keeps the preset's
+    name, so the message says which file carries the clashing name and how to rename it."""
+    from pathlib import Path
+
+    from ..limits import clip, excerpt
+
+    def shown(entry: str) -> str:  # a path, whole up to any real one's length
+        return excerpt(entry, 240)
+
+    for name in dict.fromkeys(names):
+        given = [e for e, n in zip(entries, names, strict=True) if n == name]
+        if len(given) < 2:
+            continue
+        files = [e for e in given if Path(e).is_file()]
+        if not files:
+            raise SpecError(f"--cluster gives the kind {excerpt(name)} twice "
+                            f"({', '.join(map(shown, given))}); give each cluster once.")
+        stem = Path(files[-1]).stem
+        rename = stem if stem != name else f"{name}-mine"
+        raise SpecError(f"--cluster: {' and '.join(map(shown, given))} are both named "
+                        f"{excerpt(name)} (the file {shown(files[-1])} carries `name: "
+                        f"{clip(name)}`); the sweep tells kinds apart by name, so change the "
+                        f"`name:` in that file (say to `name: {clip(rename)}`) or drop one of "
+                        "them.")
+
+
 def whatif(
     model: ModelSpec | str,
     clusters: Sequence[ClusterSpec | str] | str,
@@ -540,8 +568,7 @@ def whatif(
     m = load_model(model)
     specs = [load_cluster(c) for c in clusters]
     names = [c.name for c in specs]
-    if len(set(names)) != len(names):
-        raise SpecError(f"--cluster names a kind twice: {', '.join(names)}.")
+    _distinct_kinds(clusters, names)
     sweep = Sweep(m, dict(zip(names, specs, strict=True)), tokens,
                   _prices(names, gpu_hour_price), top_k=top_k, time_limit_s=time_limit_s,
                   space=space, options=options, progress=progress, stack=stack)

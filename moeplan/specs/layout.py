@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    computed_field,
+    model_validator,
+)
 
 from ..errors import LayoutError
-from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS
+from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS, excerpt
 from .cluster import ClusterSpec
 from .model import ModelSpec
 from .modules import OffloadModule, RecomputeModule
@@ -76,25 +83,26 @@ class Layout(BaseModel):
         "expert and an activation kernel between. Needs a block-scaled recipe (mxfp8, nvfp4) "
         "on Blackwell, a gated MoE MLP, etp 1 and Transformer Engine ≥ 2.14.")
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _derived_inputs(cls, data: object) -> object:
+    def _derived_inputs(cls, data: object, handler: ModelWrapValidatorHandler[Layout]
+                        ) -> Layout:
         """A dumped Layout carries its derived fields (SPEC lists `edp`); accept them back only
-        when they agree with the axes, so a hand-edited plan cannot say two things at once."""
+        when they agree with the axes, so a hand-edited plan cannot say two things at once.
+        They are compared with the axes as validated, not as written: an axis that is no
+        positive whole number (`tp: 0`, `2.5`) is refused by name first, where comparing would
+        blame the derived field for it."""
         if not isinstance(data, dict):
-            return data
+            return handler(data)
         data = dict(data)
         given = {k: data.pop(k) for k in ("world_size", "edp", "sequence_parallel") if k in data}
-        if given:
-            try:  # axes of the wrong type: field validation names them, not this check
-                implied = {k: getattr(cls.model_construct(**data), k) for k in given}
-            except (TypeError, ValueError, AttributeError, ZeroDivisionError):
-                return data
-            for k, v in given.items():
-                if v != implied[k]:
-                    raise ValueError(f"{k}: given {v} but the axes imply {implied[k]}; "
-                                     f"drop `{k}` (it is derived) or fix the axes")
-        return data
+        layout = handler(data)
+        for k, v in given.items():
+            implied = getattr(layout, k)
+            if v != implied:
+                raise ValueError(f"{k}: given {excerpt(v)} but the axes imply {implied}; "
+                                 f"drop `{k}` (it is derived) or fix the axes")
+        return layout
 
     @model_validator(mode="after")
     def _bounded(self) -> Layout:

@@ -164,8 +164,7 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         if "integer string conversion" in str(err):  # Python's 4,300-digit guard
             raise SpecError(f"{source} holds a whole number of thousands of digits; no field "
                             "takes one. Fix the number.") from None
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SpecError(f"{source} is not valid {kind}: {limits.clip(first, 160)}. "
+        raise SpecError(f"{source} is not valid {kind}: {_syntax_error(err)}. "
                         "Fix the syntax.") from None
     except SpecError as err:
         raise SpecError(f"{source}: {err}") from None
@@ -176,6 +175,22 @@ def parse_text(text: str, source: str, as_json: bool) -> Any:
         raise SpecError(f"{source}: field `{bad}` is not a finite number (NaN or infinity); "
                         "give a finite value.")
     return data
+
+
+def _syntax_error(err: Exception) -> str:
+    """What is wrong and where, as the JSON parser says it: PyYAML's first line is its context
+    ("while scanning for the next token"), which names neither the problem nor the line; the
+    problem and its 1-based line and column are in the error's fields."""
+    problem = getattr(err, "problem", None)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    if isinstance(err, yaml.MarkedYAMLError) and (problem or mark):
+        text = limits.clip(problem or err.context or "a syntax error", 160)
+        context = getattr(err, "context", None)
+        if problem and context:
+            text += f" ({limits.clip(context, 80)})"
+        return text + (f": line {mark.line + 1} column {mark.column + 1}" if mark else "")
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return limits.clip(first, 160)
 
 
 def _check_json_shape(data: Any, source: str) -> None:
@@ -290,6 +305,11 @@ def ref_kind(ref: str | Path) -> SpecKind:
 def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     """(parsed document, source description) for a preset name or a file path."""
     ref_s = str(ref)
+    noun = "model" if kind == "models" else "cluster"
+    if not ref_s.strip():  # Path("") is the current directory: not what the user meant
+        raise SpecError(f"the {noun} name is empty; give a preset "
+                        f"({', '.join(_preset_names(kind))}) or the path of a YAML/JSON {noun} "
+                        "spec.")
     path = Path(ref_s)
     name = preset_name(ref_s, kind)
     if name is not None and (name == ref_s or not is_file(path)):  # a file wins over a case-
@@ -298,7 +318,6 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
     if is_file(path):
         return read_document(path), str(path)
     names = ", ".join(_preset_names(kind))
-    noun = "model" if kind == "models" else "cluster"
     problem = file_problem(path)
     if problem is not None and problem.startswith("is "):  # there, but not a spec file
         inside = path / "config.json"
@@ -395,7 +414,12 @@ def check_precision(value: str, allow_auto: bool = False, flag: str = "--precisi
              difflib.get_close_matches(v, list(PRECISIONS), n=3, cutoff=0.5)) if v and len(
         v) <= 64 else []
     listed = "; ".join(f"{p} ({w})" for p, w in PRECISION_WORDS.items() if p in PRECISIONS)
-    auto = "; auto (search and whatif: the fastest recipe the GPU runs)"
+    if v == "auto":  # known, but here one plan is priced: there is nothing to pick among
+        raise SpecError(f"{flag} auto picks the fastest recipe the GPU runs, and only search "
+                        "and whatif pick (they price each); this command prices one plan, so "
+                        f"give it one recipe: {listed}.")
+    auto = ("; auto (the fastest recipe the GPU runs)" if allow_auto
+            else "; auto (search and whatif only)")
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     raise SpecError(f"{flag} {limits.excerpt(value)} is not a precision moeplan knows.{hint} "
                     f"Give one of: {listed}{auto}.")

@@ -2,21 +2,31 @@
 
 A published-runs CSV is shaped like `data/published_runs.csv` (columns in `data/README.md`).
 Cells are read here, bounded before any spec is built: a size (GPUs, sequence, batch, a
-parallel degree) is a whole number within moeplan's limits, a measurement a finite non-negative
-number, an empty cell "not published". Anything else is a SpecError naming the row and column.
+parallel degree) is a whole number within moeplan's limits, a measurement a finite positive
+number, an empty cell "not published"; a file holds at most MAX_CSV_ROWS rows. Anything else is
+a SpecError naming the row and column.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import re
 from importlib import resources
 from pathlib import Path
 
 from ..errors import SpecError
-from ..limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MEASURE, MAX_SEQ_LEN, MIN_MEASURE, excerpt
+from ..limits import (
+    MAX_CSV_ROWS,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS,
+    MAX_MEASURE,
+    MAX_SEQ_LEN,
+    MIN_MEASURE,
+    excerpt,
+)
 
 PUBLISHED_RUNS = "published_runs.csv"
 """The published measured runs shipped with moeplan (`data/README.md` gives their sources)."""
@@ -43,7 +53,9 @@ def bad_cell(row: dict[str, str], col: str, want: str) -> SpecError:
 
 
 def number(row: dict[str, str], col: str) -> float | None:
-    """A published measurement: empty (None) or a finite non-negative number, else SpecError."""
+    """A published measurement: empty (None) or a number from MIN_MEASURE to MAX_MEASURE, else
+    SpecError. A 0 is refused, not read as unpublished: no run measured nothing, and taking it
+    for an empty cell would move the row from the fit rows to the held-out ones unsaid."""
     v = cell(row, col)
     if not v:
         return None
@@ -52,8 +64,8 @@ def number(row: dict[str, str], col: str) -> float | None:
     except ValueError:
         raise bad_cell(row, col, "a number") from None
     if not math.isfinite(x) or x < 0:
-        raise bad_cell(row, col, "a finite non-negative number")
-    if x and not MIN_MEASURE <= x <= MAX_MEASURE:  # 1e-308 would overflow every ratio
+        raise bad_cell(row, col, "a finite positive number")
+    if not MIN_MEASURE <= x <= MAX_MEASURE:  # 1e-308 would overflow every ratio
         raise bad_cell(row, col, f"a measurement from {MIN_MEASURE:g} to {MAX_MEASURE:g} (or "
                                  "empty)")
     return x
@@ -102,9 +114,13 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
         if twice is not None:  # DictReader would keep the last column's cells silently
             raise SpecError(f"{p}: the column `{excerpt(twice)}` appears twice in the header; "
                             "give each column once.")
-        rows = list(reader)
+        rows = list(itertools.islice(reader, MAX_CSV_ROWS + 1))
     except csv.Error as err:
         raise SpecError(f"{p} is not a valid CSV file ({err}); fix the file.") from None
+    if len(rows) > MAX_CSV_ROWS:  # each row is priced at every layout it may have run
+        raise SpecError(f"{p} holds more than {MAX_CSV_ROWS:,} rows, moeplan's limit for a CSV "
+                        "of runs; split it into files of at most that many rows and validate "
+                        "each.")
     if not rows:
         raise SpecError(f"{p} holds no rows (an empty file, or a header alone); give a CSV "
                         "shaped like published_runs.csv, one published run per row.")

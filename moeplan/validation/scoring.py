@@ -340,15 +340,45 @@ def unseen_summary(rows: list[dict[str, Any]], ranking: dict[str, Any],
             "sequence_steps": sequence_steps(held, raw) if raw is not None else None}
 
 
+FEW_SKIPPED = 3
+"""A reason shared by at most this many rows is printed in full for each of them: grouping
+only pays when it saves lines, and the full reason is what a user fixes a cell by."""
+
+
 def skip_groups(skipped: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
-    """Skipped rows grouped by reason, most common first: the reason's head (before any
-    `:` detail, quoted values as `…`) and the ids. `validate` prints these instead of a bare
-    count, so what is not predicted, and why, reads at a glance."""
-    groups: dict[str, list[str]] = {}
+    """Skipped rows grouped by reason, most common first, as (reason, ids): `validate` prints
+    these instead of a bare count, so what is not predicted, and why, reads at a glance. Rows
+    whose reasons differ only in their detail (after a `:`, quoted values) share the reason's
+    head, with quoted values as `…`; the full reason is kept where every row of a group gives
+    the same one, and each row gets its own where the group holds FEW_SKIPPED rows or fewer
+    (the cell a user mistyped, and the fix, are in the detail)."""
+    groups: dict[str, list[dict[str, str]]] = {}
     for s in skipped:
         head = re.sub(r"(?<!\w)'[^']*'(?!\w)", "…", str(s["why"]).split(":", 1)[0]).strip()
-        groups.setdefault(head, []).append(str(s["id"]))
-    return sorted(groups.items(), key=lambda g: (-len(g[1]), g[0]))
+        groups.setdefault(head, []).append(s)
+    out: list[tuple[str, list[str]]] = []
+    for head, members in groups.items():
+        whys = {str(s["why"]) for s in members}
+        if len(whys) == 1:
+            out.append((whys.pop(), [str(s["id"]) for s in members]))
+        elif len(members) <= FEW_SKIPPED:
+            out += [(str(s["why"]), [str(s["id"])]) for s in members]
+        else:
+            out.append((head, [str(s["id"]) for s in members]))
+    return sorted(out, key=lambda g: (-len(g[1]), g[0]))
+
+
+def common_skip_reasons(skipped: list[dict[str, str]], top: int = 3) -> str:
+    """The `top` commonest reasons rows were skipped for, each with its row count and first
+    ids, as one sentence: what `validate` says when it could predict no row at all."""
+    from ..limits import clip
+
+    parts = []
+    for why, ids in skip_groups(skipped)[:top]:
+        rows = f"{len(ids)} row{'s' if len(ids) != 1 else ''}"
+        eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
+        parts.append(f"{clip(why.rstrip('.'), 400)} ({rows}: {eg})")
+    return "; ".join(parts)
 
 
 def validate_rows(rows: list[dict[str, str]], calibration: dict[str, Any] | None = None,
