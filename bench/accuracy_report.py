@@ -42,23 +42,19 @@ GENERATION = {"ampere": "Ampere (A100)", "hopper": "Hopper (H100/H200)",
 which every cross-validated row carries (`gpu_family`)."""
 RAW: dict[str, dict[str, str]] = {}
 
-# Figures of the previous revision (commit b765e93), for "What changed", as its own ACCURACY.md,
+# Figures of the previous revision (commit c048f21), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
 # (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 6.8, "model": 9.7, "release": 7.3, "table5": 3.9, "objective": "0.0898",
-            "recipes": 17.3, "recipes_coverage": 11, "cv_coverage": 81.8,
-            "loro_coverage": 85.5, "lomo_coverage": 85.5, "quick": 9.7, "rows": 241,
-            # the tuned rows whose priced virtual pipeline size did not fit: the size its
-            # shipped profile priced them at (`moeplan validate --json`, `vpp`), with the peak
-            # memory priced there, and their leave-one-model-out error (bench/data/crossval.json)
-            "tuned": {"R0453": (2, 82.0, -7.3), "R0517": (2, 82.0, -6.3)},
-            # Megatron-LM's DeepSeek-V3 GB200 optimisation steps (`moeplan validate`), and the
-            # calibration.json constants this revision's refit moved
-            "steps": 32.4, "hopper_max": 0.775, "hopper_half": 192, "fp8_gain": 0.8,
-            "nvfp4_gain": 0.5,
-            # Megatron-LM's Qwen3-30B-A3B MXFP8 recipe over its BF16 twin (MLR13 over MLR12),
-            # as priced by that revision (`python bench/megatron_recipes.py --json`)
-            "mlr13_before": 663.4 / 586.1}
+PREVIOUS = {"config": 6.7, "model": 9.5, "release": 7.3, "table5": 3.9, "objective": "0.0889",
+            "recipes": 15.9, "recipes_coverage": 11, "cv_coverage": 80.9,
+            "loro_coverage": 85.1, "lomo_coverage": 81.7, "quick": 10.1, "rows": 241,
+            # Megatron-LM's DeepSeek-V3 GB200 optimisation steps (`moeplan validate`)
+            "steps": 30.8,
+            # shipped-profile rows priced above their GPU's HBM (`over_hbm`), and the rows
+            # priced with FP8 parameter gathers, on that revision; the rows whose predicted
+            # tokens/s the gather moved and the most it moved one (points of error), from
+            # `moeplan validate --json` on that revision and on this one, row by row
+            "over_hbm": 72, "fp8_gather_rows": 9, "moved_rows": 21, "moved_max": 0.44}
 
 
 def generation(row: dict[str, Any]) -> str:
@@ -1003,35 +999,19 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **A quantize writes both copies.** Transformer Engine quantizes a GEMM operand that
-  training uses twice, row-wise for the forward (or data-gradient) GEMM and column-wise for
-  the weight-gradient GEMM, in one pass (FP8's cast-transpose, MXFP8's and NVFP4's two
-  scalings), and FP8 current scaling and NVFP4 first read the input once more for its amax,
-  in a kernel of its own (`host.AMAX_PASS`, `csrc/quantizer.cpp`). moeplan priced every
-  quantize as a bf16 read and one FP8 write, 3 bytes per element, where the fused grouped
-  MLP's epilogue already wrote both copies. Now per element: {cast_bytes}
-  (`layers._cast_bytes`, `_quantized_copies`); NVFP4 launches its amax kernel (two kernels per
-  tensor, was one). The work outside the GEMMs grows most where the GEMMs are small: with it,
-  the refit moved Hopper's GEMM peak share {hopper_max_before} → {hopper_max} and its
-  half-efficiency dimension {hopper_half_before} → {hopper_half}, the FP8 recipes' share of
-  their datasheet gain {fp8_gain_before} → {fp8_gain} and NVFP4's {nvfp4_gain_before} →
-  {nvfp4_gain}: with their quantize traffic priced, the low-precision GEMMs themselves run
-  nearer their datasheet rate. Megatron-LM's Qwen3-30B-A3B recipes on 16 GB200 at one layout
-  measured MXFP8 at {mlr13_ratio}× BF16 (MLR13 over MLR12, partial CUDA graphs against none),
-  priced {mlr13_pred}× (was {mlr13_before}×).
-- **A tuned row is read at the fastest virtual pipeline size that could run.** A row whose
-  source says it tuned its layout and prints no VPP is priced at the fastest size Megatron
-  accepts (`validation.cases.tuned_vpp`); that choice did not ask whether the size fits in the
-  GPU's memory, so the Parallel Folding paper's tuned Llama3-8x70B layout on 256 H100 (TP 8,
-  PP 8, EP 4) was priced at a size whose priced peak is over what an 80 GB GPU holds less
-  the reserve ({room} GB): {tuned_before}. A layout that does not fit could not have run, so
-  each profile now takes the fastest size whose priced peak is under it
-  (`validation.scoring.fastest`; where none is, the fastest of all): {tuned_now}. The bound is
-  the GPU's, not the memory margin a plan keeps (`uncertainty.max_peak_gb`, {budget} GB
-  here): a reading of a run that happened needs no safety factor, so Mixtral-8x22B-G8T8's
-  tuned row (R0451) keeps {r0451}.
-- Every figure below comes from refits on both changes: the fit (objective
-  {objective_before} → {objective_now} over {rows} rows), leave one model out
+- **Megatron-Bridge's FP8 rows gather FP8 parameters, as their recipe does.** Its performance
+  scripts take their precision from `get_precision_config`: "fp8_cs" is
+  `bf16_with_fp8_current_scaling_mixed()` and "fp8_mx" `bf16_with_mxfp8_mixed()`, both with
+  `fp8_param_gather = True` (MXFP8 with the gradient buffer reused for the gather) in every
+  release from v0.1.0 (25.09) to v0.6.0 (26.08); only Kimi-K2's configuration turns it off
+  from 26.04, with the Muon optimizer (`validation.rules.bridge_fp8_param_gather`). moeplan
+  priced those rows with bf16 gathers and bf16 weights beside their quantized copies, so
+  {over_before} of the {rows_all} published rows were priced above their GPU's memory, runs
+  that ran; now {over_now}. Rows priced with FP8 parameter gathers: {gather_before} →
+  {gather_now}. Time moves only where the parameter all-gather is exposed: {moved} rows, by at
+  most {moved_max} points; the refit's constants did not move (objective {objective_before} →
+  {objective_now} over {rows} rows).
+- Every figure below comes from refits on this change: leave one model out
   {lomo_before}% → {lomo_now}%, leave one release out {loro_before}% → {loro_now}%,
   configuration split {config_before}% → {config_now}%, the CLI's quick refit
   {quick_before}% → {quick_now}%; interval coverage: configuration split {cv_cov_before}% →
@@ -1170,64 +1150,35 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
         "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
-        **tuned_figures(cv), **quantize_figures(cal),
+        **gather_figures(cv),
         "steps_before": f"{PREVIOUS['steps']}", "steps_now": f"{ext_mape(unseen_runs()[1]):.1f}%",
     }
 
 
-def quantize_figures(cal: dict[str, Any]) -> dict[str, str]:
-    """The bytes per quantized element each recipe moves now (`layers._cast_bytes`), the
-    constants the refit moved against PREVIOUS's, and Megatron-LM's MXFP8-over-BF16 pair of
-    Qwen3-30B-A3B recipes (MLR13 over MLR12) as measured and as priced."""
-    from moeplan.cost_models.layers import cast_bytes
-
-    def nbytes(p: str) -> str:
-        return f"{cast_bytes(p):.4g}"
-
-    cast = (f"{nbytes('mxfp8')} bytes under MXFP8 and blockwise FP8 (a read, two copies of one "
-            f"byte with their scales), {nbytes('fp8-delayed')} under delayed scaling, "
-            f"{nbytes('fp8-tensorwise')} under current scaling (a second read), "
-            f"{nbytes('nvfp4')} under NVFP4 (a second read, two copies of half a byte with an "
-            "FP8 scale per 16)")
-    recipes = {str(r["id"]): r for r in unseen_runs()[0]}
-
-    def ratio(a: str, b: str, key: str) -> str:
-        return f"{float(recipes[a][key]) / float(recipes[b][key]):.2f}"
-
-    gemm = {"hopper_max": cal["gemm_eff_max"]["hopper"],
-            "hopper_half": cal["gemm_half_dim_arch"]["hopper"],
-            "fp8_gain": cal["lowp_gain"]["fp8-tensorwise"], "nvfp4_gain": cal["lowp_gain"]["nvfp4"]}
-    return {"cast_bytes": cast, "mlr13_ratio": ratio("MLR13", "MLR12", "published"),
-            "mlr13_pred": ratio("MLR13", "MLR12", "predicted"),
-            "mlr13_before": f"{PREVIOUS['mlr13_before']:.2f}",
-            **{k: f"{v:g}" for k, v in gemm.items()},
-            **{f"{k}_before": f"{PREVIOUS[k]:g}" for k in gemm}}
-
-
-def tuned_figures(cv: dict[str, Any]) -> dict[str, str]:
-    """The tuned rows PREVIOUS lists, in words: before, the size they were priced at, its
-    priced peak memory and their leave-one-model-out error; now, the same from the shipped
-    profile (SHIPPED, `vpp`) and this cross-validation; and the memory an H100 holds, with and
-    without the margin a plan keeps."""
-    from moeplan.cost_models.calibration import calibration_for
+def over_hbm(rows: list[dict[str, Any]]) -> int:
+    """Shipped-profile rows whose priced peak memory is above their GPU's HBM."""
     from moeplan.specs import load_cluster
 
-    lomo = {r["id"]: r for r in cv["model"]["rows"]}
-    shipped = {r["id"]: r for r in SHIPPED}
+    return sum(r["predicted_memory_gb"] > load_cluster(
+        RAW[r["id"]]["cluster_preset"] or "h100", 8).hbm_gb for r in rows
+        if r.get("predicted_memory_gb") is not None and RAW[r["id"]].get("cluster_preset"))
 
-    def read(rid: str) -> str:
-        s = shipped[rid]
-        return f"VPP {s['vpp']}, priced at {s['predicted_memory_gb']:.1f} GB"
 
-    before = [f"{rid} ({RAW[rid]['model']}) at VPP {vpp}, {mem:g} GB, {err:+.1f}%"
-              for rid, (vpp, mem, err) in PREVIOUS["tuned"].items()]
-    now = [f"{rid} at {read(rid)}, {pct(lomo[rid]['error'], True)}"
-           for rid in PREVIOUS["tuned"]]
-    h100 = load_cluster("h100", 256)
-    cal = calibration_for(h100.calibration)
-    return {"tuned_before": "; ".join(before) + " (its leave-one-model-out error)",
-            "tuned_now": "; ".join(now), "room": f"{U.gpu_room_gb(h100, cal):g}",
-            "budget": f"{U.max_peak_gb(h100, cal):.1f}", "r0451": read("R0451")}
+def gather_figures(cv: dict[str, Any]) -> dict[str, str]:
+    """The FP8 parameter gather's figures: rows priced above HBM and rows priced with the
+    gather, now and in PREVIOUS; the rows it moved, as PREVIOUS measured them."""
+    from moeplan.specs import list_presets
+    from moeplan.validation import case_of
+
+    presets = list_presets()
+    gathered = 0
+    for r in SHIPPED:
+        case = case_of(RAW[r["id"]], presets)
+        gathered += not isinstance(case, str) and case.training.fp8_param_gather
+    return {"over_before": f"{PREVIOUS['over_hbm']}", "over_now": f"{over_hbm(SHIPPED)}",
+            "rows_all": f"{len(SHIPPED)}", "gather_before": f"{PREVIOUS['fp8_gather_rows']}",
+            "gather_now": f"{gathered}", "moved": f"{PREVIOUS['moved_rows']}",
+            "moved_max": f"{PREVIOUS['moved_max']:g}"}
 
 
 def shipped_error(r: dict[str, Any]) -> float:
