@@ -263,8 +263,9 @@ class LayerTable:
         search can decode for a layout of this table at (pp, vpp, m), at any stage split: the
         layers split by `level_split` (no split has a shorter bare pipeline), the embedding and
         the leading layers on rank 0, the loss and MTP on the last rank (as `stage_problem`
-        places them), each item at its bare time at the schedule's edge weight. Recompute and offload only add time, the optimizer-offload
-        fraction changes no item time, so no choice at any fraction is faster. Interleaved
+        places them), each item at its bare time at the schedule's edge weight. Recompute and
+        offload only add time, the optimizer-offload fraction changes no item time, so no
+        choice at any fraction is faster. Interleaved
         layer kinds (priced as one average layer, where a rank's real layers may be cheaper)
         get every item's time spread evenly over the ranks instead.
 
@@ -377,13 +378,6 @@ def level_split(free_layers: int, fixed_s: Sequence[float], layer_s: float,
         X[r] += 1
         heapq.heappush(heap, (t + layer_s, o, r))
     return X
-
-
-@lru_cache(maxsize=8192)
-def screen_split(free_layers: int, pp: int, vpp: int, num_microbatches: int) -> tuple[int, ...]:
-    """`balanced_split` of a schedule's own in-flight counts, once per schedule."""
-    return tuple(balanced_split(free_layers, pp, vpp,
-                                inflight_per_stage(pp, vpp, num_microbatches)))
 
 
 def _item_time(lc: LayerCost, edge: float) -> float:

@@ -650,31 +650,33 @@ for _name, _features in STACK_RULES.items():
     _stack_layout_rule(_name, (_name.removeprefix("stack_"),), _features)
 
 
+def _stack_feature_of(option: Option) -> str | None:
+    """The STACK_FEATURES entry a module option needs: any offload, recompute of a module
+    other than core attention (or the whole layer), selective recompute of core attention."""
+    kind, module = option
+    if kind == "offload":
+        return "activation_offload"
+    if module == "core_attn":
+        return "selective_recompute"
+    return None if module == "full" else "recompute_modules"
+
+
+STACK_MODULE_OPTIONS = (*(off(m) for m in OFFLOAD_NAMES), *(rec(m) for m in RECOMPUTE_NAMES))
+
+
 def _stack_module_combos(f: Facts) -> tuple[Combo, ...]:
     """The module options the plan's software stack does not run, each alone (the planner's
-    menu drops them): activation offload, recompute beyond core attention, selective
-    recompute itself."""
-    stack, out = f.training.software_stack, []
-    if stack_lacks(stack, "activation_offload"):
-        out += [Combo((off(m),)) for m in OFFLOAD_NAMES]
-    if stack_lacks(stack, "recompute_modules"):
-        out += [Combo((rec(m),)) for m in RECOMPUTE_NAMES if m not in ("core_attn", "full")]
-    if stack_lacks(stack, "selective_recompute"):
-        out.append(Combo((rec("core_attn"),)))
-    return tuple(out)
+    menu drops them)."""
+    stack = f.training.software_stack
+    return tuple(Combo((o,)) for o in STACK_MODULE_OPTIONS
+                 if (k := _stack_feature_of(o)) is not None and stack_lacks(stack, k))
 
 
 def _stack_module_features(f: Facts) -> list[str]:
-    """The STACK_FEATURES the plan's module choices use and its stack lacks, oldest first."""
-    chosen = {o for s in f.sets() for o in s}
-    used = []
-    if any(o[0] == "offload" for o in chosen):
-        used.append("activation_offload")
-    if any(o[0] == "recompute" and o[1] not in ("core_attn", "full") for o in chosen):
-        used.append("recompute_modules")
-    if rec("core_attn") in chosen:
-        used.append("selective_recompute")
-    return [k for k in used if stack_lacks(f.training.software_stack, k)]
+    """The STACK_FEATURES the plan's module choices use and its stack lacks."""
+    used = {_stack_feature_of(o) for s in f.sets() for o in s} - {None}
+    return [k for k in STACK_FEATURES if k in used
+            and stack_lacks(f.training.software_stack, k)]
 
 
 RULES.append(Rule(
