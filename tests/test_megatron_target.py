@@ -494,3 +494,20 @@ def test_the_launch_is_a_torchrun_of_pretrain_gpt_with_the_cadence_flags():
         1000, 1000, 10, 10)
     assert args.split == "969,30,1" and args.tensorboard_dir == "/ckpt/tb"
     assert args.exit_signal_handler
+
+
+def test_optimizer_offload_with_current_scaling_fp8_exports_clean_as_validate_args_allows():
+    """Megatron's `validate_args` refuses optimizer CPU offload with a recipe other than delayed
+    only under --fp8-param-gather; the export warned on every such plan (read from a guide that
+    never reached Megatron-LM's main branch), so `--objective expected` winners carried a false
+    'may be refused'."""
+    plan = _plan("mixtral-8x7b", 16, precision="fp8-tensorwise", ep=8,
+                 choices=Choices(optimizer_offload_fraction=0.5))
+    argv, warn = to_megatron_args(plan)
+    assert "--optimizer-cpu-offload" in argv and "tensorwise" in argv
+    assert "--fp8-param-gather" not in argv
+    assert not [w for w in warn if "offload" in w]
+    gather = plan.model_copy(update={"training": plan.training.model_copy(
+        update={"fp8_param_gather": True})})
+    with pytest.raises(LayoutError, match="optimizer_offload_fp8_param_gather"):
+        export(gather)

@@ -286,8 +286,8 @@ RUN_PLACEHOLDERS: dict[str, str] = {
 }
 DEFAULT_SPLIT = "969,30,1"  # Megatron's legacy default train/valid/test split
 
-# precision recipe → (format flag, format, recipe flag, recipe); Megatron's low-precision guide
-# (docs/user-guide/features/low_precision_training.md) pairs mxfp8 and blockwise with e4m3.
+# precision recipe → (format flag, format, recipe flag, recipe); mxfp8 takes e4m3 as
+# Megatron-Bridge's `bf16_with_mxfp8_mixed` does, blockwise the e4m3 of DeepSeek-V3's recipe.
 _PRECISION_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "fp8-delayed": ("--fp8-format", "hybrid", "--fp8-recipe", "delayed"),
     "fp8-tensorwise": ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"),
@@ -656,7 +656,7 @@ def _batch_args(a: _Args, plan: Plan) -> None:
     a.add("--global-batch-size", plan.training.global_batch_size)
 
 
-def _memory_args(a: _Args, plan: Plan, warn: list[str]) -> None:
+def _memory_args(a: _Args, plan: Plan) -> None:
     """One recompute set and one offload set for every stage: `check_exportable` refused a plan
     whose sets differ by stage (rules `uniform_stage_choices`)."""
     c, t = plan.choices, plan.training
@@ -677,11 +677,9 @@ def _memory_args(a: _Args, plan: Plan, warn: list[str]) -> None:
         # arguments.py::validate_args asserts --use-precision-aware-optimizer with CPU offload.
         a.add("--optimizer-cpu-offload")
         a.add("--optimizer-offload-fraction", _num(c.optimizer_offload_fraction))
+        # validate_args refuses it with another FP8 recipe only under --fp8-param-gather,
+        # which the rules table refuses first (`optimizer_offload_fp8_param_gather`).
         precision_aware = True
-        if t.precision not in ("bf16", "fp8-delayed"):
-            warn.append(f"Megatron supports optimizer CPU offload only with bf16 or the delayed "
-                        f"FP8 recipe (low_precision_training.md); {t.precision} with "
-                        "--optimizer-cpu-offload may be refused.")
     if t.optimizer_moments_dtype == "bf16":
         precision_aware = True
     if precision_aware:
@@ -829,7 +827,7 @@ def to_megatron_args(plan: Plan, train_iters: int | None = None,
         a.add("--mtp-loss-scaling-factor", _num(plan.training.mtp_loss_weight))
     _parallel_args(a, plan, warn)
     _batch_args(a, plan)
-    _memory_args(a, plan, warn)
+    _memory_args(a, plan)
     _precision_args(a, plan)
     _optimizer_args(a, plan, train_iters)
     _user_args(a)
