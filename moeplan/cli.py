@@ -90,6 +90,16 @@ def _check_report(path: str | None) -> None:
         check_plan_report_path(path)
 
 
+def _warn_foreign_calibration(cluster: S.ClusterSpec, calibration: str | None) -> None:
+    """One warning line when --calibration was measured on another GPU than the cluster's
+    (`specs.loader.foreign_calibration`: what is applied and what is not)."""
+    from .specs.loader import foreign_calibration
+
+    words = foreign_calibration(cluster, calibration)
+    if words:
+        err.print(f"warning: {words}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _write_plan_report(plans: list[S.Plan], title: str, path: str, objective: str | None,
                        stopped_early: bool = False) -> None:
     from .planner.report import write_plan_report
@@ -451,6 +461,7 @@ def estimate(
                                  target=target or "megatron",
                                  software_stack=stack, moe_capacity_factor=capacity_factor,
                                  moe_pad_expert_input_to_capacity=pad_to_capacity)
+    _warn_foreign_calibration(plan.cluster, calibration)
     if target is not None:
         check_target(target)
         plan = plan.model_copy(update={"target": target})
@@ -788,6 +799,8 @@ def search(
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
+    if calibration is not None:
+        _warn_foreign_calibration(S.load_cluster(cluster, gpus, calibration), calibration)
     with progress_line() as bar:
         def progress(done: int, total: int) -> None:
             # each candidate layout is visited at most twice (bounded, then solved); the rest
