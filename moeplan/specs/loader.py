@@ -242,11 +242,30 @@ def is_hf_config(data: Any) -> bool:
     return isinstance(data, dict) and ("architectures" in data or "model_type" in data)
 
 
+SHOWN_KEYS = frozenset({"name", "kind", "spec", "derived"})
+"""The keys of the document `moeplan specs show --json` writes (SPEC §4)."""
+
+
+def shown_spec(data: Any) -> tuple[Literal["model", "cluster"], dict[str, Any]] | None:
+    """(kind, spec) of a document `moeplan specs show --json` wrote, `{"name", "kind":
+    "model"|"cluster", "spec": {...}, "derived": {...}}`, so that what it shows reads back as the
+    spec it shows; None for any other document (one with a key besides those, or without
+    `kind` and `spec`, is not that document and is read as it is)."""
+    if (isinstance(data, dict) and {"kind", "spec"} <= data.keys() <= SHOWN_KEYS
+            and data["kind"] in ("model", "cluster") and isinstance(data["spec"], dict)):
+        return data["kind"], data["spec"]
+    return None
+
+
 def document_kind(data: Any) -> SpecKind:
     """Which spec a parsed document describes, told by a field only that kind has: a Plan embeds
     model, cluster and layout; a ClusterSpec has `bf16_tflops`; a TrainingSpec
-    `global_batch_size`. Anything else is read as a model (a ModelSpec or a Hugging Face config),
-    so that a broken model file is reported by the model's own field errors."""
+    `global_batch_size`; `specs show --json` says it (`shown_spec`). Anything else is read as
+    a model (a ModelSpec or a Hugging Face config), so that a broken model file is reported by
+    the model's own field errors."""
+    shown = shown_spec(data)
+    if shown is not None:
+        return shown[0]
     if isinstance(data, dict):
         if {"model", "cluster", "layout"} <= data.keys():
             return "plan"
@@ -316,7 +335,7 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
         text = (_PRESETS / kind / f"{name}.yaml").read_text()     # folded preset name
         return parse_text(text, f"preset '{name}'", False), f"preset '{name}'"
     if is_file(path):
-        return read_document(path), str(path)
+        return _unwrapped(read_document(path), noun, str(path)), str(path)
     names = ", ".join(_preset_names(kind))
     problem = file_problem(path)
     if problem is not None and problem.startswith("is "):  # there, but not a spec file
@@ -331,6 +350,20 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
                     f"file.{hint} Presets: {names}. Pass one of them or the path of a "
                     f"YAML/JSON {noun} spec"
                     + (" or a Hugging Face config.json." if kind == "models" else "."))
+
+
+def _unwrapped(data: Any, noun: str, source: str) -> Any:
+    """A file's document as the spec it holds: the `spec` of what `moeplan specs show --json`
+    wrote (refused, naming the kind it holds, when that is not a `noun`), else the document."""
+    shown = shown_spec(data)
+    if shown is None:
+        return data
+    kind, spec = shown
+    if kind != noun:
+        raise SpecError(f"{source} holds a {kind} spec (as `moeplan specs show --json` "
+                        f"writes it), not a {noun} spec; give it as the {kind} (--{kind} "
+                        "FILE).")
+    return spec
 
 
 def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
@@ -375,7 +408,7 @@ def read_calibration(path: Path) -> tuple[dict[str, Any], tuple[str, str] | None
     `calibration` mapping of a ClusterSpec file such as `moeplan calibrate -o` writes, whose
     `gpu` and `architecture` say where it was measured, or a bare mapping of constants, which
     says nothing of it (None)."""
-    cal = read_document(path) if is_file(path) else None
+    cal = _unwrapped(read_document(path), "cluster", str(path)) if is_file(path) else None
     if not isinstance(cal, dict):
         raise SpecError(f"--calibration {limits.clip(str(path))}: not a readable "
                         "calibration file (a YAML/JSON mapping). Pass a file written by "
