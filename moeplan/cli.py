@@ -594,7 +594,7 @@ def validate(
     with progress_line(2.0) as bar:
         res = validate_rows(rows, progress=lambda done, total: bar.update(
             f"validating: {done / total:.0%} ({done} of {total} rows)"))
-        bar.done(f"validated: 100% ({len(rows)} rows: {len(res['rows'])} predicted, "
+        bar.done(f"validated: 100% ({plural(len(rows), 'row')}: {len(res['rows'])} predicted, "
                  f"{len(res['skipped'])} skipped)")
     if not res["rows"]:  # nothing scored is no result: a script reading exit 0 would trust it
         from .validation.scoring import common_skip_reasons
@@ -743,8 +743,9 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool, jobs: int = 1) ->
                 Column("mean error", right=True)]
         body = [[k, str(v["rows"]), pct(v["mape"]), f"{v['bias']:+.1%}"]
                 for k, v in res["by_family"].items()]
-        title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
-                 f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
+        title = (f"leave one {by} out: {plural(res['count'], 'run')} predicted by a "
+                 f"calibration refitted without {'its' if res['count'] == 1 else 'their'} "
+                 f"{by} ({plural(len(res['folds']), 'fold')}, {res['refit']} refit)")
         print_lines(table_lines(title, cols, body, width))
         notes = [f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
                  f"90th percentile {pct(res['p90_ape'])})", _groups_off(res["model_gpu_groups"])]
