@@ -90,6 +90,16 @@ def _check_report(path: str | None) -> None:
         check_plan_report_path(path)
 
 
+def _warn_foreign_calibration(cluster: S.ClusterSpec, calibration: str | None) -> None:
+    """One warning line when --calibration was measured on another GPU than the cluster's
+    (`specs.loader.foreign_calibration`: what is applied and what is not)."""
+    from .specs.loader import foreign_calibration
+
+    words = foreign_calibration(cluster, calibration)
+    if words:
+        err.print(f"warning: {words}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _write_plan_report(plans: list[S.Plan], title: str, path: str, objective: str | None,
                        stopped_early: bool = False) -> None:
     from .planner.report import write_plan_report
@@ -451,6 +461,7 @@ def estimate(
                                  target=target or "megatron",
                                  software_stack=stack, moe_capacity_factor=capacity_factor,
                                  moe_pad_expert_input_to_capacity=pad_to_capacity)
+    _warn_foreign_calibration(plan.cluster, calibration)
     if target is not None:
         check_target(target)
         plan = plan.model_copy(update={"target": target})
@@ -583,7 +594,7 @@ def validate(
     with progress_line(2.0) as bar:
         res = validate_rows(rows, progress=lambda done, total: bar.update(
             f"validating: {done / total:.0%} ({done} of {total} rows)"))
-        bar.done(f"validated: 100% ({len(rows)} rows: {len(res['rows'])} predicted, "
+        bar.done(f"validated: 100% ({plural(len(rows), 'row')}: {len(res['rows'])} predicted, "
                  f"{len(res['skipped'])} skipped)")
     if not res["rows"]:  # nothing scored is no result: a script reading exit 0 would trust it
         from .validation.scoring import common_skip_reasons
@@ -732,8 +743,9 @@ def _validate_cv(runs_csv: str | None, by: str, as_json: bool, jobs: int = 1) ->
                 Column("mean error", right=True)]
         body = [[k, str(v["rows"]), pct(v["mape"]), f"{v['bias']:+.1%}"]
                 for k, v in res["by_family"].items()]
-        title = (f"leave one {by} out: {res['count']} runs predicted by a calibration refitted "
-                 f"without their {by} ({len(res['folds'])} folds, {res['refit']} refit)")
+        title = (f"leave one {by} out: {plural(res['count'], 'run')} predicted by a "
+                 f"calibration refitted without {'its' if res['count'] == 1 else 'their'} "
+                 f"{by} ({plural(len(res['folds']), 'fold')}, {res['refit']} refit)")
         print_lines(table_lines(title, cols, body, width))
         notes = [f"MAPE tokens/s/GPU {pct(res['mape'])} (median {pct(res['median_ape'])}; "
                  f"90th percentile {pct(res['p90_ape'])})", _groups_off(res["model_gpu_groups"])]
@@ -788,6 +800,8 @@ def search(
     limits.check("--top", top, limits.MAX_TOP_PLANS, "ask for fewer plans")
     if output:
         check_writable(output)
+    if calibration is not None:
+        _warn_foreign_calibration(S.load_cluster(cluster, gpus, calibration), calibration)
     with progress_line() as bar:
         def progress(done: int, total: int) -> None:
             # each candidate layout is visited at most twice (bounded, then solved); the rest

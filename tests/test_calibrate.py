@@ -98,6 +98,54 @@ def test_one_refit_cluster_writes_the_file_and_several_write_one_file_each(tmp_p
     assert ClusterSpec.model_validate(doc).gpu == load_cluster("h100").gpu
 
 
+def _a100_calibration(path, constants):
+    """A calibration measured on an A100, as `moeplan calibrate --from-runs` writes it."""
+    from moeplan.calibrate import write_cluster_yaml
+    from moeplan.calibrate.refit import cluster_document
+
+    write_cluster_yaml(cluster_document(load_cluster("a100-80g"), constants, path.stem), path)
+    return path
+
+
+A100_FIT = {"gemm_eff_max": {"A100-80GB SXM": 0.7, "ampere": 0.7},
+            "attn_fwd_eff": {"ampere": 0.5}, "layer_overhead_s": 1e-3, "nvlink_eff": 0.8}
+
+
+def test_a_calibration_from_another_gpu_says_so_in_one_line_naming_what_applies(tmp_path,
+                                                                                 capsys):
+    from moeplan.cli import main
+
+    path = _a100_calibration(tmp_path / "a100-fit.yaml", A100_FIT)
+    for cmd in (["estimate", *EST, "--cluster", "h100"],
+                ["search", *EST[:-3], "--cluster", "h100", "--json"]):
+        assert main([*cmd, "--calibration", str(path)]) == 0
+        err = capsys.readouterr().err
+        warned = [line for line in err.splitlines() if line.startswith("warning:")]
+        assert len(warned) == 1 and "Traceback" not in err, err
+        line = warned[0]
+        assert "measured on A100-80GB SXM (ampere)" in line and "H100-SXM (hopper)" in line
+        applied, unread = line.split("Applied anyway:")[1].split("Not applied")
+        assert "layer_overhead_s" in applied and "nvlink_eff" in applied
+        assert "gemm_eff_max[ampere]" in unread and "attn_fwd_eff[ampere]" in unread
+    # measured on the cluster's own GPU: nothing to say
+    assert main(["estimate", *EST, "--cluster", "a100-80g", "--calibration", str(path)]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_calibration_of_which_nothing_applies_to_the_clusters_gpu_is_refused(tmp_path,
+                                                                                capsys):
+    from moeplan.cli import main
+
+    path = _a100_calibration(tmp_path / "a100-gemm.yaml",
+                             {"gemm_eff_max": {"A100-80GB SXM": 0.7, "ampere": 0.7}})
+    assert main(["estimate", *EST, "--cluster", "h100", "--calibration", str(path)]) == 2
+    cap = capsys.readouterr()
+    msg = " ".join(cap.err.split())
+    assert cap.out == "" and "Traceback" not in cap.err
+    assert "none of its constants applies to the cluster's H100-SXM (hopper)" in msg
+    assert "gemm_eff_max[ampere]" in msg and "drop --calibration" in msg
+
+
 def test_calibrate_defaults_come_from_the_devices_present():
     import os
 

@@ -43,6 +43,35 @@ def test_specs_show_cluster_and_hf_config(cli):
     assert main(["specs", "show", str(DATA / "hf" / "qwen3-30b-a3b.json"), "--json"]) == 0
 
 
+def test_what_specs_show_json_writes_reads_back_as_the_spec_it_shows(tmp_path, capsys):
+    from moeplan.cli import main
+
+    shown = {}
+    for ref in ("h100", "mixtral-8x7b", str(DATA / "hf" / "qwen3-30b-a3b.json")):
+        assert main(["specs", "show", ref, "--json"]) == 0
+        text = capsys.readouterr().out
+        path = tmp_path / f"{json.loads(text)['name']}.json"
+        path.write_text(text)
+        shown[ref] = path
+        assert main(["specs", "validate", str(path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["kind"] == json.loads(text)["kind"]
+        assert main(["specs", "show", str(path), "--json"]) == 0
+        assert capsys.readouterr().out == text  # the same document, shown again
+
+    def step(model: str, cluster: str) -> float:
+        assert main(["estimate", "--model", model, "--cluster", cluster, "--gpus", "8",
+                     "--gbs", "64", "--ep", "8", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["step_time_s"]
+
+    assert step(str(shown["mixtral-8x7b"]), str(shown["h100"])) == step("mixtral-8x7b", "h100")
+    # a cluster's document given as the model: refused, saying where it goes
+    assert main(["estimate", "--model", str(shown["h100"]), "--cluster", "h100", "--gpus", "8",
+                 "--gbs", "64"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{shown['h100']} holds a cluster spec" in err and "(--cluster FILE)" in err
+    assert "Traceback" not in err
+
+
 def test_a_spec_kind_is_told_by_a_field_only_that_kind_has(tmp_path):
     from moeplan.cli import main
     from moeplan.specs.loader import document_kind, ref_kind

@@ -7,6 +7,7 @@ counts it names do have valid layouts, and the ones between do not.
 
 from __future__ import annotations
 
+import json
 import re
 
 from moeplan import load_cluster, load_model
@@ -106,3 +107,26 @@ def test_the_searched_sentence_counts_layouts_and_refused_splits_apart():
     assert f"the rules refused {refused:,} candidate splits" in said
     head = said.split(". Before that")[0]
     assert "set aside:" in head and "expert parallel" not in head
+
+
+def test_nothing_fits_with_fp32_gradients_suggests_bf16_ones_and_the_saving_they_make():
+    """The GB the hint promises are the GB a search with --grad-reduce bf16 needs less; a
+    search already reducing in bf16, and whatif (which takes no --grad-reduce), get no hint."""
+    def answer(*extra: str) -> str:
+        r = run_cli("search", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "8",
+                    "--json", *extra)
+        assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+        return json.loads(r.stdout)["message"]
+
+    def need_gb(msg: str) -> int:
+        return int(re.search(r"needs at least (\d+) GB per GPU", msg).group(1))
+
+    fp32, bf16 = answer(), answer("--grad-reduce", "bf16")
+    hint = re.search(r"or gradients reduced in bf16 \(--grad-reduce bf16\), about (\d+) GB "
+                     r"less per GPU at the closest layout", fp32)
+    assert hint, fp32
+    assert abs(need_gb(fp32) - need_gb(bf16) - int(hint.group(1))) <= 1
+    assert "--grad-reduce" not in bf16
+    r = run_cli("whatif", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "8",
+                "--json")
+    assert r.returncode == 3 and "nothing fits" in r.stdout and "--grad-reduce" not in r.stdout

@@ -2,6 +2,7 @@
 predicted by a calibration that never saw it, and the command reports per family."""
 
 import json
+import re
 
 import pytest
 
@@ -95,6 +96,26 @@ def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(runs_csv
     nums = [f"{v['mape']:.1%}" for v in doc["by_family"].values()]
     nums += [f"{v['bias']:+.1%}" for v in doc["by_family"].values()] + [f"{doc['mape']:.1%}"]
     assert_fits_and_whole(render_in_pty(args, 80), 80, nums)
+
+
+def test_validate_of_one_run_counts_it_in_the_singular_with_and_without_cv(rows, tmp_path):
+    """One run in one fold: "1 run ... its model (1 fold", never "1 runs" or "1 folds"."""
+    import csv
+
+    from .test_cli_terminal import render_in_pty
+
+    path = tmp_path / "one.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerow(rows[0])
+    screen = " ".join(render_in_pty(("validate", str(path), "--cv", "model"), 80).split())
+    assert "leave one model out: 1 run predicted by a calibration refitted without its " \
+           "model (1 fold, quick refit)" in screen, screen
+    plain = " ".join(render_in_pty(("validate", str(path)), 80).split())
+    assert "validated: 100% (1 row: 1 predicted, 0 skipped)" in plain, plain
+    for shown in (screen, plain):
+        assert not re.search(r"\b1 (runs|folds|rows)\b", shown), shown
 
 
 def test_the_fit_keeps_the_grace_launch_time_at_or_above_the_x86_one():

@@ -144,6 +144,26 @@ def residual_key(model: str, precision: str) -> str:
     return f"{model}/{precision}"
 
 
+KEYED_BY_GPU = frozenset({"gemm_eff_max", "attn_fwd_eff", "attn_bwd_eff", "attn_realised",
+                          "comm_sm_fraction", "gemm_half_dim_arch"})
+"""Dict-valued keys whose entries are keyed by GPU model or architecture: pricing a cluster reads
+its own entry alone (`gemm_eff_max`: its GPU's, else its architecture's)."""
+
+
+def unread_entries(overrides: dict[str, Any], cluster: Any) -> list[str]:
+    """The entries of `overrides` that pricing `cluster` under them never reads, as
+    `key[entry]`: those of a table keyed by GPU or architecture (`KEYED_BY_GPU`) for another
+    GPU or architecture, and a GEMM peak by architecture where the profile holds one for the
+    cluster's GPU itself (`Calibration.gemm_eff_max_for`)."""
+    cal = calibration_on(cluster, overrides)
+    arch = cluster.architecture
+    read = {key: {arch} for key in KEYED_BY_GPU}
+    read["gemm_eff_max"] = {cluster.gpu if cluster.gpu in cal.gemm_eff_max else arch}
+    return [f"{key}[{entry}]" for key, table in overrides.items()
+            if key in read and isinstance(table, dict) for entry in table
+            if entry not in read[key]]
+
+
 REPLACED = frozenset({"model_residual"})
 """Dict-valued keys an override replaces whole instead of merging entry by entry: what one fit
 measured of its own rows, which another fit's entries must not leak into."""

@@ -321,10 +321,29 @@ def no_valid_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             f"{world:,} GPUs breaks a rule. {rules[0].upper() + rules[1:]}. {near}{batch}.")
 
 
+def grad_reduce_saving_gb(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                          lay: Layout, cal: Calibration) -> float:
+    """GB per GPU that reducing gradients in bf16 frees at layout `lay`: the main gradients a
+    rank holds go from 4 bytes per parameter to 2 (`estimate.grad_reduce_bytes`), with the
+    allocator's fragmentation on top, as `nothing_fits` counts memory; 0 when they already are
+    bf16."""
+    from ..cost_models.estimate import lower_bound
+
+    if training.grad_reduce_dtype == "bf16":
+        return 0.0
+    bf16 = training.model_copy(update={"grad_reduce_dtype": "bf16"})
+    axes = (lay.tp, lay.cp, lay.dp, lay.pp, lay.ep, lay.etp)
+    held = [lower_bound(model, cluster, t, *axes, calibration=cal)[1] for t in (training, bf16)]
+    return (held[0] - held[1]) * (1 + cal.frag_frac) / GB
+
+
 def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                         world: int, enum: Enumeration, mem_lb: np.ndarray, cal: Calibration,
-                        closest: tuple[float, Layout] | None) -> str:
-    """What came closest and what would make it fit."""
+                        closest: tuple[float, Layout] | None, grad_reduce_flag: bool = True
+                        ) -> str:
+    """What came closest and what would make it fit. `grad_reduce_flag`: whether the caller
+    takes --grad-reduce (whatif does not), so that bf16 gradients are suggested only where the
+    user can ask for them."""
     from .branch import layout_of_row
 
     budget_gb = max_peak_gb(cluster, cal)
@@ -348,6 +367,12 @@ def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     if training.precision == "bf16" and cluster.fp8_tflops and closest is not None:
         # only where activations are what does not fit: weights and gradients stay bf16/fp32
         hints.append("an FP8 recipe (--precision auto) to shrink activations")
+    saved_gb = grad_reduce_saving_gb(model, cluster, training, lay, cal) if grad_reduce_flag \
+        else 0.0
+    if saved_gb > 0:
+        shown = f"{saved_gb:.0f}" if saved_gb >= 10 else f"{saved_gb:.1f}"
+        hints.append(f"gradients reduced in bf16 (--grad-reduce bf16), about {shown} GB less "
+                     "per GPU at the closest layout")
     if larger:
         hints.append(f"a larger-memory GPU ({', '.join(larger)})")
     return (f"nothing fits {model.name} on {world} × {cluster.gpu} (a plan fits when its peak "

@@ -156,14 +156,17 @@ def search(
     options: tuple[Option, ...] | None = None,
     cache: SearchCache | None = None,
     objective: str = "robust",
+    grad_reduce_flag: bool = True,
 ) -> SearchResult:
     """The top-k plans for a model on a cluster, best first (SPEC §4 `moeplan search`), each
     one its target executor runs as priced.
 
     `objective`: "robust" (default) ranks by the high end of the step time's 80 % interval,
     "expected" by the point (`planner.objective`). Raises InfeasibleError (exit 3) with the
-    closest candidate when nothing fits. `cache` lets searches of one sweep share layer tables
-    and module sets (`SearchCache`).
+    closest candidate when nothing fits, and what would make it fit (`explain.nothing_fits`;
+    `grad_reduce_flag` False for a caller that offers no --grad-reduce, whose user could not
+    act on that suggestion). `cache` lets searches of one sweep share layer tables and module
+    sets (`SearchCache`).
     """
     rank = objective_for(objective)
     check_imbalance(imbalance)
@@ -198,7 +201,7 @@ def search(
                           time.perf_counter() - start, pruned, stopped, bb.screened, rank.name)
     if not plans:
         raise InfeasibleError(nothing_fits(model, cluster, training, world, enum, mem_lb,
-                                           pb.cal, bb.closest))
+                                           pb.cal, bb.closest, grad_reduce_flag))
     result.best_validated = (rank.finish([bb.best_validated], imbalance)[0]
                              if bb.best_validated else None)
     for p in [*plans, *([result.best_validated] if result.best_validated else [])]:

@@ -438,7 +438,8 @@ def search_point(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int, gb
                        software_stack=stack)
     try:
         res = search(model, spec, tr, gpus, top_k=top_k, precision=precision,
-                     time_limit_s=share, space=space, options=options, cache=cache)
+                     time_limit_s=share, space=space, options=options, cache=cache,
+                     grad_reduce_flag=False)  # whatif has no --grad-reduce to suggest
         return res.plans[0], None, res.stopped_early, time.perf_counter() - t0
     except InfeasibleError as e:
         why = " ".join(str(e).split())

@@ -29,12 +29,12 @@ from .hf import model_from_hf_config
 from .model import ModelSpec
 from .plan import Plan
 from .training import PRECISIONS, STACKS, TrainingSpec
-from .validated import build, format_validation_error
+from .validated import build, format_validation_error, unprintable
 
 __all__ = [
     "SpecKind", "build", "cluster_presets", "document_kind", "format_validation_error", "is_hf_config",
-    "list_presets", "load_cluster", "load_model", "load_plan", "load_training", "parse_text",
-    "read_document", "read_text", "ref_kind",
+    "foreign_calibration", "list_presets", "load_cluster", "load_model", "load_plan",
+    "load_training", "parse_text", "read_calibration", "read_document", "read_text", "ref_kind",
 ]
 SpecKind = Literal["plan", "cluster", "training", "model"]
 _PRESETS = resources.files("moeplan.specs") / "presets"
@@ -242,11 +242,30 @@ def is_hf_config(data: Any) -> bool:
     return isinstance(data, dict) and ("architectures" in data or "model_type" in data)
 
 
+SHOWN_KEYS = frozenset({"name", "kind", "spec", "derived"})
+"""The keys of the document `moeplan specs show --json` writes (SPEC §4)."""
+
+
+def shown_spec(data: Any) -> tuple[Literal["model", "cluster"], dict[str, Any]] | None:
+    """(kind, spec) of a document `moeplan specs show --json` wrote, `{"name", "kind":
+    "model"|"cluster", "spec": {...}, "derived": {...}}`, so that what it shows reads back as the
+    spec it shows; None for any other document (one with a key besides those, or without
+    `kind` and `spec`, is not that document and is read as it is)."""
+    if (isinstance(data, dict) and {"kind", "spec"} <= data.keys() <= SHOWN_KEYS
+            and data["kind"] in ("model", "cluster") and isinstance(data["spec"], dict)):
+        return data["kind"], data["spec"]
+    return None
+
+
 def document_kind(data: Any) -> SpecKind:
     """Which spec a parsed document describes, told by a field only that kind has: a Plan embeds
     model, cluster and layout; a ClusterSpec has `bf16_tflops`; a TrainingSpec
-    `global_batch_size`. Anything else is read as a model (a ModelSpec or a Hugging Face config),
-    so that a broken model file is reported by the model's own field errors."""
+    `global_batch_size`; `specs show --json` says it (`shown_spec`). Anything else is read as
+    a model (a ModelSpec or a Hugging Face config), so that a broken model file is reported by
+    the model's own field errors."""
+    shown = shown_spec(data)
+    if shown is not None:
+        return shown[0]
     if isinstance(data, dict):
         if {"model", "cluster", "layout"} <= data.keys():
             return "plan"
@@ -316,7 +335,7 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
         text = (_PRESETS / kind / f"{name}.yaml").read_text()     # folded preset name
         return parse_text(text, f"preset '{name}'", False), f"preset '{name}'"
     if is_file(path):
-        return read_document(path), str(path)
+        return _unwrapped(read_document(path), noun, str(path)), str(path)
     names = ", ".join(_preset_names(kind))
     problem = file_problem(path)
     if problem is not None and problem.startswith("is "):  # there, but not a spec file
@@ -331,6 +350,20 @@ def _resolve(ref: str | Path, kind: str) -> tuple[Any, str]:
                     f"file.{hint} Presets: {names}. Pass one of them or the path of a "
                     f"YAML/JSON {noun} spec"
                     + (" or a Hugging Face config.json." if kind == "models" else "."))
+
+
+def _unwrapped(data: Any, noun: str, source: str) -> Any:
+    """A file's document as the spec it holds: the `spec` of what `moeplan specs show --json`
+    wrote (refused, naming the kind it holds, when that is not a `noun`), else the document."""
+    shown = shown_spec(data)
+    if shown is None:
+        return data
+    kind, spec = shown
+    if kind != noun:
+        raise SpecError(f"{source} holds a {kind} spec (as `moeplan specs show --json` "
+                        f"writes it), not a {noun} spec; give it as the {kind} (--{kind} "
+                        "FILE).")
+    return spec
 
 
 def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
@@ -364,19 +397,83 @@ def load_cluster(
         spec = spec.with_gpus(gpus)
     if calibration is not None:
         path = Path(str(calibration))
-        cal = read_document(path) if is_file(path) else None
-        if not isinstance(cal, dict):
-            raise SpecError(f"--calibration {limits.clip(str(calibration))}: not a readable "
-                            "calibration file (a YAML/JSON mapping). Pass a file written by "
-                            "`moeplan calibrate -o FILE`.")
-        constants = cal.get("calibration", cal)
-        if not isinstance(constants, dict):
-            raise SpecError(f"--calibration {path}: `calibration` must be a mapping of "
-                            f"constants, got {type(constants).__name__}. Pass a file written by "
-                            "`moeplan calibrate -o FILE`.")
+        constants, _ = read_calibration(path)
         doc = {**spec.model_dump(), "calibration": {**spec.calibration, **constants}}
         spec = build(ClusterSpec, doc, "calibration", f"--calibration {path}")
     return spec
+
+
+def read_calibration(path: Path) -> tuple[dict[str, Any], tuple[str, str] | None]:
+    """(constants, (GPU, architecture) they were measured on) of a `--calibration` file: the
+    `calibration` mapping of a ClusterSpec file such as `moeplan calibrate -o` writes, whose
+    `gpu` and `architecture` say where it was measured, or a bare mapping of constants, which
+    says nothing of it (None)."""
+    cal = _unwrapped(read_document(path), "cluster", str(path)) if is_file(path) else None
+    if not isinstance(cal, dict):
+        raise SpecError(f"--calibration {limits.clip(str(path))}: not a readable "
+                        "calibration file (a YAML/JSON mapping). Pass a file written by "
+                        "`moeplan calibrate -o FILE`.")
+    constants = cal.get("calibration", cal)
+    if not isinstance(constants, dict):
+        raise SpecError(f"--calibration {path}: `calibration` must be a mapping of "
+                        f"constants, got {type(constants).__name__}. Pass a file written by "
+                        "`moeplan calibrate -o FILE`.")
+    gpu, arch = cal.get("gpu"), cal.get("architecture")
+    measured_on = (gpu, arch) if "calibration" in cal and isinstance(gpu, str) and isinstance(
+        arch, str) else None
+    return constants, measured_on
+
+
+def _shown(name: str) -> str:
+    """A name from a file as a message prints it: as written when printable, else quoted."""
+    return limits.clip(name) if unprintable(name) is None else limits.excerpt(name)
+
+
+def _same_gpu(a: str, b: str) -> bool:
+    """Whether two GPU names are one name, whatever their case, spaces and dashes."""
+    def bare(name: str) -> str:
+        return "".join(ch for ch in name.casefold() if ch.isalnum())
+
+    return bare(a) == bare(b)
+
+
+def foreign_calibration(cluster: ClusterSpec, calibration: str | Path | None) -> str | None:
+    """The warning when a `--calibration` file was measured on another GPU than `cluster`'s
+    (the cluster with the file overlaid, as `load_cluster` returns it): the file's GPU, the
+    cluster's, and which of the file's constants the overlay applies and which it cannot (its
+    entries for another GPU or architecture, which pricing this cluster never reads,
+    `cost_models.calibration.unread_entries`). None when the file records no GPU, or the
+    cluster's. A file of which nothing applies is refused (SpecError): it would price the
+    cluster on the shipped profile while the command says it is calibrated."""
+    from ..cost_models.calibration import KEYED_BY_GPU, unread_entries
+
+    if calibration is None:
+        return None
+    path = Path(str(calibration))
+    constants, measured_on = read_calibration(path)
+    if measured_on is None or _same_gpu(measured_on[0], cluster.gpu):
+        return None
+    gpu, arch = measured_on
+    unread = unread_entries(constants, cluster)
+    applied = [name for key, value in constants.items()
+               for name in ([f"{key}[{entry}]" for entry in value]
+                            if key in KEYED_BY_GPU and isinstance(value, dict) else [key])
+               if name not in unread]
+    unread, applied = [_shown(n) for n in unread], [_shown(n) for n in applied]
+    there = f"{_shown(gpu)} ({_shown(arch)})"
+    here = f"{cluster.gpu} ({cluster.architecture})"
+    if not applied:
+        raise SpecError(f"--calibration {limits.clip(str(path))} was measured on {there}, and "
+                        f"none of its constants applies to the cluster's {here}: each is an "
+                        f"entry for another GPU or architecture ({', '.join(unread)}), so the "
+                        "cluster would be priced on the shipped profile as if calibrated. Run "
+                        "`moeplan calibrate -o FILE` on the cluster's GPU, or drop "
+                        "--calibration.")
+    kept = (f" Not applied (entries for another GPU or architecture; the cluster keeps the "
+            f"shipped ones): {', '.join(unread)}." if unread else "")
+    return (f"--calibration {limits.clip(str(path))} was measured on {there}, not on the "
+            f"cluster's {here}. Applied anyway: {', '.join(applied)}.{kept} Run `moeplan "
+            "calibrate` on the cluster's GPU for constants of its own.")
 
 
 def load_training(ref: str | Path | TrainingSpec | None = None, **overrides: Any) -> TrainingSpec:
