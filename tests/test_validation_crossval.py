@@ -3,6 +3,8 @@ predicted by a calibration that never saw it, and the command reports per family
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -98,8 +100,10 @@ def test_validate_cv_fits_an_80_column_terminal_with_every_figure_whole(runs_csv
     assert_fits_and_whole(render_in_pty(args, 80), 80, nums)
 
 
-def test_validate_of_one_run_counts_it_in_the_singular_with_and_without_cv(rows, tmp_path):
-    """One run in one fold: "1 run ... its model (1 fold", never "1 runs" or "1 folds"."""
+def test_validate_of_one_run_counts_it_in_the_singular_and_refuses_to_leave_its_model_out(
+        rows, tmp_path):
+    """One run: "1 row", never "1 rows"; and leaving its only model out would refit on no row
+    at all (the title said "refitted" over a fit of 0 rows): exit 2, naming the model."""
     import csv
 
     from .test_cli_terminal import render_in_pty
@@ -109,13 +113,16 @@ def test_validate_of_one_run_counts_it_in_the_singular_with_and_without_cv(rows,
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerow(rows[0])
-    screen = " ".join(render_in_pty(("validate", str(path), "--cv", "model"), 80).split())
-    assert "leave one model out: 1 run predicted by a calibration refitted without its " \
-           "model (1 fold, quick refit)" in screen, screen
     plain = " ".join(render_in_pty(("validate", str(path)), 80).split())
     assert "validated: 100% (1 row: 1 predicted, 0 skipped)" in plain, plain
-    for shown in (screen, plain):
-        assert not re.search(r"\b1 (runs|folds|rows)\b", shown), shown
+    assert not re.search(r"\b1 (runs|folds|rows)\b", plain), plain
+    r = subprocess.run([sys.executable, "-m", "moeplan", "validate", str(path), "--cv", "model"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    said = " ".join(r.stderr.split())
+    assert "--cv model: the CSV's scored rows hold one model (" in said, said
+    assert "no row to refit" in said and "two or more models" in said, said
 
 
 def test_the_fit_keeps_the_grace_launch_time_at_or_above_the_x86_one():

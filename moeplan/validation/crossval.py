@@ -269,5 +269,17 @@ def cases_of(rows: Sequence[dict[str, str]]) -> list[RunCase]:
 def cross_validate_rows(rows: Sequence[dict[str, str]], by: By, refit: Refit = "quick",
                         log: Callable[[str], None] | None = None, jobs: int = 1
                         ) -> dict[str, Any]:
-    """`cross_validate` of a CSV's rows (what `moeplan validate --cv` prints)."""
-    return cross_validate(cases_of(rows), by, refit, log, jobs=jobs)
+    """`cross_validate` of a CSV's rows (what `moeplan validate --cv` prints). Refused
+    (SpecError) when its scored rows hold fewer than two groups of `by`: leaving the one out
+    leaves no row to refit on, and the fold would be "refitted" on nothing."""
+    from ..errors import SpecError
+
+    cases = cases_of(rows)
+    groups = folds_of(scored(cases), by)
+    if by != "config" and len(groups) < 2:
+        held = f"one {by} ({groups[0]})" if groups else f"no {by}"
+        raise SpecError(f"--cv {by}: the CSV's scored rows hold {held}, and leaving it out "
+                        "leaves no row to refit the calibration on. Give a CSV with runs of "
+                        f"two or more {by}s, or run `moeplan validate` without --cv for the "
+                        "shipped profile's error on these rows.")
+    return cross_validate(cases, by, refit, log, jobs=jobs)
