@@ -38,7 +38,7 @@ from .specs.loader import (
     read_text,
     ref_kind,
 )
-from .specs.rules import check_target
+from .specs.rules import check_target, stack_lacks
 
 
 def describe_spec(ref: str | Path, seq: int = 4096) -> dict[str, Any]:
@@ -138,8 +138,12 @@ def plan_from_options(
                       software_stack=check_stack(software_stack),
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
+    axes = dict(axes or {})
+    if stack_lacks(t.software_stack, "distributed_optimizer"):
+        # the stack's Megatron replicated the optimizer over data parallelism (STACK_FEATURES)
+        axes.setdefault("distributed_optimizer", False)
     try:
-        layout = Layout.build(c.num_gpus, t.global_batch_size, **(axes or {}))
+        layout = Layout.build(c.num_gpus, t.global_batch_size, **axes)
     except ValidationError as err:
         raise SpecError(format_validation_error(err, "layout", "command line")) from None
     choices = build(Choices, {"recompute": recompute or [], "offload": offload or [],

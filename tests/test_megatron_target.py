@@ -348,6 +348,8 @@ STACK_BROKEN = {  # rule: (a plan that breaks it on the stack, the stack, the fe
         offload=["expert_fc1"])), "mcore-2024", "activation_offload"),
     "stack_optimizer_offload": (lambda: _plan("mixtral-8x7b", 16, ep=8, choices=Choices(
         optimizer_offload_fraction=0.5)), "megatron-2023", "optimizer_offload"),
+    "stack_distributed_optimizer": (lambda: _plan("llama3-8b", 16, tp=2),
+                                    "megatron-2022", "distributed_optimizer"),
 }
 
 

@@ -562,6 +562,11 @@ STACK_FEATURES: dict[str, StackFeature] = {
         "per-module recompute beyond core attention", "mcore-2024", "Megatron Core 0.12 "
         "(--recompute-modules)", "recompute core_attn or whole layers (full)",
         "recompute_modules"),
+    "distributed_optimizer": StackFeature(
+        "the distributed optimizer", "megatron-2023", "Megatron-LM of June 2022 "
+        "(--use-distributed-optimizer, merged on 2022-06-08; first tagged in 23.04)",
+        "set distributed_optimizer false (optimizer states replicated over data parallelism)",
+        "use_distributed_optimizer", "DistributedDataParallelConfig"),
     "optimizer_offload": StackFeature(
         "optimizer CPU offload", "mcore-2024", "Megatron Core 0.12 (--optimizer-cpu-offload)",
         "keep the optimizer on the GPU (optimizer_offload_fraction 0)", "optimizer_cpu_offload",
@@ -602,6 +607,8 @@ def _stack_missing(f: Facts) -> list[str]:
         out.append("fused_grouped_mlp")
     if getattr(L, "cp", 1) > 1:
         out.append("cp")
+    if getattr(L, "distributed_optimizer", False):
+        out.append("distributed_optimizer")
     # HybridEP and whole-step graphs are checked alone: a stack that has them has DeepEP and
     # per-layer graphs too (STACK_AGE)
     return [k for k in out if stack_lacks(t.software_stack, k)]
@@ -642,7 +649,8 @@ STACK_RULES: dict[str, tuple[str, ...]] = {
     "stack_cp": ("cp",), "stack_dispatcher": ("deepep", "hybridep"),
     "stack_ep_overlap": ("ep_overlap",), "stack_tp_comm_overlap": ("tp_comm_overlap",),
     "stack_cuda_graphs": ("cuda_graphs", "full_iteration"),
-    "stack_fused_grouped_mlp": ("fused_grouped_mlp",)}
+    "stack_fused_grouped_mlp": ("fused_grouped_mlp",),
+    "stack_distributed_optimizer": ("distributed_optimizer",)}
 """The layout rules of the software stack, each with the STACK_FEATURES it refuses; a rule
 reads the layout axis its name ends with, so the enumeration prunes by it where it binds that
 axis."""
