@@ -45,16 +45,11 @@ RAW: dict[str, dict[str, str]] = {}
 # Figures of the previous revision (commit c048f21), for "What changed", as its own ACCURACY.md,
 # bench/data/crossval.json, intervals.json and `bench/megatron_recipes.py --json` reported them
 # (the same harness: bench/cross_validate.py, full refit per fold).
-PREVIOUS = {"config": 6.7, "model": 9.5, "release": 7.3, "table5": 3.9, "objective": "0.0889",
+PREVIOUS = {"config": 6.7, "model": 9.6, "release": 7.3, "table5": 3.9, "objective": "0.0889",
             "recipes": 15.9, "recipes_coverage": 11, "cv_coverage": 80.9,
-            "loro_coverage": 85.1, "lomo_coverage": 81.7, "quick": 10.1, "rows": 241,
+            "loro_coverage": 84.2, "lomo_coverage": 81.3, "quick": 10.3, "rows": 241,
             # Megatron-LM's DeepSeek-V3 GB200 optimisation steps (`moeplan validate`)
-            "steps": 30.8,
-            # shipped-profile rows priced above their GPU's HBM (`over_hbm`), and the rows
-            # priced with FP8 parameter gathers, on that revision; the rows whose predicted
-            # tokens/s the gather moved and the most it moved one (points of error), from
-            # `moeplan validate --json` on that revision and on this one, row by row
-            "over_hbm": 72, "fp8_gather_rows": 9, "moved_rows": 21, "moved_max": 0.44}
+            "steps": 30.8}
 
 
 def generation(row: dict[str, Any]) -> str:
@@ -999,18 +994,16 @@ def anatomy() -> list[str]:
 
 CHANGES = """## What changed
 
-- **Megatron-Bridge's FP8 rows gather FP8 parameters, as their recipe does.** Its performance
-  scripts take their precision from `get_precision_config`: "fp8_cs" is
-  `bf16_with_fp8_current_scaling_mixed()` and "fp8_mx" `bf16_with_mxfp8_mixed()`, both with
-  `fp8_param_gather = True` (MXFP8 with the gradient buffer reused for the gather) in every
-  release from v0.1.0 (25.09) to v0.6.0 (26.08); only Kimi-K2's configuration turns it off
-  from 26.04, with the Muon optimizer (`validation.rules.bridge_fp8_param_gather`). moeplan
-  priced those rows with bf16 gathers and bf16 weights beside their quantized copies, so
-  {over_before} of the {rows_all} published rows were priced above their GPU's memory, runs
-  that ran; now {over_now}. Rows priced with FP8 parameter gathers: {gather_before} →
-  {gather_now}. Time moves only where the parameter all-gather is exposed: {moved} rows, by at
-  most {moved_max} points; the refit's constants did not move (objective {objective_before} →
-  {objective_now} over {rows} rows).
+- **The rows of Megatron-LM 2021 and 2022 replicate the optimizer, as their Megatron did.** The
+  distributed optimizer (`--use-distributed-optimizer`) was merged into Megatron-LM on
+  2022-06-08 (`git log -S` of its sources; first tagged in 23.04), after Narayanan et al. 2021
+  and Korthikanti et al. 2022 ran, yet moeplan priced their rows with it. The stack rule
+  `stack_distributed_optimizer` now dates it, and validation prices those stacks' rows
+  without it: {dist_rows} rows of the `megatron-2021` stack move, by at most {dist_moved_max}
+  points of error, and their priced memory from {dist_mem_before} GB to {dist_mem_now} GB
+  per GPU (Korthikanti's Table 5 runs are at data-parallel size 1, where it changes nothing);
+  the refit's constants did not move (objective {objective_before} → {objective_now} over
+  {rows} rows).
 - Every figure below comes from refits on this change: leave one model out
   {lomo_before}% → {lomo_now}%, leave one release out {loro_before}% → {loro_now}%,
   configuration split {config_before}% → {config_now}%, the CLI's quick refit
@@ -1150,35 +1143,42 @@ def change_figures(cv: dict[str, Any], cal: dict[str, Any], quick: dict[str, Any
         "loro_now": f"{100 * cv['release']['mape']:.1f}",
         "config_now": f"{100 * cv['config']['mape']:.1f}",
         "quick_now": f"{100 * quick['model']['mape']:.1f}" if quick else "–",
-        **gather_figures(cv),
+        **dist_opt_figures(),
         "steps_before": f"{PREVIOUS['steps']}", "steps_now": f"{ext_mape(unseen_runs()[1]):.1f}%",
     }
 
 
-def over_hbm(rows: list[dict[str, Any]]) -> int:
-    """Shipped-profile rows whose priced peak memory is above their GPU's HBM."""
-    from moeplan.specs import load_cluster
-
-    return sum(r["predicted_memory_gb"] > load_cluster(
-        RAW[r["id"]]["cluster_preset"] or "h100", 8).hbm_gb for r in rows
-        if r.get("predicted_memory_gb") is not None and RAW[r["id"]].get("cluster_preset"))
-
-
-def gather_figures(cv: dict[str, Any]) -> dict[str, str]:
-    """The FP8 parameter gather's figures: rows priced above HBM and rows priced with the
-    gather, now and in PREVIOUS; the rows it moved, as PREVIOUS measured them."""
+def dist_opt_figures() -> dict[str, str]:
+    """The shipped rows whose software stack predates the distributed optimizer: how many, the
+    most pricing one with it (as the previous revision did) moves its error, in points, and
+    the range of their priced peak memory with it and without."""
+    from moeplan.cost_models.estimate import estimate_breakdown
     from moeplan.specs import list_presets
+    from moeplan.specs.rules import stack_lacks
     from moeplan.validation import case_of
+    from moeplan.validation.scoring import cluster_of, priced_layout
 
     presets = list_presets()
-    gathered = 0
+    moved: list[float] = []
+    before: list[float] = []
+    now: list[float] = []
     for r in SHIPPED:
         case = case_of(RAW[r["id"]], presets)
-        gathered += not isinstance(case, str) and case.training.fp8_param_gather
-    return {"over_before": f"{PREVIOUS['over_hbm']}", "over_now": f"{over_hbm(SHIPPED)}",
-            "rows_all": f"{len(SHIPPED)}", "gather_before": f"{PREVIOUS['fp8_gather_rows']}",
-            "gather_now": f"{gathered}", "moved": f"{PREVIOUS['moved_rows']}",
-            "moved_max": f"{PREVIOUS['moved_max']:g}"}
+        if isinstance(case, str) or not stack_lacks(case.training.software_stack,
+                                                    "distributed_optimizer"):
+            continue
+        layout = priced_layout(case).model_copy(update={"distributed_optimizer": True})
+        old = estimate_breakdown(case.model, cluster_of(case), case.training, layout,
+                                 case.choices, check=False, with_interval=False).estimate
+        pub = r["published_tokens_per_s_per_gpu"]
+        moved.append(100 * abs(r["predicted_tokens_per_s_per_gpu"] - old.tokens_per_s_per_gpu)
+                     / pub)
+        before.append(old.memory.peak_gb)
+        now.append(r["predicted_memory_gb"])
+    moving = [m for m in moved if m >= 0.05]
+    return {"dist_rows": f"{len(moving)}", "dist_moved_max": f"{max(moved, default=0):.1f}",
+            "dist_mem_before": f"{min(before, default=0):.0f}–{max(before, default=0):.0f}",
+            "dist_mem_now": f"{min(now, default=0):.0f}–{max(now, default=0):.0f}"}
 
 
 def shipped_error(r: dict[str, Any]) -> float:
