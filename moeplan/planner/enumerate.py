@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..specs import ClusterSpec, ModelSpec, TrainingSpec
-from ..specs.rules import Facts, layout_rules
+from ..specs.rules import STACK_RULES, Facts, layout_rules
 
 DISPATCHERS = ("alltoall", "allgather", "flex")
 # Columns of a candidate row, in order.
@@ -111,7 +111,9 @@ def enumerate_layouts(
     the planner's placement rules (NVLink domains, the space's limits)."""
     walk = _Walk(model, cluster, training, world, space, target)
     walk.attention()
-    arr = np.array(walk.rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    # from a flat iterator: twice as fast as np.array over a list of tuples
+    arr = np.fromiter(itertools.chain.from_iterable(walk.rows), dtype=np.int64,
+                      count=len(walk.rows) * len(COLUMNS)).reshape(-1, len(COLUMNS))
     return Enumeration(arr, space.precisions, walk.pruned, space.flex_backend)
 
 
@@ -128,7 +130,10 @@ class _Walk:
         self.ax = _Axes()
         self.ax.flex_backend = space.flex_backend
         self.facts = Facts(model, training, self.ax, None, cluster, world)
-        self.levels = layout_rules(target, LEVELS)
+        # today's stack has every feature its rules date: they cannot fail, so are not asked
+        current = training.software_stack == "current"
+        self.levels = [[r for r in rules if not (current and r.name in STACK_RULES)]
+                       for rules in layout_rules(target, LEVELS)]
         # levels without a rule cost nothing: their check is skipped, not called
         self.has = [bool(rules) for rules in self.levels]
         self.nvl = cluster.nvlink_domain_gpus
