@@ -139,7 +139,7 @@ def plan_from_options(
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     axes = dict(axes or {})
-    if stack_lacks(t.software_stack, "distributed_optimizer"):
+    if target == "megatron" and stack_lacks(t.software_stack, "distributed_optimizer"):
         # the stack's Megatron replicated the optimizer over data parallelism (STACK_FEATURES)
         axes.setdefault("distributed_optimizer", False)
     try:

@@ -110,8 +110,10 @@ def test_the_searched_sentence_counts_layouts_and_refused_splits_apart():
 
 
 def test_nothing_fits_with_fp32_gradients_suggests_bf16_ones_and_the_saving_they_make():
-    """The GB the hint promises are the GB a search with --grad-reduce bf16 needs less; a
-    search already reducing in bf16, and whatif (which takes no --grad-reduce), get no hint."""
+    """The GB the hint promises are the GB a search with --grad-reduce bf16 needs less, and
+    where they cannot make the closest layout fit (DeepSeek-V3 on 8 H100) it is not offered as
+    a way to fit; a search already reducing in bf16, and whatif (which takes no
+    --grad-reduce), get no hint."""
     def answer(*extra: str) -> str:
         r = run_cli("search", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "8",
                     "--json", *extra)
@@ -122,11 +124,18 @@ def test_nothing_fits_with_fp32_gradients_suggests_bf16_ones_and_the_saving_they
         return int(re.search(r"needs at least (\d+) GB per GPU", msg).group(1))
 
     fp32, bf16 = answer(), answer("--grad-reduce", "bf16")
-    hint = re.search(r"or gradients reduced in bf16 \(--grad-reduce bf16\), about (\d+) GB "
-                     r"less per GPU at the closest layout", fp32)
-    assert hint, fp32
+    hint = re.search(r"Gradients reduced in bf16 \(--grad-reduce bf16\) would free about "
+                     r"(\d+) GB per GPU at the closest layout, not enough on its own\.", fp32)
+    assert hint and "or gradients reduced" not in fp32, fp32
     assert abs(need_gb(fp32) - need_gb(bf16) - int(hint.group(1))) <= 1
     assert "--grad-reduce" not in bf16
     r = run_cli("whatif", "--model", "deepseek-v3", "--cluster", "h100", "--gpus", "8",
                 "--json")
     assert r.returncode == 3 and "nothing fits" in r.stdout and "--grad-reduce" not in r.stdout
+    # where they can (Mixtral-8x7B on 4 H100), it is a way to fit, and the search then fits
+    mixtral = ("search", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "4",
+               "--seq", "4096", "--gbs", "64", "--top", "1", "--json")
+    r = run_cli(*mixtral)
+    assert r.returncode == 3, r.stderr
+    assert "or gradients reduced in bf16 (--grad-reduce bf16), about" in r.stdout, r.stdout
+    assert run_cli(*mixtral, "--grad-reduce", "bf16").returncode == 0

@@ -414,3 +414,81 @@ def test_a_needs_combination_constrains_the_milp_like_brute_force(items, L, pp, 
             solve(P)
         return
     assert solve(P).objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
+
+
+def full_front_sweep(P: StageProblem, C):
+    """The sweep `_solve_uniform` replaced, as the reference for its early stop: every set of
+    the whole front filled (`_fill_all`, `_fill_flat`), the least (objective, set) wins."""
+    import numpy as np
+
+    from moeplan.planner.ilp import _caps, _fill_all, _fill_flat, _fixed_terms
+
+    ell = P.layer_item
+    lay = P.items[ell]
+    ft, fk, t0, m0 = _fixed_terms(P, C)
+    front = pareto(np.round(np.stack([C.add_time[:, ell], C.kept[:, ell], *ft, *fk], axis=1),
+                            12))
+    best = None
+    for c in front.tolist():
+        slope = lay.time_s + C.add_time[c, ell]
+        base = ft[:, c] + t0
+        cap = np.array([_caps(np.array([P.budget_bytes[r] * (1 + 1e-9) - fk[r, c] - m0[r]]),
+                              np.array([lay.static_bytes + P.mean_inflight(r) * C.kept[c, ell]]),
+                              P.free_layers)[0] for r in range(P.pp)])
+        if (cap < 0).any() or cap.sum() < P.free_layers:
+            continue
+        X = (_fill_all(np.array([slope]), base[None], cap[None], P.free_layers)[0]
+             if slope > 0 else _fill_flat(base, cap, P.free_layers))
+        if X is None:
+            continue
+        T = base + slope * np.array(X)
+        obj = round(float(P.alpha * T.max() + P.beta * T.sum()), 12)
+        if best is None or (obj, c) < best[:2]:
+            best = (obj, c, list(X))
+    return best
+
+
+# layers whose time may be nothing (a set's slope ≤ 0 sorts first) and recompute options
+# that cost nothing, so that sets tie
+tie_item_st = st.builds(
+    Item, name=st.just("k"), time_s=st.sampled_from([0.0, 0.5, 1.0]),
+    fwd_s=st.sampled_from([0.0, 0.25]), bwd_s=st.sampled_from([0.0, 0.5]),
+    static_bytes=st.sampled_from([0.0, 1.0]), groups=st.lists(group_st, max_size=3).map(tuple),
+    recompute_s=st.tuples(st.tuples(st.just(MOE_ACT), st.sampled_from([0.0, 0.25])),
+                          st.tuples(st.just(FULL), st.sampled_from([0.0, 1.0])),
+                          st.tuples(st.just(CORE_ATTN), st.sampled_from([0.0, 0.25]))))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(tie_item_st, min_size=2, max_size=2), L=st.integers(1, 8),
+       pp=st.integers(1, 4), vpp=st.integers(1, 2), with_fixed=st.booleans(),
+       budget=st.floats(2.0, 120.0), host=st.sampled_from([0.0, 0.05, 0.5]))
+def test_one_set_for_every_rank_stops_early_yet_picks_what_the_whole_front_sweep_picked(
+        items, L, pp, vpp, with_fixed, budget, host):
+    """Filling sets in the order of their lower bound and stopping once it passes the best
+    changes nothing: the same set and the same layers as filling every set of the front, ties
+    included (to the smaller set)."""
+    import dataclasses
+
+    fixed = [[] for _ in range(pp * vpp)]
+    if with_fixed:
+        fixed[0].append((1, 1))
+    P = dataclasses.replace(problem(items, L, pp, vpp=vpp, budget=budget, host=host,
+                                    fixed=fixed, options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1)),
+                            uniform=True)
+    C = module_sets(P.items, P.options, P.forbidden, P.host_s_per_byte)
+    ref = full_front_sweep(P, C)
+    if ref is None:
+        with pytest.raises(InfeasibleStages):
+            solve(P, C)
+        return
+    sol = solve(P, C)
+    assert sol.layers == ref[2] and sol.options[0] == list(C.sets[ref[1]])
+
+
+def test_level_filling_takes_no_sets():
+    import numpy as np
+
+    from moeplan.planner.ilp import _fill_all
+
+    assert _fill_all(np.zeros(0), np.zeros((0, 3)), np.zeros((0, 3), dtype=np.int64), 5) == []

@@ -591,6 +591,9 @@ def test_a_search_on_an_older_stack_plans_only_what_that_stacks_megatron_ran():
     assert search_space(cluster, "bf16", "megatron", "mcore-2024").flex_backend == "deepep"
     dense = search_space(cluster, "auto", "megatron", "megatron-2022")
     assert dense.precisions == ("bf16",) and not dense.tp_comm_overlap and not dense.cuda_graphs
+    assert not dense.allow_dist_opt and search_space(cluster, "auto", "megatron",
+                                                     "megatron-2023").allow_dist_opt
+    assert search_space(cluster, "auto", "moeplan", "megatron-2022").allow_dist_opt
     assert search_space(load_cluster("gb200-nvl72", gpus=32), "auto", "megatron",
                         "mcore-2024").precisions == ("bf16", "mxfp8")
 
@@ -689,3 +692,26 @@ def test_a_capacity_caps_the_busiest_rank_and_padding_computes_the_whole_capacit
     assert speed(1.1, False, 1.0) == speed(None, False, 1.0)
     assert speed(1.1, True, 1.0) == speed(1.1, True, 1.3) < speed(None, False, 1.0)
     assert speed(1.5, True, 1.0) < speed(1.1, True, 1.0)
+
+
+def test_a_search_on_a_stack_before_the_distributed_optimizer_replicates_the_optimizer():
+    """Megatron-LM took --use-distributed-optimizer in June 2022: plans on the 2021 and 2022
+    stacks replicate the optimizer, without layouts the rules would only refuse; the same
+    layout built from options on those stacks is the same, and a plan file that asks for it
+    is refused naming the plan's field."""
+    from moeplan.api import plan_from_options
+    from moeplan.planner.export import export
+
+    tr = TrainingSpec(seq_len=4096, global_batch_size=256, software_stack="megatron-2021")
+    res = search(LLAMA, H100, tr, 64, top_k=3, time_limit_s=60)
+    assert res.plans and not any(p.layout.distributed_optimizer for p in res.plans)
+    assert "stack_distributed_optimizer" not in res.pruned
+    plan = plan_from_options("llama3-8b", "h100", 16, 4096, 256, axes={"tp": 2},
+                             software_stack="megatron-2022")
+    assert not plan.layout.distributed_optimizer
+    assert plan_from_options("llama3-8b", "h100", 16, 4096, 256, axes={"tp": 2},
+                             software_stack="megatron-2023").layout.distributed_optimizer
+    sharded = plan.model_copy(update={"layout": plan.layout.model_copy(
+        update={"distributed_optimizer": True})})
+    with pytest.raises(LayoutError, match="a plan file's layout: distributed_optimizer false"):
+        export(sharded)

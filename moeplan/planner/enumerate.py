@@ -43,6 +43,7 @@ class SearchSpace:
     max_vpp: int = 8
     allow_ep_overlap: bool = True
     allow_no_dist_opt: bool = True
+    allow_dist_opt: bool = True  # False on a software stack that predates it
     max_pp: int | None = None
     max_cp: int | None = None
     max_tp: int | None = None
@@ -197,7 +198,8 @@ class _Walk:
         ax, sp, world, broken, has = self.ax, self.space, self.world, self.broken, self.has
         head = (ax.tp, ax.cp, ax.dp, ax.pp, ax.vpp)
         tail = (ax.mbs, ax.num_microbatches)
-        dopts = (1, 0) if sp.allow_no_dist_opt else (1,)
+        dopts = tuple(d for d, allowed in ((1, sp.allow_dist_opt), (0, sp.allow_no_dist_opt))
+                      if allowed)
         precisions = range(len(sp.precisions))
         rows = self.rows
         for ep, etp in self.expert_axes:

@@ -369,12 +369,16 @@ def nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         hints.append("an FP8 recipe (--precision auto) to shrink activations")
     saved_gb = grad_reduce_saving_gb(model, cluster, training, lay, cal) if grad_reduce_flag \
         else 0.0
-    if saved_gb > 0:
-        shown = f"{saved_gb:.0f}" if saved_gb >= 10 else f"{saved_gb:.1f}"
+    shown = f"{saved_gb:.0f}" if saved_gb >= 10 else f"{saved_gb:.1f}"
+    also = ""
+    if saved_gb > 0 and need_gb - saved_gb <= budget_gb:  # enough on its own: an alternative
         hints.append(f"gradients reduced in bf16 (--grad-reduce bf16), about {shown} GB less "
                      "per GPU at the closest layout")
+    elif saved_gb > 0:
+        also = (f" Gradients reduced in bf16 (--grad-reduce bf16) would free about {shown} GB "
+                "per GPU at the closest layout, not enough on its own.")
     if larger:
         hints.append(f"a larger-memory GPU ({', '.join(larger)})")
     return (f"nothing fits {model.name} on {world} × {cluster.gpu} (a plan fits when its peak "
             f"leaves the memory margin free: at most {budget_gb:.0f} GB of {cluster.hbm_gb:g} GB "
-            f"each). Closest: {where}. To fit: " + "; or ".join(hints) + ".")
+            f"each). Closest: {where}. To fit: " + "; or ".join(hints) + "." + also)

@@ -376,7 +376,8 @@ def _solve_uniform(P: StageProblem, C: ModuleSets) -> StageSolution:
     found: dict[int, tuple[float, list[int]]] = {}
     for a in range(0, len(todo), UNIFORM_BLOCK):
         block = todo[a:a + UNIFORM_BLOCK]
-        if lb[block[0]] - 1e-9 * abs(lb[block[0]]) > least:
+        # the margin covers the objectives' rounding to 12 digits at any size
+        if lb[block[0]] - max(1e-9 * abs(lb[block[0]]), 1e-11) > least:
             break  # every set left is bounded above the best: none can reach it
         rising = block[slope[block] > 0]
         filled = dict(zip(rising.tolist(), _fill_all(slope[rising], base[rising], cap[rising],
@@ -424,6 +425,8 @@ def _fill_all(slope: np.ndarray, base: np.ndarray, cap: np.ndarray, total: int
     searched by bisection, every set at once; layers past `total` come off ranks standing at
     the level (which leaves the max and Σ_r T_r where they are)."""
     F = len(slope)
+    if not F:
+        return []
     levels = np.sort((base[:, :, None] + slope[:, None, None] * np.arange(total + 1))
                      .reshape(F, -1), axis=1)
     rows = np.arange(F)

@@ -118,7 +118,8 @@ def search_space(cluster: ClusterSpec, precision: str, target: str,
                  stack: str = "current") -> SearchSpace:
     """The axes a target can run: `megatron` is everything Megatron Core runs, as far as the
     software stack the plans are priced on has it (`rules.STACK_FEATURES`: an older stack's
-    flex dispatcher is DeepEP, and it may lack TP comm overlap or CUDA graphs); `moeplan` is
+    flex dispatcher is DeepEP, and it may lack TP comm overlap, CUDA graphs or the distributed
+    optimizer); `moeplan` is
     what `moeplan run` executes (no TP comm overlap or CUDA graphs; the rest is the rules
     table's)."""
     if target not in TARGETS:
@@ -135,6 +136,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str,
     megatron = target == "megatron"
     return SearchSpace(
         precisions=precisions,
+        allow_dist_opt=not (megatron and stack_lacks(stack, "distributed_optimizer")),
         tp_comm_overlap=megatron and not stack_lacks(stack, "tp_comm_overlap"),
         cuda_graphs=megatron and not stack_lacks(stack, "cuda_graphs"),
         flex_backend="deepep" if megatron and stack_lacks(stack, "hybridep") else "hybridep")

@@ -565,7 +565,8 @@ STACK_FEATURES: dict[str, StackFeature] = {
     "distributed_optimizer": StackFeature(
         "the distributed optimizer", "megatron-2023", "Megatron-LM of June 2022 "
         "(--use-distributed-optimizer, merged on 2022-06-08; first tagged in 23.04)",
-        "set distributed_optimizer false (optimizer states replicated over data parallelism)",
+        "replicate the optimizer over data parallelism (a plan file's layout: "
+        "distributed_optimizer false; `estimate --stack` builds it so)",
         "use_distributed_optimizer", "DistributedDataParallelConfig"),
     "optimizer_offload": StackFeature(
         "optimizer CPU offload", "mcore-2024", "Megatron Core 0.12 (--optimizer-cpu-offload)",

@@ -27,7 +27,8 @@ STACKS: dict[str, str] = {
                   "unfused, older attention kernels; no EP overlap, HybridEP or NVFP4",
     "megatron-2023": "Megatron-LM 23.x, before Megatron Core 0.4: dense models, no "
                      "data-parallel overlap, context parallelism or TP comm overlap",
-    "megatron-2022": "Megatron-LM 2022: also attention as batched GEMMs, dropout, BF16 only",
+    "megatron-2022": "Megatron-LM of May 2022: also attention as batched GEMMs, dropout, BF16 "
+                     "only, the optimizer replicated over data parallelism",
     "megatron-2021": "Megatron-LM 2021: also no sequence parallelism",
 }
 """Each software stack in one line (`TrainingSpec.software_stack` says it in full), newest

@@ -276,10 +276,14 @@ def cross_validate_rows(rows: Sequence[dict[str, str]], by: By, refit: Refit = "
 
     cases = cases_of(rows)
     groups = folds_of(scored(cases), by)
+    if by != "config" and not groups:
+        raise SpecError(f"--cv {by}: no row of the CSV can be scored (none has a published "
+                        "tokens/s or TFLOPS figure with a layout moeplan prices), so there is "
+                        "nothing to cross-validate; `moeplan validate` without --cv says why "
+                        "each row is skipped.")
     if by != "config" and len(groups) < 2:
-        held = f"one {by} ({groups[0]})" if groups else f"no {by}"
-        raise SpecError(f"--cv {by}: the CSV's scored rows hold {held}, and leaving it out "
-                        "leaves no row to refit the calibration on. Give a CSV with runs of "
-                        f"two or more {by}s, or run `moeplan validate` without --cv for the "
-                        "shipped profile's error on these rows.")
+        raise SpecError(f"--cv {by}: the CSV's scored rows hold one {by} ({groups[0]}), and "
+                        "leaving it out leaves no row to refit the calibration on. Give a CSV "
+                        f"with runs of two or more {by}s, or run `moeplan validate` without "
+                        "--cv for the shipped profile's error on these rows.")
     return cross_validate(cases, by, refit, log, jobs=jobs)
