@@ -15,6 +15,7 @@ from ..cost_models.uncertainty import max_peak_gb
 from ..specs import ClusterSpec, Estimate, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
 from ..specs.training import priced_on
+from ..terminal import plural
 
 if TYPE_CHECKING:
     from .enumerate import Enumeration, SearchSpace
@@ -308,8 +309,8 @@ def no_valid_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     space: SearchSpace, pruned: Counter[str], target: str = "megatron") -> str:
     """Exit 3's paragraph when no layout of `world` GPUs passes the rules: the rules that
     removed the candidates, in words, and the nearest GPU counts (and batch) that work."""
-    rules = "; ".join(f"{rule_words(r, model, training, cluster)} ({n:,} candidate "
-                      f"split{'s' if n != 1 else ''})" for r, n in pruned.most_common(4))
+    rules = "; ".join(f"{rule_words(r, model, training, cluster)} "
+                      f"({plural(n, 'candidate split')})" for r, n in pruned.most_common(4))
     below, above, gbs = nearest_working(model, cluster, training, world, space, target=target)
     counts = [f"{n:,}" for n in (below, above) if n is not None]
     near = (f"GPU counts near {world:,} that have valid layouts: {' and '.join(counts)} "

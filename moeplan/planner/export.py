@@ -56,6 +56,7 @@ from ..specs.rules import (
     violations,
 )
 from ..specs.stage_layout import format_stage_layout, stage_layout_for
+from ..terminal import plural
 
 FORMATS = ("megatron", "torchrun", "slurm")
 
@@ -852,7 +853,7 @@ def megatron_comments(plan: Plan, train_iters: int | None, nnodes: int = 1) -> l
              f"for Megatron-LM commit {MEGATRON_LM_COMMIT} (Megatron Core "
              f"{MEGATRON_CORE_VERSION}) with Transformer Engine {TE_VERSION}; run from a "
              "Megatron-LM checkout",
-             f"schedule: {iters:,} iteration{'' if iters == 1 else 's'}, {warm:,} warm-up, "
+             f"schedule: {plural(iters, 'iteration')}, {warm:,} warm-up, "
              f"{plan.training.lr_decay_style} decay to iteration {decay_end:,} ({source})",
              "set before running (placeholders below):"]
     lines += [f"  {k}  {v}" for k, v in PLACEHOLDERS.items()]

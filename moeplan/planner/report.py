@@ -22,6 +22,7 @@ from ..fsio import atomic_write_text
 from ..specs import Plan
 from ..specs.plan import token_words
 from ..specs.training import priced_on
+from ..terminal import plural
 from . import anatomy as A
 from . import svg
 from .whatif import Point, WhatIf
@@ -71,7 +72,7 @@ def answers(res: WhatIf) -> list[str]:
     lines = []
     if res.days is not None:
         target = res.days["target_days"]
-        within = f"Within {target:g} day{'' if target == 1 else 's'}"
+        within = f"Within {plural(float(target), 'day')}"
         for a in res.days["answers"]:
             if a["gpus"] is None:
                 lines.append(f"{within} on {a['cluster']}: "

@@ -25,6 +25,7 @@ from ..errors import MoeplanError
 from ..specs import Layout, TrainingSpec, list_presets, load_cluster, load_model
 from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
+from ..terminal import plural
 from .cases import RunCase, case_of, config_key
 from .rows import cell, read_rows, release_of
 
@@ -375,7 +376,7 @@ def common_skip_reasons(skipped: list[dict[str, str]], top: int = 3) -> str:
 
     parts = []
     for why, ids in skip_groups(skipped)[:top]:
-        rows = f"{len(ids)} row{'s' if len(ids) != 1 else ''}"
+        rows = plural(len(ids), "row")
         eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
         parts.append(f"{clip(why.rstrip('.'), 400)} ({rows}: {eg})")
     return "; ".join(parts)
