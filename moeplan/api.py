@@ -38,7 +38,7 @@ from .specs.loader import (
     read_text,
     ref_kind,
 )
-from .specs.rules import check_target, stack_lacks
+from .specs.rules import check_target, shards_optimizer
 
 
 def describe_spec(ref: str | Path, seq: int = 4096) -> dict[str, Any]:
@@ -139,8 +139,7 @@ def plan_from_options(
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     axes = dict(axes or {})
-    if target == "megatron" and stack_lacks(t.software_stack, "distributed_optimizer"):
-        # the stack's Megatron replicated the optimizer over data parallelism (STACK_FEATURES)
+    if not shards_optimizer(t.software_stack, target):
         axes.setdefault("distributed_optimizer", False)
     try:
         layout = Layout.build(c.num_gpus, t.global_batch_size, **axes)

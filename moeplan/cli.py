@@ -629,13 +629,13 @@ def validate(
                                 f"{len(res['skipped'])} skipped", cols, body, width))
         if res["skipped"]:
             from .validation import skip_groups
+            from .validation.scoring import first_ids
 
             print_lines([Line(x, "bold") for x in wrap(
                 f"{plural(len(res['skipped']), 'row')} skipped, by reason (each row's own: "
                 "--json, `skipped`)", width, "  ")])
             for why, ids in skip_groups(res["skipped"]):
-                eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
-                print_lines([Line(x) for x in wrap(f"{why} ({eg})", width, " " * 7,
+                print_lines([Line(x) for x in wrap(f"{why} ({first_ids(ids)})", width, " " * 7,
                                                    f"{len(ids):>5}  ")])
         notes = _validate_notes(res, pct)
         if any(not r["published_tokens_per_s_per_gpu"] for r in res["rows"]):

@@ -23,7 +23,15 @@ from ..errors import InfeasibleError, SpecError
 from ..limits import check_imbalance
 from ..specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from ..specs.layout import check_layout
-from ..specs.rules import STACK_FEATURES, TARGETS, Facts, check_target, rules_for, stack_lacks
+from ..specs.rules import (
+    STACK_FEATURES,
+    TARGETS,
+    Facts,
+    check_target,
+    rules_for,
+    shards_optimizer,
+    stack_lacks,
+)
 from .branch import BranchAndBound, row_bounds
 from .enumerate import SearchSpace, enumerate_layouts
 from .explain import explain_plans, no_valid_layout, nothing_fits
@@ -136,7 +144,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str,
     megatron = target == "megatron"
     return SearchSpace(
         precisions=precisions,
-        allow_dist_opt=not (megatron and stack_lacks(stack, "distributed_optimizer")),
+        allow_dist_opt=shards_optimizer(stack, target),
         tp_comm_overlap=megatron and not stack_lacks(stack, "tp_comm_overlap"),
         cuda_graphs=megatron and not stack_lacks(stack, "cuda_graphs"),
         flex_backend="deepep" if megatron and stack_lacks(stack, "hybridep") else "hybridep")

@@ -586,6 +586,13 @@ def stack_lacks(stack: str, feature: str) -> bool:
     return STACK_AGE.index(stack) < STACK_AGE.index(STACK_FEATURES[feature].since)
 
 
+def shards_optimizer(stack: str, target: str = "megatron") -> bool:
+    """Whether a plan of `target` on `stack` may shard its optimizer states (the distributed
+    optimizer): always for moeplan's runtime, for Megatron from June 2022 (STACK_FEATURES).
+    What an older stack's layouts default to and its search enumerates."""
+    return target != "megatron" or not stack_lacks(stack, "distributed_optimizer")
+
+
 def _stack_words(training: Any, feature: str) -> str:
     f = STACK_FEATURES[feature]
     return (f"software_stack {training.software_stack} predates {f.words}, which "

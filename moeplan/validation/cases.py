@@ -37,7 +37,7 @@ from ..specs import (
 )
 from ..specs.cluster import ClusterSpec
 from ..specs.model import ModelSpec
-from ..specs.rules import stack_lacks
+from ..specs.rules import shards_optimizer
 from ..specs.validated import format_validation_error
 from .recipes import Recipe, contradicts, recipe_for, recipe_stage_layout
 from .rows import number, release_of, size
@@ -266,8 +266,7 @@ def case_of(row: dict[str, str], presets: dict[str, list[str]]) -> RunCase | str
     unfolded = "method=mcore" in notes.lower() and "folding" not in notes.lower()
     etps = [etp] if etp else ([tp, 1] if unfolded else [1, tp])
     stack = stack_settings(row, tp, mp, prec)
-    if stack_lacks(training.software_stack, "distributed_optimizer"):
-        # Megatron-LM before June 2022 replicated the optimizer over data parallelism
+    if not shards_optimizer(training.software_stack):  # Megatron-LM before June 2022
         stack["distributed_optimizer"] = False
     candidates = [(c, {**stack, **r}) for c in etps for r in ([recipe, {}] if recipe else [{}])]
     for cand, extra in candidates:

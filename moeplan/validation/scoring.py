@@ -369,6 +369,11 @@ def skip_groups(skipped: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
     return sorted(out, key=lambda g: (-len(g[1]), g[0]))
 
 
+def first_ids(ids: list[str]) -> str:
+    """The first three ids of a group of rows, and `…` when there are more."""
+    return ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
+
+
 def common_skip_reasons(skipped: list[dict[str, str]], top: int = 3) -> str:
     """The `top` commonest reasons rows were skipped for, each with its row count and first
     ids, as one sentence: what `validate` says when it could predict no row at all."""
@@ -376,9 +381,8 @@ def common_skip_reasons(skipped: list[dict[str, str]], top: int = 3) -> str:
 
     parts = []
     for why, ids in skip_groups(skipped)[:top]:
-        rows = plural(len(ids), "row")
-        eg = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
-        parts.append(f"{clip(why.rstrip('.'), 400)} ({rows}: {eg})")
+        parts.append(f"{clip(why.rstrip('.'), 400)} ({plural(len(ids), 'row')}: "
+                     f"{first_ids(ids)})")
     return "; ".join(parts)
 
 
