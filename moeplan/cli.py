@@ -1413,10 +1413,12 @@ def calibrate(
         err.print(f"wrote {output} ({report['seconds']['total']:.1f} s)", highlight=False)
 
     def render() -> None:
-        t = Table(title=f"{doc['gpu']}: {n} devices, {report['dtype']} compute, {mode} grid "
+        preset = report.get("preset")
+        title = f"{doc['gpu']}" + (f" (preset {preset})" if preset else "")
+        t = Table(title=f"{title}: {n} devices, {report['dtype']} compute, {mode} grid "
                   f"({report['seconds']['total']:.1f} s)", show_header=False)
         t.add_row("peak TFLOPS bf16 / fp32", f"{doc['bf16_tflops']:.4g} / "
-                  f"{doc['fp32_tflops']:.4g}")
+                  f"{doc['fp32_tflops']:.4g}" + (" (datasheet bf16)" if preset else ""))
         c = doc["calibration"]
         arch = doc["architecture"]
         t.add_row("GEMM eff_max / half_dim", f"{c['gemm_eff_max'][arch]:.3g} / "
@@ -1424,8 +1426,12 @@ def calibrate(
         t.add_row("attention eff fwd / bwd", f"{c['attn_fwd_eff'][arch]:.3g} / "
                   f"{c['attn_bwd_eff'][arch]:.3g}")
         t.add_row("memory GB/s (eff)", f"{doc['hbm_tb_s'] * 1e3:.4g} ({c['hbm_eff']:.3g})")
-        t.add_row("link GB/s, α µs", f"{doc['nvlink_gb_s']:.4g}, {doc['nvlink_latency_us']:.4g}"
-                  f" (all-to-all eff {c['a2a_nvlink_eff']:.3g})")
+        if "nvlink_eff" in c:
+            t.add_row("link GB/s, α µs", f"{doc['nvlink_gb_s']:.4g} × {c['nvlink_eff']:.3g}, "
+                      f"{doc['nvlink_latency_us']:.4g} (all-to-all eff "
+                      f"{c['a2a_nvlink_eff']:.3g})")
+        else:
+            t.add_row("link", "one GPU: not measured (the preset's constants)")
         t.add_row("overhead per layer / step", f"{c.get('layer_overhead_s', 0) * 1e3:.3g} ms / "
                   f"{c.get('step_overhead_s', 0) * 1e3:.3g} ms")
         err.print(t)

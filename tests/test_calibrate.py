@@ -35,6 +35,7 @@ def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
     spec = ClusterSpec.model_validate(doc)
     assert spec.architecture == "cpu" and spec.gpus_per_node == 2
     assert spec.bf16_tflops > 0 and spec.fp32_tflops and spec.hbm_tb_s > 0
+    assert spec.host_memory_bw_gb_s == spec.hbm_tb_s * 1e3   # a CPU device's memory is DRAM
     cal = spec.calibration
     assert cal["gemm_eff_max"]["cpu"] > 0 and cal["gemm_half_dim"] > 0
     assert cal["attn_fwd_eff"]["cpu"] > 0 and cal["layer_overhead_s"] > 0
@@ -187,6 +188,117 @@ def test_alpha_beta_fit_inverts_the_cost_model_forms(kind):
     ab = fit_collective(kind, n, sizes, times)
     assert ab.alpha_us == pytest.approx(20.0, rel=1e-6)
     assert ab.beta_gb_s == pytest.approx(5.0, rel=1e-6)
+
+
+# ------------------------------------------------------------- a GPU's measurements, priced
+def _gpu_measurements(device_name: str, arch: str = "hopper", peak: float = 989.0,
+                      exp_scale: float = 1.0):
+    """What `moeplan calibrate` measures on a GPU, built from known rates: GEMMs on a curve
+    (0.74 of `peak`, half-dim 300), attention at 0.5 / 0.4 of the cost model's own time,
+    2.9 / 2.7 TB/s elementwise, NCCL rings at 360 GB/s and all-to-all at 210 GB/s."""
+    from moeplan.calibrate.host import Measurements
+    from moeplan.cost_models.calibration import calibration_for
+    from moeplan.cost_models.compute import attended_keys, attention_time
+
+    shapes = [(m, 4096, n) for m in (256, 1024, 4096, 16384) for n in (1024, 8192)]
+    gemm = {dt: [{"m": m, "k": k, "n": n,
+                  "tflops": scale * peak * 0.74 * gemm_shape_factor(m, k, n, 300.0)}
+                 for m, k, n in shapes] for dt, scale in (("bf16", 1.0), ("fp32", 0.05))}
+    attn_cal = calibration_for({"attn_fwd_eff": {arch: 0.5}, "attn_bwd_eff": {arch: 0.4}})
+    attention = []
+    for b, h, s, d in ((1, 16, 1024, 128), (1, 16, 4096, 128), (2, 32, 8192, 64)):
+        flops = b * s * attended_keys(s) * h * 2 * (2 * d)
+        f, bw = attention_time(flops, peak, attn_cal, arch, d, s, exp_scale=exp_scale)
+        attention.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "fwd_s": f,
+                          "bwd_s": bw})
+    memory = [{"op": op, "size_mb": 1024, "nbytes": 1, "gb_s": gb_s}
+              for op, gb_s in (("copy", 3000.0), ("add", 2900.0), ("rmsnorm", 2700.0),
+                               ("h2d", 52.0))]
+    n, alpha = 2, 6e-6
+    steps = {"all_gather": (n - 1, (n - 1) / n), "reduce_scatter": (n - 1, (n - 1) / n),
+             "all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+             "all_to_all": (1 + math.log2(n), (n - 1) / n), "p2p": (1, 1)}
+    collectives = {kind: [[size, a * alpha + b * size / (210e9 if kind == "all_to_all"
+                                                          else 360e9)]
+                          for size in (4e3, 1e6, 64e6)] for kind, (a, b) in steps.items()}
+    return Measurements("cuda", device_name, "bf16", n, 1, 80.0, gemm=gemm,
+                        attention=attention, memory=memory, collectives=collectives,
+                        layer_overhead_s=2e-4, step_overhead_s=0.01, launch_us=9.0,
+                        architecture=arch)
+
+
+def _prices_as_measured(cluster: ClusterSpec, m) -> None:
+    """The cost models, pricing `cluster`, give back what `m` measured: each GEMM's time, each
+    attention shape's forward and backward, the elementwise bandwidth and the ring link."""
+    from moeplan.cost_models.calibration import calibration_on
+    from moeplan.cost_models.compute import attended_keys, attention_time, gemm_time
+
+    cal = calibration_on(cluster)
+    arch = cluster.architecture
+    for g in m.gemm["bf16"]:
+        priced = gemm_time(g["m"], g["k"], g["n"], cluster.bf16_tflops, cal,
+                           cal.gemm_eff_max_for(cluster), half_dim=cal.half_dim_for(arch),
+                           ceiling_tflops=cluster.mamf("bf16"))
+        measured = 2.0 * g["m"] * g["k"] * g["n"] / (g["tflops"] * 1e12)
+        assert priced == pytest.approx(measured, rel=2e-3), g
+    for a in m.attention:
+        flops = a["batch"] * a["seq"] * attended_keys(a["seq"]) * a["heads"] * 4 * a["head_dim"]
+        f, b = attention_time(flops, cluster.bf16_tflops, cal, arch, a["head_dim"], a["seq"],
+                              exp_scale=cluster.sfu_exp_scale)
+        assert (f, b) == pytest.approx((a["fwd_s"], a["bwd_s"]), rel=2e-3), a
+    elementwise = math.sqrt(2900.0 * 2700.0)
+    assert cal.hbm_eff * cluster.hbm_tb_s * 1e3 == pytest.approx(elementwise, rel=2e-3)
+    assert cal.nvlink_eff * cluster.nvlink_gb_s == pytest.approx(360.0, rel=2e-3)
+    assert cal.a2a_nvlink_eff * cluster.nvlink_gb_s == pytest.approx(210.0, rel=2e-3)
+
+
+@pytest.mark.parametrize(("device", "preset"), [("NVIDIA H100 80GB HBM3", "h100"),
+                                                ("NVIDIA B300 SXM6 AC", "b300")])
+def test_a_gpu_a_preset_describes_is_calibrated_in_the_presets_terms(device, preset, tmp_path,
+                                                                     capsys):
+    """On a preset's GPU the file is the preset with measured constants: overlaid on the
+    preset with --calibration or used as the cluster, its constants price what was measured,
+    and nothing is said about another GPU."""
+    from moeplan.calibrate import write_cluster_yaml
+    from moeplan.calibrate.host import build_cluster
+    from moeplan.cli import main
+    from moeplan.specs.loader import foreign_calibration
+
+    base = load_cluster(preset)
+    m = _gpu_measurements(device, base.architecture, base.bf16_tflops, base.sfu_exp_scale)
+    path = tmp_path / "measured.yaml"
+    write_cluster_yaml(build_cluster(m, "measured"), path)
+    as_cluster, overlaid = load_cluster(path, 8), load_cluster(preset, 8, path)
+    assert as_cluster.gpu == base.gpu and as_cluster.bf16_tflops == base.bf16_tflops
+    assert as_cluster.scaleout_gb_s == base.scaleout_gb_s
+    for cluster in (as_cluster, overlaid):
+        _prices_as_measured(cluster, m)
+    assert foreign_calibration(overlaid, path) is None
+    # the scale-out network one host cannot measure keeps the shipped constants
+    assert "scaleout_eff" not in as_cluster.calibration
+    for how in (["--cluster", str(path)], ["--cluster", preset, "--calibration", str(path)]):
+        assert main(["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--seq", "4096",
+                     "--gbs", "64", "--ep", "8", "--pp", "2", *how, "--json"]) == 0
+        cap = capsys.readouterr()
+        assert "warning" not in cap.err
+        assert json.loads(cap.out)["confidence"]["label"] == "calibrated"
+
+
+def test_a_gpu_no_preset_describes_prices_its_measured_rates_as_the_cluster(tmp_path):
+    """A PCIe H100 has no preset: its file carries its measured peaks, and as the cluster it
+    prices what was measured (the GEMM curve's half-dim included, which the shipped Hopper
+    entry would otherwise replace)."""
+    from moeplan.calibrate import write_cluster_yaml
+    from moeplan.calibrate.host import build_cluster
+
+    m = _gpu_measurements("NVIDIA H100 PCIe", peak=756.0)
+    path = tmp_path / "pcie.yaml"
+    write_cluster_yaml(build_cluster(m, "pcie"), path)
+    cluster = load_cluster(path, 2)
+    assert cluster.gpu == "NVIDIA H100 PCIe"
+    assert cluster.bf16_tflops == pytest.approx(max(g["tflops"] for g in m.gemm["bf16"]),
+                                                rel=1e-3)
+    _prices_as_measured(cluster, m)
 
 
 # ---------------------------------------------------------------------------- --from-runs

@@ -87,14 +87,15 @@ def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str
     from dataclasses import asdict
 
     from .bench import GRIDS
-    from .host import build_cluster, measure
+    from .host import build_cluster, device_preset, measure
 
     t0 = time.perf_counter()
     m = measure(GRIDS[mode], nproc, dtype, progress=progress)
     doc = build_cluster(m, name)
     validate_cluster(doc)
     m.seconds["total"] = time.perf_counter() - t0
-    return doc, {"mode": mode, **asdict(m)}
+    preset = device_preset(m.device_name) if m.device == "cuda" else None
+    return doc, {"mode": mode, "preset": preset, **asdict(m)}
 
 
 def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),

@@ -84,8 +84,9 @@ class ClusterSpec(BaseModel):
     host_memory_bw_gb_s: float = Field(
         50.0, ge=MIN_RATE, le=MAX_BANDWIDTH_GB_S, description="Host memory bandwidth per GPU, GB/s (the node's DRAM "
         "bandwidth over its GPUs): the host Adam step of optimizer offload is bound by it. The "
-        "default is a conservative two-socket DDR5 server shared by 8 GPUs; `moeplan calibrate` "
-        "measures it.")
+        "default is a conservative two-socket DDR5 server shared by 8 GPUs. `moeplan calibrate` "
+        "on a CPU host writes its measured copy bandwidth; on a GPU host it keeps the preset's "
+        "figure, or this default.")
     mamf_tflops: dict[Literal["bf16", "fp8"], float] = Field(
         default_factory=dict,
         description="Measured maximum achievable matmul TFLOPS per GEMM input format (the best "
