@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import moeplan
-from moeplan import Layout, ModelSpec, Plan, TrainingSpec, load_cluster, load_model
+from moeplan import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec, load_cluster, load_model
 from moeplan.fsio import atomic_write_text
 
 PRECISIONS = ("bf16", "fp8-tensorwise")
@@ -39,8 +39,8 @@ def proxy_model() -> ModelSpec:
         vocab_size=32768)).model_dump())
 
 
-def make_plan(precision: str, seq: int, gbs: int) -> Plan:
-    cluster = load_cluster("h200", gpus=1)
+def make_plan(precision: str, seq: int, gbs: int, cluster: ClusterSpec | None = None) -> Plan:
+    cluster = cluster or load_cluster("h200", gpus=1)
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=precision)
     plan = Plan(model=proxy_model(), cluster=cluster, training=training,
                 layout=Layout.build(1, gbs))
@@ -143,6 +143,35 @@ def table(rows: list[tuple[str, dict, str]], peak_bf16: float) -> str:
     return "\n".join(lines)
 
 
+def calibrated_check(out: Path, measured_s: float, seq: int, gbs: int, timeout_s: float) -> str:
+    """`moeplan calibrate --quick` on this GPU, then the bf16 plan priced on the GPU's preset
+    with the shipped constants and with the measured ones overlaid (`--calibration`), against
+    its measured step time: what calibrating buys, and whether the file applies to the preset."""
+    path = out / "calibrated.yaml"
+    r = subprocess.run([sys.executable, "-m", "moeplan", "calibrate", "--quick", "--nproc", "1",
+                        "-o", str(path), "--json"], capture_output=True, text=True,
+                       timeout=timeout_s)
+    if r.returncode != 0:
+        return f"calibrate failed (exit {r.returncode}):\n{r.stderr[-2000:]}"
+    report = json.loads(r.stdout)
+    preset, device = report["measured"]["preset"], report["measured"]["device_name"]
+    if preset is None:
+        return f"calibrate: {device} is no preset's GPU; its file holds its measured peaks"
+    shipped = moeplan.estimate(make_plan("bf16", seq, gbs, load_cluster(preset, 1)))
+    calibrated = moeplan.estimate(make_plan("bf16", seq, gbs, load_cluster(preset, 1, path)))
+    cal = report["cluster"]["calibration"]
+    arch = report["cluster"]["architecture"]
+    took = report["measured"]["seconds"]["total"]
+    return (f"calibrate on {device} (preset {preset}, {took:.0f} s): gemm_eff_max "
+            f"{cal['gemm_eff_max'][arch]}, "
+            f"attention {cal['attn_fwd_eff'][arch]} / {cal['attn_bwd_eff'][arch]}, hbm_eff "
+            f"{cal['hbm_eff']}, launch {cal.get('launch_us', {}).get('x86', '?')} µs. bf16 step "
+            f"measured {measured_s:.3f} s; predicted {shipped.step_time_s:.3f} s on the shipped "
+            f"constants ({shipped.step_time_s / measured_s - 1:+.1%}), "
+            f"{calibrated.step_time_s:.3f} s calibrated "
+            f"({calibrated.step_time_s / measured_s - 1:+.1%})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -179,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nno FP8 run: torch._scaled_mm needs sm_89 or newer (this GPU is sm_{cap[0]}"
               f"{cap[1]})")
+    print("\n" + calibrated_check(out, rows[0][1]["measured"]["step_time_s"], a.seq, a.gbs,
+                                  a.timeout_s))
     print("\n" + checkpoint_roundtrip(out, a.timeout_s))
     print("\n" + ep_overlap_check(out, a.timeout_s))
     print(f"\nruns in {out}")
