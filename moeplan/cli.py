@@ -678,10 +678,10 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
         mapes = []
         if un["tokens_rows"]:
             mapes.append(f"{pct(un['mape_tokens_per_s'])} over the {un['tokens_rows']} that "
-                         "publish tokens/s")
+                         "publish it")
         if un["tflops_only_rows"]:
             mapes.append(f"{pct(un['mape_tflops_only'])} over the {un['tflops_only_rows']} "
-                         "that publish only TFLOPS")
+                         "that publish only TFLOPS (their tokens/s derived from it)")
         if mapes:
             parts.append("MAPE tokens/s/GPU " + "; ".join(mapes) + ".")
         if un["family_groups"]:
@@ -715,8 +715,11 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
                                     "(`moeplan validate --cv model|release`)." if quoted else ""))
     rk = res["ranking"]
     scored = sum(1 for r in res["rows"] if r["published_tokens_per_s_per_gpu"])
+    derived = sum(1 for r in res["rows"]
+                  if r["published_tokens_per_s_per_gpu"] and r["tokens_derived_from_tflops"])
+    how = f", {derived} of them derived from TFLOPS" if derived else ""
     notes.append(f"All rows scored: MAPE tokens/s/GPU {pct(res['mape_tokens_per_s'])} over "
-                 f"the {scored} with a tokens/s figure, TFLOPS (own "
+                 f"the {scored} with a tokens/s figure{how}, TFLOPS (own "
                  f"convention) {pct(res['mape_tflops'])}; layout pairs of one release ordered "
                  f"as measured {rk['ordered']} of {rk['pairs']}.")
     return notes
