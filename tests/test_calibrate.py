@@ -380,6 +380,29 @@ def test_from_runs_cli_writes_a_cluster_that_predicts_the_held_out_run(tmp_path,
     assert json.loads(r.stdout)["step_time_s"] == pytest.approx(held, rel=1e-3)
 
 
+def test_a_refit_on_enough_runs_writes_their_band_into_a_cluster_that_loads(tmp_path, cli):
+    """Nine runs or more give a finite 80% band, which the refit writes into the cluster's
+    calibration (`interval_runs`): the file must load as a cluster, and plans priced on it take
+    that band instead of the published rows'."""
+    plans = _plans()
+    plans += [p.model_copy(update={"training": p.training.model_copy(
+        update={"seq_len": p.training.seq_len // 2})}) for p in plans]
+    dirs = _write_runs(tmp_path, plans[:10], TRUE)
+    for i, d in enumerate(dirs):   # measured ±3% around the physics, as real runs scatter
+        doc = json.loads((d / "summary.json").read_text())
+        doc["measured"]["step_time_s"] *= 1 + 0.03 * math.sin(1.7 * i)
+        (d / "summary.json").write_text(json.dumps(doc))
+    out = tmp_path / "refit.yaml"
+    r = cli("calibrate", "--from-runs", *map(str, dirs), "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    spec = ClusterSpec.model_validate(yaml.safe_load(out.read_text()))
+    band = spec.calibration["interval_runs"]
+    assert band["runs"] == 10 and 0 < band["low"] < 0.1 and 0 < band["high"] < 0.1
+    r = cli("estimate", str(dirs[0] / "plan.json"), "--calibration", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["interval"]["regime"] == "runs measured on this cluster"
+
+
 @pytest.mark.parametrize("twice", ["fit_and_eval", "fit_twice", "folder_and_run_in_it"])
 def test_a_run_given_twice_or_to_both_fit_and_eval_is_refused(twice, tmp_path, cli):
     """A held-out error on a fitted run is no evidence; one run counted three times is one

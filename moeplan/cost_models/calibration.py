@@ -96,6 +96,12 @@ class Calibration:
     # an override, never merged (`with_overrides`): a fold's profile must not inherit the
     # shipped profile's entries. Missing: none.
     model_residual: dict[str, float] = field(default_factory=dict)
+    # the 80 % band of measured/predicted throughput of a cluster's own runs after
+    # `moeplan calibrate --from-runs` refitted on them: {"low", "high", "runs"}, `low` the
+    # share below the point and `high` above it; it replaces the published rows' band for
+    # plans priced on that cluster (uncertainty.measured_bounds). Replaced whole by an
+    # override, never merged. Missing: the published rows' band
+    interval_runs: dict[str, float] = field(default_factory=dict)
 
     def residual_for(self, model: str, precision: str) -> float:
         """The measured speed of a model at a precision relative to what the cost models price
@@ -164,7 +170,7 @@ def unread_entries(overrides: dict[str, Any], cluster: Any) -> list[str]:
             if entry not in read[key]]
 
 
-REPLACED = frozenset({"model_residual"})
+REPLACED = frozenset({"model_residual", "interval_runs"})
 """Dict-valued keys an override replaces whole instead of merging entry by entry: what one fit
 measured of its own rows, which another fit's entries must not leak into."""
 
