@@ -1435,6 +1435,8 @@ def calibrate(
                       f"{c['a2a_nvlink_eff']:.3g})")
         else:
             t.add_row("link", "one GPU: not measured (the preset's constants)")
+        if "grouped_gemm" in doc["sources"]:
+            t.add_row("grouped GEMM", doc["sources"]["grouped_gemm"].split(";")[0])
         t.add_row("overhead per layer / step", f"{c.get('layer_overhead_s', 0) * 1e3:.3g} ms / "
                   f"{c.get('step_overhead_s', 0) * 1e3:.3g} ms")
         err.print(t)

@@ -211,6 +211,10 @@ def _gpu_measurements(device_name: str, arch: str = "hopper", peak: float = 989.
         f, bw = attention_time(flops, peak, attn_cal, arch, d, s, exp_scale=exp_scale)
         attention.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "fwd_s": f,
                           "bwd_s": bw})
+    # the grouped expert GEMM at 0.8 of the plain GEMM of its per-expert shape
+    grouped = [{"experts": e, "tokens": t, "k": 4096, "n": 1536,
+                "tflops": 0.8 * peak * 0.74 * gemm_shape_factor(t, 4096, 1536, 300.0)}
+               for e, t in ((8, 128), (16, 512))]
     memory = [{"op": op, "size_mb": 1024, "nbytes": 1, "gb_s": gb_s}
               for op, gb_s in (("copy", 3000.0), ("add", 2900.0), ("rmsnorm", 2700.0),
                                ("h2d", 52.0))]
@@ -222,7 +226,8 @@ def _gpu_measurements(device_name: str, arch: str = "hopper", peak: float = 989.
                                                           else 360e9)]
                           for size in (4e3, 1e6, 64e6)] for kind, (a, b) in steps.items()}
     return Measurements("cuda", device_name, "bf16", n, 1, 80.0, gemm=gemm,
-                        attention=attention, memory=memory, collectives=collectives,
+                        grouped_gemm=grouped, attention=attention, memory=memory,
+                        collectives=collectives,
                         layer_overhead_s=2e-4, step_overhead_s=0.01, launch_us=9.0,
                         architecture=arch)
 
@@ -274,6 +279,9 @@ def test_a_gpu_a_preset_describes_is_calibrated_in_the_presets_terms(device, pre
     for cluster in (as_cluster, overlaid):
         _prices_as_measured(cluster, m)
     assert foreign_calibration(overlaid, path) is None
+    # the grouped GEMM checked against the pricing of its per-expert shape
+    assert "at 0.80× the rate priced for its per-expert shape (128–512 tokens per expert" in (
+        as_cluster.sources["grouped_gemm"])
     # the scale-out network one host cannot measure keeps the shipped constants
     assert "scaleout_eff" not in as_cluster.calibration
     for how in (["--cluster", str(path)], ["--cluster", preset, "--calibration", str(path)]):

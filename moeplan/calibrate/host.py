@@ -177,6 +177,33 @@ def attention_effs(samples: list[dict[str, float]], peak_tflops: float, arch: st
     return math.exp(float(np.mean(fwd))), math.exp(float(np.mean(bwd)))
 
 
+def grouped_vs_priced(samples: list[dict[str, float]], peak_tflops: float,
+                      constants: dict[str, Any], arch: str, ceiling: float | None
+                      ) -> list[float]:
+    """Measured over priced rate of each grouped expert GEMM, priced as layers.py prices the
+    experts of a layer (`experts` GEMMs of the tokens each one receives, the GEMM curve at that
+    M) with the fitted `constants`: how far the grouped kernel the runtime runs departs from
+    the plain GEMM of its per-expert shape. Reported, not fitted."""
+    from ..cost_models.calibration import calibration_for
+    from ..cost_models.compute import gemm_time
+
+    cal = calibration_for(constants)
+    out = []
+    for g in samples:
+        e, t, k, n = int(g["experts"]), g["tokens"], g["k"], g["n"]
+        priced = gemm_time(t, k, n, peak_tflops, cal, constants["gemm_eff_max"][arch],
+                           count=e, half_dim=cal.half_dim_for(arch), ceiling_tflops=ceiling)
+        measured = 2.0 * e * t * k * n / (g["tflops"] * 1e12)
+        out.append(priced / measured)   # measured rate over priced rate
+    return out
+
+
+def _span(values: list[float], fmt: str) -> str:
+    """"lo–hi" of some figures, or the one figure they all round to."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def _peak(samples: list[dict[str, float]]) -> float:
     return max(s["tflops"] for s in samples)
 
@@ -284,6 +311,14 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "measured": f"moeplan calibrate on {m.device_name}, {m.dtype} compute, torch "
                     f"{torch.__version__}, {time.strftime('%Y-%m-%d')}",
     }
+    if m.grouped_gemm:
+        ceiling = max(preset.mamf_tflops.get("bf16", 0.0), bf16_best) if preset else bf16_best
+        ratios = grouped_vs_priced(m.grouped_gemm, peak, constants, arch, ceiling)
+        tokens = [g["tokens"] for g in m.grouped_gemm]
+        sources["grouped_gemm"] = (
+            f"the runtime's grouped expert GEMM at {_span(ratios, '.2f')}× the rate priced for "
+            f"its per-expert shape ({_span(tokens, 'g')} tokens per expert, {len(ratios)} "
+            f"shape{'s' if len(ratios) > 1 else ''}); reported, not fitted")
     if links:
         sources["collectives"] = "; ".join(
             f"{k} α {v['alpha_us']:.1f} µs β {v['beta_gb_s']:.3g} GB/s" for k, v in links.items())
