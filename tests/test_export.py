@@ -438,6 +438,44 @@ def test_gpu_launches_bind_each_rank_to_its_gpus_numa_node_where_numactl_is(fmt,
     assert older == bound[2:] and "PyTorch >= 2.9" in said  # launched, not refused
 
 
+@pytest.mark.parametrize("fmt", ["megatron", "torchrun", "slurm"])
+def test_an_export_of_a_plan_that_does_not_fit_says_so_with_its_peak(fmt):
+    """Every executor runs a plan as written: a plan whose estimate does not fit its GPUs
+    exports as a job that runs out of memory, and each format says so, with the peak and the
+    line it must stay under; a plan that fits says nothing of it."""
+    plan = qwen3_plan()
+    peak = moeplan.estimate(plan).memory.peak_gb
+    said = [w for w in moeplan.export(plan, fmt)["warnings"] if "does not fit" in w]
+    assert len(said) == 1 and f"peaks at {peak:.1f} GB" in said[0]
+    assert "72.3 GB a plan may use on H100-SXM" in said[0]
+    assert not [w for w in moeplan.export(fitting_plan(), fmt)["warnings"]
+                if "does not fit" in w]
+
+
+def test_train_tokens_short_of_one_step_are_refused_naming_the_step():
+    """1e3 tokens for a run whose step is 1M tokens is a typo for 1e13, not a one-step run."""
+    with pytest.raises(SpecError, match=r"--train-tokens 1,000 is less than one step of this "
+                       r"plan \(1,048,576 tokens"):
+        moeplan.export(fitting_plan(), train_tokens=1e3)
+    assert moeplan.export(fitting_plan(), train_tokens=1_048_576)["schedule"]["train_iters"] == 1
+
+
+def test_a_multi_node_torchrun_script_stops_when_the_rendezvous_address_is_unset(tmp_path):
+    """A bash script that stops at its first unset placeholder: without MASTER_ADDR it must
+    not launch torchrun with an empty rendezvous address."""
+    script = moeplan.export(mixtral_plan(), "torchrun", nnodes=2)["script"]
+    assert script.startswith("#!/bin/bash\n") and "\nset -euo pipefail\n" in script
+    assert "#   MASTER_ADDR  the first node's address" in script
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f"#!/bin/bash\ntouch {tmp_path / 'launched'}\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {"PATH": str(bin_dir), "DATA": "x", "STEPS": "1", "CKPT_DIR": "x"}
+    r = subprocess.run(["/bin/bash", "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
+    assert not (tmp_path / "launched").exists()
+
+
 def test_slurm_script_contents():
     script = to_slurm(deepseek_plan(), nnodes=32, plan_path="ds.json")
     assert script.startswith("#!/bin/bash\n")
@@ -454,17 +492,26 @@ def test_slurm_script_contents():
 
 
 # ------------------------------------------------------------------ API and CLI
+def fitting_plan() -> Plan:
+    """Qwen3-235B-A22B on 128 H100 with full recompute: a plan that fits its GPUs."""
+    return Plan(model=load_model("qwen3-235b-a22b"), cluster=load_cluster("h100", gpus=128),
+                training=TrainingSpec(seq_len=4096, global_batch_size=256),
+                layout=Layout.build(128, 256, tp=2, pp=4, ep=32, etp=1),
+                choices=Choices(recompute=[["full"]]))
+
+
 def test_public_api_returns_the_json_document():
-    doc = moeplan.export(qwen3_plan(), train_iters=5000)
+    doc = moeplan.export(fitting_plan(), train_iters=5000)
     assert doc["format"] == "megatron" and doc["warnings"] == []
     parse(doc["args"])
-    short = moeplan.export(qwen3_plan())["warnings"]  # moeplan's own default schedule: said
+    short = moeplan.export(fitting_plan())["warnings"]  # moeplan's own default schedule: said
     assert len(short) == 1 and "--train-iters N or --train-tokens T" in short[0]
-    decays = qwen3_plan()  # a spec that sets its decay length has a schedule of its own
+    decays = fitting_plan()  # a spec that sets its decay length has a schedule of its own
     decays = decays.model_copy(update={"training": decays.training.model_copy(
         update={"lr_decay_iters": 100_000})})
     assert moeplan.export(decays)["warnings"] == []
-    assert set(moeplan.export(qwen3_plan(), "slurm")) == {"format", "script", "placeholders"}
+    assert set(moeplan.export(fitting_plan(), "slurm")) == {"format", "script", "placeholders",
+                                                            "warnings"}
     with pytest.raises(SpecError):
         moeplan.export(qwen3_plan(), "deepspeed")
 
@@ -497,7 +544,9 @@ def test_cli_megatron_text_and_json(cli, plan_file):
     r = cli("export", str(plan_file), "--json", "--train-iters", "5000")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["format"] == "megatron" and doc["warnings"] == []
+    # the fixture's layout does not fit an H100: that is the one warning
+    assert doc["format"] == "megatron" and [w[:24] for w in doc["warnings"]] == [
+        "this plan does not fit: "]
     assert doc["env"] == {"NVTE_CPU_OFFLOAD_V1": "1"} and doc["launch"] == (
         cli("export", str(plan_file), "--train-iters", "5000").stdout)
     assert "MASTER_ADDR  the first node's address" in doc["launch"]  # 256 GPUs: 32 nodes

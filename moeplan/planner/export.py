@@ -735,7 +735,14 @@ def train_iters_for(plan: Plan, train_iters: int | None, train_tokens: float | N
         if not math.isfinite(train_tokens) or train_tokens <= 0:
             raise SpecError(f"--train-tokens takes a positive number of tokens (e.g. 1e12), "
                             f"got {train_tokens!r}.")
-        train_iters = math.ceil(train_tokens / plan.training.tokens_per_step)
+        step = plan.training.tokens_per_step
+        if train_tokens < step:
+            raise SpecError(f"--train-tokens {train_tokens:,.0f} is less than one step of this "
+                            f"plan ({step:,} tokens: global batch "
+                            f"{plan.training.global_batch_size:,} × seq "
+                            f"{plan.training.seq_len:,}); pass the whole run's tokens, e.g. "
+                            "1e12, or --train-iters N.")
+        train_iters = math.ceil(train_tokens / step)
     if train_iters is not None and not 1 <= train_iters <= MAX_TRAIN_ITERS:
         raise SpecError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS:,} steps, got "
                         f"{train_iters:,}; check --train-iters or --train-tokens.")
@@ -965,8 +972,15 @@ def to_torchrun(plan: Plan, nnodes: int | None = None, nproc_per_node: int | Non
     with MASTER_ADDR/MASTER_PORT set to the first node's address and a free port), under a
     comment naming the placeholders to set."""
     check_exportable(plan, "moeplan")
-    head = "".join(f"# {_comment(c)}\n" for c in _run_comments())
     argv = torchrun_argv(plan, nnodes, nproc_per_node, plan_path, **kw)
+    several = "--standalone" not in argv
+    comments = [*_run_comments(),
+                *(["  MASTER_ADDR  the first node's address; MASTER_PORT  a free port on it",
+                   "run this same script on each node"] if several else [])]
+    # a bash script that stops at the first unset placeholder (MASTER_ADDR included) rather
+    # than launching with an empty rendezvous address
+    head = ("#!/bin/bash\n" + "".join(f"# {_comment(c)}\n" for c in comments)
+            + "set -euo pipefail\n")
     if plan.cluster.architecture == "cpu":  # no GPU to bind a rank near
         return head + _format_command(argv) + "\n"
     numa = "".join(f"{line}\n" for line in NUMA_SETUP)
@@ -1022,6 +1036,25 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
     return "\n".join(head + body) + "\n"
 
 
+def fit_warning(plan: Plan, target: str = "megatron") -> str | None:
+    """The warning for a plan whose estimate does not fit its GPUs' memory: every executor runs
+    it as written, so the launch it exports runs out of memory (the peak and the line it must
+    stay under are the estimate's, `anatomy.fit_line_gb`; a plan without one is priced for the
+    executor `target`). None when it fits."""
+    from ..cost_models.estimate import estimate
+    from .anatomy import fit_line_gb
+
+    est = plan.estimate or estimate(plan.model, plan.cluster, plan.training, plan.layout,
+                                    plan.choices, target=target)
+    if est.fits:
+        return None
+    return (f"this plan does not fit: its most loaded GPU peaks at {est.memory.peak_gb:.1f} GB, "
+            f"over the {fit_line_gb(plan):.1f} GB a plan may use on {plan.cluster.gpu} "
+            f"({plan.cluster.hbm_gb:g} GB), so the job would run out of memory; `moeplan "
+            "estimate PLAN` says where the memory goes, and `moeplan search` finds a layout "
+            "that fits.")
+
+
 def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None = None,
            nproc_per_node: int | None = None, plan_path: str | None = None,
            train_iters: int | None = None, train_tokens: float | None = None,
@@ -1029,7 +1062,8 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
     """The `moeplan export --json` document. megatron: {"format", "megatron" (the Megatron-LM
     commit and Megatron Core version the flags are for), "env" (variables to export), "args"
     (the pretrain_gpt.py flags), "launch" (the whole script), "warnings", "comments",
-    "placeholders", "schedule"}; torchrun and slurm: {"format", "script", "placeholders"}.
+    "placeholders", "schedule"}; torchrun and slurm: {"format", "script", "placeholders",
+    "warnings"}.
     `plan` is a Plan or a plan file path; `train_iters`/`train_tokens` scale the schedule,
     `cadence` sets logging, evaluation and checkpoint intervals."""
     if format not in FORMATS:
@@ -1050,6 +1084,7 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
     if format == "megatron":
         iters = train_iters_for(plan, train_iters, train_tokens)
         args, warnings = to_megatron_args(plan, iters, cadence)
+        warnings = [w for w in (fit_warning(plan),) if w] + warnings
         total, warm, decay_end = schedule(plan, iters)
         comments = megatron_comments(plan, iters, _procs(plan, nnodes, nproc_per_node)[0])
         if iters is None and plan.training.train_iters is None \
@@ -1066,8 +1101,7 @@ def export(plan: Plan | str | Path, format: str = "megatron", nnodes: int | None
                 "placeholders": dict(PLACEHOLDERS),
                 "schedule": {"train_iters": total, "lr_warmup_iters": warm,
                              "lr_decay_iters": decay_end}}
-    if format == "torchrun":
-        return {"format": format, "script": to_torchrun(plan, nnodes, nproc_per_node, path),
-                "placeholders": dict(RUN_PLACEHOLDERS)}
-    return {"format": format, "script": to_slurm(plan, nnodes, nproc_per_node, path),
-            "placeholders": dict(RUN_PLACEHOLDERS)}
+    script = (to_torchrun if format == "torchrun" else to_slurm)(plan, nnodes, nproc_per_node,
+                                                                 path)
+    return {"format": format, "script": script, "placeholders": dict(RUN_PLACEHOLDERS),
+            "warnings": [w for w in (fit_warning(plan, "moeplan"),) if w]}
