@@ -966,6 +966,21 @@ def test_true_or_false_where_a_number_belongs_is_refused_not_read_as_one(where, 
     refused(["estimate", str(plan)], capsys, f"`{where}.{field}` is true/false")
 
 
+def test_a_gpu_whose_memory_the_reserve_takes_whole_is_refused_naming_hbm_gb(tmp_path, capsys):
+    """1 GB of HBM under a 2 GB reserve left a budget of −1 GB, and "nothing fits" then advised
+    twice the GPUs, which no count can meet: such a cluster is refused by the field."""
+    import yaml
+
+    from moeplan.specs import load_cluster
+
+    doc = load_cluster("h100").model_dump(mode="json")
+    doc["hbm_gb"] = 1.0
+    path = tmp_path / "tiny-hbm.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    refused(["search", "--model", "mixtral-8x7b", "--cluster", str(path), "--gpus", "64",
+             "--gbs", "64"], capsys, "`hbm_gb`", "2 GB reserve", "more than 3.5")
+
+
 def test_a_bad_command_line_value_is_named_by_its_flag_and_an_empty_plan_in_words(tmp_path,
                                                                                   capsys):
     """pydantic's paths (`recompute.0.0`) and Python's type names (NoneType) are not what the

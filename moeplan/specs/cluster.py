@@ -156,6 +156,17 @@ class ClusterSpec(BaseModel):
                 "nvlink_domain_gpus: must be a multiple of gpus_per_node "
                 f"({self.gpus_per_node}); an NVLink domain is made of whole nodes"
             )
+        from ..cost_models.calibration import calibration_for
+
+        cal = calibration_for(self.calibration)
+        kept = cal.reserve_gb + cal.workspace_gb
+        if self.hbm_gb <= kept:
+            raise ValueError(
+                f"hbm_gb: {self.hbm_gb:g} GB leaves nothing for a plan once the "
+                f"{cal.reserve_gb:g} GB reserve (CUDA context, NCCL) and the "
+                f"{cal.workspace_gb:g} GB workspace every plan keeps are set aside; give the "
+                f"GPU's memory in GB (10^9 bytes), more than {kept:g}"
+            )
         if self.architecture == "cpu":
             missing = [k for k in CPU_CALIBRATION_KEYS
                        if not isinstance(self.calibration.get(k), dict)
