@@ -599,8 +599,9 @@ def validate(
     if not res["rows"]:  # nothing scored is no result: a script reading exit 0 would trust it
         from .validation.scoring import common_skip_reasons
 
-        raise SpecError(f"{runs_csv or 'the CSV'}: none of its {len(rows):,} rows could be "
-                        "predicted. The commonest reasons: "
+        none = ("its one row could not be predicted" if len(rows) == 1 else
+                f"none of its {len(rows):,} rows could be predicted")
+        raise SpecError(f"{runs_csv or 'the CSV'}: {none}. The commonest reasons: "
                         f"{common_skip_reasons(res['skipped'])}. Fix those cells and run "
                         "validate again.")
     doc = {k: res[k] for k in ("rows", "mape_tokens_per_s", "skipped", "mape_tokens_per_s_fit",
@@ -832,7 +833,8 @@ def search(
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)
     if report:
         best = res.plans[0]
-        _write_plan_report(res.plans, f"{best.headline()}: best {len(res.plans)} plans",
+        best_words = "best plan" if len(res.plans) == 1 else f"best {len(res.plans)} plans"
+        _write_plan_report(res.plans, f"{best.headline()}: {best_words}",
                            report, res.objective, res.stopped_early)
     if res.stopped_early:
         err.print(f"note: stopped at the time limit ({time_limit:g} s); the plans are the best "
@@ -988,7 +990,7 @@ def whatif(
                          gpu_hour_price=prices, days=days, budget_usd=budget, top_k=top,
                          time_limit_s=time_limit, workers=workers, stack=stack,
                          progress=lambda msg: bar.update(msg, force=not msg.endswith("searching")))
-        bar.done(f"whatif: 100%, {len(res.points)} points in {res.seconds:.1f} s")
+        bar.done(f"whatif: 100%, {plural(len(res.points), 'point')} in {res.seconds:.1f} s")
     if output:
         err.print(f"wrote {write_report(res, output)}", highlight=False, markup=False)
 
@@ -1000,7 +1002,7 @@ def whatif(
         cols = [WHATIF_COLUMNS.get(c, Column(c, fold=0)) for c in (table[0] if table else {})]
         width = _width(out)
         print_lines(table_lines(
-            f"{res.model}: {token_words(res.tokens)} tokens, {len(res.points)} points "
+            f"{res.model}: {token_words(res.tokens)} tokens, {plural(len(res.points), 'point')} "
             f"({res.seconds:.1f} s); ★ Pareto front (time vs "
             f"{'cost' if res.priced else 'GPU-hours'})", cols, [list(r.values()) for r in table],
             width, ["bold" if p.pareto else ("dim" if not p.fits else None)

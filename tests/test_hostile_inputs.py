@@ -304,6 +304,9 @@ def test_a_csv_no_row_of_which_can_be_predicted_exits_2_naming_the_commonest_rea
     msg = refused(["validate", str(path)], capsys, "none of its 2 rows", "'mcore2024'",
                   "2 rows: X1, X2")
     assert msg.count("\n") == 1  # one paragraph
+    one = tmp_path / "one.csv"
+    one.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))
+    refused(["validate", str(one)], capsys, "its one row could not be predicted")
 
 
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):

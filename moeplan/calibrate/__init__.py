@@ -18,6 +18,7 @@ import yaml
 from .. import limits
 from ..errors import SpecError, TorchMissing
 from ..fsio import atomic_write_text
+from ..terminal import plural
 
 HEADER = ("# Written by `moeplan calibrate`{how}. Use as --cluster FILE, or overlay its\n"
           "# `calibration` constants onto a preset with --calibration FILE.\n")
@@ -133,6 +134,6 @@ def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),
         for path, c in zip(output_paths(output, [c["name"] for c in clusters]), clusters,
                            strict=True):
             write_cluster_yaml(cluster_document(c["spec"], c["calibration"], path.stem), path,
-                               f" --from-runs ({len(fit_runs)} runs)")
+                               f" --from-runs ({plural(len(fit_runs), 'run')})")
             written.append(path)
     return res, written

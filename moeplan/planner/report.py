@@ -106,7 +106,8 @@ def markdown(res: WhatIf) -> str:
     lines = [f"# {_title(res)}", ""]
     lines += [f"> **{n.head}** {n.text}" for n in whatif_notices(res)]
     lines += ["" if lines[-1] else "",
-              f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit; searched in "
+              f"{plural(len(res.points), 'point')}, {sum(p.fits for p in res.points)} fit; "
+              "searched in "
               f"{res.seconds:.1f} s. ★ marks the Pareto front of time to train against "
               f"{'cost' if res.priced else 'GPU-hours (no --gpu-hour-price given)'}; "
               f"{KEY_WORDS}. {_capital(priced_on(res.stack))}.",
@@ -329,8 +330,14 @@ def whatif_notices(res: WhatIf) -> list[Notice]:
     if weak:
         n = sum(1 for p in res.points if p.plan and p.plan.estimate and any(
             not a.validated for a in p.plan.estimate.assumptions))
-        out.append(Notice("warn", "Unvalidated effects carry some plans.",
-                          f"{n} of the best plans {'rests' if n == 1 else 'rest'} on effects "
+        planned = sum(1 for p in res.points if p.plan and p.plan.estimate)
+        head = ("Unvalidated effects carry every plan." if n == planned else
+                "Unvalidated effects carry some plans.")
+        every = {1: "the one best plan rests", 2: "both best plans rest"}
+        whose = (every.get(n, f"all {n} best plans rest")
+                 if n == planned else f"{n} of the best plans {'rests' if n == 1 else 'rest'}")
+        out.append(Notice("warn", head,
+                          f"{_capital(whose)} on effects "
                           f"no published run backs: {'; '.join(weak)}. Each plan's own report "
                           "says what it makes with them failing; the low end of its interval "
                           "is the ranking key."))
@@ -364,7 +371,7 @@ def html_report(res: WhatIf) -> str:
     said = "".join(f"<li>{html.escape(a)}</li>" for a in answers(res))
     figs = plots(res)
     seqs = sorted({p.seq for p in res.points})
-    intro = (f"{len(res.points)} points, {sum(p.fits for p in res.points)} fit"
+    intro = (f"{plural(len(res.points), 'point')}, {sum(p.fits for p in res.points)} fit"
              + (f", all at sequence length {seqs[0]}" if len(seqs) == 1 else "")
              + f"; searched in {res.seconds:.1f} s. Highlighted rows (★) are on the Pareto front "
              f"of days against {'cost' if res.priced else 'GPU-hours'}. {KEY_WORDS[0].upper()}"
