@@ -644,16 +644,29 @@ def validate(
                          "prediction can be compared with (TFLOPS in an unknown FLOP "
                          "convention, or none); it is priced, not scored (--json has its "
                          "`flops_convention`)")
-        if any(r.get("assumed") for r in res["rows"]):
-            notes.insert(0, "* priced with settings its source's recipe documents but the row "
-                         "does not print (the Megatron-Bridge workload recipe whose sizes it "
-                         "matches: dispatcher, EP overlap, CUDA graphs, recompute; the 26.06+ "
-                         "MXFP8 MoE rule; NVIDIA recipes' TP overlap and bf16 gradient "
-                         "reduction; `assumed` in --json)")
+        assumed = sorted({k for r in res["rows"] for k in (r.get("assumed") or {})})
+        if assumed:
+            words = ", ".join(ASSUMED_WORDS.get(k, k.replace("_", " ")) for k in assumed)
+            notes.insert(0, "* priced with settings its source documents but the row does not "
+                         f"print (here: {words}; each row's own are `assumed` in --json)")
         for note in notes:
             print_lines([Line(x) for x in wrap(note, width, "  ")])
 
     emit(doc, as_json, render)
+
+
+ASSUMED_WORDS = {
+    "recipe": "the Megatron-Bridge workload recipe whose sizes the row matches",
+    "cluster": "the cluster the source ran", "vpp": "the recipe's virtual pipeline size",
+    "ep_overlap": "EP overlap", "cuda_graphs": "CUDA graphs",
+    "cuda_graph_scope": "CUDA graph scope", "tp_comm_overlap": "TP comm overlap",
+    "fp8_param_gather": "FP8 parameter gather", "grad_reduce_dtype": "gradient reduction dtype",
+    "moe_capacity_factor": "capacity factor",
+    "moe_pad_expert_input_to_capacity": "padding to capacity",
+    "optimizer_moments_dtype": "Adam moments dtype",
+}
+"""The `assumed` settings of validate's rows (validation.cases) in the words its footnote uses;
+any other key is read with its underscores as spaces."""
 
 
 def _groups_off(groups: list[dict[str, Any]]) -> str:

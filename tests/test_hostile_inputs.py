@@ -309,6 +309,25 @@ def test_a_csv_no_row_of_which_can_be_predicted_exits_2_naming_the_commonest_rea
     refused(["validate", str(one)], capsys, "its one row could not be predicted")
 
 
+def test_a_csv_naming_two_rows_by_one_id_is_refused(tmp_path, capsys):
+    """Two rows called r1 printed, skipped and cross-validated as one name: refused, naming it."""
+    path = runs_csv(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join([*lines, lines[1]]))
+    refused(["validate", str(path)], capsys, "the id 'r1' names two rows")
+
+
+def test_the_validate_footnote_names_the_settings_its_rows_assumed(capsys):
+    """Korthikanti's 2022 A100 rows assume their stack and a replicated optimizer, not a
+    Megatron-Bridge recipe: the footnote says what these rows assumed."""
+    from .conftest import REPO
+
+    assert main(["validate", str(REPO / "bench" / "data" / "korthikanti_2022_table5.csv")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(here: distributed optimizer, software stack;" in out
+    assert "Megatron-Bridge" not in out and "MXFP8" not in out
+
+
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
     path = runs_csv(tmp_path)
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())

@@ -138,6 +138,13 @@ def read_rows(path: str | Path | None = None) -> list[dict[str, str]]:
             if bad is not None:
                 raise SpecError(f"{p}: row {excerpt(r.get('id'))}, column `{col}` holds a "
                                 f"control or formatting character ({bad}); fix the cell.")
+    seen: set[str] = set()
+    for r in rows:  # a row is named by its id in every table, skip reason and fold
+        rid = (r.get("id") or "").strip()
+        if rid and rid in seen:
+            raise SpecError(f"{p}: the id {excerpt(rid)} names two rows; give each row its "
+                            "own id (validate reports, skips and cross-validates rows by it).")
+        seen.add(rid)
     long = next((r for r in rows if None in r), None)
     if long is not None:  # DictReader files the extra cells under None, read by no one
         raise SpecError(f"{p}: row {excerpt(long.get('id'))} has more cells than the header "
