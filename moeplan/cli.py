@@ -43,9 +43,11 @@ from .terminal import (
     Column,
     Line,
     Progress,
+    figure,
     pairs_lines,
     plural,
     screen_width,
+    share,
     table_lines,
     wrap,
 )
@@ -527,10 +529,11 @@ def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
     est = plan.estimate
     assert est is not None
     mem = est.memory
-    rows = [("step time", f"{est.step_time_s:.3f} s"),
-            ("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
-            ("TFLOPS/GPU (model)", f"{est.tflops_per_gpu:.0f} (MFU {est.mfu:.1%} of the dense "
-             "BF16 peak)"),
+    rows = [("step time", f"{est.step_time_s:.3g} s" if est.step_time_s < 0.1
+             else f"{est.step_time_s:.3f} s"),
+            ("tokens/s/GPU", figure(est.tokens_per_s_per_gpu)),
+            ("TFLOPS/GPU (model)", f"{figure(est.tflops_per_gpu)} (MFU {share(est.mfu)} of the "
+             "dense BF16 peak)"),
             ("time by term", "each term on its own; communication overlaps compute, and "
              "exposed comm is what the step waits for")]
     for k, v in est.time.model_dump().items():
@@ -691,11 +694,12 @@ def _validate_notes(res: dict[str, Any], pct: Callable[[float | None], str]) -> 
         parts = [f"Held-out rows (runs the shipped calibration was not fitted on): {un['rows']}."]
         mapes = []
         if un["tokens_rows"]:
-            mapes.append(f"{pct(un['mape_tokens_per_s'])} over the {un['tokens_rows']} that "
-                         "publish it")
+            mapes.append(f"{pct(un['mape_tokens_per_s'])} over "
+                         f"{plural(un['tokens_rows'], 'row')} publishing it")
         if un["tflops_only_rows"]:
-            mapes.append(f"{pct(un['mape_tflops_only'])} over the {un['tflops_only_rows']} "
-                         "that publish only TFLOPS (their tokens/s derived from it)")
+            mapes.append(f"{pct(un['mape_tflops_only'])} over "
+                         f"{plural(un['tflops_only_rows'], 'row')} publishing only TFLOPS "
+                         "(their tokens/s derived from it)")
         if mapes:
             parts.append("MAPE tokens/s/GPU " + "; ".join(mapes) + ".")
         if un["family_groups"]:
@@ -896,7 +900,7 @@ def search_row(i: int, p: S.Plan, objective: str = "robust") -> list[str]:
     assert e is not None
     low = f"{e.interval.tokens_per_s_per_gpu[0]:,.0f}" if e.interval else "-"
     row = [str(i + 1), low, p.layout_summary(), p.choices_summary(), f"{e.step_time_s:.3g}",
-           f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.1%}",
+           figure(e.tokens_per_s_per_gpu), figure(e.tflops_per_gpu), share(e.mfu),
            f"{e.memory.peak_gb:.1f}/{fit_line_gb(p):.1f}", e.bottleneck]
     if objective == "expected":
         row.insert(1, row.pop(5))

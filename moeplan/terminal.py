@@ -50,6 +50,18 @@ def plural(n: int | float, noun: str) -> str:
     return f"{shown} {noun}" if n == 1 else f"{shown} {noun}s"
 
 
+def figure(x: float) -> str:
+    """A rate as a table shows it: whole above 100 (`1,393`), else three significant digits, so
+    that a CPU host's 0.0312 TFLOPS does not read as 0 beside its MFU."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def share(x: float) -> str:
+    """A fraction as a percentage with one decimal (`6.4%`), or two significant digits below
+    0.1% (`0.00013%`), never a bare 0.0% beside a figure that is not zero."""
+    return f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x * 100:.2g}%"
+
+
 def screen_width(is_terminal: bool, console_width: int) -> int:
     """The width to lay out for: the terminal's, or COLUMNS, else wide for pipes."""
     if is_terminal or os.environ.get("COLUMNS", "").isdigit():

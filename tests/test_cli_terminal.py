@@ -350,8 +350,8 @@ def test_validate_tells_the_runs_no_fit_saw_from_the_fit_rows_on_screen(tmp_path
     doc = json_of(("validate", str(path)))
     un, lomo = doc["unseen"], doc["cross_validated"]["leave_one_model_out"]
     assert "Held-out rows (runs the shipped calibration was not fitted on): 1." in screen
-    assert (f"MAPE tokens/s/GPU {100 * un['mape_tokens_per_s']:.1f}% over the 1 that publish "
-            "tokens/s") in screen
+    assert (f"MAPE tokens/s/GPU {100 * un['mape_tokens_per_s']:.1f}% over 1 row publishing "
+            "it") in screen
     assert "Fit rows (runs the shipped calibration was fitted on): 1" in screen
     assert "in sample, not evidence" in screen
     assert f"leave one model out {100 * lomo['mape']:.1f}%" in screen

@@ -129,6 +129,23 @@ def test_a_plan_priced_at_an_imbalance_is_estimated_again_at_it(tmp_path, capsys
     assert code == 0 and "does not record the routing it was priced at" in err
 
 
+def test_a_tiny_models_rates_show_their_digits_not_zero(capsys):
+    """A test-sized model's 0.00128 TFLOPS printed as `0 (MFU 0.0%)`, the search table's as 0
+    beside an MFU that was not: small rates keep three significant digits."""
+    from .conftest import DATA
+
+    args = ["--model", str(DATA / "tiny_qwen3_moe.yaml"), "--cluster", "h100", "--gpus", "2",
+            "--seq", "64", "--gbs", "4"]
+    assert main(["estimate", *args, "--ep", "2", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *args, "--ep", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TFLOPS"))
+    assert f"{est['tflops_per_gpu']:.3g} (MFU {est['mfu'] * 100:.2g}% of" in line
+    assert main(["search", *args]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r" 0\.\d+ +\d", table) and " 0 " not in table
+
+
 def test_not_fitting_layout_exits_zero(capsys):
     code, out, _ = run_cli(["estimate", "--model", "deepseek-v3", "--cluster", "h100", "--gpus",
                             "64", "--seq", "4096", "--gbs", "64", "--ep", "64", "--json"], capsys)
