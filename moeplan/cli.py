@@ -1181,9 +1181,9 @@ def run(
         pairs.append(("loss", f"{_shown(meas.get('first_loss'), '{:.4f}')} → "
                               f"{_shown(meas.get('final_loss'), '{:.4f}')}"))
         print_lines(pairs_lines(f"moeplan run: {summary['model']}", pairs, _width(err)), err)
-        band = pred.get("step_time_interval_s")
-        if band:
-            where = "inside" if summary.get("inside_interval") else "outside"
+        band, inside = pred.get("step_time_interval_s"), summary.get("inside_interval")
+        if band and inside is not None:  # null: priced for another kind of device (a note)
+            where = "inside" if inside else "outside"
             print_lines([Line(x) for x in wrap(
                 f"measured step time {meas['step_time_s']:.3g} s is {where} the plan's 80% "
                 f"interval {band[0]:.3g}–{band[1]:.3g} s", _width(out), "  ")])
