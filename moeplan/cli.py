@@ -1412,7 +1412,7 @@ def calibrate(
                                     progress=lambda s: err.print(f"calibrate: {s}",
                                                                  highlight=False))
     if output:
-        write_cluster_yaml(doc, output, f" --{mode} on {n} processes")
+        write_cluster_yaml(doc, output, f" {opts.flag} on {n} processes")
         err.print(f"wrote {output} ({report['seconds']['total']:.1f} s)", highlight=False)
 
     def render() -> None:

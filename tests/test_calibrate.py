@@ -30,6 +30,16 @@ def local_yaml(tmp_path_factory):
     return path
 
 
+def test_the_file_names_the_flag_that_chose_its_grid(local_yaml):
+    """`--grid tiny` wrote a header saying `--tiny`, a flag calibrate does not have."""
+    from moeplan.calibrate import MachineOptions
+
+    assert local_yaml.read_text().startswith(
+        "# Written by `moeplan calibrate` --grid tiny on 2 processes.")
+    assert [MachineOptions(m, 1, False).flag for m in ("quick", "full", "tiny")] == [
+        "--quick", "--full", "--grid tiny"]
+
+
 def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
     doc = yaml.safe_load(local_yaml.read_text())
     spec = ClusterSpec.model_validate(doc)

@@ -47,6 +47,12 @@ class MachineOptions:
     nproc: int  # processes (devices) measured, and the collectives' world size
     gpu: bool
 
+    @property
+    def flag(self) -> str:
+        """The option that picks this grid, as a user types it (the file's header names it):
+        --quick and --full are flags of their own, the tiny grid only --grid tiny."""
+        return "--grid tiny" if self.mode == "tiny" else f"--{self.mode}"
+
 
 def machine_options(nproc: int | None = None, dtype: str | None = None,
                     quick: bool | None = None, grid: str | None = None) -> MachineOptions:
