@@ -43,6 +43,7 @@ from .terminal import (
     Column,
     Line,
     Progress,
+    make_console,
     pairs_lines,
     plural,
     screen_width,
@@ -70,8 +71,8 @@ data_app = typer.Typer(help="Tokenize text or JSONL into Megatron's indexed data
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)  # piped, a line stays one line (terminal.make_console)
 
 GRAD_REDUCE_HELP = ("Data-parallel gradient reduction dtype: fp32 (Megatron's default) or bf16 "
                     "(half the bytes and gradient memory; Megatron --grad-reduce-in-bf16).")
@@ -1418,8 +1419,9 @@ def calibrate(
     def render() -> None:
         preset = report.get("preset")
         title = f"{doc['gpu']}" + (f" (preset {preset})" if preset else "")
-        t = Table(title=f"{title}: {n} devices, {report['dtype']} compute, {mode} grid "
-                  f"({report['seconds']['total']:.1f} s)", show_header=False)
+        t = Table(title=_table_title(f"{title}: {n} devices, {report['dtype']} compute, "
+                                     f"{mode} grid ({report['seconds']['total']:.1f} s)", err),
+                  show_header=False)
         t.add_row("peak TFLOPS bf16 / fp32", f"{doc['bf16_tflops']:.4g} / "
                   f"{doc['fp32_tflops']:.4g}" + (" (datasheet bf16)" if preset else ""))
         c = doc["calibration"]
@@ -1445,6 +1447,14 @@ def calibrate(
                                             width=100))
 
     emit({"cluster": doc, "measured": report}, as_json, render)
+
+
+def _table_title(title: str, console: Console) -> str | Text:
+    """A rich table's title: on a terminal rich wraps it at the table's width; piped, one line
+    (a log line split at the table's width reads as two records)."""
+    if console.is_terminal:
+        return title
+    return Text(title, style="table.title", no_wrap=True, overflow="ignore")
 
 
 def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | None,

@@ -27,6 +27,7 @@ def local_yaml(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "local.yaml"
     r = run_cli("calibrate", "--grid", "tiny", "--nproc", "2", "-o", str(path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    (path.parent / "stderr.txt").write_text(r.stderr)  # as piped to a log
     return path
 
 
@@ -38,6 +39,15 @@ def test_the_file_names_the_flag_that_chose_its_grid(local_yaml):
         "# Written by `moeplan calibrate` --grid tiny on 2 processes.")
     assert [MachineOptions(m, 1, False).flag for m in ("quick", "full", "tiny")] == [
         "--quick", "--full", "--grid tiny"]
+
+
+def test_a_piped_calibrate_keeps_its_table_title_on_one_line(local_yaml):
+    """Piped to a log, the table's title wrapped at the table's width: one line read as two."""
+    lines = (local_yaml.parent / "stderr.txt").read_text().splitlines()
+    title = [line for line in lines if "devices, fp32 compute" in line]
+    assert len(title) == 1, lines
+    assert title[0].strip().startswith(yaml.safe_load(local_yaml.read_text())["gpu"]), lines
+    assert title[0].rstrip().endswith(" s)") and "tiny grid (" in title[0], lines
 
 
 def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):

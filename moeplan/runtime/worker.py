@@ -76,9 +76,9 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
     stop.on(device)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
-        from rich.console import Console
+        from ..terminal import make_console
 
-        console = Console(stderr=True, highlight=False)
+        console = make_console(stderr=True, highlight=False)  # piped: one line per step
         console.print(f"[b]moeplan run[/] {running.model.name}: world {dist.get_world_size()} "
                       f"({running.summary()}), {device.type}/{dist.get_backend()}, "
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
