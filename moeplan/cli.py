@@ -1463,6 +1463,8 @@ def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | 
     from .calibrate import calibrate_from_runs
 
     res, written = calibrate_from_runs(paths, eval_paths, prior_weight, fit, output)
+    for w in res["warnings"]:  # --json or not: stderr is for logs
+        err.print(f"warning: {w}", markup=False, highlight=False)
     for path in written:
         err.print(f"wrote {path}", highlight=False)
 

@@ -129,7 +129,7 @@ def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),
     eval_dirs = find_run_dirs(eval_paths, "--eval") if eval_paths else []
     distinct_runs(fit_dirs, eval_dirs)
     fit_runs = [load_run(d) for d in fit_dirs]
-    held = [load_run(d) for d in eval_dirs]
+    held = [load_run(d, "--eval") for d in eval_dirs]
     res = refit(fit_runs, held, PRIOR_WEIGHT if prior_weight is None else prior_weight,
                 fit or PARAMS)
     clusters = res.pop("clusters")
