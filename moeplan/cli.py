@@ -44,6 +44,7 @@ from .terminal import (
     Line,
     Progress,
     figure,
+    make_console,
     pairs_lines,
     plural,
     screen_width,
@@ -72,8 +73,8 @@ data_app = typer.Typer(help="Tokenize text or JSONL into Megatron's indexed data
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)  # piped, a line stays one line (terminal.make_console)
 
 GRAD_REDUCE_HELP = ("Data-parallel gradient reduction dtype: fp32 (Megatron's default) or bf16 "
                     "(half the bytes and gradient memory; Megatron --grad-reduce-in-bf16).")
@@ -1200,9 +1201,9 @@ def run(
         pairs.append(("loss", f"{_shown(meas.get('first_loss'), '{:.4f}')} → "
                               f"{_shown(meas.get('final_loss'), '{:.4f}')}"))
         print_lines(pairs_lines(f"moeplan run: {summary['model']}", pairs, _width(err)), err)
-        band = pred.get("step_time_interval_s")
-        if band:
-            where = "inside" if summary.get("inside_interval") else "outside"
+        band, inside = pred.get("step_time_interval_s"), summary.get("inside_interval")
+        if band and inside is not None:  # null: priced for another kind of device (a note)
+            where = "inside" if inside else "outside"
             print_lines([Line(x) for x in wrap(
                 f"measured step time {meas['step_time_s']:.3g} s is {where} the plan's 80% "
                 f"interval {band[0]:.3g}–{band[1]:.3g} s", _width(out), "  ")])
@@ -1431,14 +1432,15 @@ def calibrate(
                                     progress=lambda s: err.print(f"calibrate: {s}",
                                                                  highlight=False))
     if output:
-        write_cluster_yaml(doc, output, f" --{mode} on {n} processes")
+        write_cluster_yaml(doc, output, f" {opts.flag} on {n} processes")
         err.print(f"wrote {output} ({report['seconds']['total']:.1f} s)", highlight=False)
 
     def render() -> None:
         preset = report.get("preset")
         title = f"{doc['gpu']}" + (f" (preset {preset})" if preset else "")
-        t = Table(title=f"{title}: {n} devices, {report['dtype']} compute, {mode} grid "
-                  f"({report['seconds']['total']:.1f} s)", show_header=False)
+        t = Table(title=_table_title(f"{title}: {n} devices, {report['dtype']} compute, "
+                                     f"{mode} grid ({report['seconds']['total']:.1f} s)", err),
+                  show_header=False)
         t.add_row("peak TFLOPS bf16 / fp32", f"{doc['bf16_tflops']:.4g} / "
                   f"{doc['fp32_tflops']:.4g}" + (" (datasheet bf16)" if preset else ""))
         c = doc["calibration"]
@@ -1466,12 +1468,22 @@ def calibrate(
     emit({"cluster": doc, "measured": report}, as_json, render)
 
 
+def _table_title(title: str, console: Console) -> str | Text:
+    """A rich table's title: on a terminal rich wraps it at the table's width; piped, one line
+    (a log line split at the table's width reads as two records)."""
+    if console.is_terminal:
+        return title
+    return Text(title, style="table.title", no_wrap=True, overflow="ignore")
+
+
 def _calibrate_from_runs(paths: list[str], eval_paths: list[str], output: str | None,
                          prior_weight: float, fit: list[str], as_json: bool) -> None:
     """`moeplan calibrate --from-runs`: refit, report per-run error, write the constants."""
     from .calibrate import calibrate_from_runs
 
     res, written = calibrate_from_runs(paths, eval_paths, prior_weight, fit, output)
+    for w in res["warnings"]:  # --json or not: stderr is for logs
+        err.print(f"warning: {w}", markup=False, highlight=False)
     for path in written:
         err.print(f"wrote {path}", highlight=False)
 

@@ -27,7 +27,27 @@ def local_yaml(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "local.yaml"
     r = run_cli("calibrate", "--grid", "tiny", "--nproc", "2", "-o", str(path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    (path.parent / "stderr.txt").write_text(r.stderr)  # as piped to a log
     return path
+
+
+def test_the_file_names_the_flag_that_chose_its_grid(local_yaml):
+    """`--grid tiny` wrote a header saying `--tiny`, a flag calibrate does not have."""
+    from moeplan.calibrate import MachineOptions
+
+    assert local_yaml.read_text().startswith(
+        "# Written by `moeplan calibrate` --grid tiny on 2 processes.")
+    assert [MachineOptions(m, 1, False).flag for m in ("quick", "full", "tiny")] == [
+        "--quick", "--full", "--grid tiny"]
+
+
+def test_a_piped_calibrate_keeps_its_table_title_on_one_line(local_yaml):
+    """Piped to a log, the table's title wrapped at the table's width: one line read as two."""
+    lines = (local_yaml.parent / "stderr.txt").read_text().splitlines()
+    title = [line for line in lines if "devices, fp32 compute" in line]
+    assert len(title) == 1, lines
+    assert title[0].strip().startswith(yaml.safe_load(local_yaml.read_text())["gpu"]), lines
+    assert title[0].rstrip().endswith(" s)") and "tiny grid (" in title[0], lines
 
 
 def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
@@ -343,17 +363,19 @@ def _plans() -> list[Plan]:
     return out
 
 
-def _write_runs(root, plans: list[Plan], theta: dict[str, float]) -> list:
-    """Run directories whose measured step time is the cost model's under `theta`."""
+def _write_runs(root, plans: list[Plan], theta: dict[str, float], device: str = "cpu") -> list:
+    """Run directories whose measured step time (on `device`) is the cost model's under
+    `theta`."""
     dirs = []
     for i, plan in enumerate(plans):
         rec = RunRecord(f"r{i}", plan, 1.0)
         truth = predict(rec, overrides_for(theta, plan.cluster.calibration, plan.cluster))
         d = root / f"run{i}"
-        d.mkdir()
+        d.mkdir(parents=True)
         (d / "plan.json").write_text(plan.model_dump_json())
-        (d / "summary.json").write_text(json.dumps({"scaled_down": False, "measured": {
-            "step_time_s": truth}, "predicted": None}))
+        (d / "summary.json").write_text(json.dumps({"scaled_down": False, "device": device,
+                                                    "measured": {"step_time_s": truth},
+                                                    "predicted": None}))
         dirs.append(d)
     return dirs
 
@@ -411,6 +433,62 @@ def test_a_refit_on_enough_runs_writes_their_band_into_a_cluster_that_loads(tmp_
     assert json.loads(r.stdout)["interval"]["regime"] == "runs measured on this cluster"
 
 
+@pytest.mark.parametrize("priced,measured", [("h100", "cpu"), ("host", "cuda")])
+def test_a_run_measured_on_another_kind_of_device_than_it_was_priced_for_is_refused(
+        priced, measured, tmp_path, cli):
+    """A CPU run of a plan priced for H100s refit the H100's constants to CPU timings, and
+    wrote them as an H100 cluster, without a word (and a GPU run of a CPU plan the reverse)."""
+    plans = _plans()[:2]
+    if priced == "h100":
+        plans = [p.model_copy(update={"cluster": load_cluster("h100", gpus=p.cluster.num_gpus)})
+                 for p in plans]
+    wrong = _write_runs(tmp_path, plans[:1], TRUE, device=measured)[0]
+    right = _write_runs(tmp_path / "right", _plans()[1:2], TRUE)[0]  # a CPU run of a CPU plan
+    out = tmp_path / "refit.yaml"
+    for flag, args in (("--from-runs", ["--from-runs", str(wrong)]),
+                       ("--eval", ["--from-runs", str(right), "--eval", str(wrong)])):
+        r = cli("calibrate", *args, "-o", str(out))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one paragraph
+        assert f"{wrong}: this run was measured on" in r.stderr
+        assert "`moeplan calibrate -o local.yaml`" in r.stderr and "then run" in r.stderr
+        assert f"leave this run out of {flag}" in r.stderr
+        assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_scaled_down_run_is_refit_on_the_cluster_it_was_predicted_on(tmp_path, cli):
+    """`run --scale-down --cluster host.yaml` prices the shrunk plan on host.yaml; the refit
+    re-priced it on the plan's H100s (and refit those), so its "before" was not the run's."""
+    host = tmp_path / "host.yaml"
+    host.write_text(yaml.safe_dump(CPU_CLUSTER))
+    plan = Plan(model=load_model(MODEL), cluster=load_cluster("h100", gpus=1),
+                training=TrainingSpec(seq_len=32, global_batch_size=2),
+                layout=Layout.build(1, 2))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    run = tmp_path / "run"
+    r = cli("run", str(tmp_path / "plan.json"), "--scale-down", "--cluster", str(host),
+            "--steps", "2", "--out", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = json.loads((run / "summary.json").read_text())["predicted"]["step_time_s"]
+    r = cli("calibrate", "--from-runs", str(run), "--fit", "step_overhead_s", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["runs"][0]["before_s"] == pytest.approx(printed, rel=1e-9)
+    assert [c["name"] for c in doc["clusters"]] == ["host"]
+
+
+def test_fewer_runs_than_constants_fitted_is_one_warning_line_not_an_error(tmp_path, cli):
+    dirs = _write_runs(tmp_path, _plans()[:2], TRUE)
+    r = cli("calibrate", "--from-runs", *map(str, dirs), "--json")
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "2 runs fitted for 4 constants" in warned[0], r.stderr
+    assert json.loads(r.stdout)["warnings"] == [warned[0].removeprefix("warning: ")]
+    r = cli("calibrate", "--from-runs", *map(str, dirs), "--fit", "compute_scale,step_overhead_s")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("twice", ["fit_and_eval", "fit_twice", "folder_and_run_in_it"])
 def test_a_run_given_twice_or_to_both_fit_and_eval_is_refused(twice, tmp_path, cli):
     """A held-out error on a fitted run is no evidence; one run counted three times is one
@@ -454,7 +532,8 @@ def test_the_from_runs_table_at_50_columns_shows_every_number_whole(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_summary", "malformed", "no_step",
                                   "measured_nothing", "no_plan", "eval_without_from_runs",
-                                  "fit_without_from_runs", "unknown_constant"])
+                                  "fit_without_from_runs", "unknown_constant",
+                                  "predicted_nothing"])
 def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path, cli):
     d = tmp_path / "run"
     d.mkdir()
@@ -479,6 +558,12 @@ def test_from_runs_bad_input_exits_2_naming_the_file_and_the_fix(case, tmp_path,
         dirs = _write_runs(tmp_path, _plans()[:1], TRUE)
         args = ["calibrate", "--from-runs", str(dirs[0]), "--fit", "gemm_scale"]
         named = "compute_scale"
+    elif case == "predicted_nothing":  # scaled down on a CPU without --cluster
+        (d / "plan.json").write_text(_plans()[0].model_dump_json())
+        (d / "summary.json").write_text(json.dumps({
+            "measured": {"step_time_s": 0.1}, "scaled_down": True, "device": "cpu",
+            "predicted_cluster": None}))
+        named = "--scale-down --cluster FILE"
     elif case == "eval_without_from_runs":
         args = ["calibrate", "--eval", str(d)]
         named = "--from-runs"

@@ -381,3 +381,28 @@ def test_the_command_list_names_each_command_without_a_cut_sentence(columns):
     for name in ("estimate", "validate", "search", "whatif", "run", "groups", "export",
                  "calibrate", "specs", "checkpoint", "data"):
         assert re.search(rf"^\s+{name}\s+\S", listed, re.M), name
+
+
+@pytest.mark.slow
+def test_a_piped_run_keeps_each_step_line_and_note_whole_and_a_terminal_wraps_them(tmp_path):
+    """Piped to a log, rank 0's step lines and the notes wrapped at 80 columns ("0.279 GB" /
+    "53.3 ms" on two lines), so a log line no longer was one record; on a terminal they
+    still wrap at its width."""
+    plan = tmp_path / "plan.json"
+    r = run_cli("estimate", "--model", str(REPO / "tests/data/tiny_qwen3_moe.yaml"),
+                "--cluster", "h100", "--gpus", "1", "--seq", "64", "--gbs", "4", "-o",
+                str(plan))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / ("a-run-directory-with-a-name-long-enough-to-pass-80-columns" * 2)
+    r = run_cli("run", str(plan), "--steps", "3", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    steps = [line for line in lines if re.match(r"step +\d+/3 ", line)]
+    assert len(steps) == 3 and all(line.endswith(" ms") for line in steps), lines
+    assert any(line.startswith("moeplan run ") and line.endswith(f"→ {out}") for line in lines)
+    notes = [line for line in lines if "not judged against the predicted interval" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and notes[0].endswith("on cpu")
+    raw = raw_in_pty(("run", str(plan), "--steps", "2", "--out", str(tmp_path / "tty")), 80,
+                     timeout=300)
+    screen = screen_of(raw, 80)  # every piece written fits: rich wraps at the terminal's width
+    assert "step    2/2  loss" in screen and "note: the step time is not judged" in screen

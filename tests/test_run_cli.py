@@ -11,7 +11,9 @@ import pytest
 
 from moeplan.specs import (
     Choices,
+    ClusterSpec,
     Estimate,
+    Interval,
     Layout,
     MemoryBreakdown,
     Plan,
@@ -75,6 +77,43 @@ def test_run_writes_spec_outputs_and_appends_metrics(cli, tmp_path):
     assert len(rows2) == 7
     for a, b in zip(rows2[5:], rows[:2], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def _summary_of(plan: Plan, step_s: float) -> dict:
+    """The summary rank 0 writes for three CPU steps of `step_s` seconds under `plan`."""
+    import torch
+
+    from moeplan.runtime.launch import RunOptions
+    from moeplan.runtime.train import StepMetrics
+    from moeplan.runtime.worker import _summary
+
+    history = [StepMetrics(step=i, loss=5.0, grad_norm=1.0, lr=1e-3, step_time_s=step_s,
+                           tokens_per_s=1.0, tflops_per_gpu=1.0, peak_mem_gb=0.3)
+               for i in (1, 2, 3)]
+    return _summary(plan, plan, history, [0.3, 0.3], torch.device("cpu"), torch.float32,
+                    RunOptions(steps=3))
+
+
+def test_a_run_measured_on_cpu_is_not_judged_against_a_gpu_interval():
+    """A CPU step inside (or outside) an H100 plan's interval says nothing of the plan: no
+    verdict, and a note saying why; a plan priced on the CPU it ran on is judged."""
+    from .test_calibrate import CPU_CLUSTER
+
+    est = ESTIMATE.model_copy(update={"interval": Interval(
+        level=0.8, step_time_s=(0.4, 0.6), tokens_per_s_per_gpu=(100.0, 160.0))})
+    h100 = Plan(model=load_model(DATA / "tiny_qwen3_moe.yaml"),
+                cluster=load_cluster("h100", gpus=2), estimate=est,
+                training=TrainingSpec(seq_len=32, global_batch_size=4),
+                layout=Layout.build(2, 4, ep=2))
+    on_gpu = _summary_of(h100, 0.5)
+    assert on_gpu["inside_interval"] is None
+    assert on_gpu["predicted"]["step_time_interval_s"] == [0.4, 0.6]  # the plan's, kept
+    assert any("not judged" in n and "H100-SXM" in n for n in on_gpu["notes"])
+    host = ClusterSpec.model_validate(CPU_CLUSTER).with_gpus(2)
+    on_cpu = _summary_of(h100.model_copy(update={"cluster": host}), 0.5)
+    assert on_cpu["inside_interval"] is True
+    assert not any("not judged" in n for n in on_cpu["notes"])
+    assert on_cpu["predicted_cluster"]["gpu"] == "test-cpu"  # what the refit re-prices on
 
 
 def test_the_launcher_trains_a_plan_without_importing_torch_itself(tmp_path):

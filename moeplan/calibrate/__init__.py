@@ -48,6 +48,12 @@ class MachineOptions:
     nproc: int  # processes (devices) measured, and the collectives' world size
     gpu: bool
 
+    @property
+    def flag(self) -> str:
+        """The option that picks this grid, as a user types it (the file's header names it):
+        --quick and --full are flags of their own, the tiny grid only --grid tiny."""
+        return "--grid tiny" if self.mode == "tiny" else f"--{self.mode}"
+
 
 def machine_options(nproc: int | None = None, dtype: str | None = None,
                     quick: bool | None = None, grid: str | None = None) -> MachineOptions:
@@ -124,7 +130,7 @@ def calibrate_from_runs(paths: Sequence[str], eval_paths: Sequence[str] = (),
     eval_dirs = find_run_dirs(eval_paths, "--eval") if eval_paths else []
     distinct_runs(fit_dirs, eval_dirs)
     fit_runs = [load_run(d) for d in fit_dirs]
-    held = [load_run(d) for d in eval_dirs]
+    held = [load_run(d, "--eval") for d in eval_dirs]
     res = refit(fit_runs, held, PRIOR_WEIGHT if prior_weight is None else prior_weight,
                 fit or PARAMS)
     clusters = res.pop("clusters")

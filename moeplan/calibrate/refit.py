@@ -1,10 +1,15 @@
 """`moeplan calibrate --from-runs`: refit a few constants from measured `moeplan run` step times.
 
-Each run directory holds `plan.json` (the plan as launched) and `summary.json` (measured against
-predicted). The refit re-predicts the plan that actually ran (scaled down when the run was) under
-candidate constants and minimises Σ (log predicted − log measured)² over the fitted runs with
-Levenberg–Marquardt on the logs of four constants, or those `--fit` names (with a weak pull
-toward their starting values, see `refit`):
+Each run directory holds `plan.json` (the plan as launched), `run.json` (the plan as it ran,
+when that differs) and `summary.json` (measured against predicted). The refit re-predicts what
+the run's own prediction priced (the plan as launched, on its cluster; a scaled-down run's plan
+as it ran, on the cluster of the machine it ran on: summary.json's `predicted_cluster`), so its
+"before" is the run's printed prediction. A run measured on another kind of device than that
+cluster describes (a CPU step of a plan priced for H100s) is refused: fitted to it, a GPU's
+constants would describe the CPU. It re-predicts those plans under candidate constants and
+minimises Σ (log predicted − log measured)² over the fitted runs with Levenberg–Marquardt on
+the logs of four constants, or those `--fit` names (with a weak pull toward their starting
+values, see `refit`; fewer fitted runs than constants is warned of):
 
   compute_scale    multiplies every GEMM and attention efficiency (gemm_eff_max, attn_*_eff)
   comm_scale       multiplies every link efficiency (nvlink_eff, scaleout_eff, a2a_*_eff)
@@ -30,7 +35,7 @@ from ..cost_models.calibration import calibration_for
 from ..errors import SpecError
 from ..fsio import loads_json, read_regular
 from ..limits import MAX_FILE_BYTES
-from ..specs import Plan, load_plan
+from ..specs import ClusterSpec, Plan, load_plan
 
 PARAMS = ("compute_scale", "comm_scale", "layer_overhead_s", "step_overhead_s")
 BOUNDS = {"compute_scale": (1e-3, 1e3), "comm_scale": (1e-3, 1e3),
@@ -119,15 +124,16 @@ def _read_json(path: Path) -> Any:
                         f"{path.parent}` or remove the directory from --from-runs.") from None
 
 
-def load_run(run_dir: Path) -> RunRecord:
-    """The plan that ran in `run_dir` and its measured step time, with errors naming the file."""
+def load_run(run_dir: Path, flag: str = "--from-runs") -> RunRecord:
+    """The plan the run's prediction priced, on the cluster it priced it on, and the run's
+    measured step time, with errors naming the file (`flag`: the option the run came from)."""
     summary_path, plan_path = run_dir / "summary.json", run_dir / "plan.json"
     summary = _read_json(summary_path)
     step = summary.get("measured", {}).get("step_time_s") if isinstance(summary, dict) else None
     if isinstance(summary, dict) and summary.get("measured") == {} and isinstance(
             summary.get("steps"), int) and summary.get("resumed_from") == summary["steps"]:
         raise SpecError(f"{run_dir}: this run measured nothing (a restart resumed it at its "
-                        "last step, so no step was timed); leave it out of --from-runs.")
+                        f"last step, so no step was timed); leave it out of {flag}.")
     if not isinstance(step, (int, float)) or isinstance(step, bool) or not step > 0:
         raise SpecError(f"{summary_path}: field `measured.step_time_s` is missing or not a "
                         "positive number. Rerun `moeplan run --out "
@@ -138,10 +144,65 @@ def load_run(run_dir: Path) -> RunRecord:
                         "plan.json, or rerun it.")
     plan = load_plan(plan_path)
     if summary.get("scaled_down"):
-        from ..runtime.launch import RunOptions, prepare_plan
+        plan = _scaled_plan(run_dir, plan)
+    cluster = _priced_on(run_dir, summary, plan, flag)
+    _check_device(run_dir, summary, cluster, flag)
+    return RunRecord(str(run_dir), plan.model_copy(update={"cluster": cluster}), float(step))
 
-        _, plan = prepare_plan(plan, RunOptions(scale_down=True))
-    return RunRecord(str(run_dir), plan, float(step))
+
+def _scaled_plan(run_dir: Path, given: Plan) -> Plan:
+    """The plan a scaled-down run trained: OUT/run.json's, as the launcher prepared it (with the
+    options it ran under); a run written before run.json, `given` scaled down again."""
+    if (run_dir / "run.json").is_file():
+        from ..runtime.options import PreparedRun
+
+        return PreparedRun.read(run_dir).running
+    from ..runtime.launch import RunOptions, prepare_plan
+
+    return prepare_plan(given, RunOptions(scale_down=True))[1]
+
+
+def _priced_on(run_dir: Path, summary: dict[str, Any], plan: Plan, flag: str) -> ClusterSpec:
+    """The cluster the run's predicted step time was priced on (summary.json's
+    `predicted_cluster`: under --scale-down the machine's, not the plan's); a summary written
+    before it was recorded, the plan's."""
+    doc = summary.get("predicted_cluster")
+    if doc is not None:
+        from ..specs.validated import build
+
+        return build(ClusterSpec, doc, "cluster", f"{run_dir / 'summary.json'} "
+                     "predicted_cluster")
+    if "predicted_cluster" in summary and summary.get("scaled_down"):
+        raise SpecError(f"{run_dir}: this scaled-down run predicted no step time (no cluster "
+                        "described the machine it ran on), so there is nothing to refit. "
+                        "Rerun it with `moeplan run --scale-down --cluster FILE` (on a CPU, the "
+                        f"file `moeplan calibrate -o local.yaml` writes), or leave it out of "
+                        f"{flag}.")
+    return plan.cluster
+
+
+DEVICE_WORDS = {"cpu": "a CPU", "cuda": "a GPU"}
+
+
+def _check_device(run_dir: Path, summary: dict[str, Any], cluster: ClusterSpec,
+                  flag: str) -> None:
+    """Refuse a run measured on another kind of device than `cluster` describes (a CPU run of
+    a plan priced for H100s, or a GPU run of one priced on a CPU): constants fitted to its step
+    would be written as the cluster's and describe neither. A summary without `device` (written
+    by hand) is taken as measured where it was priced."""
+    device = summary.get("device")
+    if not isinstance(device, str) or device == cluster.device_kind:
+        return
+    here = "on a CPU, the file `moeplan calibrate -o local.yaml` writes; on a GPU, its preset"
+    how = (f"run the plan with `moeplan run PLAN --scale-down --cluster FILE`, FILE a cluster "
+           f"of the machine it runs on ({here})" if summary.get("scaled_down") else
+           f"estimate the plan on a cluster of the machine it runs on ({here}: `moeplan "
+           "estimate ... --cluster local.yaml -o plan.json`), then run that plan")
+    raise SpecError(f"{run_dir}: this run was measured on {DEVICE_WORDS.get(device, device)}, "
+                    f"but its step time was priced for {DEVICE_WORDS[cluster.device_kind]} "
+                    f"({cluster.gpu}, cluster {cluster.name}); constants fitted to it would "
+                    f"describe neither. For a run to refit from, {how}; or leave this run out "
+                    f"of {flag}.")
 
 
 def overrides_for(theta: dict[str, float], base: dict[str, Any], cluster: Any
@@ -276,7 +337,7 @@ def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
     → {"fitted": {param: value}, "clusters": [{"name", "spec", "calibration"}], "calibration":
     the one cluster's overrides (None when several), "runs": [{"path", "split", "measured_s",
     "before_s", "after_s", "before_error", "after_error"}], "mean_abs_log_error": {"fit":
-    {"before", "after"}, "held-out": {...}}}
+    {"before", "after"}, "held-out": {...}}, "warnings": [str]}
     """
     if not fit_runs:
         raise SpecError("--from-runs: no runs to fit. Pass at least one run directory.")
@@ -336,4 +397,17 @@ def refit(fit_runs: Sequence[RunRecord], eval_runs: Sequence[RunRecord] = (),
         "mean_abs_log_error": {s: {"before": mean_abs_log(s, "before_s"),
                                    "after": mean_abs_log(s, "after_s")}
                                for s in ("fit", "held-out")},
+        "warnings": [w for w in [underdetermined(len(fit_runs), params)] if w],
     }
+
+
+def underdetermined(runs: int, params: Sequence[str]) -> str | None:
+    """The warning for fewer fitted runs than constants: the runs cannot tell the constants
+    apart, so their fit is the prior's (--prior-weight) as much as the runs'. Not an error: a
+    fit of one run still moves the constants toward it."""
+    if runs >= len(params):
+        return None
+    return (f"{runs} run{'' if runs == 1 else 's'} fitted for {len(params)} constants "
+            f"({', '.join(params)}): too few to pin them all down (the pull of --prior-weight "
+            "holds the rest near their starting values); fit at least as many runs, of "
+            "different layouts and sizes, or fewer constants with --fit.")

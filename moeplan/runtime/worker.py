@@ -24,7 +24,7 @@ from .. import limits
 from ..data.corpus import SAMPLER
 from ..errors import MoeplanError, SpecError
 from ..fsio import finite_or_null, write_json
-from ..specs import Plan
+from ..specs import ClusterSpec, Plan
 from ..specs.grid import RankGrid
 from . import checkpoint
 from .groups import build_groups
@@ -76,9 +76,9 @@ def run_worker(run: PreparedRun, out: Path) -> int | None:
     stop.on(device)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
-        from rich.console import Console
+        from ..terminal import make_console
 
-        console = Console(stderr=True, highlight=False)
+        console = make_console(stderr=True, highlight=False)  # piped: one line per step
         console.print(f"[b]moeplan run[/] {running.model.name}: world {dist.get_world_size()} "
                       f"({running.summary()}), {device.type}/{dist.get_backend()}, "
                       f"{str(dtype).removeprefix('torch.')}, {opts.steps} steps → {out}"
@@ -307,9 +307,10 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
     tokens = running.training.global_batch_size * running.training.seq_len
     world = running.layout.world_size
     if opts.scale_down:
-        predicted, notes = _predicted_here(running, device, dtype, opts)
+        predicted, notes, priced_on = _predicted_here(running, device, dtype, opts)
     else:
         est, notes = given.estimate, []
+        priced_on = None if est is None else given.cluster
         predicted = None if est is None else {
             "step_time_s": est.step_time_s, "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
             "tflops_per_gpu": est.tflops_per_gpu, "peak_mem_gb": est.memory.peak_gb,
@@ -320,6 +321,12 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
                          f"{device.type}")
         if est is not None and est.interval is not None:
             predicted["step_time_interval_s"] = list(est.interval.step_time_s)
+    # a step is judged against an interval priced for its own kind of device only
+    judged = priced_on is not None and priced_on.device_kind == device.type
+    if priced_on is not None and not judged:
+        notes.append(f"the step time is not judged against the predicted interval: that is "
+                     f"priced for {priced_on.gpu} ({priced_on.device_kind}), this step ran on "
+                     f"{device.type}")
     notes = [objective_line(running), *notes]
     bound = numa_bound(device)
     if bound is False:
@@ -327,7 +334,7 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
                      "host's kernel launches from bound ranks (docs/RUNTIME.md, CPU binding)")
     if opts.init_from:
         notes.append(f"initialised from the Hugging Face checkpoint {opts.init_from}")
-    band = (predicted or {}).get("step_time_interval_s")
+    band = (predicted or {}).get("step_time_interval_s") if judged else None
     return {
         "model": running.model.name, "world_size": world, "layout": running.summary(),
         "steps": opts.steps, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
@@ -345,17 +352,22 @@ def _summary(given: Plan, running: Plan, history: list[StepMetrics], peaks_gb: l
             key: _ratio(value, predicted[key]) for key, value in
             (("step_time_s", step_s), ("peak_mem_gb", max(peaks_gb))) if key in predicted
         },
+        # null: no interval, or one priced for another kind of device than this run's
         "inside_interval": None if not band else band[0] <= step_s <= band[1],
+        # the cluster the predicted step time was priced on (`calibrate --from-runs` re-prices
+        # the run on it); null: no step-time prediction
+        "predicted_cluster": None if priced_on is None else priced_on.model_dump(mode="json"),
         "notes": notes,
     }
 
 
 def _predicted_here(running: Plan, device: torch.device, dtype: torch.dtype,
-                    opts: RunOptions) -> tuple[dict, list[str]]:
+                    opts: RunOptions) -> tuple[dict, list[str], ClusterSpec | None]:
     """Predictions for the scaled-down plan on this machine, not the plan's cluster: memory
     from the launcher's guard pricing (the same cost model, at the run's dtype, host copies kept
     on CPU), step time from the cost model on `--cluster` or the preset of the GPU present
-    (a CPU has none: `moeplan calibrate` writes one)."""
+    (a CPU has none: `moeplan calibrate` writes one). Also returns that cluster (None: no
+    step-time prediction)."""
     from ..cost_models.estimate import estimate
     from ..errors import MoeplanError
     from . import guard
@@ -388,7 +400,7 @@ def _predicted_here(running: Plan, device: torch.device, dtype: torch.dtype,
     elif cluster is None:
         notes.append("no step-time prediction: no description of this machine; write one "
                      "with `moeplan calibrate -o local.yaml` and pass `--cluster local.yaml`")
-    return predicted, notes
+    return predicted, notes, (cluster if est is not None else None)
 
 
 def objective_line(plan: Plan) -> str:

@@ -179,6 +179,14 @@ class ClusterSpec(BaseModel):
                 )
         return self
 
+    @property
+    def device_kind(self) -> str:
+        """The torch device type this spec describes: 'cpu' for a host `moeplan calibrate`
+        measured, 'cuda' for any GPU. A step measured on the other kind says nothing of the
+        figures priced on this spec (a CPU step against an H100's interval, or refitting the
+        H100's constants to it)."""
+        return "cpu" if self.architecture == "cpu" else "cuda"
+
     def usable_domain(self, world: int) -> int:
         """GPUs of one NVLink domain a job of `world` GPUs actually uses.
 
