@@ -459,6 +459,38 @@ def _ovl_mtp(f: Facts) -> bool:
     return not f.layout.ep_overlap or f.model.mtp_layers <= 1
 
 
+# ---------------------------------------------------------------------------- the device
+def runs_cuda(cluster: Any) -> bool:
+    """Whether the cluster's devices run CUDA kernels (None: not known, so not refused). A
+    host measured by `moeplan calibrate` on CPUs (architecture cpu) has no kernel a CUDA graph
+    could capture and no device memory for TE's userbuffers: the search never turns these
+    settings on there, and `moeplan run` would drop them, so they are never priced."""
+    return cluster is None or cluster.architecture != "cpu"
+
+
+def _no_cuda_words(f: Facts, what: str, flags: str, field: str) -> str:
+    return (f"{f.cluster.gpu} is a CPU host (architecture cpu) with no CUDA device, and "
+            f"{what}: drop {flags} ({field} false in a plan file), or plan for a GPU cluster")
+
+
+@rule("cuda_graphs_need_cuda", "megatron/core/transformer/cuda_graphs.py (a CUDA graph "
+      "captures the kernels of a CUDA device: not on a CPU host)",
+      lambda f: _no_cuda_words(f, "CUDA graphs capture the kernels of one",
+                               "--cuda-graphs and --cuda-graph-scope", "cuda_graphs"),
+      axes=("cuda_graphs",), needs=("cluster",))
+def _graphs_cuda(f: Facts) -> bool:
+    return not getattr(f.layout, "cuda_graphs", False) or runs_cuda(f.cluster)
+
+
+@rule("tp_comm_overlap_needs_cuda", "transformer_engine/pytorch/module/base.py::initialize_ub "
+      "(TP comm overlap runs on userbuffers in CUDA device memory: not on a CPU host)",
+      lambda f: _no_cuda_words(f, "TP comm overlap runs on Transformer Engine's userbuffers "
+                               "in CUDA device memory", "--tp-comm-overlap", "tp_comm_overlap"),
+      axes=("tp_comm_overlap",), needs=("cluster",))
+def _tp_overlap_cuda(f: Facts) -> bool:
+    return not getattr(f.layout, "tp_comm_overlap", False) or runs_cuda(f.cluster)
+
+
 # ---------------------------------------------------------------------------- precision
 @rule("precision_supported", "megatron/core/fp8_utils.py (Transformer Engine recipes by GPU "
       "architecture)",
