@@ -451,10 +451,12 @@ def estimate(
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
-                "dispatcher": dispatcher, "flex_backend": flex_backend, "ep_overlap": ep_overlap,
+                "dispatcher": dispatcher, "ep_overlap": ep_overlap,
                 "tp_comm_overlap": tp_comm_overlap,
                 "cuda_graphs": cuda_graphs or cuda_graph_scope == "full_iteration",
                 "cuda_graph_scope": cuda_graph_scope, "fused_grouped_mlp": fused_grouped_mlp}
+        if given(ctx, "flex_backend"):  # read only with the flex dispatcher: refused without
+            axes["flex_backend"] = flex_backend
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
