@@ -853,9 +853,19 @@ def search(
             [search_row(i, p, res.objective) for i, p in enumerate(res.plans)], width))
         for line in terminal_notes(res):
             print_lines([Line(s) for s in wrap(line, width, "  ")])
+        print_warnings(best)
         print_lines([Line(s, "dim") for s in wrap(_next_steps(output), width, "  ")])
 
     emit(res.to_json(), as_json, render)
+
+
+def print_warnings(plan: S.Plan) -> None:
+    """The plan's estimate warnings on stderr, as `moeplan estimate` prints them: a search
+    says them once, for the best plan (the other rows' come with `estimate` on their file)."""
+    assert plan.estimate is not None
+    width = _width(err)
+    for w in plan.estimate.warnings:
+        print_lines([Line(s, "yellow") for s in wrap(w, width, "  ", "warning (#1): ")], err)
 
 
 SEARCH_KEYS = {"robust": "low end: the 80% interval's low end of tokens/s/GPU",
