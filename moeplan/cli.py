@@ -827,7 +827,7 @@ def search(
             emit({"plans": [], "infeasible": True, "message": _one_paragraph(str(e))},
                  as_json, lambda: None)
             raise
-        bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
+        bar.done(f"searching: 100%, {plural(res.layouts, 'valid layout')} in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
@@ -848,7 +848,7 @@ def search(
         key = SEARCH_KEYS[res.objective]
         print_lines(table_lines(
             f"{best.headline()}, {best.batch_words()}: best {len(res.plans)} of "
-            f"{res.layouts:,} layouts "
+            f"{plural(res.layouts, 'layout')} "
             f"({res.seconds:.1f} s), ranked by {key}", search_columns(res.objective),
             [search_row(i, p, res.objective) for i, p in enumerate(res.plans)], width))
         for line in terminal_notes(res):

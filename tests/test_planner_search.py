@@ -711,6 +711,7 @@ def test_a_search_lists_no_plan_twice_and_a_tie_never_quotes_two_equal_numbers()
                  TrainingSpec(seq_len=4096, global_batch_size=3), 7)
     assert [p.layout.pp for p in res.plans] == [7] and res.layouts == 1
     a = res.plans[0]
+    assert any(line.startswith("searched 1 valid layout:") for line in a.explanation)
     twin = a.model_copy(update={"layout": a.layout.model_copy(update={"mbs": 3})})
     said = ranking_line([a, twin], "robust")
     low, step = a.estimate.interval.tokens_per_s_per_gpu[0], a.estimate.step_time_s

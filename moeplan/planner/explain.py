@@ -116,8 +116,9 @@ def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
     cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
     bounds = [(k, v) for k, v in cut if k in BOUNDS]
     rules = [(k, v) for k, v in cut if k not in BOUNDS]
-    out = (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened at even and "
-           f"levelled stages, {result.solved} MILPs for the best; set aside: {words(bounds, most) or 'none'}")
+    out = (f"searched {plural(result.layouts, 'valid layout')}: {result.screened:,} screened "
+           f"at even and levelled stages, {result.solved} MILPs for the best; set aside: "
+           f"{words(bounds, most) or 'none'}")
     if rules:
         out += (f". Before that, the rules refused {sum(v for _, v in rules):,} candidate "
                 f"splits: {words(rules, max(1, most - len(bounds[:most])))}")
