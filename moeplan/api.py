@@ -139,6 +139,7 @@ def plan_from_options(
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     axes = dict(axes or {})
+    check_flex_backend(axes)
     if not shards_optimizer(t.software_stack, target):
         axes.setdefault("distributed_optimizer", False)
     try:
@@ -151,6 +152,17 @@ def plan_from_options(
                     "choices", "command line")
     check_target(target)
     return Plan(model=m, cluster=c, training=t, layout=layout, choices=choices, target=target)
+
+
+def check_flex_backend(axes: dict[str, Any]) -> None:
+    """A flex backend named without the flex dispatcher would be ignored: refused, naming
+    the flag, as the rules refuse what a dense model would ignore."""
+    dispatcher = axes.get("dispatcher") or "alltoall"
+    if "flex_backend" in axes and dispatcher != "flex":
+        raise SpecError(f"--flex-backend {axes['flex_backend']}: the flex backend is the "
+                        "library the flex dispatcher runs, and the layout's dispatcher is "
+                        f"{dispatcher}, which would ignore it; add --dispatcher flex, or drop "
+                        "--flex-backend.")
 
 
 def estimate(

@@ -454,10 +454,12 @@ def estimate(
             raise SpecError("moeplan estimate needs PLAN.json, or --model and --cluster with "
                             "--gpus, --seq, --gbs and the layout (--tp, --pp, ...).")
         axes = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "mbs": mbs,
-                "dispatcher": dispatcher, "flex_backend": flex_backend, "ep_overlap": ep_overlap,
+                "dispatcher": dispatcher, "ep_overlap": ep_overlap,
                 "tp_comm_overlap": tp_comm_overlap,
                 "cuda_graphs": cuda_graphs or cuda_graph_scope == "full_iteration",
                 "cuda_graph_scope": cuda_graph_scope, "fused_grouped_mlp": fused_grouped_mlp}
+        if given(ctx, "flex_backend"):  # read only with the flex dispatcher: refused without
+            axes["flex_backend"] = flex_backend
         plan = plan_from_options(model, cluster, gpus, seq, gbs, precision, axes,
                                  csv_names(recompute), csv_names(offload), stage_layout,
                                  calibration, grad_reduce_dtype=grad_reduce,
@@ -844,7 +846,7 @@ def search(
             emit({"plans": [], "infeasible": True, "message": _one_paragraph(str(e))},
                  as_json, lambda: None)
             raise
-        bar.done(f"searching: 100%, {res.layouts:,} valid layouts in {res.seconds:.1f} s"
+        bar.done(f"searching: 100%, {plural(res.layouts, 'valid layout')} in {res.seconds:.1f} s"
                  + (" (stopped at the time limit)" if res.stopped_early else ""))
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
@@ -866,14 +868,24 @@ def search(
         key = SEARCH_KEYS[res.objective]
         print_lines(table_lines(
             f"{best.headline()}, {best.batch_words()}: best {len(res.plans)} of "
-            f"{res.layouts:,} layouts "
+            f"{plural(res.layouts, 'layout')} "
             f"({res.seconds:.1f} s), ranked by {key}", search_columns(res.objective),
             [search_row(i, p, res.objective) for i, p in enumerate(res.plans)], width))
         for line in terminal_notes(res):
             print_lines([Line(s) for s in wrap(line, width, "  ")])
+        print_warnings(best)
         print_lines([Line(s, "dim") for s in wrap(_next_steps(output), width, "  ")])
 
     emit(res.to_json(), as_json, render)
+
+
+def print_warnings(plan: S.Plan) -> None:
+    """The plan's estimate warnings on stderr, as `moeplan estimate` prints them: a search
+    says them once, for the best plan (the other rows' come with `estimate` on their file)."""
+    assert plan.estimate is not None
+    width = _width(err)
+    for w in plan.estimate.warnings:
+        print_lines([Line(s, "yellow") for s in wrap(w, width, "  ", "warning (#1): ")], err)
 
 
 SEARCH_KEYS = {"robust": "low end: the 80% interval's low end of tokens/s/GPU",

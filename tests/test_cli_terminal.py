@@ -406,3 +406,19 @@ def test_a_piped_run_keeps_each_step_line_and_note_whole_and_a_terminal_wraps_th
                      timeout=300)
     screen = screen_of(raw, 80)  # every piece written fits: rich wraps at the terminal's width
     assert "step    2/2  loss" in screen and "note: the step time is not judged" in screen
+
+
+def test_a_search_says_its_best_plans_estimate_warnings_once_under_the_table():
+    """gpt-oss-120b in BF16 carries its measured residual: `estimate` of the searched plan
+    warns of the unmodelled seconds, and the search that chose it said nothing. It says the
+    best plan's warnings once, under the table and its notes, whole at 80 columns."""
+    args = ("search", "--model", "gpt-oss-120b", "--cluster", "gb200-nvl72", "--gpus", "72",
+            "--gbs", "512")
+    best = json_of(args)["plans"][0]["estimate"]
+    assert best["warnings"] and best["unmodelled_s"] > 0
+    screen = render_in_pty(args, 80)
+    assert screen.count("warning (#1): ") == len(best["warnings"])
+    assert screen.index("warning (#1): ") > screen.index("#1 ranks above #2")
+    flat = " ".join(screen.split())
+    assert all(" ".join(w.split()) in flat for w in best["warnings"])
+    assert_fits_and_whole(screen, 80, [f"{best['unmodelled_s']:.3f}"])

@@ -168,6 +168,29 @@ def test_invalid_inputs_exit_two(capsys):
     assert run_cli(["validate", "no-such.csv"], capsys)[0] == 2
 
 
+DENSE_ARGS = ["estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", "--seq",
+              "4096", "--gbs", "8", "--tp", "8"]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--recompute", "moe_act", "--offload", "expert_fc1"], "--recompute and --offload"),
+    (["--dispatcher", "flex"], "drop --dispatcher"),
+    (["--flex-backend", "deepep"], "add --dispatcher flex")])
+def test_an_option_the_layout_would_ignore_exits_two_naming_its_flag(flags, said, capsys,
+                                                                      tmp_path):
+    """MoE-only options on a dense model, and a flex backend without the flex dispatcher, were
+    kept (and exported) or dropped without a word."""
+    out = tmp_path / "dense.json"
+    code, _, err = run_cli([*DENSE_ARGS, *flags, "-o", str(out)], capsys)
+    assert code == 2 and "Traceback" not in err and not out.exists()
+    assert said in " ".join(err.split()) and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli([*EST_ARGS[:-1], "--flex-backend", "deepep", "--json"], capsys)
+    assert code == 2 and "--flex-backend deepep" in err
+    code, _, _ = run_cli([*EST_ARGS[:-1], "--dispatcher", "flex", "--flex-backend", "deepep",
+                          "--json"], capsys)
+    assert code == 0
+
+
 def test_explicit_stage_layout_is_used(capsys):
     # qwen3-30b-a3b has 48 layers; pp 2, all but one layer on the second stage is slower
     code, even, _ = run_cli(EST_ARGS, capsys)

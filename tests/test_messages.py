@@ -87,13 +87,15 @@ def test_the_searched_sentence_counts_layouts_and_refused_splits_apart():
     Summed in one list they read as more removed than searched (gpt-oss on 64 B200: 8,568
     searched, 10,857 "removed" by one rule)."""
     from moeplan.planner.branch import BOUNDS
+    from moeplan.planner.enumerate import SAME_JOB
     from moeplan.planner.explain import searched_sentence
     from moeplan.planner.search import search
     from moeplan.specs import TrainingSpec, load_cluster, load_model
     from moeplan.specs.rules import BY_NAME
 
-    # the enumeration's own two placement prunes, beside the rules table's names
-    refusals = set(BY_NAME) | {"flex_inside_nvlink", "tp_cp_within_nvlink"}
+    # the enumeration's own two placement prunes and its copies of one job, beside the rules
+    # table's names
+    refusals = set(BY_NAME) | {"flex_inside_nvlink", "tp_cp_within_nvlink", *SAME_JOB}
     for model, cluster, gpus, gbs in (("qwen3-30b-a3b", "h100", 16, 256),
                                       ("gpt-oss-120b", "b200", 64, 512)):
         res = search(load_model(model), load_cluster(cluster, gpus),

@@ -49,3 +49,31 @@ def test_flex_is_enumerated_only_where_the_ep_group_leaves_the_nvlink_domain():
     assert len(flex) > 0 and enum.pruned["flex_inside_nvlink"] > 0
     domain = CLUSTER.usable_domain(32)
     assert all(domain % int(r[COL["ep"]] * r[COL["etp"]]) for r in flex)
+
+
+def test_no_two_rows_differ_only_in_a_setting_without_effect_at_their_sizes():
+    """Without expert parallelism no dispatcher moves a token, and over one data-parallel rank
+    (expert data-parallel too) the distributed optimizer shards nothing: the rows differing only
+    there are one job, which filled the top k with copies ranked by a tie of equal numbers
+    (llama3-8b on 7 GPUs: `dist-opt` and `no-dist-opt`, "3,287 vs 3,287"). One row stands for
+    each, the stack's default; where the setting matters both stay."""
+    from moeplan.planner.enumerate import DISPATCHERS
+
+    enum = enumerate_layouts(MODEL, CLUSTER, TRAIN, 32, SPACE)
+    rows = enum.rows
+    ep1 = rows[rows[:, COL["ep"]] == 1]
+    assert len(ep1) and set(ep1[:, COL["dispatcher"]]) == {DISPATCHERS.index("alltoall")}
+    assert {DISPATCHERS.index("allgather"), DISPATCHERS.index("flex")} <= set(
+        rows[rows[:, COL["ep"]] > 1][:, COL["dispatcher"]])
+    one = (rows[:, COL["dp"]] * rows[:, COL["cp"]] == 1) & (rows[:, COL["edp"]] == 1)
+    assert one.any() and rows[one][:, COL["dist_opt"]].all()
+    assert set(rows[~one][:, COL["dist_opt"]]) == {0, 1}
+    assert enum.pruned["dispatcher_without_ep"] > 0 and enum.pruned["dist_opt_without_dp"] > 0
+    dense = load_model("llama3-8b")
+    tr = TrainingSpec(seq_len=4096, global_batch_size=3)
+    rows = enumerate_layouts(dense, load_cluster("h100", gpus=7), tr, 7, SPACE).rows
+    assert [(_layout(r)["pp"], _layout(r)["distributed_optimizer"]) for r in rows] == [(7, True)]
+    # a stack without the distributed optimizer keeps the replicated one it has
+    old = SearchSpace(precisions=("bf16",), max_mbs=2, max_vpp=2, allow_dist_opt=False)
+    rows = enumerate_layouts(dense, load_cluster("h100", gpus=7), tr, 7, old).rows
+    assert [_layout(r)["distributed_optimizer"] for r in rows] == [False]

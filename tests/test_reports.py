@@ -287,3 +287,21 @@ def test_the_unvalidated_banner_says_what_failing_costs_only_where_it_costs_some
     worse = offload.estimate.interval.pessimistic_tokens_per_s_per_gpu
     assert worse < offload.estimate.tokens_per_s_per_gpu
     assert f"makes {worse:,.0f} tokens/s/GPU" in banner(offload)
+
+
+def test_the_banner_of_offload_hidden_even_on_a_slow_host_says_it_was_priced_so():
+    """Activation offload has a slower variant (a host link at half speed): where its copies
+    stay hidden even there, the banner said "none has a slower variant to price", beside a
+    search that sets plans aside once their offload is priced on a slow host."""
+    from moeplan.planner.report import plan_notices
+    from moeplan.specs import Choices
+
+    plan = planned("qwen3-30b-a3b", 16, 256, ep=8)
+    plan = plan.model_copy(update={"choices": Choices(offload=["attn_norm"])})
+    plan = plan.model_copy(update={"estimate": estimate(plan)})
+    e = plan.estimate
+    assert e.interval.pessimistic_tokens_per_s_per_gpu == e.tokens_per_s_per_gpu
+    text = next(n.text for n in plan_notices([plan]) if n.head.startswith("Unvalidated"))
+    assert "none has a slower variant" not in text
+    assert "activation offload copies hidden behind compute, priced on a host link at half " \
+           "speed" in text and f"still makes {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in text

@@ -73,6 +73,28 @@ def test_dense_model_refuses_expert_parallelism():
     assert "ep_needs_experts" in rules(LLAMA, lay)
 
 
+def test_a_dense_model_refuses_moe_module_choices_and_a_dispatcher_it_would_drop():
+    """llama3-8b kept `recompute=moe_act offload=expert_fc1` and exported them as Megatron
+    flags, and took `dispatcher flex` to drop it: each is named by a rule; an MoE model takes
+    them all, and the dense model's own modules stay allowed."""
+    from moeplan.planner.problem import OPTIONS, Option, menu
+
+    lay = Layout.build(8, 1024, tp=8)
+    moe = Choices(recompute=["moe_act", "shared_experts"], offload=["expert_fc1", "moe_act"])
+    assert "moe_modules_need_moe" in rules(LLAMA, lay, choices=moe)
+    for name in ("moe_act", "moe", "shared_experts"):
+        assert "moe_modules_need_moe" in rules(LLAMA, lay, choices=Choices(recompute=[name]))
+    assert rules(LLAMA, lay, choices=Choices(recompute=["mlp", "core_attn"],
+                                             offload=["qkv_linear", "mlp_norm"])) == set()
+    assert rules(QWEN, Layout.build(8, 1024, ep=8), choices=moe) == set()
+    assert "dispatcher_needs_experts" in rules(LLAMA, lay.model_copy(
+        update={"dispatcher": "flex"}))
+    assert rules(QWEN, Layout.build(8, 1024, ep=8, dispatcher="allgather")) == set()
+    offered = menu(LLAMA, TRAIN, lay, "megatron", OPTIONS).options
+    assert Option.recompute("mlp") in offered
+    assert not {Option.recompute("moe_act"), Option.offload("expert_fc1")} & set(offered)
+
+
 def test_precision_must_exist_on_the_gpu():
     lay = Layout.build(8, 64)
     h100 = load_cluster("h100")

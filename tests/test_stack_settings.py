@@ -715,3 +715,59 @@ def test_a_search_on_a_stack_before_the_distributed_optimizer_replicates_the_opt
         update={"distributed_optimizer": True})})
     with pytest.raises(LayoutError, match="a plan file's layout: distributed_optimizer false"):
         export(sharded)
+
+
+CPU_HOST = {  # what `moeplan calibrate` writes on a CPU machine of two processes
+    "name": "host", "gpu": "test-cpu", "architecture": "cpu", "bf16_tflops": 0.5,
+    "fp32_tflops": 0.16, "hbm_gb": 12, "hbm_tb_s": 0.02, "nvlink_gb_s": 0.8,
+    "nvlink_domain_gpus": 2, "gpus_per_node": 2, "scaleout_gb_s": 0.8,
+    "nvlink_latency_us": 250.0, "scaleout_latency_us": 250.0, "host_memory_gb": 12,
+    "host_link_gb_s": 17.0,
+    "calibration": {"gemm_eff_max": {"cpu": 0.37}, "gemm_half_dim": 18.0,
+                    "attn_fwd_eff": {"cpu": 1.2}, "attn_bwd_eff": {"cpu": 1.2},
+                    "tp_overlap_hidden": 0.0, "ep_overlap_hidden": 0.0,
+                    "layer_overhead_s": 5e-4, "step_overhead_s": 1e-3},
+}
+
+
+def test_a_cpu_host_is_searched_without_cuda_graphs_or_tp_comm_overlap():
+    """A CPU has no CUDA kernel to capture and no userbuffers: its search never turns the two
+    CUDA settings on (where it ranked only `cuda-graphs` plans, priced with the launches the
+    graphs remove and their memory), and a layout asking for them is refused by rule."""
+    from moeplan.planner.search import search_space
+    from moeplan.specs import ClusterSpec
+
+    from .conftest import DATA
+
+    host = ClusterSpec.model_validate(CPU_HOST)
+    space = search_space(host, "bf16", "megatron")
+    assert not space.cuda_graphs and not space.tp_comm_overlap
+    model = load_model(DATA / "tiny_qwen3_moe.yaml")
+    tr = TrainingSpec(seq_len=128, global_batch_size=8)
+    res = search(model, host, tr, 2, top_k=20)
+    assert res.plans and not any(p.layout.cuda_graphs or p.layout.tp_comm_overlap
+                                 for p in res.plans)
+    graphed = Layout.build(2, 8, tp=2, cuda_graphs=True, tp_comm_overlap=True)
+    for target in ("megatron", "moeplan"):
+        with pytest.raises(LayoutError) as e:
+            check_layout(model, tr, graphed, 2, Choices(), host.with_gpus(2), target)
+        assert {n for n, _ in e.value.violations} >= {"cuda_graphs_need_cuda",
+                                                      "tp_comm_overlap_needs_cuda"}
+    check_layout(model, tr, graphed, 2, Choices(), load_cluster("h100", gpus=2))
+
+
+@pytest.mark.parametrize("flags, named", [(("--cuda-graphs",), "--cuda-graphs"),
+                                          (("--tp", "2", "--tp-comm-overlap"),
+                                           "--tp-comm-overlap")])
+def test_a_cuda_setting_asked_of_a_cpu_host_exits_2_naming_its_flag(tmp_path, flags, named):
+    import yaml
+
+    from .conftest import DATA, run_cli
+
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(CPU_HOST))
+    proc = run_cli("estimate", "--model", str(DATA / "tiny_qwen3_moe.yaml"), "--cluster",
+                   str(path), "--gpus", "2", "--seq", "128", "--gbs", "8", *flags)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert named in said and "CPU host" in said and len(proc.stderr.strip().splitlines()) == 1

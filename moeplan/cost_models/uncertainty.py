@@ -288,6 +288,23 @@ def slow_host(cluster: ClusterSpec) -> ClusterSpec:
     return _slow_host(Layout(), Choices(), cluster)[2]
 
 
+VARIANT_WORDS: dict[Variant, str] = {
+    _no_overlap: "without EP overlap", _alltoall: "with the alltoall dispatcher",
+    _no_tp_overlap: "without TP comm overlap", _no_graphs: "without CUDA graphs",
+    _slow_host: "on a host link at half speed"}
+"""Each pessimistic variant in words, for reports that say what failing was priced as."""
+
+
+def slower_variants(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                    layout: Layout, choices: Choices) -> list[str]:
+    """The unvalidated effects of an estimate that have a slower variant the interval's low end
+    prices, each with that variant in words (`the effect, priced …`): what a low end equal to
+    the point was priced at, where those effects wait on nothing here."""
+    return [f"{t.assumption.term}, priced {VARIANT_WORDS[t.pessimistic]}"
+            for t in assumptions(model, cluster, training, layout, choices)
+            if t.pessimistic is not None and not t.assumption.validated]
+
+
 def validated(key: str, profile: IntervalProfile | None = None) -> bool:
     """Whether fit rows back the effect of an evidence key (`assumption_keys`), as `_term`
     decides it."""

@@ -9,6 +9,12 @@ each is evaluated at the first loop level where the axes it reads are bound (`LE
 planner's own placement rules (NVLink domains, the space's limits, vpp values that split the
 layers) are named here; `tests/test_planner_enumerate.py` checks that every surviving row is a
 valid Layout and that no valid layout is lost except by a named placement rule.
+
+So are the settings that change nothing at a row's sizes (`SAME_JOB`): rows differing only in
+one of them are one job priced twice, which would fill the top k with copies and rank them by a
+tie of equal numbers. One canonical row stands for them, the first the space lists that the
+rules keep (alltoall; the distributed optimizer where the stack shards it,
+`rules.shards_optimizer`).
 """
 
 from __future__ import annotations
@@ -95,6 +101,15 @@ class _Axes:
     flex_backend = "hybridep"  # SearchSpace.flex_backend
     ep_overlap = tp_comm_overlap = cuda_graphs = False
     distributed_optimizer = True
+
+
+SAME_JOB = {
+    "dispatcher_without_ep": "the same job under another dispatcher (with ep 1 none sends a "
+                             "token to another expert rank)",
+    "dist_opt_without_dp": "the same job with the distributed optimizer flipped (one "
+                           "data-parallel rank, dp·cp 1 and edp 1: nothing to shard)",
+}
+"""The prune counts of rows that repeat a kept row's job (module docstring), in words."""
 
 
 LEVELS = ("tp", "cp", "pp/dp", "mbs/num_microbatches", "vpp", "ep/etp/edp", "dispatcher",
@@ -201,14 +216,21 @@ class _Walk:
         dopts = tuple(d for d, allowed in ((1, sp.allow_dist_opt), (0, sp.allow_no_dist_opt))
                       if allowed)
         precisions = range(len(sp.precisions))
-        rows = self.rows
+        rows, moe = self.rows, self.model.is_moe
+        one_dp = ax.dp * ax.cp == 1
         for ep, etp in self.expert_axes:
             ax.ep, ax.etp = ep, etp
             n = etp * ep * ax.pp
             edp = ax.edp = world // n if world % n == 0 else 0
             if has[5] and broken(5):
                 continue
+            # SAME_JOB: the first dispatcher (and optimizer) kept stands for the others
+            one_disp, one_opt = ep == 1, one_dp and (edp == 1 or not moe)
+            disp_kept = False
             for disp in self.dispatchers:
+                if one_disp and disp_kept:
+                    self.pruned["dispatcher_without_ep"] += 1
+                    continue
                 # etp and ep are adjacent in both rank orders: an ep group spanning etp·ep
                 # ranks that divides the domain stays inside it, where flex is the all-to-all
                 # exchange (the same plan twice)
@@ -223,10 +245,15 @@ class _Walk:
                     ax.ep_overlap = bool(ovl)
                     if has[7] and broken(7):
                         continue
+                    opt_kept = False
                     for dopt in dopts:
+                        if one_opt and opt_kept:
+                            self.pruned["dist_opt_without_dp"] += 1
+                            continue
                         ax.distributed_optimizer = bool(dopt)
                         if has[8] and broken(8):
                             continue
+                        opt_kept = disp_kept = True
                         for pi in precisions:
                             rows.append((*head, ep, etp, edp, *tail, d, ovl, dopt, pi))
                     ax.distributed_optimizer = True

@@ -116,8 +116,9 @@ def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
     cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
     bounds = [(k, v) for k, v in cut if k in BOUNDS]
     rules = [(k, v) for k, v in cut if k not in BOUNDS]
-    out = (f"searched {result.layouts:,} valid layouts: {result.screened:,} screened at even and "
-           f"levelled stages, {result.solved} MILPs for the best; set aside: {words(bounds, most) or 'none'}")
+    out = (f"searched {plural(result.layouts, 'valid layout')}: {result.screened:,} screened "
+           f"at even and levelled stages, {result.solved} MILPs for the best; set aside: "
+           f"{words(bounds, most) or 'none'}")
     if rules:
         out += (f". Before that, the rules refused {sum(v for _, v in rules):,} candidate "
                 f"splits: {words(rules, max(1, most - len(bounds[:most])))}")
@@ -175,15 +176,13 @@ def ranking_line(plans: list[Plan], objective: str) -> str | None:
         head = (f"#1 ranks above #2 by the point estimate of tokens/s/GPU (the ranking key, "
                 f"--objective expected): {_pair(ka, kb)}")
         if ka == kb:
-            return head + f"; a tie, broken by the shorter step ({a.step_time_s:.3g} s vs " \
-                          f"{b.step_time_s:.3g} s)."
+            return head + _tie_break(a, b, "step")
         return head + f" ({ka / kb - 1:+.1%})."
     ka, kb = a.interval.tokens_per_s_per_gpu[0], b.interval.tokens_per_s_per_gpu[0]
     head = (f"#1 ranks above #2 by the low end of the 80% interval of tokens/s/GPU (the "
             f"ranking key, --objective robust): {_pair(ka, kb)}")
     if ka == kb:
-        return head + (f"; a tie, broken by the shorter expected step ({a.step_time_s:.3g} s "
-                       f"vs {b.step_time_s:.3g} s).")
+        return head + _tie_break(a, b, "expected step")
     if b.tokens_per_s_per_gpu <= a.tokens_per_s_per_gpu:
         return head + f", and {_pair(a.tokens_per_s_per_gpu, b.tokens_per_s_per_gpu)} at " \
                       "the point estimate."
@@ -197,11 +196,26 @@ def ranking_line(plans: list[Plan], objective: str) -> str | None:
 
 
 def _pair(x: float, y: float) -> str:
-    """Two figures that read apart: whole numbers, or one decimal where those are equal."""
+    """Two figures that read apart: whole numbers, or one decimal where those are equal; one
+    figure for both where they are the same number (a tie reads as one)."""
+    if x == y:
+        return f"both {x:,.0f}"
     a, b = f"{x:,.0f}", f"{y:,.0f}"
-    if a == b and x != y:
+    if a == b:
         a, b = f"{x:,.1f}", f"{y:,.1f}"
     return f"{a} vs {b}"
+
+
+def _tie_break(a: Estimate, b: Estimate, step: str) -> str:
+    """The end of a sentence on a tie of the ranking key: the two step times that broke it,
+    in as many digits as make them read apart, or, where they are equal too, that nothing
+    did (two plans priced alike are listed in the search's order)."""
+    x, y = a.step_time_s, b.step_time_s
+    if x == y:
+        return (f"; a tie on the {step} too ({x:.3g} s): the two price the same, and #1 is "
+                "listed first in the search's order.")
+    digits = next(d for d in range(3, 18) if f"{x:.{d}g}" != f"{y:.{d}g}")
+    return f"; a tie, broken by the shorter {step} ({x:.{digits}g} s vs {y:.{digits}g} s)."
 
 
 # ------------------------------------------------------------------ rules, in words
@@ -252,6 +266,10 @@ def rule_words(rule: str, model: ModelSpec, training: TrainingSpec, cluster: Clu
     }
     if rule in words:
         return words[rule]
+    from .enumerate import SAME_JOB
+
+    if rule in SAME_JOB:
+        return SAME_JOB[rule]
     from ..specs.rules import BY_NAME, STACK_FEATURES, STACK_RULES, stack_lacks
 
     stack = training.software_stack

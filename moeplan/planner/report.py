@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cost_models import uncertainty
 from ..errors import SpecError
 from ..fsio import atomic_write_text
 from ..specs import Plan
@@ -411,6 +412,20 @@ OBJECTIVE_KEYS = {
 }
 
 
+def _failing_moves_nothing(plan: Plan) -> str:
+    """Why pricing the plan's unvalidated effects failing leaves its speed where it was: none
+    has a slower variant (a calibration no run validates), or those that have one were priced
+    so and the step waits on none of them here (offload copies still hidden on a slow host)."""
+    slowed = uncertainty.slower_variants(plan.model, plan.cluster, plan.training, plan.layout,
+                                         plan.choices)
+    if not slowed:
+        return " Pricing them failing moves nothing here (none has a slower variant to price)"
+    assert plan.estimate is not None
+    return (f" With them failing ({'; '.join(slowed)}) the plan still makes "
+            f"{plan.estimate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU: its step waits on none "
+            "of them here")
+
+
 def plan_notices(plans: Sequence[Plan], stopped_early: bool = False) -> list[Notice]:
     """Does not fit, then unvalidated effects, then the estimate's other warnings."""
     best = plans[0]
@@ -436,9 +451,8 @@ def plan_notices(plans: Sequence[Plan], stopped_early: bool = False) -> list[Not
                    f"{est.tokens_per_s_per_gpu:,.0f}; the interval's low end, "
                    f"{iv.tokens_per_s_per_gpu[0]:,.0f}, is priced from there."
                    if worse is not None and worse < est.tokens_per_s_per_gpu * (1 - 1e-9) else
-                   " Pricing them failing moves nothing here (none has a slower variant to "
-                   f"price); the interval's low end is {iv.tokens_per_s_per_gpu[0]:,.0f} "
-                   "tokens/s/GPU.")
+                   _failing_moves_nothing(best) + f"; the interval's low end is "
+                   f"{iv.tokens_per_s_per_gpu[0]:,.0f} tokens/s/GPU.")
         out.append(Notice("warn", "Unvalidated effects carry this plan.",
                           f"It rests on effects no published run backs: {'; '.join(weak)}."
                           + low))

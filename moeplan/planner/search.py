@@ -29,6 +29,7 @@ from ..specs.rules import (
     Facts,
     check_target,
     rules_for,
+    runs_cuda,
     shards_optimizer,
     stack_lacks,
 )
@@ -129,7 +130,7 @@ def search_space(cluster: ClusterSpec, precision: str, target: str,
     flex dispatcher is DeepEP, and it may lack TP comm overlap, CUDA graphs or the distributed
     optimizer); `moeplan` is
     what `moeplan run` executes (no TP comm overlap or CUDA graphs; the rest is the rules
-    table's)."""
+    table's). A CPU host runs neither CUDA setting, whatever the target (`rules.runs_cuda`)."""
     if target not in TARGETS:
         raise SpecError(f"--target takes {' or '.join(TARGETS)}, got {target!r}.")
     check_target(target)
@@ -141,12 +142,12 @@ def search_space(cluster: ClusterSpec, precision: str, target: str,
             raise SpecError(f"--precision {precision}: {cluster.gpu} ({cluster.architecture}) "
                             "cannot run it; use bf16, auto, or an FP8 recipe the GPU has.")
         precisions = (precision,)
-    megatron = target == "megatron"
+    megatron, cuda = target == "megatron", runs_cuda(cluster)
     return SearchSpace(
         precisions=precisions,
         allow_dist_opt=shards_optimizer(stack, target),
-        tp_comm_overlap=megatron and not stack_lacks(stack, "tp_comm_overlap"),
-        cuda_graphs=megatron and not stack_lacks(stack, "cuda_graphs"),
+        tp_comm_overlap=megatron and cuda and not stack_lacks(stack, "tp_comm_overlap"),
+        cuda_graphs=megatron and cuda and not stack_lacks(stack, "cuda_graphs"),
         flex_backend="deepep" if megatron and stack_lacks(stack, "hybridep") else "hybridep")
 
 

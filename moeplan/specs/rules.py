@@ -209,6 +209,15 @@ def _ep_needs_experts(f: Facts) -> bool:
     return f.model.is_moe or (f.layout.ep == 1 and f.layout.etp == 1)
 
 
+@rule("dispatcher_needs_experts", "moeplan/planner/export.py::_moe_args (a dense model's "
+      "launch carries no MoE flag, so a token dispatcher would be dropped)",
+      lambda f: (f"a dense model has no experts to dispatch tokens to, so dispatcher "
+                 f"{f.layout.dispatcher} would be dropped: drop --dispatcher (dispatcher "
+                 "alltoall, the default, in a plan file)"), axes=("dispatcher",))
+def _dispatcher_experts(f: Facts) -> bool:
+    return f.model.is_moe or f.layout.dispatcher == "alltoall"
+
+
 @rule("heads_divisible_by_tp", _TC + " (num_attention_heads a multiple of tp)",
       lambda f: (f"{f.model.num_attention_heads} attention heads are not divisible by "
                  f"tp={f.layout.tp}; use a divisor of the head count"), axes=("tp",))
@@ -457,6 +466,38 @@ def _ovl_moe_graph(f: Facts) -> bool:
                  "turn EP overlap off"), axes=("ep_overlap",))
 def _ovl_mtp(f: Facts) -> bool:
     return not f.layout.ep_overlap or f.model.mtp_layers <= 1
+
+
+# ---------------------------------------------------------------------------- the device
+def runs_cuda(cluster: Any) -> bool:
+    """Whether the cluster's devices run CUDA kernels (None: not known, so not refused). A
+    host measured by `moeplan calibrate` on CPUs (architecture cpu) has no kernel a CUDA graph
+    could capture and no device memory for TE's userbuffers: the search never turns these
+    settings on there, and `moeplan run` would drop them, so they are never priced."""
+    return cluster is None or cluster.architecture != "cpu"
+
+
+def _no_cuda_words(f: Facts, what: str, flags: str, field: str) -> str:
+    return (f"{f.cluster.gpu} is a CPU host (architecture cpu) with no CUDA device, and "
+            f"{what}: drop {flags} ({field} false in a plan file), or plan for a GPU cluster")
+
+
+@rule("cuda_graphs_need_cuda", "megatron/core/transformer/cuda_graphs.py (a CUDA graph "
+      "captures the kernels of a CUDA device: not on a CPU host)",
+      lambda f: _no_cuda_words(f, "CUDA graphs capture the kernels of one",
+                               "--cuda-graphs and --cuda-graph-scope", "cuda_graphs"),
+      axes=("cuda_graphs",), needs=("cluster",))
+def _graphs_cuda(f: Facts) -> bool:
+    return not getattr(f.layout, "cuda_graphs", False) or runs_cuda(f.cluster)
+
+
+@rule("tp_comm_overlap_needs_cuda", "transformer_engine/pytorch/module/base.py::initialize_ub "
+      "(TP comm overlap runs on userbuffers in CUDA device memory: not on a CPU host)",
+      lambda f: _no_cuda_words(f, "TP comm overlap runs on Transformer Engine's userbuffers "
+                               "in CUDA device memory", "--tp-comm-overlap", "tp_comm_overlap"),
+      axes=("tp_comm_overlap",), needs=("cluster",))
+def _tp_overlap_cuda(f: Facts) -> bool:
+    return not getattr(f.layout, "tp_comm_overlap", False) or runs_cuda(f.cluster)
 
 
 # ---------------------------------------------------------------------------- precision
@@ -804,6 +845,17 @@ option_rule(
     "multi_latent_attention)",
     lambda f: (Combo((rec("mla_up_proj"),)),) if f.model.attention != "mla" else (),
     "mla_up_proj recompute needs MLA attention; drop it")
+MOE_MODULE_OPTIONS = (rec("moe_act"), rec("moe"), rec("shared_experts"), off("expert_fc1"),
+                      off("moe_act"))
+"""The module options that name parts of an MoE layer (its experts, their activation, its
+shared experts): a dense model has none of them."""
+option_rule(
+    "moe_modules_need_moe", "moeplan/specs/modules.py (moe_act, moe, shared_experts and "
+    "expert_fc1 are parts of MoE layers: a dense model has none to recompute or offload)",
+    lambda f: () if f.model.is_moe else tuple(Combo((o,)) for o in MOE_MODULE_OPTIONS),
+    "the model has no MoE layers, so nothing would be recomputed or offloaded as asked (and "
+    "the export would pass the names on); drop them from --recompute and --offload (the "
+    "plan's choices)")
 option_rule(
     "offload_attn_proj_needs_core_attn", _TC + " (attn_proj cannot be in offload_modules "
     "without core_attn: its input is core_attn's output, needed in core_attn's backward)",
