@@ -826,11 +826,14 @@ def search(
         check_writable(output)
     if calibration is not None:
         _warn_foreign_calibration(S.load_cluster(cluster, gpus, calibration), calibration)
+    may_fit = 0
     with progress_line() as bar:
         def progress(done: int, total: int) -> None:
             # each candidate layout is visited at most twice (bounded, then solved); the rest
             # are pruned by the bound, so the share may jump to 100 % at the end
-            bar.update(f"searching: {min(done / total, 1):.0%} of the {total // 2:,} layouts "
+            nonlocal may_fit
+            may_fit = total // 2
+            bar.update(f"searching: {min(done / total, 1):.0%} of the {may_fit:,} layouts "
                        "that may fit examined")
 
         try:
@@ -846,8 +849,11 @@ def search(
             emit({"plans": [], "infeasible": True, "message": _one_paragraph(str(e))},
                  as_json, lambda: None)
             raise
-        bar.done(f"searching: 100%, {plural(res.layouts, 'valid layout')} in {res.seconds:.1f} s"
-                 + (" (stopped at the time limit)" if res.stopped_early else ""))
+        # the same count the progress line gave, beside all the valid ones
+        fit = f" ({may_fit:,} that may fit)" if may_fit else ""
+        bar.done(f"searching: 100%, {plural(res.layouts, 'valid layout')}{fit} in "
+                 f"{res.seconds:.1f} s" + (" (stopped at the time limit)" if res.stopped_early
+                                           else ""))
     if output:
         write_json(output, res.plans[0].model_dump(mode="json"))
         err.print(f"wrote {output} (the best plan)", highlight=False, markup=False)

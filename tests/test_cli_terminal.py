@@ -280,6 +280,10 @@ def test_search_progress_is_one_line_redrawn_that_ends_at_100_percent(columns):
     screen = screen_of(raw, columns)
     left = [ln for ln in screen.split("\n") if ln.startswith("searching")]
     assert len(left) == 1 and left[0].startswith("searching: 100%"), left  # one line stays
+    # the last line names the count the progress counted ("of the 258 layouts that may fit")
+    # beside all the valid ones, not another count alone
+    counted = {m for piece in pieces for m in re.findall(r"of the ([\d,]+) layouts", piece)}
+    assert len(counted) == 1 and f"({counted.pop()} that may fit)" in left[0], (pieces, left)
 
 
 def test_whatif_progress_at_80_columns_never_breaks_inside_a_number():
