@@ -139,7 +139,7 @@ def plan_from_options(
                       moe_capacity_factor=moe_capacity_factor,
                       moe_pad_expert_input_to_capacity=moe_pad_expert_input_to_capacity)
     axes = dict(axes or {})
-    check_flex_backend(axes)
+    check_flex_backend(axes, m)
     if not shards_optimizer(t.software_stack, target):
         axes.setdefault("distributed_optimizer", False)
     try:
@@ -154,10 +154,15 @@ def plan_from_options(
     return Plan(model=m, cluster=c, training=t, layout=layout, choices=choices, target=target)
 
 
-def check_flex_backend(axes: dict[str, Any]) -> None:
+def check_flex_backend(axes: dict[str, Any], model: ModelSpec) -> None:
     """A flex backend named without the flex dispatcher would be ignored: refused, naming
-    the flag, as the rules refuse what a dense model would ignore."""
+    the flag, as the rules refuse what a dense model would ignore (a dense model takes no
+    dispatcher at all, so the fix there is only to drop the flag)."""
     dispatcher = axes.get("dispatcher") or "alltoall"
+    if "flex_backend" in axes and not model.is_moe:
+        raise SpecError(f"--flex-backend {axes['flex_backend']}: {model.name} is a dense model, "
+                        "with no experts for a token dispatcher to send tokens to; drop "
+                        "--flex-backend.")
     if "flex_backend" in axes and dispatcher != "flex":
         raise SpecError(f"--flex-backend {axes['flex_backend']}: the flex backend is the "
                         "library the flex dispatcher runs, and the layout's dispatcher is "

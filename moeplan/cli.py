@@ -517,14 +517,12 @@ def estimate(
 def fit_verdict(plan: S.Plan) -> str:
     """`fits` or `does NOT fit`, with the line it is judged against (HBM − reserve − margin,
     the one rule in cost_models.uncertainty)."""
-    from .planner.anatomy import fit_line_gb, fit_rule_words
+    from .planner.anatomy import fit_failure, fit_line_gb, fit_rule_words
 
-    est = plan.estimate
-    assert est is not None
-    line, words = fit_line_gb(plan), fit_rule_words(plan)
-    return (f"fits under the fit line {line:.1f} GB ({words})" if est.fits else
-            f"does NOT fit: {est.memory.peak_gb:.1f} GB is above the fit line {line:.1f} GB "
-            f"({words})")
+    failure = fit_failure(plan)
+    if failure is None:
+        return f"fits under the fit line {fit_line_gb(plan):.1f} GB ({fit_rule_words(plan)})"
+    return f"does NOT fit: {failure}"
 
 
 def estimate_pairs(plan: S.Plan) -> list[tuple[str, str]]:
@@ -1450,13 +1448,13 @@ def calibrate(
                                     progress=lambda s: err.print(f"calibrate: {s}",
                                                                  highlight=False))
     if output:
-        write_cluster_yaml(doc, output, f" {opts.flag} on {n} processes")
+        write_cluster_yaml(doc, output, f" {opts.flag} on {plural(n, 'process', 'processes')}")
         err.print(f"wrote {output} ({report['seconds']['total']:.1f} s)", highlight=False)
 
     def render() -> None:
         preset = report.get("preset")
         title = f"{doc['gpu']}" + (f" (preset {preset})" if preset else "")
-        t = Table(title=_table_title(f"{title}: {n} devices, {report['dtype']} compute, "
+        t = Table(title=_table_title(f"{title}: {plural(n, 'device')}, {report['dtype']} compute, "
                                      f"{mode} grid ({report['seconds']['total']:.1f} s)", err),
                   show_header=False)
         t.add_row("peak TFLOPS bf16 / fp32", f"{doc['bf16_tflops']:.4g} / "
@@ -1468,12 +1466,14 @@ def calibrate(
         t.add_row("attention eff fwd / bwd", f"{c['attn_fwd_eff'][arch]:.3g} / "
                   f"{c['attn_bwd_eff'][arch]:.3g}")
         t.add_row("memory GB/s (eff)", f"{doc['hbm_tb_s'] * 1e3:.4g} ({c['hbm_eff']:.3g})")
-        if "nvlink_eff" in c:
+        if not report.get("collectives"):
+            t.add_row("link", "one process: no collectives measured ("
+                      + ("the preset's constants)" if preset else "the copy bandwidth stands "
+                         "in)"))
+        elif "nvlink_eff" in c:
             t.add_row("link GB/s, α µs", f"{doc['nvlink_gb_s']:.4g} × {c['nvlink_eff']:.3g}, "
                       f"{doc['nvlink_latency_us']:.4g} (all-to-all eff "
                       f"{c['a2a_nvlink_eff']:.3g})")
-        else:
-            t.add_row("link", "one GPU: not measured (the preset's constants)")
         if "grouped_gemm" in doc["sources"]:
             t.add_row("grouped GEMM", doc["sources"]["grouped_gemm"].split(";")[0])
         t.add_row("overhead per layer / step", f"{c.get('layer_overhead_s', 0) * 1e3:.3g} ms / "

@@ -49,10 +49,11 @@ class Line:
     style: str | None = None
 
 
-def plural(n: int | float, noun: str) -> str:
-    """`1 run`, `2 runs`, `1,024 runs`, `1.5 days`: a count and its noun, agreeing."""
+def plural(n: int | float, noun: str, nouns: str | None = None) -> str:
+    """`1 run`, `2 runs`, `1,024 runs`, `1.5 days`: a count and its noun, agreeing (`nouns`:
+    a plural other than noun + s, `processes`)."""
     shown = f"{n:,}" if isinstance(n, int) else f"{n:g}"
-    return f"{shown} {noun}" if n == 1 else f"{shown} {noun}s"
+    return f"{shown} {noun}" if n == 1 else f"{shown} {nouns or noun + 's'}"
 
 
 def figure(x: float) -> str:

@@ -55,7 +55,8 @@ def test_calibrate_writes_a_valid_cpu_cluster_spec(local_yaml, cli):
     spec = ClusterSpec.model_validate(doc)
     assert spec.architecture == "cpu" and spec.gpus_per_node == 2
     assert spec.bf16_tflops > 0 and spec.fp32_tflops and spec.hbm_tb_s > 0
-    assert spec.host_memory_bw_gb_s == spec.hbm_tb_s * 1e3   # a CPU device's memory is DRAM
+    # a CPU device's memory is DRAM (each figure rounded to four digits in its own unit)
+    assert spec.host_memory_bw_gb_s == pytest.approx(spec.hbm_tb_s * 1e3, rel=1e-3)
     cal = spec.calibration
     assert cal["gemm_eff_max"]["cpu"] > 0 and cal["gemm_half_dim"] > 0
     assert cal["attn_fwd_eff"]["cpu"] > 0 and cal["layer_overhead_s"] > 0
@@ -185,6 +186,24 @@ def test_calibrate_defaults_come_from_the_devices_present():
         machine_options(dtype="fp16")
     with pytest.raises(SpecError, match="--grid takes quick, full or tiny"):
         machine_options(1, grid="huge")
+
+
+def test_a_cpu_host_too_small_for_its_processes_is_refused_before_measuring(monkeypatch):
+    """A device is its share of the host's memory: 6 GB over 2 processes leaves each less than
+    the reserve and workspace a plan keeps free. The spec refused that only after the whole grid
+    had run, in words for a GPU; `--nproc` is refused first, with the count that fits."""
+    import torch
+
+    from moeplan.calibrate import host, machine_options
+    from moeplan.errors import SpecError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU's memory is its own, not a share of the host's")
+    monkeypatch.setattr(host, "total_memory_gb", lambda device: 6.0)
+    with pytest.raises(SpecError, match=r"--nproc 2: .* 3\.0 GB, no more than the 3\.5 GB .*"
+                       r"\(at most 1\)"):
+        machine_options(2, grid="tiny")
+    assert machine_options(1, grid="tiny").nproc == 1
 
 
 def test_gemm_curve_fit_recovers_the_constants_it_was_built_from():
@@ -487,6 +506,20 @@ def test_fewer_runs_than_constants_fitted_is_one_warning_line_not_an_error(tmp_p
     assert json.loads(r.stdout)["warnings"] == [warned[0].removeprefix("warning: ")]
     r = cli("calibrate", "--from-runs", *map(str, dirs), "--fit", "compute_scale,step_overhead_s")
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("band", [{"runs": 20}, {"low": 1.5, "high": 0.1, "runs": 10},
+                                  {"low": 0.1, "high": 0.1, "runs": 9.5}])
+def test_a_runs_band_not_shaped_as_a_refit_writes_it_is_refused_by_name(band, tmp_path, cli):
+    """A hand-edited `interval_runs` without its low end was read as one and raised KeyError:
+    it is refused, naming the entry and the command that writes it."""
+    doc = load_cluster("h100").model_dump(mode="json")
+    doc["calibration"] = {"interval_runs": band}
+    path = tmp_path / "banded.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    r = cli("estimate", *EST[:-1], "--cluster", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "`interval_runs` must be the band" in r.stderr and "--from-runs" in r.stderr
 
 
 @pytest.mark.parametrize("twice", ["fit_and_eval", "fit_twice", "folder_and_run_in_it"])

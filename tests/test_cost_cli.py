@@ -129,7 +129,7 @@ def test_a_plan_priced_at_an_imbalance_is_estimated_again_at_it(tmp_path, capsys
     assert code == 0 and "does not record the routing it was priced at" in err
 
 
-def test_a_tiny_models_rates_show_their_digits_not_zero(capsys):
+def test_a_tiny_models_rates_show_their_digits_not_zero(capsys, tmp_path):
     """A test-sized model's 0.00128 TFLOPS printed as `0 (MFU 0.0%)`, the search table's as 0
     beside an MFU that was not: small rates keep three significant digits."""
     from .conftest import DATA
@@ -141,9 +141,12 @@ def test_a_tiny_models_rates_show_their_digits_not_zero(capsys):
     assert main(["estimate", *args, "--ep", "2"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TFLOPS"))
     assert f"{est['tflops_per_gpu']:.3g} (MFU {est['mfu'] * 100:.2g}% of" in line
-    assert main(["search", *args]) == 0
+    assert main(["search", *args, "--report", str(tmp_path / "r.md")]) == 0
     table = capsys.readouterr().out
     assert re.search(r" 0\.\d+ +\d", table) and " 0 " not in table
+    # the report's table of plans says what the terminal says
+    rows = [x for x in (tmp_path / "r.md").read_text().splitlines() if x.startswith("| #")]
+    assert rows and not [x for x in rows if "| 0 |" in x or "| 0.0% |" in x], rows
 
 
 def test_not_fitting_layout_exits_zero(capsys):
@@ -175,7 +178,8 @@ DENSE_ARGS = ["estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus",
 @pytest.mark.parametrize(("flags", "said"), [
     (["--recompute", "moe_act", "--offload", "expert_fc1"], "--recompute and --offload"),
     (["--dispatcher", "flex"], "drop --dispatcher"),
-    (["--flex-backend", "deepep"], "add --dispatcher flex")])
+    (["--flex-backend", "deepep"], "is a dense model, with no experts for a token dispatcher "
+     "to send tokens to; drop --flex-backend")])
 def test_an_option_the_layout_would_ignore_exits_two_naming_its_flag(flags, said, capsys,
                                                                       tmp_path):
     """MoE-only options on a dense model, and a flex backend without the flex dispatcher, were
@@ -185,7 +189,7 @@ def test_an_option_the_layout_would_ignore_exits_two_naming_its_flag(flags, said
     assert code == 2 and "Traceback" not in err and not out.exists()
     assert said in " ".join(err.split()) and len(err.strip().splitlines()) == 1
     code, _, err = run_cli([*EST_ARGS[:-1], "--flex-backend", "deepep", "--json"], capsys)
-    assert code == 2 and "--flex-backend deepep" in err
+    assert code == 2 and "--flex-backend deepep" in err and "add --dispatcher flex" in err
     code, _, _ = run_cli([*EST_ARGS[:-1], "--dispatcher", "flex", "--flex-backend", "deepep",
                           "--json"], capsys)
     assert code == 0

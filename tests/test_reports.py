@@ -290,7 +290,7 @@ def test_the_unvalidated_banner_says_what_failing_costs_only_where_it_costs_some
 
 
 def test_the_banner_of_offload_hidden_even_on_a_slow_host_says_it_was_priced_so():
-    """Activation offload has a slower variant (a host link at half speed): where its copies
+    """Activation offload has a slower variant (a host at half its bandwidths): where its copies
     stay hidden even there, the banner said "none has a slower variant to price", beside a
     search that sets plans aside once their offload is priced on a slow host."""
     from moeplan.planner.report import plan_notices
@@ -303,5 +303,6 @@ def test_the_banner_of_offload_hidden_even_on_a_slow_host_says_it_was_priced_so(
     assert e.interval.pessimistic_tokens_per_s_per_gpu == e.tokens_per_s_per_gpu
     text = next(n.text for n in plan_notices([plan]) if n.head.startswith("Unvalidated"))
     assert "none has a slower variant" not in text
-    assert "activation offload copies hidden behind compute, priced on a host link at half " \
-           "speed" in text and f"still makes {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in text
+    assert "activation offload copies hidden behind compute, priced on a host at half its " \
+           "link and memory bandwidth" in text
+    assert f"still makes {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in text

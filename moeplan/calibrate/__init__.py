@@ -80,10 +80,33 @@ def machine_options(nproc: int | None = None, dtype: str | None = None,
     if not gpu:
         limits.check("--nproc", n, cpu_max, f"on CPU use at most {limits.PROCS_PER_CORE} "
                      f"processes per core ({limits.usable_cpus()} usable here)")
+    if not gpu:
+        _check_memory_per_process(n)
     mode = grid or ("quick" if quick or (quick is None and not gpu) else "full")
     if mode not in ("quick", "full", "tiny"):
         raise SpecError(f"--grid takes quick, full or tiny, got {limits.excerpt(mode)}.")
     return MachineOptions(mode, n, gpu)
+
+
+def _check_memory_per_process(nproc: int) -> None:
+    """A CPU host's device is its share of the machine's memory (`host.build_cluster`): a share
+    no larger than the reserve and workspace every plan keeps free describes a device no plan
+    fits, which the spec would refuse only after every benchmark had run. Refused first,
+    naming --nproc."""
+    import torch
+
+    from ..cost_models.calibration import default_calibration
+    from .host import total_memory_gb
+
+    total = total_memory_gb(torch.device("cpu"))
+    cal = default_calibration()
+    kept = cal.reserve_gb + cal.workspace_gb
+    if total / nproc <= kept:
+        most = max(1, int(total / kept - 1e-9))
+        raise SpecError(f"--nproc {nproc}: this host's {total:.1f} GB of memory gives each "
+                        f"process {total / nproc:.1f} GB, no more than the {kept:g} GB every "
+                        "plan keeps free (a reserve and a workspace), so no plan could fit its "
+                        f"device; pass a smaller --nproc (at most {most}).")
 
 
 def calibrate_machine(mode: str, nproc: int, dtype: str | None = None, name: str = "local",

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..terminal import plural
 from .bench import GRIDS, Grid, measure_kernels
 from .collectives import measure_collectives, threads_per_rank
 from .fit import GemmSample, fit_collective, fit_gemm_curve
@@ -231,7 +232,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
     from ..specs.loader import load_cluster
 
     arch = m.architecture
-    threads = f"{m.threads_per_device} thread{'s' if m.threads_per_device > 1 else ''}"
+    threads = plural(m.threads_per_device, "thread")
     preset_name = device_preset(m.device_name) if m.device == "cuda" else None
     preset = load_cluster(preset_name) if preset_name else None
     bf16_best = _peak(m.gemm["bf16"])
@@ -317,8 +318,8 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         tokens = [g["tokens"] for g in m.grouped_gemm]
         sources["grouped_gemm"] = (
             f"the runtime's grouped expert GEMM at {_span(ratios, '.2f')}× the rate priced for "
-            f"its per-expert shape ({_span(tokens, 'g')} tokens per expert, {len(ratios)} "
-            f"shape{'s' if len(ratios) > 1 else ''}); reported, not fitted")
+            f"its per-expert shape ({_span(tokens, 'g')} tokens per expert, "
+            f"{plural(len(ratios), 'shape')}); reported, not fitted")
     if links:
         sources["collectives"] = "; ".join(
             f"{k} α {v['alpha_us']:.1f} µs β {v['beta_gb_s']:.3g} GB/s" for k, v in links.items())
@@ -376,7 +377,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
             "fp32_tflops": f"best fp32 GEMM of the grid{per}",
             "mamf_tflops": f"best bf16 GEMM of the grid{per}: no GEMM is priced faster",
             "hbm_tb_s": f"{biggest} MiB copy" + (" (DRAM)" if m.device == "cpu" else ""),
-            "hbm_gb": "machine memory" + (f" / {m.nproc} devices" if m.device == "cpu" else ""),
+            "hbm_gb": "machine memory" + (f" / {plural(m.nproc, 'device')}" if m.device == "cpu" else ""),
             **({"host_memory_bw_gb_s": f"{biggest} MiB copy (DRAM), as hbm_tb_s"}
                if m.device == "cpu" else {}),
             "nvlink_gb_s": link_src,

@@ -36,6 +36,7 @@ from ..errors import SpecError
 from ..fsio import loads_json, read_regular
 from ..limits import MAX_FILE_BYTES
 from ..specs import ClusterSpec, Plan, load_plan
+from ..terminal import plural
 
 PARAMS = ("compute_scale", "comm_scale", "layer_overhead_s", "step_overhead_s")
 BOUNDS = {"compute_scale": (1e-3, 1e3), "comm_scale": (1e-3, 1e3),
@@ -407,7 +408,7 @@ def underdetermined(runs: int, params: Sequence[str]) -> str | None:
     fit of one run still moves the constants toward it."""
     if runs >= len(params):
         return None
-    return (f"{runs} run{'' if runs == 1 else 's'} fitted for {len(params)} constants "
+    return (f"{plural(runs, 'run')} fitted for {len(params)} constants "
             f"({', '.join(params)}): too few to pin them all down (the pull of --prior-weight "
             "holds the rest near their starting values); fit at least as many runs, of "
             "different layouts and sizes, or fewer constants with --fit.")

@@ -291,7 +291,7 @@ def slow_host(cluster: ClusterSpec) -> ClusterSpec:
 VARIANT_WORDS: dict[Variant, str] = {
     _no_overlap: "without EP overlap", _alltoall: "with the alltoall dispatcher",
     _no_tp_overlap: "without TP comm overlap", _no_graphs: "without CUDA graphs",
-    _slow_host: "on a host link at half speed"}
+    _slow_host: "on a host at half its link and memory bandwidth"}
 """Each pessimistic variant in words, for reports that say what failing was priced as."""
 
 

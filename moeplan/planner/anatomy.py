@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..cost_models.breakdown import Breakdown
 from ..cost_models.calibration import calibration_for
 from ..cost_models.estimate import estimate_breakdown
-from ..cost_models.memory import GB
+from ..cost_models.memory import GB, HOST_USABLE
 from ..cost_models.uncertainty import default_profile, max_peak_gb
 from ..specs import Plan
 from ..specs.schedule import merged_schedule, schedule
@@ -83,6 +83,26 @@ def fit_line_gb(plan: Plan) -> float:
     """The largest peak that fits: HBM − reserve − margin, by the one rule `fits` uses
     (`cost_models.uncertainty.max_peak_gb`)."""
     return max_peak_gb(plan.cluster, calibration_for(dict(plan.cluster.calibration or {})))
+
+
+def fit_failure(plan: Plan) -> str | None:
+    """Why a plan does not fit, by what it overflows (None when it fits): its most loaded GPU's
+    peak above the fit line (`fit_line_gb`), or what that GPU's process offloads above its share
+    of the host's memory (`cost_models.memory.HOST_USABLE`), the two things `fits` judges. Every
+    "does not fit" sentence (estimate, the reports, the export's warning) is this one."""
+    est = plan.estimate
+    assert est is not None
+    if est.fits:
+        return None
+    mem, line = est.memory, fit_line_gb(plan)
+    if mem.peak_gb > line:
+        return (f"its most loaded GPU peaks at {mem.peak_gb:.1f} GB, above the fit line of "
+                f"{line:.1f} GB ({fit_rule_words(plan)})")
+    room = HOST_USABLE * plan.cluster.host_memory_gb
+    return (f"its most loaded GPU's process offloads {mem.host_gb:.1f} GB to the host, more "
+            f"than the {room:.0f} GB it may hold there ({HOST_USABLE:.0%} of the "
+            f"{plan.cluster.host_memory_gb:g} GB of host memory per GPU; its HBM peak of "
+            f"{mem.peak_gb:.1f} GB is under the fit line of {line:.1f} GB)")
 
 
 def fit_rule_words(plan: Plan) -> str:

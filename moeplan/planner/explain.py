@@ -15,7 +15,7 @@ from ..cost_models.uncertainty import max_peak_gb
 from ..specs import ClusterSpec, Estimate, Layout, ModelSpec, Plan, TrainingSpec
 from ..specs.loader import cluster_presets
 from ..specs.training import priced_on
-from ..terminal import plural
+from ..terminal import figure, plural, share
 
 if TYPE_CHECKING:
     from .enumerate import Enumeration, SearchSpace
@@ -104,6 +104,7 @@ def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
     (the codes stay in `--json`'s `searched.pruned`): the valid layouts the bounds set aside,
     then the candidate splits the rules refused (another unit: they never were layouts)."""
     from .branch import BOUNDS
+    from .enumerate import SAME_JOB
 
     def words(items: list[tuple[str, int]], n: int) -> str:
         said = "; ".join(f"{v:,} {rule_words(k, plan.model, plan.training, plan.cluster)}"
@@ -115,13 +116,17 @@ def searched_sentence(result: SearchResult, plan: Plan, most: int = 6) -> str:
 
     cut = [(k, v) for k, v in result.pruned.most_common() if v > 0]
     bounds = [(k, v) for k, v in cut if k in BOUNDS]
-    rules = [(k, v) for k, v in cut if k not in BOUNDS]
+    same = [(k, v) for k, v in cut if k in SAME_JOB]
+    rules = [(k, v) for k, v in cut if k not in BOUNDS and k not in SAME_JOB]
     out = (f"searched {plural(result.layouts, 'valid layout')}: {result.screened:,} screened "
            f"at even and levelled stages, {result.solved} MILPs for the best; set aside: "
            f"{words(bounds, most) or 'none'}")
     if rules:
         out += (f". Before that, the rules refused {sum(v for _, v in rules):,} candidate "
                 f"splits: {words(rules, max(1, most - len(bounds[:most])))}")
+    if same:  # not refusals: copies of a kept job, a setting that changes nothing at its sizes
+        out += (f"; {plural(sum(v for _, v in same), 'row')} repeating a kept job were not "
+                f"enumerated: {words(same, len(same))}")
     return out
 
 
@@ -133,8 +138,8 @@ def explain_plans(plans: list[Plan], result: SearchResult) -> list[Plan]:
         e = p.estimate
         assert e is not None
         lines = [f"#{i + 1}: {describe(p)}",
-                 f"step {e.step_time_s:.3g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-                 f"MFU {e.mfu:.1%}, peak {e.memory.peak_gb:.1f} GB; bottleneck: {e.bottleneck}"]
+                 f"step {e.step_time_s:.3g} s, {figure(e.tokens_per_s_per_gpu)} tokens/s/GPU, "
+                 f"MFU {share(e.mfu)}, peak {e.memory.peak_gb:.1f} GB; bottleneck: {e.bottleneck}"]
         lines.append(interval_sentence(e))
         if i + 1 < len(plans):
             lines.append(_why(p, plans[i + 1]))

@@ -737,7 +737,7 @@ def train_iters_for(plan: Plan, train_iters: int | None, train_tokens: float | N
                             f"got {train_tokens!r}.")
         step = plan.training.tokens_per_step
         if train_tokens < step:
-            raise SpecError(f"--train-tokens {train_tokens:,.0f} is less than one step of this "
+            raise SpecError(f"--train-tokens {train_tokens:,.4g} is less than one step of this "
                             f"plan ({step:,} tokens: global batch "
                             f"{plan.training.global_batch_size:,} × seq "
                             f"{plan.training.seq_len:,}); pass the whole run's tokens, e.g. "
@@ -1037,20 +1037,20 @@ def to_slurm(plan: Plan, nnodes: int | None = None, nproc_per_node: int | None =
 
 
 def fit_warning(plan: Plan, target: str = "megatron") -> str | None:
-    """The warning for a plan whose estimate does not fit its GPUs' memory: every executor runs
-    it as written, so the launch it exports runs out of memory (the peak and the line it must
-    stay under are the estimate's, `anatomy.fit_line_gb`; a plan without one is priced for the
-    executor `target`). None when it fits."""
+    """The warning for a plan whose estimate does not fit (`anatomy.fit_failure`: its GPUs'
+    memory, or the host's share of what it offloads): every executor runs it as written, so the
+    launch it exports runs out of memory. A plan without an estimate is priced for the executor
+    `target`. None when it fits."""
     from ..cost_models.estimate import estimate
-    from .anatomy import fit_line_gb
+    from .anatomy import fit_failure
 
-    est = plan.estimate or estimate(plan.model, plan.cluster, plan.training, plan.layout,
-                                    plan.choices, target=target)
-    if est.fits:
+    if plan.estimate is None:
+        plan = plan.model_copy(update={"estimate": estimate(
+            plan.model, plan.cluster, plan.training, plan.layout, plan.choices, target=target)})
+    failure = fit_failure(plan)
+    if failure is None:
         return None
-    return (f"this plan does not fit: its most loaded GPU peaks at {est.memory.peak_gb:.1f} GB, "
-            f"over the {fit_line_gb(plan):.1f} GB a plan may use on {plan.cluster.gpu} "
-            f"({plan.cluster.hbm_gb:g} GB), so the job would run out of memory; `moeplan "
+    return (f"this plan does not fit: {failure}, so the job would run out of memory; `moeplan "
             "estimate PLAN` says where the memory goes, and `moeplan search` finds a layout "
             "that fits.")
 

@@ -23,7 +23,8 @@ from ..fsio import atomic_write_text
 from ..specs import Plan
 from ..specs.plan import token_words
 from ..specs.training import priced_on
-from ..terminal import plural
+from ..terminal import figure as rate_figure
+from ..terminal import plural, share
 from . import anatomy as A
 from . import svg
 from .whatif import Point, WhatIf
@@ -437,10 +438,9 @@ def plan_notices(plans: Sequence[Plan], stopped_early: bool = False) -> list[Not
         if e is not None and not e.fits:
             who = "This plan" if len(plans) == 1 else f"Plan #{i + 1}"
             out.append(Notice("bad", "Does not fit.", (
-                f"{who} peaks at {e.memory.peak_gb:.1f} GB on its most loaded GPU, above the "
-                f"fit line of {A.fit_line_gb(p):.1f} GB ({A.fit_rule_words(p)}). Spread it over "
-                "more GPUs or pipeline stages, or recompute or offload activations; "
-                "`moeplan search` finds a layout that fits.")))
+                f"{who} does not fit: {A.fit_failure(p)}. Spread it over more GPUs or "
+                "pipeline stages, or recompute or offload activations; `moeplan search` finds a "
+                "layout that fits.")))
     weak = [a.term for a in est.assumptions if not a.validated]
     if weak:
         iv = est.interval
@@ -474,8 +474,9 @@ def _plan_row(i: int, p: Plan, dom: tuple[float, float]) -> list[str]:
     iv = e.interval.tokens_per_s_per_gpu if e.interval else None
     return [f"#{i + 1}", p.layout_summary(), p.choices_summary(),
             _num(iv[0] if iv else None, ",.0f"), _strip(iv, e.tokens_per_s_per_gpu, dom),
-            f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_time_s:.3g}", f"{e.tflops_per_gpu:.0f}",
-            f"{e.mfu:.1%}", f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}",
+            rate_figure(e.tokens_per_s_per_gpu), f"{e.step_time_s:.3g}",
+            rate_figure(e.tflops_per_gpu),
+            share(e.mfu), f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}",
             "yes" if e.fits else "NO", e.bottleneck]
 
 
@@ -646,7 +647,7 @@ def plan_markdown(plans: Sequence[Plan], title: str, objective: str | None = "ro
         cells = [f"#{i + 1}", p.layout_summary(), p.choices_summary(),
                  _num(iv[0] if iv else None, ",.0f"),
                  f"{iv[0]:,.0f}–{iv[1]:,.0f}" if iv else "-",
-                 f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_time_s:.3g}", f"{e.mfu:.1%}",
+                 rate_figure(e.tokens_per_s_per_gpu), f"{e.step_time_s:.3g}", share(e.mfu),
                  f"{e.memory.peak_gb:.1f} / {A.fit_line_gb(p):.1f}", "yes" if e.fits else "NO"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     parts = A.step_parts(best)

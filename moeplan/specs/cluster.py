@@ -30,6 +30,15 @@ def _constant(v: Any) -> bool:
             and v >= 0)
 
 
+def _runs_band(band: dict[str, Any]) -> bool:
+    """Whether a calibration's `interval_runs` is a refit's band (`refit.measured_interval`):
+    exactly low, high and runs, the low share below 1 (throughput stays positive), runs whole."""
+    if set(band) != {"low", "high", "runs"}:
+        return False
+    runs = band["runs"]
+    return band["low"] < 1 and float(runs).is_integer() and runs >= 1
+
+
 class ClusterSpec(BaseModel):
     """A homogeneous GPU cluster: datasheet peaks per GPU, links, and where GPUs sit.
 
@@ -142,6 +151,12 @@ class ClusterSpec(BaseModel):
             if not ok:
                 raise ValueError(f"`{key}` must be {want}, got "
                                  f"{limits.excerpt(value)}; rewrite it with `moeplan calibrate`")
+        band = cal.get("interval_runs")
+        if band and not _runs_band(band):
+            raise ValueError("`interval_runs` must be the band `moeplan calibrate --from-runs` "
+                             "writes: `low` below 1 and `high` (shares of the point), `runs` a "
+                             f"whole number of at least 1, got {limits.excerpt(band)}; refit "
+                             "it with `moeplan calibrate --from-runs`")
         return cal
 
     @model_validator(mode="after")
@@ -161,11 +176,14 @@ class ClusterSpec(BaseModel):
         cal = calibration_for(self.calibration)
         kept = cal.reserve_gb + cal.workspace_gb
         if self.hbm_gb <= kept:
+            own = [k for k in ("reserve_gb", "workspace_gb") if k in self.calibration]
+            device = "a device's memory" if self.architecture == "cpu" else "the GPU's memory"
             raise ValueError(
                 f"hbm_gb: {self.hbm_gb:g} GB leaves nothing for a plan once the "
-                f"{cal.reserve_gb:g} GB reserve (CUDA context, NCCL) and the "
-                f"{cal.workspace_gb:g} GB workspace every plan keeps are set aside; give the "
-                f"GPU's memory in GB (10^9 bytes), more than {kept:g}"
+                f"{cal.reserve_gb:g} GB reserve and the {cal.workspace_gb:g} GB workspace "
+                f"every plan keeps free are set aside"
+                + (f" (this file's calibration sets {' and '.join(own)})" if own else "")
+                + f"; give {device} in GB (10^9 bytes), more than {kept:g}"
             )
         if self.architecture == "cpu":
             missing = [k for k in CPU_CALIBRATION_KEYS
