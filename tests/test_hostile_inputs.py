@@ -309,6 +309,18 @@ def test_a_csv_no_row_of_which_can_be_predicted_exits_2_naming_the_commonest_rea
     refused(["validate", str(one)], capsys, "its one row could not be predicted")
 
 
+def test_a_hand_edited_stage_layout_is_named_as_the_plan_files_field(tmp_path, capsys):
+    """A plan file's stage layout was refused as `--stage-layout`, a flag the user never
+    typed: the message names the file's field too."""
+    plan = tmp_path / "p.json"
+    assert main([*EST, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    doc = json.loads(plan.read_text())
+    doc["choices"]["stage_layout"] = "Et*999|tL"
+    plan.write_text(json.dumps(doc))
+    refused(["estimate", str(plan)], capsys, "`choices.stage_layout`", "decoder layers")
+
+
 def test_a_csv_naming_two_rows_by_one_id_is_refused(tmp_path, capsys):
     """Two rows called r1 printed, skipped and cross-validated as one name: refused, naming it."""
     path = runs_csv(tmp_path)

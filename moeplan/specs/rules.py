@@ -929,8 +929,9 @@ def _stages_or_error(f: Facts) -> tuple[list[list[str]] | None, str]:
 
     try:
         return plan_stages(f.model, f.layout, f.choices), ""
-    except SpecError as e:
-        return None, str(e)
+    except SpecError as e:  # a layout from the command line or from a plan file: name both
+        return None, str(e).replace("--stage-layout", "--stage-layout (a plan file's "
+                                    "`choices.stage_layout`)", 1)
 
 
 @rule("stage_layout_valid", _LAYOUT + " (E first, L last, every decoder and MTP layer once, "
