@@ -312,8 +312,11 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "measured": f"moeplan calibrate on {m.device_name}, {m.dtype} compute, torch "
                     f"{torch.__version__}, {time.strftime('%Y-%m-%d')}",
     }
+    # the GEMM ceiling the file carries: the larger of the published one and the grid's best
+    ceiling = float(f"{bf16_best:.4g}")
+    if preset:
+        ceiling = max(preset.mamf_tflops.get("bf16", 0.0), ceiling)
     if m.grouped_gemm:
-        ceiling = max(preset.mamf_tflops.get("bf16", 0.0), bf16_best) if preset else bf16_best
         ratios = grouped_vs_priced(m.grouped_gemm, peak, constants, arch, ceiling)
         tokens = [g["tokens"] for g in m.grouped_gemm]
         sources["grouped_gemm"] = (
@@ -321,14 +324,13 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
             f"its per-expert shape ({_span(tokens, 'g')} tokens per expert, "
             f"{plural(len(ratios), 'shape')}); reported, not fitted")
     if links:
-        sources["collectives"] = "; ".join(
-            f"{k} α {v['alpha_us']:.1f} µs β {v['beta_gb_s']:.3g} GB/s" for k, v in links.items())
+        sources["collectives"] = "; ".join(f"{k} α {v['alpha_us']:.1f} µs β "
+                                           f"{v['beta_gb_s']:.3g} GB/s"
+                                           for k, v in links.items())
         sources["nvlink_eff"] = link_src
     if preset:
         doc = preset.model_dump(mode="json")
-        # the measured ceiling where the grid's best GEMM passed the published one
-        mamf = {**preset.mamf_tflops, "bf16": max(preset.mamf_tflops.get("bf16", 0.0),
-                                                  float(f"{bf16_best:.4g}"))}
+        mamf = {**preset.mamf_tflops, "bf16": ceiling}
         constants["gemm_eff_max"][preset.gpu] = constants["gemm_eff_max"][arch]
         doc.update(name=name, num_gpus=None, fp32_tflops=float(f"{fp32_best:.4g}"),
                    mamf_tflops=mamf, host_link_gb_s=float(f"{host_link_gb_s:.4g}"),
@@ -359,7 +361,7 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
         "num_gpus": None,
         "bf16_tflops": float(f"{bf16_best:.4g}"),
         "fp32_tflops": float(f"{fp32_best:.4g}"),
-        "mamf_tflops": {"bf16": float(f"{bf16_best:.4g}")},
+        "mamf_tflops": {"bf16": ceiling},
         "hbm_gb": float(f"{mem_gb:.4g}"),
         "hbm_tb_s": float(f"{copy_gb_s / 1e3:.4g}"),
         "nvlink_gb_s": float(f"{link_gb_s:.4g}"),
@@ -377,7 +379,8 @@ def build_cluster(m: Measurements, name: str = "local") -> dict[str, Any]:
             "fp32_tflops": f"best fp32 GEMM of the grid{per}",
             "mamf_tflops": f"best bf16 GEMM of the grid{per}: no GEMM is priced faster",
             "hbm_tb_s": f"{biggest} MiB copy" + (" (DRAM)" if m.device == "cpu" else ""),
-            "hbm_gb": "machine memory" + (f" / {plural(m.nproc, 'device')}" if m.device == "cpu" else ""),
+            "hbm_gb": "machine memory"
+                      + (f" / {plural(m.nproc, 'device')}" if m.device == "cpu" else ""),
             **({"host_memory_bw_gb_s": f"{biggest} MiB copy (DRAM), as hbm_tb_s"}
                if m.device == "cpu" else {}),
             "nvlink_gb_s": link_src,

@@ -602,7 +602,7 @@ def _with_interval(est: Estimate, model: ModelSpec, cluster: ClusterSpec,
     and only slows the host link reads with that link (`_on_host`)."""
     terms = U.assumptions(model, cluster, training, layout, choices)
     pess = est.tokens_per_s_per_gpu
-    variants = [t.pessimistic for t in terms if t.pessimistic and not t.assumption.validated]
+    variants = [t.pessimistic for t in U.failing(terms)]
     if variants:
         L, ch, cl = layout, choices, cluster
         for v in variants:

@@ -295,14 +295,18 @@ VARIANT_WORDS: dict[Variant, str] = {
 """Each pessimistic variant in words, for reports that say what failing was priced as."""
 
 
+def failing(terms: Sequence[Term]) -> list[Term]:
+    """The terms an interval's low end prices failing: unvalidated, with a slower variant."""
+    return [t for t in terms if t.pessimistic is not None and not t.assumption.validated]
+
+
 def slower_variants(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                     layout: Layout, choices: Choices) -> list[str]:
     """The unvalidated effects of an estimate that have a slower variant the interval's low end
     prices, each with that variant in words (`the effect, priced …`): what a low end equal to
     the point was priced at, where those effects wait on nothing here."""
     return [f"{t.assumption.term}, priced {VARIANT_WORDS[t.pessimistic]}"
-            for t in assumptions(model, cluster, training, layout, choices)
-            if t.pessimistic is not None and not t.assumption.validated]
+            for t in failing(assumptions(model, cluster, training, layout, choices))]
 
 
 def validated(key: str, profile: IntervalProfile | None = None) -> bool:
