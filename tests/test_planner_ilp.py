@@ -416,6 +416,27 @@ def test_a_needs_combination_constrains_the_milp_like_brute_force(items, L, pp, 
     assert solve(P).objective_s == pytest.approx(ref, rel=1e-6, abs=1e-9)
 
 
+def test_the_milp_returns_the_best_not_one_within_highs_default_gap():
+    """A case the property above found: HiGHS's default relative gap (1e-4) returned a split
+    with full recompute on one layer, 5.0002 s, as optimal where brute force finds 5.0 s."""
+    import dataclasses
+
+    rec = {m: Option(kind="recompute", module=m) for m in ("moe_act", "full", "core_attn")}
+    kept = Group(bytes=1.0, recompute_by=frozenset(), offload_by=None)
+    by_full = Group(bytes=1.0, recompute_by=frozenset({rec["full"]}), offload_by=None)
+    costly = Item(name="k", time_s=1.0, fwd_s=0.0, bwd_s=0.0, static_bytes=0.0,
+                  groups=(kept, by_full), recompute_s=((rec["moe_act"], 0.0),
+                                                       (rec["full"], 5e-05),
+                                                       (rec["core_attn"], 0.0)))
+    free = Item(name="k", time_s=1.0, fwd_s=0.0, bwd_s=0.0, static_bytes=0.0, groups=(),
+                recompute_s=tuple((o, 0.0) for o in rec.values()))
+    P = problem([costly, free], 2, 3, budget=5.0, host=0.0,
+                options=(MOE_ACT, FULL, CORE_ATTN, OFF_FC1))
+    P = dataclasses.replace(P, forbidden=P.forbidden + (REQUIRES,))
+    assert brute_force(P) == 5.0
+    assert solve(P).objective_s == pytest.approx(5.0, rel=1e-6, abs=1e-9)
+
+
 def full_front_sweep(P: StageProblem, C):
     """The sweep `_solve_uniform` replaced, as the reference for its early stop: every set of
     the whole front filled (`_fill_all`, `_fill_flat`), the least (objective, set) wins."""
